@@ -1,0 +1,7 @@
+"""③ The local chunk cache: ``memory.py`` (bounded LRU of verified chunks), ``disk.py``
+(optional SSD tier, verified on load), ``singleflight.py`` (one load per chunk, however
+many readers wait), ``prefetch.py`` (sequential readers get the next chunks early).
+
+Chunks are keyed by their xxh3-128 digest, not by (dataset, index): identical chunks of
+two versions or two datasets share one cache slot, and a key can never name stale bytes.
+"""

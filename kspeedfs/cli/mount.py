@@ -1,0 +1,156 @@
+"""``kspeedfs mount DATASET MOUNTPOINT``: mount read-only; exits 0 once the mount is live.
+
+Without ``--foreground`` the command forks: the child (in a new session, stdio on
+/dev/null, logging to ``log.dir``) builds and serves the mount, and reports through
+a pipe either "ready" or the error that stopped it; the parent prints that and exits
+0 or 1. So the exit status is the truth about the mount, and a failed mount leaves
+nothing behind. ``-o`` takes mount(8)-style options, which is how the mount helper
+(``mount -t fuse.kspeedfs``, fstab) passes them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from ..errors import ConfigError, KspeedfsError
+from .options import load_config
+
+# -o options mount(8)/fstab pass that mean nothing to us.
+_IGNORED = {"ro", "defaults", "auto", "noauto", "user", "nouser", "users", "_netdev", "nofail",
+            "nosuid", "suid", "nodev", "dev", "noexec", "exec", "noatime", "relatime", "atime",
+            "x-systemd.automount"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dataset")
+    p.add_argument("mountpoint")
+    p.add_argument("-f", "--foreground", action="store_true", help="stay attached; log to stderr too")
+    p.add_argument("--version", dest="dataset_version", type=int, help="mount this version (default: current)")
+    p.add_argument("--source", help="read misses from this directory instead of the recorded source")
+    p.add_argument("--cache-mem", metavar="SIZE", help="memory cache size (cache.memory)")
+    p.add_argument("--cache-dir", metavar="DIR", help="disk cache tier directory (cache.disk_dir)")
+    p.add_argument("--cache-disk", metavar="SIZE", help="disk cache tier size (cache.disk)")
+    p.add_argument("--allow-other", action="store_true", default=None, help="let other users access the mount")
+    p.add_argument("--nonempty", action="store_true", help="allow mounting over a non-empty directory")
+    p.add_argument("-o", dest="options", metavar="OPTS", action="append", default=[],
+                   help="comma-separated mount options: ro, allow_other, nonempty, config=PATH, "
+                        "version=N, source=DIR, cache_mem=SIZE, cache_dir=DIR, cache_disk=SIZE, "
+                        "etcd=URL, store=DIR, SECTION.KEY=VALUE")
+
+
+def _apply_o(args: argparse.Namespace) -> None:
+    for opt in ",".join(args.options).split(","):
+        opt = opt.strip()
+        if not opt or opt in _IGNORED or opt.startswith("x-"):
+            continue
+        key, sep, value = opt.partition("=")
+        if opt == "rw":
+            raise ConfigError("-o rw: kspeedfs mounts are read-only")
+        elif opt == "allow_other":
+            args.allow_other = True
+        elif opt == "nonempty":
+            args.nonempty = True
+        elif key in ("config", "source", "store", "cache_dir") and sep:
+            setattr(args, key, value)
+        elif key == "version" and sep:
+            args.dataset_version = int(value)
+        elif key in ("cache_mem", "cache_disk") and sep:
+            setattr(args, key, value)
+        elif key == "etcd" and sep:
+            args.etcd = (args.etcd or []) + [value]
+        elif "." in key and sep:
+            args.set.append(opt)
+        else:
+            raise ConfigError(f"-o {opt}: unknown mount option")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import log as logsetup
+    from ..daemon import MountRequest
+
+    _apply_o(args)
+    overrides: dict[str, Any] = {
+        "cache.memory": args.cache_mem, "cache.disk_dir": args.cache_dir, "cache.disk": args.cache_disk,
+        "fuse.allow_other": args.allow_other,
+    }
+    logsetup.setup(args.log_level or ("DEBUG" if args.verbose else "WARNING"))
+    cfg = load_config(args, **overrides)
+    req = MountRequest(args.dataset, args.mountpoint, args.dataset_version, args.source, args.nonempty)
+    logfile = logsetup.log_path(cfg.log.dir, args.dataset, os.path.abspath(args.mountpoint))
+    if args.foreground:
+        logsetup.setup(cfg.log.level, stderr=True, file=logfile)
+        return _serve(cfg, req, None)
+    return _daemonize(cfg, req, logfile)
+
+
+def _serve(cfg: Any, req: Any, ready: Any) -> int:
+    import trio
+
+    from ..daemon import serve
+
+    trio.run(serve, cfg, req, ready)
+    return 0
+
+
+def _daemonize(cfg: Any, req: Any, logfile: str) -> int:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(w)
+        with os.fdopen(r, "rb") as pipe:
+            msg = pipe.read().decode(errors="replace")
+        if msg.startswith("ready "):
+            return 0
+        if not msg:
+            _, status = os.waitpid(pid, 0)
+            msg = f"the mount daemon died (status {status}); see {logfile}"
+        raise _ChildError(msg)
+    # child
+    os.close(r)
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    from .. import log as logsetup
+
+    logsetup.setup(cfg.log.level, stderr=False, file=logfile)
+    status = 1
+
+    def ready(path: str) -> None:
+        os.write(w, f"ready {path}".encode())
+        os.close(w)
+
+    try:
+        status = _serve(cfg, req, ready)
+    except KspeedfsError as e:
+        try:
+            os.write(w, str(e).encode())
+        except OSError:
+            pass
+    except BaseException as e:  # a bug: keep the traceback in the log
+        import logging
+
+        logging.getLogger(__name__).exception("mount daemon failed")
+        try:
+            os.write(w, f"mount daemon failed: {e!r}; see {logfile}".encode())
+        except OSError:
+            pass
+    finally:
+        logging_shutdown()
+        os._exit(status)
+
+
+def logging_shutdown() -> None:
+    import logging
+
+    logging.shutdown()
+
+
+class _ChildError(KspeedfsError):
+    pass
+
+
+if __name__ == "__main__":
+    sys.exit(1)

@@ -1,0 +1,118 @@
+"""The mount daemon's composition root: every resource, in order, with its teardown.
+
+    store → DatasetInfo → manifest blob → ManifestIndex      (once; never again)
+    Origin (source dir) · MemoryCache · DiskCache?
+    nursery ─┬─ Reader (loads + prefetch run here)
+             ├─ pyfuse3.main                                 (the request loop)
+             ├─ signals: SIGTERM/SIGINT → pyfuse3.terminate()
+             └─ after mount: sysfs knobs, READY=1, ready()
+
+``serve`` returns when the filesystem is unmounted (``fusermount3 -u``,
+``kspeedfs umount``) or terminated by a signal; ``pyfuse3.close`` then unmounts if
+still mounted. Everything that can fail for a user reason (unknown dataset, store
+unreachable, source missing, bad mountpoint) fails *before* the mount is made, so a
+failed ``kspeedfs mount`` leaves nothing half-mounted.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+import pyfuse3
+import trio
+
+from . import mountpoint as mp
+from .cache.disk import DiskCache
+from .cache.memory import MemoryCache
+from .config import Config
+from .fuse import boundary, tuning
+from .fuse.operations import Operations
+from .manifest.index import ManifestIndex
+from .manifest.store import open_store
+from .manifest.store.base import DatasetInfo
+from .origin import Origin
+from .reader import Reader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MountRequest:
+    dataset: str
+    mountpoint: str
+    version: int | None = None
+    source: str | None = None        # override the source recorded at import
+    nonempty: bool = False
+
+
+def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, ManifestIndex]:
+    """Blocking: the only store access of a mount's lifetime."""
+    with open_store(cfg.store) as store:
+        info = store.dataset(req.dataset, req.version)
+        blob = store.manifest(info.name, info.version)
+    return info, ManifestIndex.from_blob(blob)
+
+
+def _systemd_notify(state: str) -> None:
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        s.sendall(state.encode())
+
+
+async def _on_signals() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("%s: unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | None = None) -> None:
+    boundary.SLOW_OP = cfg.log.slow_op
+    path = mp.prepare(req.mountpoint, req.nonempty)
+    info, index = await trio.to_thread.run_sync(load_dataset, cfg, req)
+    log.info("dataset %s v%d: %d entries, %d bytes, %d chunks of %d; index %d bytes",
+             info.name, info.version, info.entries, info.bytes, info.chunks, info.chunk_size,
+             index.nbytes)
+    origin = Origin(req.source or info.source, index, info.name)
+    memory = MemoryCache(cfg.cache.memory)
+    disk = DiskCache(cfg.cache.disk_dir, cfg.cache.disk) if cfg.cache.disk else None
+
+    async with trio.open_nursery() as nursery:
+        reader = Reader(index, origin, memory, disk, nursery, cfg.fuse.workers, cfg.fuse.prefetch_chunks)
+        ops = Operations(index, reader, info, cfg.fuse.entry_timeout, cfg.fuse.attr_timeout)
+        options = set(pyfuse3.default_options) | {"ro", f"fsname=kspeedfs:{info.name}", "subtype=kspeedfs"}
+        if cfg.fuse.allow_other:
+            options.add("allow_other")
+        if req.nonempty:
+            options.add("nonempty")
+        pyfuse3.init(ops, path, options)
+        try:
+            nursery.start_soon(_on_signals, name="signals")
+
+            async def after_mount() -> None:
+                knobs = tuning.KernelKnobs(cfg.fuse.max_background, cfg.fuse.congestion_threshold,
+                                           cfg.fuse.read_ahead_kb)
+                await trio.to_thread.run_sync(tuning.apply, path, knobs)
+                log.info("mounted %s v%d at %s", info.name, info.version, path)
+                _systemd_notify("READY=1")
+                if ready:
+                    ready(path)
+
+            nursery.start_soon(after_mount, name="after-mount")
+            await pyfuse3.main()
+        except BaseException:
+            pyfuse3.close(unmount=True)
+            raise
+        nursery.cancel_scope.cancel()
+    pyfuse3.close(unmount=True)
+    log.info("unmounted %s; %s", path, reader.statistics())

@@ -1,0 +1,203 @@
+"""① FUSE requests, top to bottom. Each handler is a few lines: the index answers
+metadata, ``reader.Reader`` answers data, ``boundary.fuse_op`` maps errors.
+
+Read-only by construction: every write-type request raises :class:`ReadOnly`
+(EROFS) from ``_WRITE_OPS`` at the bottom, and ``open`` refuses any write access mode.
+The snapshot never changes under a mount, so entries and attributes are cached by
+the kernel for ``fuse.entry_timeout``/``attr_timeout`` (a day by default) and files
+open with ``keep_cache``: a page the kernel has cached stays valid forever.
+
+Inode numbers are manifest entry numbers + 1 (``pyfuse3.ROOT_INODE`` is 1); the
+index is immutable, so lookup counts need no bookkeeping and ``forget`` is a no-op.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+from dataclasses import asdict
+from typing import Sequence
+
+import pyfuse3
+
+from ..cache.prefetch import Stream
+from ..errors import ReadOnly
+from ..manifest.index import ManifestIndex
+from ..manifest.store.base import DatasetInfo
+from ..reader import Reader
+from .boundary import fuse_op
+
+XATTR_PREFIX = b"user.kspeedfs."
+_ACCMODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, index: ManifestIndex, reader: Reader, info: DatasetInfo,
+                 entry_timeout: float, attr_timeout: float) -> None:
+        super().__init__()
+        self.index = index
+        self.reader = reader
+        self.info = info
+        self.entry_timeout = entry_timeout
+        self.attr_timeout = attr_timeout
+        self._streams: dict[int, tuple[int, Stream]] = {}   # fh -> (entry, sequential state)
+        self._next_fh = 1
+
+    # -- metadata ----------------------------------------------------------------------
+
+    def _attr(self, entry: int) -> pyfuse3.EntryAttributes:
+        ix = self.index
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = entry + 1
+        a.generation = self.info.version
+        a.entry_timeout = self.entry_timeout
+        a.attr_timeout = self.attr_timeout
+        a.st_mode = ix.mode[entry]
+        a.st_nlink = ix.nlink(entry)
+        a.st_uid = ix.uid[entry]
+        a.st_gid = ix.gid[entry]
+        a.st_size = ix.size[entry] if not ix.is_dir(entry) else 4096
+        a.st_blksize = ix.chunk_size
+        a.st_blocks = (a.st_size + 511) // 512
+        a.st_mtime_ns = a.st_ctime_ns = a.st_atime_ns = ix.mtime_ns[entry]
+        return a
+
+    def _entry(self, inode: int) -> int:
+        entry = inode - 1
+        if not 0 <= entry < self.index.entries:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return entry
+
+    @fuse_op
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        parent = self._entry(parent_inode)
+        if not self.index.is_dir(parent):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        if len(name) > 255:
+            raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
+        entry = self.index.lookup(parent, name)
+        if entry is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attr(entry)
+
+    @fuse_op
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attr(self._entry(inode))
+
+    @fuse_op
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        entry = self._entry(inode)
+        if not self.index.is_symlink(entry):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return self.index.readlink(entry)
+
+    def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        pass
+
+    # -- directories -------------------------------------------------------------------
+
+    @fuse_op
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        entry = self._entry(inode)
+        if not self.index.is_dir(entry):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    @fuse_op
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        """Streams the directory's children from ``start_id`` (their position + 1) until
+        the kernel's buffer is full: memory per call is one buffer, not the directory."""
+        children = self.index.children(fh - 1)
+        for pos in range(start_id, len(children)):
+            entry = children[pos]
+            if not pyfuse3.readdir_reply(token, self.index.name(entry), self._attr(entry), pos + 1):
+                return
+
+    @fuse_op
+    async def releasedir(self, fh: int) -> None:
+        pass
+
+    # -- files -------------------------------------------------------------------------
+
+    @fuse_op
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        entry = self._entry(inode)
+        if flags & _ACCMODE != os.O_RDONLY or flags & (os.O_TRUNC | os.O_APPEND):
+            raise ReadOnly("kspeedfs is read-only")
+        if self.index.is_dir(entry):
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._streams[fh] = (entry, Stream())
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
+
+    @fuse_op
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        entry, stream = self._streams[fh]
+        return await self.reader.read(entry, off, size, stream)
+
+    @fuse_op
+    async def release(self, fh: int) -> None:
+        self._streams.pop(fh, None)
+
+    # -- filesystem --------------------------------------------------------------------
+
+    @fuse_op
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 4096
+        s.f_blocks = (self.info.bytes + 4095) // 4096
+        s.f_bfree = s.f_bavail = 0
+        s.f_files = self.index.entries
+        s.f_ffree = s.f_favail = 0
+        s.f_namemax = 255
+        return s
+
+    # -- extended attributes -------------------------------------------------------------
+
+    def _xattrs(self, entry: int) -> dict[bytes, bytes]:
+        ix = self.index
+        out = {b"dataset": f"{self.info.name}@{self.info.version}".encode()}
+        if ix.is_file(entry) and ix.size[entry]:
+            exts = list(ix.file_extents(entry))
+            out[b"checksum"] = ("xxh3-128:" + ",".join(e.digest.hex() for e in exts)).encode()
+            out[b"chunks"] = ",".join(str(e.chunk) for e in exts).encode()
+        if entry == 0:
+            out[b"stats"] = json.dumps(asdict(self.reader.statistics())).encode()
+        return out
+
+    @fuse_op
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return [XATTR_PREFIX + k for k in self._xattrs(self._entry(inode))]
+
+    @fuse_op
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        entry = self._entry(inode)
+        if not name.startswith(XATTR_PREFIX):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        value = self._xattrs(entry).get(name[len(XATTR_PREFIX):])
+        if value is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return value
+
+
+def _read_only(name: str) -> object:
+    @fuse_op
+    async def op(self: Operations, *args: object) -> None:
+        raise ReadOnly(f"{name}: kspeedfs is read-only")
+
+    op.__name__ = name
+    return op
+
+
+# Every write-type request: EROFS from one place.
+_WRITE_OPS = ("setattr", "mknod", "mkdir", "unlink", "rmdir", "symlink", "rename", "link",
+              "write", "create", "setxattr", "removexattr")
+# flush/fsync stay unimplemented (ENOSYS): the kernel then treats them as no-ops, which
+# is right for read-only files; EROFS there would make close() fail.
+for _name in _WRITE_OPS:
+    setattr(Operations, _name, _read_only(_name))

@@ -1,0 +1,34 @@
+"""Logging set-up for the daemon and the CLI (library modules only call getLogger).
+
+Foreground: one line per record on stderr without timestamps (journald adds its own).
+Background: a file per mount in ``log.dir``, with timestamps.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+
+_FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+_STDERR_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+def log_path(directory: str, dataset: str, mountpoint: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", mountpoint.strip("/")) or "root"
+    return os.path.join(directory, f"mount-{dataset}-{slug}.log")
+
+
+def setup(level: str, stderr: bool = True, file: str | None = None) -> None:
+    root = logging.getLogger()
+    root.handlers.clear()
+    root.setLevel(level.upper())
+    if stderr:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter(_STDERR_FORMAT))
+        root.addHandler(h)
+    if file:
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+        fh = logging.FileHandler(file)
+        fh.setFormatter(logging.Formatter(_FILE_FORMAT))
+        root.addHandler(fh)

@@ -1,0 +1,75 @@
+"""Mountpoint checks before mounting, and cleaning up after a crashed daemon.
+
+A daemon killed with SIGKILL leaves its mount behind: every access then fails with
+ENOTCONN ("Transport endpoint is not connected"). ``prepare`` recognises that state
+and lazily unmounts it, so the next ``kspeedfs mount`` just works; a *live* mount is
+refused instead, as are a missing or non-empty mountpoint.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+
+from .errors import MountError
+
+log = logging.getLogger(__name__)
+
+
+def _unescape(field: str) -> str:
+    # /proc/self/mountinfo escapes space, tab, newline and backslash as \ooo
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) + 1 and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mounts() -> dict[str, str]:
+    """Mountpoint → filesystem type, from /proc/self/mountinfo."""
+    out = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            mp = _unescape(left.split()[4])
+            out[mp] = right.split()[0]
+    return out
+
+
+def is_mounted(path: str) -> bool:
+    return os.path.realpath(path) in mounts() or os.path.abspath(path) in mounts()
+
+
+def unmount(path: str, lazy: bool = False) -> None:
+    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [path]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise MountError(f"cannot unmount {path}: {r.stderr.strip() or r.returncode}")
+
+
+def prepare(path: str, nonempty: bool = False) -> str:
+    """Validate ``path`` as a mountpoint (cleaning a dead mount); returns its absolute form."""
+    path = os.path.abspath(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise MountError(f"mountpoint {path} does not exist") from None
+    except OSError as e:
+        if e.errno != errno.ENOTCONN:
+            raise MountError(f"mountpoint {path}: {e.strerror}") from None
+        log.warning("mountpoint %s holds a dead FUSE mount (daemon gone); unmounting it", path)
+        unmount(path, lazy=True)
+        st = os.stat(path)
+    if path in mounts():
+        raise MountError(f"{path} is already a mount point ({mounts()[path]}); unmount it first")
+    if not os.path.isdir(path):
+        raise MountError(f"mountpoint {path} is not a directory")
+    if not nonempty and os.listdir(path):
+        raise MountError(f"mountpoint {path} is not empty (use -o nonempty to mount over it)")
+    del st
+    return path

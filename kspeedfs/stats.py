@@ -1,0 +1,43 @@
+"""Read-path counters. Mutated only from the trio thread; read as a frozen snapshot.
+
+``kspeedfs`` exposes the snapshot as JSON in the ``user.kspeedfs.stats`` xattr of the
+mount root (``getfattr -n user.kspeedfs.stats /mnt/x``), the way JuiceFS serves
+``.stats``; logs and the benchmark suite read the same object.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReadStatistics:
+    reads: int = 0                 # FUSE read requests
+    read_bytes: int = 0            # bytes returned to readers
+    memory_hits: int = 0           # chunk requests served by the memory tier
+    disk_hits: int = 0             # ... by the disk tier (verified on load)
+    source_loads: int = 0          # chunks assembled from the source
+    source_bytes: int = 0
+    prefetched: int = 0            # chunk loads started by the prefetcher
+    waited_in_flight: int = 0      # requests that joined an in-flight load (single-flight)
+    corrupt_discarded: int = 0     # chunks from a tier that failed their checksum
+    source_mismatches: int = 0     # source extents that failed their checksum
+    source_changed: int = 0        # reads failed with EIO because the source changed
+    memory_bytes: int = 0          # memory tier occupancy
+    disk_bytes: int = 0            # disk tier occupancy
+
+
+class Counters:
+    """The mutable side. Field names match :class:`ReadStatistics`."""
+
+    def __init__(self) -> None:
+        for f in dataclasses.fields(ReadStatistics):
+            setattr(self, f.name, 0)
+
+    def add(self, name: str, n: int = 1) -> None:
+        setattr(self, name, getattr(self, name) + n)
+
+    def snapshot(self, **gauges: int) -> ReadStatistics:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(ReadStatistics)}
+        values.update(gauges)
+        return ReadStatistics(**values)
