@@ -130,3 +130,42 @@ def from_oserror(exc: OSError, what: str) -> RdmaError:
     else:
         cls = RdmaError
     return cls(f"{what}: {exc.strerror or exc}", code)
+
+
+# --------------------------------------------------------------------- vRDMA (rdma.vrdma)
+# Same split as above: PathClosed is *you* closed it; PathBroken and PeerUnreachable are the
+# world failing, with the failed WC's WCError (or the OSError) in ``__cause__``.
+
+class PathClosed(ResourceClosedError):
+    """*Your* code closed this vRDMA path / virtual QP / endpoint (``close()`` was called)."""
+
+
+class PathBroken(RdmaError):
+    """One physical path (local NIC × remote NIC) failed: a failed WC or missed heartbeats.
+    Internal to :mod:`rdma.vrdma` (its READs are re-posted on another path); callers of a
+    virtual QP see it only as ``__cause__`` of :class:`PeerUnreachable`."""
+
+    default_errno = _errno.ECONNRESET
+
+
+class PeerUnreachable(RdmaError):
+    """Every path to the peer has been dead for longer than the configured bound, or the
+    peer is gone: the caller should go to another replica.  ``peer`` names it."""
+
+    default_errno = _errno.EHOSTUNREACH
+
+    def __init__(self, msg: str, peer: str = "", errno: int | None = None) -> None:
+        self.peer = peer
+        super().__init__(msg, errno)
+
+
+class HandshakeError(RdmaError):
+    """The vRDMA control-channel handshake failed (malformed, wrong version, cut short)."""
+
+    default_errno = _errno.EPROTO
+
+
+class AuthenticationError(HandshakeError):
+    """The other end did not prove knowledge of the cluster's shared secret (bad HMAC)."""
+
+    default_errno = _errno.EACCES
