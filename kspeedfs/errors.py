@@ -74,7 +74,18 @@ class ChunkCorrupt(KspeedfsError):
 
 
 class SourceChanged(KspeedfsError):
-    """The source no longer matches the snapshot: the named file changed; re-import."""
+    """The source no longer matches the snapshot: the named file changed; re-import.
+
+    ``entries`` are the manifest entries whose bytes no longer match; ``partial`` is the
+    chunk as read, whose *other* extents did verify, so files packed next to a changed
+    one stay readable (the reader serves them from it, uncached).
+    """
+
+    def __init__(self, message: str, entries: frozenset[int] = frozenset(),
+                 partial: bytes | None = None) -> None:
+        super().__init__(message)
+        self.entries = entries
+        self.partial = partial
 
 
 class ChunkUnavailable(KspeedfsError):

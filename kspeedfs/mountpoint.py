@@ -52,24 +52,36 @@ def unmount(path: str, lazy: bool = False) -> None:
         raise MountError(f"cannot unmount {path}: {r.stderr.strip() or r.returncode}")
 
 
+def _alive(path: str) -> bool:
+    """Whether the FUSE mount at ``path`` still has a daemon. ``statfs`` always goes to
+    the daemon (``stat`` may be answered from the kernel's attribute cache)."""
+    try:
+        os.statvfs(path)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            return False
+        raise
+    return True
+
+
 def prepare(path: str, nonempty: bool = False) -> str:
     """Validate ``path`` as a mountpoint (cleaning a dead mount); returns its absolute form."""
     path = os.path.abspath(path)
+    fstype = mounts().get(path)
+    if fstype is not None:
+        if fstype.startswith("fuse") and not _alive(path):
+            log.warning("mountpoint %s holds a dead FUSE mount (daemon gone); unmounting it", path)
+            unmount(path, lazy=True)
+        else:
+            raise MountError(f"{path} is already a mount point ({fstype}); unmount it first")
     try:
-        st = os.stat(path)
+        os.stat(path)
     except FileNotFoundError:
         raise MountError(f"mountpoint {path} does not exist") from None
     except OSError as e:
-        if e.errno != errno.ENOTCONN:
-            raise MountError(f"mountpoint {path}: {e.strerror}") from None
-        log.warning("mountpoint %s holds a dead FUSE mount (daemon gone); unmounting it", path)
-        unmount(path, lazy=True)
-        st = os.stat(path)
-    if path in mounts():
-        raise MountError(f"{path} is already a mount point ({mounts()[path]}); unmount it first")
+        raise MountError(f"mountpoint {path}: {e.strerror}") from None
     if not os.path.isdir(path):
         raise MountError(f"mountpoint {path} is not a directory")
     if not nonempty and os.listdir(path):
         raise MountError(f"mountpoint {path} is not empty (use -o nonempty to mount over it)")
-    del st
     return path

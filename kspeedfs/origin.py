@@ -29,27 +29,27 @@ class Origin:
         if not os.path.isdir(self.root):
             raise SourceError(f"source {os.fsdecode(self.root)} of dataset {dataset} is missing")
 
-    def _read_once(self, chunk: int) -> tuple[bytearray, list[tuple[bytes, str]]]:
+    def _read_once(self, chunk: int) -> tuple[bytearray, list[tuple[int, bytes, str]]]:
         ix = self.index
         buf = bytearray(ix.chunk_len[chunk])
         view = memoryview(buf)
-        bad: list[tuple[bytes, str]] = []
+        bad: list[tuple[int, bytes, str]] = []
         for e in ix.chunk_extents(chunk):
             path = os.path.join(self.root, ix.path(e.entry))
             part = view[e.chunk_offset:e.chunk_offset + e.length]
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             except OSError as err:
-                bad.append((path, f"cannot be opened ({err.strerror})"))
+                bad.append((e.entry, path, f"cannot be opened ({err.strerror})"))
                 continue
             try:
                 got = os.preadv(fd, [part], e.file_offset)
             finally:
                 os.close(fd)
             if got != e.length:
-                bad.append((path, f"is shorter than at import ({e.file_offset + got} bytes)"))
+                bad.append((e.entry, path, f"is shorter than at import ({e.file_offset + got} bytes)"))
             elif xxhash.xxh3_128_digest(part) != e.digest:
-                bad.append((path, f"bytes {e.file_offset}..{e.file_offset + e.length} differ from the snapshot"))
+                bad.append((e.entry, path, f"bytes {e.file_offset}..{e.file_offset + e.length} differ from the snapshot"))
         return buf, bad
 
     def load(self, chunk: int) -> tuple[bytes, int]:
@@ -58,13 +58,14 @@ class Origin:
         mismatches = len(bad)
         if bad:
             log.warning("chunk %d of %s: %d source extent(s) failed the checksum, retrying: %s",
-                        chunk, self.dataset, len(bad), os.fsdecode(bad[0][0]))
+                        chunk, self.dataset, len(bad), os.fsdecode(bad[0][1]))
             buf, bad = self._read_once(chunk)
             mismatches += len(bad)
         if bad:
-            path, why = bad[0]
+            _, path, why = bad[0]
             raise SourceChanged(
                 f"source file {os.fsdecode(path)} {why}: it changed after dataset "
-                f"{self.dataset} was imported; re-import the dataset (kspeedfs import)"
+                f"{self.dataset} was imported; re-import the dataset (kspeedfs import)",
+                frozenset(entry for entry, _, _ in bad), bytes(buf),
             )
         return bytes(buf), mismatches

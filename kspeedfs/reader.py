@@ -74,14 +74,14 @@ class Reader:
         end = ix.data[entry] + min(offset + size, ix.size[entry])
         c = ix.chunk_size
         if len(chunks) == 1:
-            data = await self.chunk(chunks[0])
+            data = await self._chunk_for(entry, chunks[0])
             lo = start - chunks[0] * c
             out = data[lo:lo + (end - start)]
         else:
             parts: list[bytes] = [b""] * len(chunks)
 
             async def one(i: int, k: int) -> None:
-                data = await self.chunk(k)
+                data = await self._chunk_for(entry, k)
                 lo = max(start, k * c) - k * c
                 hi = min(end, (k + 1) * c) - k * c
                 parts[i] = data[lo:hi]
@@ -92,6 +92,18 @@ class Reader:
             out = b"".join(parts)
         self.counters.add("read_bytes", len(out))
         return out
+
+    async def _chunk_for(self, entry: int, k: int) -> bytes:
+        """Chunk ``k`` for a read of file ``entry``. If some *other* file packed in the
+        chunk changed at the source, this file's verified bytes are still served (from
+        the uncached partial chunk); only readers of a changed file get EIO."""
+        try:
+            return await self.chunk(k)
+        except SourceChanged as e:
+            if e.partial is None or entry in e.entries:
+                raise
+            self.counters.add("source_partial_reads")
+            return e.partial
 
     async def chunk(self, k: int) -> bytes:
         """Verified bytes of chunk ``k`` from the nearest tier that has them."""

@@ -22,7 +22,8 @@ class ReadStatistics:
     waited_in_flight: int = 0      # requests that joined an in-flight load (single-flight)
     corrupt_discarded: int = 0     # chunks from a tier that failed their checksum
     source_mismatches: int = 0     # source extents that failed their checksum
-    source_changed: int = 0        # reads failed with EIO because the source changed
+    source_changed: int = 0        # chunk loads that found a changed source file
+    source_partial_reads: int = 0  # reads served from a chunk whose *neighbour* changed
     memory_bytes: int = 0          # memory tier occupancy
     disk_bytes: int = 0            # disk tier occupancy
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TextIO
 
 from ..manifest.importer import ImportProgress
 from .options import cli_logging, load_config
@@ -20,20 +21,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class ProgressLine:
     """Redraws one terminal line at most 10 times a second: files/s, MB/s, ETA."""
 
-    def __init__(self, stream=sys.stderr) -> None:
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
         self.stream = stream
         self.last = 0.0
+        self.phase = ""
         self.tty = stream.isatty()
 
     def __call__(self, p: ImportProgress) -> None:
         now = time.monotonic()
-        final = p.phase in ("publish", "done")
-        if not final and now - self.last < (0.1 if self.tty else 5.0):
+        if p.phase == self.phase and now - self.last < (0.1 if self.tty else 5.0):
             return
         self.last = now
+        self.phase = p.phase
         el = max(p.elapsed, 1e-6)
         if p.phase == "scan":
             line = f"scanning: {p.files_done:,} entries, {p.bytes_done / 1e6:,.0f} MB"
+        elif p.phase == "publish":
+            line = f"publishing the manifest of {p.files_total:,} files"
         else:
             rate = p.bytes_done / el
             eta = (p.bytes_total - p.bytes_done) / rate if rate else 0

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Any
 
 from .. import config as config_mod
@@ -41,9 +40,7 @@ def load_config(args: argparse.Namespace, **overrides: Any) -> Config:
     elif args.log_level:
         o["log.level"] = args.log_level
     o.update(overrides)
-    cfg = config_mod.load(args.config, o)
-    logging.getLogger().setLevel(cfg.log.level.upper())
-    return cfg
+    return config_mod.load(args.config, o)
 
 
 def cli_logging(args: argparse.Namespace) -> None:

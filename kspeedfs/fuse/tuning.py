@@ -9,6 +9,9 @@
 - ``/sys/class/bdi/0:<N>/read_ahead_kb`` (default 128): the kernel's readahead window.
   4 MiB turns a sequential 128 KiB reader into 1 MiB FUSE requests issued ahead.
 
+The connection knobs live in the ``fusectl`` filesystem; where it is not mounted yet
+(a fresh container, a minimal host) and we are root, it is mounted first.
+
 ``N`` is the mount's anonymous device minor (``st_dev`` of the mountpoint). Must run
 while the FUSE loop is serving (the ``stat`` goes through the daemon), so the daemon
 calls it from a worker thread after ``pyfuse3.init``.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -39,10 +43,22 @@ def _write(path: str, value: int) -> bool:
         return False
 
 
+FUSECTL = "/sys/fs/fuse/connections"
+
+
+def _ensure_fusectl(conn: str) -> None:
+    if os.path.isdir(conn) or not os.path.isdir(FUSECTL) or os.listdir(FUSECTL):
+        return
+    r = subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], capture_output=True, text=True)
+    if r.returncode:
+        log.warning("cannot mount fusectl on %s: %s", FUSECTL, r.stderr.strip())
+
+
 def apply(mountpoint: str, knobs: KernelKnobs) -> dict[str, int]:
     """Set the knobs for the mount at ``mountpoint``; returns what is now in force."""
     minor = os.minor(os.stat(mountpoint).st_dev)
-    conn = f"/sys/fs/fuse/connections/{minor}"
+    conn = f"{FUSECTL}/{minor}"
+    _ensure_fusectl(conn)
     bdi = f"/sys/class/bdi/0:{minor}"
     # max_background first: the kernel caps congestion_threshold by nothing, but a
     # threshold above max_background is meaningless.

@@ -1,0 +1,87 @@
+"""A reader never sees wrong bytes: corrupt cache tiers, a source changed after import."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.mounts import CHUNK, Cluster1, assert_same_tree, cluster1, make_tree
+
+
+def _stats(mnt: Path) -> dict:
+    return json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
+
+
+def test_corrupt_disk_tier_is_discarded(tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", small_files=200)
+    cache = tmp_path / "cache"
+    with cluster1(tmp_path) as c:
+        c.import_(src, "ds")
+        tier = ["--cache-dir", str(cache), "--cache-disk", "64MiB"]
+        mnt = c.mount("ds", None, *tier)
+        assert_same_tree(src, mnt)
+        c.close()
+        c.mounts.clear()
+        chunks = [p for p in cache.rglob("*") if p.is_file() and not p.name.startswith(".")]
+        assert len(chunks) > 10
+        for p in chunks[::2]:                     # flip a byte in every other cached chunk
+            data = bytearray(p.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            p.write_bytes(bytes(data))
+        mnt = c.mount("ds", None, *tier)
+        assert_same_tree(src, mnt)
+        s = _stats(mnt)
+        assert s["corrupt_discarded"] >= len(chunks[::2])
+        assert s["disk_hits"] > 0
+        assert "failed its checksum" in c.log_text()
+
+
+def test_source_changed_after_import(tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", small_files=100)
+    with cluster1(tmp_path) as c:
+        c.import_(src, "ds")
+        victim = src / "small" / "d1" / "img00005.jpg"
+        neighbour = src / "small" / "d1" / "img00009.jpg"   # packed in the same chunk
+        data = bytearray(victim.read_bytes())
+        data[0] ^= 0x01                                      # same size, other bytes
+        victim.write_bytes(bytes(data))
+        big = src / "many-chunks.bin"
+        with open(big, "r+b") as f:                          # a chunk in the middle of a big file
+            f.seek(3 * CHUNK + 5)
+            f.write(b"\0\1\2")
+        mnt = c.mount("ds")
+        with pytest.raises(OSError) as e:
+            (mnt / "small" / "d1" / "img00005.jpg").read_bytes()
+        assert e.value.errno == errno.EIO
+        assert (mnt / "small" / "d1" / "img00009.jpg").read_bytes() == neighbour.read_bytes()
+        with open(mnt / "many-chunks.bin", "rb") as f:
+            assert f.read(CHUNK) == big.read_bytes()[:CHUNK]  # chunks before the change
+            f.seek(3 * CHUNK)
+            with pytest.raises(OSError) as e:
+                f.read(CHUNK)
+            assert e.value.errno == errno.EIO
+        log = c.log_text()
+        assert "img00005.jpg" in log and "re-import" in log
+        assert _stats(mnt)["source_changed"] >= 1
+        assert _stats(mnt)["source_partial_reads"] >= 1       # the neighbour, served anyway
+        # re-import fixes it; the old mount keeps its version, a new mount sees the new one
+        c.import_(src, "ds")
+        mnt2 = c.mount("ds")
+        assert_same_tree(src, mnt2)
+        assert os.getxattr(mnt2, "user.kspeedfs.dataset") == b"ds@2"
+        assert os.getxattr(mnt, "user.kspeedfs.dataset") == b"ds@1"
+
+
+def test_source_file_deleted(tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", small_files=10)
+    with cluster1(tmp_path) as c:
+        c.import_(src, "ds")
+        (src / "one").unlink()
+        mnt = c.mount("ds")
+        with pytest.raises(OSError) as e:
+            (mnt / "one").read_bytes()
+        assert e.value.errno == errno.EIO
+        assert (mnt / "sizes" / "chunk").read_bytes() == (src / "sizes" / "chunk").read_bytes()

@@ -1,0 +1,185 @@
+"""A real mount of the edge-case tree: bytes, metadata, read-only semantics, xattrs.
+
+One mount per module (import + mount cost ~1 s); every test reads through the kernel.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.fixtures.mounts import CHUNK, Cluster1, assert_same_tree, files_below, make_tree
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory):
+    base = tmp_path_factory.mktemp("t4")
+    src = make_tree(base / "src")
+    c = Cluster1(base)
+    c.import_(src, "edge")
+    mnt = c.mount("edge")
+    try:
+        yield c, src, mnt
+    finally:
+        c.close()
+
+
+def test_every_file_byte_exact(node) -> None:
+    c, src, mnt = node
+    assert assert_same_tree(src, mnt) > 9 * CHUNK
+    # and again, now from the daemon's memory tier
+    assert_same_tree(src, mnt)
+
+
+def test_hostile_names_and_symlinks(node) -> None:
+    _, src, mnt = node
+    names = set(os.listdir(os.fsencode(mnt / "names")))
+    assert b"latin1-\xe9\xff" in names and b"new\nline" in names and b"x" * 255 in names
+    assert os.readlink(mnt / "names" / "link-to-one") == "../one"
+    assert (mnt / "names" / "link-to-one").read_bytes() == (src / "one").read_bytes()
+    assert os.readlink(mnt / "names" / "dangling") == "nowhere"
+    with pytest.raises(FileNotFoundError):
+        (mnt / "names" / "dangling").read_bytes()
+    with pytest.raises(FileNotFoundError):
+        os.stat(mnt / "no-such-file")
+    assert oct((mnt / "one").stat().st_mode & 0o777) == oct(0o600)
+    assert list((mnt / "empty-dir").iterdir()) == []
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_offsets_and_lengths(node, data) -> None:
+    _, src, mnt = node
+    rels = _candidates(src)
+    rel = data.draw(st.sampled_from(rels))
+    size = os.path.getsize(os.path.join(os.fsencode(src), rel))
+    off = data.draw(st.integers(0, size + 10))
+    length = data.draw(st.integers(0, 3 * CHUNK))
+    with open(os.path.join(os.fsencode(src), rel), "rb") as a, \
+            open(os.path.join(os.fsencode(mnt), rel), "rb") as b:
+        assert os.pread(a.fileno(), length, off) == os.pread(b.fileno(), length, off)
+
+
+_CANDIDATES: list[bytes] = []
+
+
+def _candidates(src: Path) -> list[bytes]:
+    if not _CANDIDATES:
+        every = files_below(src)
+        big = [p for p in every if not p.startswith(b"small/")]
+        _CANDIDATES.extend(big + random.Random(3).sample([p for p in every if p.startswith(b"small/")], 50))
+    return _CANDIDATES
+
+
+def test_concurrent_readers_same_chunk(node) -> None:
+    """Many threads on one file: all get the same bytes (single-flight in the daemon)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, src, mnt = node
+    want = (src / "many-chunks.bin").read_bytes()
+
+    def read(i: int) -> bool:
+        with open(mnt / "many-chunks.bin", "rb") as f:
+            f.seek(i * 1000)
+            return f.read() == want[i * 1000:]
+
+    with ThreadPoolExecutor(16) as pool:
+        assert all(pool.map(read, range(32)))
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: open(m / "one", "wb"),
+    lambda m: open(m / "one", "r+b"),
+    lambda m: open(m / "one", "ab"),
+    lambda m: os.open(m / "new-file", os.O_CREAT | os.O_WRONLY, 0o644),
+    lambda m: os.mkdir(m / "newdir"),
+    lambda m: os.unlink(m / "one"),
+    lambda m: os.rmdir(m / "empty-dir"),
+    lambda m: os.rename(m / "one", m / "two"),
+    lambda m: os.symlink("x", m / "newlink"),
+    lambda m: os.link(m / "one", m / "hard"),
+    lambda m: os.chmod(m / "one", 0o777),
+    lambda m: os.truncate(m / "one", 0),
+    lambda m: os.utime(m / "one", (1, 1)),
+    lambda m: os.setxattr(m / "one", "user.x", b"1"),
+], ids=["open-wb", "open-rw", "open-append", "create", "mkdir", "unlink", "rmdir", "rename",
+        "symlink", "link", "chmod", "truncate", "utime", "setxattr"])
+def test_writes_get_erofs(node, call) -> None:
+    _, _, mnt = node
+    with pytest.raises(OSError) as e:
+        call(mnt)
+    assert e.value.errno == errno.EROFS
+
+
+def test_xattrs(node) -> None:
+    _, src, mnt = node
+    names = os.listxattr(mnt / "many-chunks.bin")
+    assert "user.kspeedfs.checksum" in names
+    value = os.getxattr(mnt / "many-chunks.bin", "user.kspeedfs.checksum").decode()
+    algo, _, digests = value.partition(":")
+    assert algo == "xxh3-128" and len(digests.split(",")) == 10   # 9 chunks + a tail
+    import xxhash
+
+    first = (src / "many-chunks.bin").read_bytes()[:CHUNK]
+    assert digests.split(",")[0] == xxhash.xxh3_128_hexdigest(first)
+    stats = json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
+    assert stats["read_bytes"] > 0 and stats["corrupt_discarded"] == 0
+    with pytest.raises(OSError) as e:
+        os.getxattr(mnt / "one", "user.nope")
+    assert e.value.errno == errno.ENODATA
+
+
+def test_statfs(node) -> None:
+    c, src, mnt = node
+    st = os.statvfs(mnt)
+    total = sum(os.path.getsize(os.path.join(os.fsencode(src), p)) for p in files_below(src))
+    assert st.f_bsize * st.f_blocks >= total
+    assert st.f_bavail == 0 and st.f_namemax == 255
+    assert st.f_flag & os.ST_RDONLY
+
+
+def test_mount_options(node) -> None:
+    _, _, mnt = node
+    with open("/proc/self/mountinfo") as f:
+        line = next(line for line in f if line.split()[4] == str(mnt))
+    assert "ro" in line.split()[5].split(",")
+    assert "fuse.kspeedfs" in line and "default_permissions" in line
+    assert "allow_other" not in line
+
+
+def test_big_directory_readdir(tmp_path: Path) -> None:
+    """100k entries in one directory list completely, names and attributes right."""
+    src = tmp_path / "src"
+    (src / "big").mkdir(parents=True)
+    n = 100_000
+    for i in range(n):
+        (src / "big" / f"f{i:06d}").write_bytes(b"")
+    (src / "big" / "f000042").write_bytes(b"forty-two")
+    with _single(tmp_path, src) as mnt:
+        with os.scandir(mnt / "big") as it:
+            entries = {e.name: e for e in it}
+        assert len(entries) == n
+        assert entries["f000042"].stat().st_size == 9
+        assert (mnt / "big" / "f099999").exists()
+        assert (mnt / "big" / "f000042").read_bytes() == b"forty-two"
+
+
+def _single(tmp_path: Path, src: Path):
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        c = Cluster1(tmp_path)
+        try:
+            c.import_(src, "one")
+            yield c.mount("one")
+        finally:
+            c.close()
+
+    return cm()
