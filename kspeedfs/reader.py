@@ -68,7 +68,8 @@ class Reader:
         if not chunks:
             return b""
         if stream is not None:
-            for k in self.prefetcher.advise(stream, offset, size, chunks, ix.chunks - 1):
+            last = (ix.data[entry] + ix.size[entry] - 1) // ix.chunk_size   # the file's last chunk
+            for k in self.prefetcher.advise(stream, offset, size, chunks, last):
                 self._prefetch(k)
         start = ix.data[entry] + offset
         end = ix.data[entry] + min(offset + size, ix.size[entry])

@@ -1,0 +1,136 @@
+"""Cache tiers, single-flight and prefetch, without the kernel."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kspeedfs.cache.disk import DiskCache
+from kspeedfs.cache.memory import MemoryCache
+from kspeedfs.cache.prefetch import Prefetcher, Stream
+from kspeedfs.cache.singleflight import SingleFlight
+
+
+class MemoryModel(RuleBasedStateMachine):
+    """The memory tier against a list-based LRU model that is obviously right."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = MemoryCache(100)
+        self.model: list[tuple[bytes, int]] = []      # LRU order, oldest first
+
+    @rule(key=st.integers(0, 9), size=st.integers(1, 60))
+    def put(self, key: int, size: int) -> None:
+        k = bytes([key])
+        self.cache.put(k, b"x" * size)
+        self.model = [(mk, ms) for mk, ms in self.model if mk != k] + [(k, size)]
+        while sum(s for _, s in self.model) > 100:
+            self.model.pop(0)
+
+    @rule(key=st.integers(0, 9))
+    def get(self, key: int) -> None:
+        k = bytes([key])
+        got = self.cache.get(k)
+        hit = [(mk, ms) for mk, ms in self.model if mk == k]
+        assert (got is None) == (not hit)
+        if hit:
+            assert len(got) == hit[0][1]
+            self.model = [(mk, ms) for mk, ms in self.model if mk != k] + hit
+
+    @invariant()
+    def bounded(self) -> None:
+        assert self.cache.used == sum(s for _, s in self.model) <= 100
+        assert len(self.cache) == len(self.model)
+
+
+TestMemoryModel = MemoryModel.TestCase
+
+
+def test_disk_tier_lru_and_restart(tmp_path: Path) -> None:
+    d = DiskCache(tmp_path / "c", capacity=3000)
+    for i in range(5):
+        d.put(bytes([i]) * 16, bytes([i]) * 1000)
+    assert d.used == 3000
+    assert d.get(bytes([0]) * 16) is None and d.get(bytes([4]) * 16) == b"\4" * 1000
+    (tmp_path / "c" / "ab").mkdir(exist_ok=True)
+    (tmp_path / "c" / "ab" / ".tmp-leftover").write_bytes(b"half")
+    again = DiskCache(tmp_path / "c", capacity=2000)        # restart with less room
+    assert again.used == 2000
+    assert not (tmp_path / "c" / "ab" / ".tmp-leftover").exists()
+    again.discard(bytes([4]) * 16)
+    assert again.get(bytes([4]) * 16) is None
+
+
+async def test_single_flight_one_load_many_waiters() -> None:
+    loads = 0
+
+    async def load(x: int) -> int:
+        nonlocal loads
+        loads += 1
+        await trio.sleep(0.05)
+        return x * 2
+
+    results = []
+    async with trio.open_nursery() as n:
+        sf: SingleFlight[int] = SingleFlight(n)
+
+        async def reader() -> None:
+            results.append(await sf.run(b"k", load, 21))
+
+        for _ in range(10):
+            n.start_soon(reader)
+    assert loads == 1
+    assert sorted(results) == [(42, False)] + [(42, True)] * 9
+
+
+async def test_single_flight_error_reaches_every_waiter_and_cancel_does_not_kill_load() -> None:
+    async def boom() -> int:
+        await trio.sleep(0.02)
+        raise ValueError("source broke")
+
+    errors = 0
+    async with trio.open_nursery() as n:
+        sf: SingleFlight[int] = SingleFlight(n)
+
+        async def reader() -> None:
+            nonlocal errors
+            try:
+                await sf.run(b"k", boom)
+            except ValueError:
+                errors += 1
+
+        for _ in range(3):
+            n.start_soon(reader)
+    assert errors == 3
+
+    done = trio.Event()
+
+    async def slow() -> int:
+        await trio.sleep(0.05)
+        done.set()
+        return 1
+
+    async with trio.open_nursery() as n:
+        sf = SingleFlight(n)
+        with trio.move_on_after(0.01):
+            await sf.run(b"s", slow)          # the reader gives up ...
+        await done.wait()                     # ... the load others may wait for does not
+
+
+def test_prefetch_only_for_sequential_readers() -> None:
+    p = Prefetcher(depth=3, trigger=2)
+    s = Stream()
+    assert not p.advise(s, 0, 100, range(0, 1), 50)            # from the start: run = 1
+    assert p.advise(s, 100, 100, range(0, 1), 50) == range(1, 4)
+    assert p.advise(s, 200, 100, range(0, 1), 50) == range(0)  # already requested
+    assert p.advise(s, 300, 100, range(1, 2), 50) == range(4, 5)
+    q = Stream()
+    assert not p.advise(q, 500, 100, range(0, 1), 50)          # random start
+    assert not p.advise(q, 50, 100, range(0, 1), 50)
+    assert not p.advise(s, 10_000, 100, range(5, 6), 50)       # a jump resets the run
+    r = Stream()
+    for off in (0, 100, 200):
+        got = p.advise(r, off, 100, range(49, 50), 50)
+    assert got == range(0)                                     # nothing past the last chunk

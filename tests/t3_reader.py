@@ -1,0 +1,118 @@
+"""The read path (reader.py) over real files, without the kernel: tiers, single-flight,
+prefetch, bounded memory."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from kspeedfs.cache.disk import DiskCache
+from kspeedfs.cache.memory import MemoryCache
+from kspeedfs.cache.prefetch import Stream
+from kspeedfs.errors import SourceChanged, SourceError
+from kspeedfs.manifest.importer import import_tree
+from kspeedfs.manifest.index import ManifestIndex
+from kspeedfs.manifest.store.embedded import EmbeddedStore
+from kspeedfs.origin import Origin
+from kspeedfs.reader import Reader
+
+C = 64 << 10
+
+
+@pytest.fixture
+def dataset(tmp_path: Path):
+    src = tmp_path / "src"
+    src.mkdir()
+    big = os.urandom(20 * C + 17)
+    (src / "big").write_bytes(big)
+    for i in range(30):
+        (src / f"s{i:02d}").write_bytes(os.urandom(3000 + i))
+    store = EmbeddedStore(tmp_path / "store")
+    info = import_tree(src, "ds", store, C)
+    ix = ManifestIndex.from_blob(store.manifest("ds", info.version))
+    return src, ix, big
+
+
+def _reader(ix, src, nursery, memory=8 << 20, disk=None, prefetch=4) -> Reader:
+    return Reader(ix, Origin(src, ix, "ds"), MemoryCache(memory), disk, nursery, 4, prefetch)
+
+
+async def test_concurrent_reads_share_one_load(dataset) -> None:
+    src, ix, big = dataset
+    entry = ix.lookup(0, b"big")
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, prefetch=0)
+        out: dict[int, bytes] = {}
+
+        async def one(i: int) -> None:
+            out[i] = await r.read(entry, 100 * i, 1000)
+
+        for i in range(20):
+            n.start_soon(one, i)
+    for i, data in out.items():
+        assert data == big[100 * i:100 * i + 1000]
+    s = r.statistics()
+    assert s.source_loads == 1 and s.waited_in_flight + s.memory_hits == 19
+
+
+async def test_sequential_reader_gets_prefetch(dataset) -> None:
+    src, ix, big = dataset
+    entry = ix.lookup(0, b"big")
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, prefetch=4)
+        stream = Stream()
+        got = bytearray()
+        for off in range(0, len(big), 128 << 10):
+            got += await r.read(entry, off, 128 << 10, stream)
+        n.cancel_scope.cancel()
+    assert bytes(got) == big
+    s = r.statistics()
+    assert s.prefetched >= 10
+    assert s.source_loads == 21                      # every chunk loaded exactly once
+
+
+async def test_memory_tier_is_bounded(dataset) -> None:
+    src, ix, big = dataset
+    entry = ix.lookup(0, b"big")
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, memory=4 * C, prefetch=0)
+        for off in range(0, len(big), C):
+            assert await r.read(entry, off, C) == big[off:off + C]
+        assert r.memory.used <= 4 * C
+        assert await r.read(entry, 0, 10) == big[:10]      # evicted, loaded again
+    assert r.statistics().source_loads == 22
+
+
+async def test_disk_tier_serves_after_memory_eviction(dataset, tmp_path: Path) -> None:
+    src, ix, big = dataset
+    entry = ix.lookup(0, b"big")
+    disk = DiskCache(tmp_path / "disk", 64 << 20)
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, memory=2 * C, disk=disk, prefetch=0)
+        for off in range(0, len(big), C):
+            await r.read(entry, off, C)
+        await trio.sleep(0.2)                               # disk writes are background tasks
+        (src / "big").unlink()                              # the source is gone now
+        assert await r.read(entry, 0, len(big)) == big
+    assert r.statistics().disk_hits >= 18
+
+
+async def test_changed_source_raises_with_the_file_name(dataset) -> None:
+    src, ix, big = dataset
+    with open(src / "s03", "r+b") as f:
+        f.write(b"X")
+    entry = ix.lookup(0, b"s03")
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n)
+        with pytest.raises(SourceChanged, match="s03.*re-import"):
+            await r.read(entry, 0, 10)
+        ok = ix.lookup(0, b"s04")
+        assert await r.read(ok, 0, 3004) == (src / "s04").read_bytes()
+
+
+def test_missing_source_is_refused_up_front(dataset, tmp_path: Path) -> None:
+    _, ix, _ = dataset
+    with pytest.raises(SourceError, match="missing"):
+        Origin(tmp_path / "nowhere", ix, "ds")
