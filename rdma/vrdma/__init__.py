@@ -1,0 +1,26 @@
+"""vRDMA: LubeRDMA-style virtual QPs over several NICs (READ only, failure-transparent).
+
+A virtual QP to a peer spans one physical RC QP per usable path (local NIC × remote NIC);
+a virtual MR is registered on every local NIC; per-path heartbeats and completion errors
+decide each path's state (:mod:`.path`, :mod:`.heartbeat`); READs in flight on a failed
+path are re-posted on a healthy one; failed paths are rebuilt in the background; only
+when every path is dead does the caller get :class:`~rdma.errors.PeerUnreachable`, within
+a bound.  QPs are connected only through an authenticated control channel
+(:mod:`.handshake`, HMAC-SHA256 challenge–response with the cluster secret).
+
+Modules, one concept each: :mod:`.heartbeat` (interval/miss arithmetic), :mod:`.path`
+(one physical QP and its state machine), :mod:`.handshake` (control channel),
+:mod:`.vmr` (one buffer on every NIC), :mod:`.vqp` (the virtual QP), :mod:`.endpoint`
+(a node's NICs, exports, listener), :mod:`.paths` (``python -m rdma.vrdma.paths``).
+
+Written against :mod:`rdma.api` only: runs unchanged on the ``soft`` and ``verbs``
+providers.
+"""
+from .endpoint import Endpoint, EndpointStats, routed_pairs
+from .heartbeat import HeartbeatConfig
+from .path import PathState, PathStats
+from .vmr import VMR, RemoteVMR
+from .vqp import VQP, VQPStats
+
+__all__ = ["Endpoint", "EndpointStats", "HeartbeatConfig", "PathState", "PathStats", "VMR",
+           "RemoteVMR", "VQP", "VQPStats", "routed_pairs"]

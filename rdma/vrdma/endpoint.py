@@ -1,0 +1,458 @@
+"""A node's vRDMA endpoint: its NICs, its exported memory, its listener, its virtual QPs.
+
+::
+
+    Endpoint(secret)                      one per process (the composition root owns it)
+      ├─ nics[addr] = LocalNIC            one RDMA device per local NIC: Context, PD, and
+      │                                   the control vMR (heartbeat word = incarnation)
+      ├─ exports[name] = VMR              memory peers may READ (after authenticating)
+      ├─ listener (TCP, all NICs)         control connections: handshake, then "info" or
+      │                                   "path" (one per physical path; the connection
+      │                                   is the *lease* of the peer's QP: when it closes,
+      │                                   the QP is destroyed)
+      └─ vqps                             virtual QPs to peers (client side)
+
+Responder side: nothing happens per READ; the provider serves one-sided READs.  The
+listener only creates, connects and destroys QPs, so a peer that is not authenticated
+never gets a QP connected to ours, and an rkey alone reads nothing.
+
+Bootstrap: :meth:`Endpoint.connect` opens one control connection to any address of the
+peer, asks for ``info`` (its NICs, incarnation, heartbeat words, exported vMRs, all per
+NIC) and closes it.  Then it picks the NIC pairs (``pairs="routed"``: for each remote NIC,
+the local NIC the kernel routes to it from, i.e. one path per rail; ``"all"``: the full
+mesh) and builds every path as a *rebuild from DOWN*: the first build and the recovery of
+a failed path are the same code (:meth:`_connect_path`).  A path's control connection is
+opened from its own local NIC to its own remote NIC, so a control channel that works is
+itself evidence the path's network works.
+
+Server-side leases are keyed ``(client node, vqp, path)``: a client that rebuilds a path
+while its old control connection is stuck on a dead NIC replaces the old lease; TCP
+keepalive (a few seconds) reaps leases of clients that vanished without a FIN.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable
+
+import trio
+
+from ..api import ConnInfo, Context, Device, PD, QPCap, QPInitAttr, get_device_list
+from ..enums import IBV_QPS_RESET
+from ..errors import AuthenticationError, HandshakeError, PathClosed, PeerUnreachable, RdmaError
+from .handshake import Channel, client_handshake, qp_token, server_handshake
+from .heartbeat import HEARTBEAT_BYTES, HeartbeatConfig
+from .path import Path, Transition
+from .vmr import VMR
+from .vqp import SQ_DEPTH, VQP, VQPStats
+
+log = logging.getLogger(__name__)
+
+#: outstanding READs one path QP keeps in flight (``max_rd_atomic``), capped by the device
+MAX_RD_ATOMIC = 16
+
+
+@dataclass
+class LocalNIC:
+    addr: str
+    device: Device
+    ctx: Context
+    pd: PD
+
+
+@dataclass(frozen=True)
+class NicStats:
+    addr: str
+    device: str
+    provider: str
+
+
+@dataclass(frozen=True)
+class EndpointStats:
+    node: str
+    incarnation: int
+    listening: tuple[str, ...]
+    nics: tuple[NicStats, ...]
+    exports: tuple[str, ...]
+    leases: int
+    refused: int
+    peers: tuple[VQPStats, ...] = field(default=())
+
+
+def routed_pairs(local: list[str], remote: list[str]) -> list[tuple[str, str]]:
+    """For each remote NIC, the local NIC the kernel would send from (no packet is sent:
+    a connected UDP socket only does the route lookup).  Rail-optimised clusters get one
+    path per rail; if routing says nothing useful, fall back to the full mesh."""
+    pairs = []
+    for r in remote:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.connect((r, 9))
+            src = s.getsockname()[0]
+        except OSError:
+            continue
+        finally:
+            s.close()
+        if src in local and (src, r) not in pairs:
+            pairs.append((src, r))
+    return pairs or [(l_, r) for l_ in local for r in remote]
+
+
+def _keepalive(stream: trio.SocketStream) -> None:
+    sock = stream.socket
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 5000)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):  # pragma: no cover - non-Linux
+        pass
+
+
+class Endpoint:
+    """``async with Endpoint(secret) as ep:`` — see the module docstring.
+
+    ``addrs``: the local NIC addresses to use (default: every device of the provider
+    except loopback, or loopback if that is all there is).  ``node``: this endpoint's
+    name in handshakes and logs."""
+
+    def __init__(self, secret: bytes, *, node: str | None = None,
+                 addrs: list[str] | None = None, provider: str | None = None,
+                 cfg: HeartbeatConfig | None = None, handshake_timeout: float = 2.0) -> None:
+        if not secret:
+            raise ValueError("a vRDMA endpoint needs the cluster's shared secret")
+        self.secret = bytes(secret)
+        self.node = node or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.cfg = cfg or HeartbeatConfig()
+        self.handshake_timeout = handshake_timeout
+        self._want_addrs = addrs
+        self._provider = provider
+        self.incarnation = int.from_bytes(os.urandom(8), "little") or 1
+        self.nics: dict[str, LocalNIC] = {}
+        self.exports: dict[str, VMR] = {}
+        self.vqps: list[VQP] = []
+        self.control: VMR | None = None
+        self.listening: list[tuple[str, int]] = []
+        self._leases: dict[tuple[str, str, int], trio.CancelScope] = {}
+        self._refused = 0
+        self._nursery: trio.Nursery | None = None
+        self._nursery_cm: Any = None
+        self._vmrs: list[VMR] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> "Endpoint":
+        self._open_nics()
+        self._nursery_cm = trio.open_nursery()
+        self._nursery = await self._nursery_cm.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        try:
+            for v in list(self.vqps):
+                await v.aclose()
+            assert self._nursery is not None
+            self._nursery.cancel_scope.cancel()
+            return await self._nursery_cm.__aexit__(*exc)
+        finally:
+            self._close_resources()
+
+    def _open_nics(self) -> None:
+        devs = get_device_list(self._provider)
+        want = self._want_addrs
+        if want is None:
+            want = [d.ipv4 for d in devs if d.ipv4 and not d.ipv4.startswith("127.")]
+            if not want:
+                want = [d.ipv4 for d in devs if d.ipv4]
+        try:
+            for addr in want:
+                dev = next((d for d in devs if d.ipv4 == addr), None)
+                if dev is None:
+                    raise RdmaError(f"no RDMA device for local address {addr} "
+                                    f"(devices: {[(d.name, d.ipv4) for d in devs]})", 19)
+                ctx = dev.open()
+                self.nics[addr] = LocalNIC(addr, dev, ctx, ctx.alloc_pd())
+            if not self.nics:
+                raise RdmaError("no RDMA devices with an IPv4 address", 19)
+            self.control = self.alloc(max(HEARTBEAT_BYTES, 64), name="control")
+            self.control.write(self.incarnation.to_bytes(HEARTBEAT_BYTES, "little"))
+        except BaseException:
+            self._close_resources()
+            raise
+        log.info("endpoint %s: NICs %s", self.node,
+                 ", ".join(f"{n.addr}={n.device.name}" for n in self.nics.values()))
+
+    def _close_resources(self) -> None:
+        for v in self._vmrs:
+            v.close()
+        self._vmrs.clear()
+        for nic in self.nics.values():
+            try:
+                nic.ctx.close()
+            except Exception:
+                log.debug("close %s", nic.device.name, exc_info=True)
+        self.nics.clear()
+
+    def nic(self, addr: str) -> LocalNIC:
+        try:
+            return self.nics[addr]
+        except KeyError:
+            raise PathClosed(f"endpoint has no (open) NIC {addr}") from None
+
+    # ------------------------------------------------------------------ memory
+    def alloc(self, length: int, name: str = "") -> VMR:
+        """A buffer registered on every local NIC (not exported)."""
+        v = VMR({a: n.pd for a, n in self.nics.items()}, length, name=name)
+        self._vmrs.append(v)
+        return v
+
+    def export(self, name: str, vmr: VMR) -> None:
+        """Let authenticated peers READ ``vmr`` under ``name``."""
+        self.exports[name] = vmr
+
+    def _info(self) -> dict[str, Any]:
+        assert self.control is not None
+        return {"node": self.node, "incarnation": self.incarnation, "nics": list(self.nics),
+                "control": {n: [a, k] for n, (a, k) in self.control.remote().keys.items()},
+                "mrs": {name: v.remote(name).to_dict() for name, v in self.exports.items()
+                        if not v.closed}}
+
+    # ------------------------------------------------------------------ server side
+    async def listen(self, host: str = "0.0.0.0", port: int = 0) -> int:
+        """Start accepting control connections; returns the TCP port."""
+        assert self._nursery is not None, "use `async with Endpoint(...)`"
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        self.listening = [(host, ln.socket.getsockname()[1]) for ln in listeners]
+        await self._nursery.start(trio.serve_listeners, self._serve_conn, listeners)
+        return self.listening[0][1]
+
+    async def _serve_conn(self, stream: trio.SocketStream) -> None:
+        _keepalive(stream)
+        try:
+            peer = "%s:%d" % stream.socket.getpeername()[:2]
+        except OSError:
+            peer = "?"
+        try:
+            ch = await server_handshake(stream, self.secret, self.node, self.handshake_timeout)
+        except HandshakeError as e:
+            self._refused += 1
+            log.info("endpoint %s: refused control connection from %s: %s", self.node, peer,
+                     e.msg)
+            await _aclose(stream)
+            return
+        try:
+            while True:
+                msg = await ch.recv(timeout=math.inf)
+                op = msg.get("op") if isinstance(msg, dict) else None
+                if op == "info":
+                    await ch.send(self._info())
+                elif op == "path":
+                    await self._serve_path(ch, msg)
+                    return
+                else:
+                    await ch.send({"error": f"unknown op {op!r}"})
+        except HandshakeError as e:
+            log.debug("endpoint %s: control connection from %s ended: %s", self.node, peer, e)
+        finally:
+            await ch.aclose()
+
+    async def _serve_path(self, ch: Channel, msg: dict[str, Any]) -> None:
+        """Create and connect our half of one path, then hold it until the control
+        connection (the lease) closes or the same path is rebuilt over a new one."""
+        try:
+            key = (ch.peer_node, str(msg["vqp"]), int(msg["path"]))
+            nic = self.nics[str(msg["nic"])]
+            remote = ConnInfo.from_dict(msg["conn"])
+        except (KeyError, TypeError, ValueError) as e:
+            await ch.send({"error": f"bad path request: {e!r}"})
+            return
+        old = self._leases.pop(key, None)
+        if old is not None:
+            old.cancel()
+        cq = nic.ctx.create_cq(16)
+        qp = None
+        lease: trio.CancelScope | None = None
+        try:
+            qp = nic.pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(max_send_wr=4,
+                                                                   max_recv_wr=1)))
+            info = qp.local_info()
+            await ch.send({**self._info(), "conn": info.to_dict()})
+            rd = self._rd_atomic(nic)
+            await trio.to_thread.run_sync(partial(
+                qp.connect, remote, max_rd_atomic=rd, max_dest_rd_atomic=rd,
+                timeout=self.cfg.qp_timeout_exp, retry_cnt=self.cfg.qp_retry_cnt,
+                timeout_ms=self.cfg.qp_timeout_ms))
+            ready = await ch.recv()
+            if ready != {"op": "ready"}:
+                raise HandshakeError(f"expected ready, got {ready!r}")
+            if not await self._token_ok(qp, qp_token(ch.key, remote.qp_num)):
+                self._refused += 1
+                await ch.send({"error": "QP connection not bound to this session"})
+                return
+            await ch.send({"ok": True})
+            lease = trio.CancelScope()
+            with lease:
+                self._leases[key] = lease
+                log.debug("endpoint %s: path %s up for %s", self.node, key, ch.peer_node)
+                try:
+                    while True:       # the lease: held until the client closes it
+                        await ch.recv(timeout=math.inf)
+                except HandshakeError:
+                    pass
+        except (RdmaError, OSError) as e:
+            log.info("endpoint %s: path %s for %s failed: %s", self.node, msg.get("path"),
+                     ch.peer_node, e)
+        finally:
+            if lease is not None and self._leases.get(key) is lease:
+                del self._leases[key]
+            for obj in (qp, cq):
+                if obj is not None:
+                    try:
+                        obj.close()
+                    except Exception:
+                        log.debug("close %r", obj, exc_info=True)
+
+    async def _token_ok(self, qp: Any, want: bytes) -> bool:
+        """The client's INIT→RTR private_data must be this session's token for its QP.
+        Providers without a private_data channel (verbs) report None: nothing to check,
+        the QP is then bound to the authenticated peer by its dest QPN/GID alone."""
+        if qp.pd.ctx.device.provider == "verbs":
+            return True
+        for _ in range(100):
+            got = qp.remote_private_data
+            if got is not None:
+                return hmac.compare_digest(bytes(got), want)
+            await trio.sleep(0.01)
+        return False
+
+    @staticmethod
+    def _rd_atomic(nic: LocalNIC) -> int:
+        try:
+            return max(1, min(MAX_RD_ATOMIC, nic.ctx.query_device().max_qp_rd_atom))
+        except Exception:
+            return 1
+
+    # ------------------------------------------------------------------ client side
+    async def connect(self, addrs: list[str], port: int, *, pairs: str = "routed",
+                      timeout: float | None = None,
+                      on_transition: Callable[[Transition], None] | None = None) -> VQP:
+        """A virtual QP to the peer listening on ``port`` at any of ``addrs``.  Returns
+        once at least one path is UP (the others keep coming up in the background);
+        PeerUnreachable if none can be built within ``timeout``."""
+        assert self._nursery is not None, "use `async with Endpoint(...)`"
+        timeout = self.cfg.connect_timeout * 2 if timeout is None else timeout
+        info, errors = None, []
+        with trio.move_on_after(timeout):
+            for addr in addrs:
+                try:
+                    ch = await self._open_channel(addr, port, None)
+                    try:
+                        info = await ch.request({"op": "info"})
+                    finally:
+                        await ch.aclose()
+                    break
+                except (OSError, HandshakeError) as e:
+                    if isinstance(e, AuthenticationError):
+                        raise
+                    errors.append(f"{addr}: {e}")
+        if info is None:
+            raise PeerUnreachable(f"no control connection to {addrs}:{port}: "
+                                  f"{'; '.join(errors) or 'timed out'}", ",".join(addrs))
+        local = list(self.nics)
+        remote = [str(n) for n in info["nics"]]
+        chosen = routed_pairs(local, remote) if pairs == "routed" else \
+            [(l_, r) for l_ in local for r in remote]
+        vqp = VQP(self, str(info["node"]), port, info, chosen, self.cfg,
+                  on_transition=on_transition)
+        self.vqps.append(vqp)
+        await self._nursery.start(vqp._run, name=f"vqp{vqp.id}")
+        try:
+            await vqp.wait_connected(timeout)
+        except BaseException:
+            await vqp.aclose()
+            raise
+        return vqp
+
+    async def _open_channel(self, addr: str, port: int, local: str | None) -> Channel:
+        stream = await trio.open_tcp_stream(addr, port, local_address=local)
+        _keepalive(stream)
+        try:
+            return await client_handshake(stream, self.secret, self.node,
+                                          self.handshake_timeout)
+        except BaseException:
+            await _aclose(stream)
+            raise
+
+    async def _connect_path(self, vqp: VQP, path: Path) -> None:
+        """(Re)build one path: QP to RESET, fresh control connection on this NIC pair,
+        exchange ConnInfos, RESET → INIT → RTR → RTS on both sides, keep the lease."""
+        nic = self.nic(path.local_nic)
+        if path.control is not None:
+            old, path.control = path.control, None
+            await old.aclose()
+        if path.qp is None:
+            assert path.cq is not None
+            path.qp = nic.pd.create_qp(QPInitAttr(
+                send_cq=path.cq, cap=QPCap(max_send_wr=SQ_DEPTH, max_recv_wr=1)))
+        elif path.qp.qp_state != IBV_QPS_RESET:
+            path.qp.to_reset()
+        ch: Channel | None = None
+        try:
+            with trio.fail_after(self.cfg.connect_timeout):
+                ch = await self._open_channel(path.remote_nic, vqp.peer_port, path.local_nic)
+                info = path.qp.local_info()
+                reply = await ch.request({"op": "path", "vqp": str(vqp.id), "path": path.id,
+                                          "nic": path.remote_nic, "conn": info.to_dict()})
+                if int(reply["incarnation"]) != vqp.peer_incarnation:
+                    log.info("vqp %s: peer restarted (incarnation changed)", vqp.peer)
+                vqp._apply_info(reply)
+                remote = ConnInfo.from_dict(reply["conn"])
+                rd = self._rd_atomic(nic)
+                await trio.to_thread.run_sync(partial(
+                    path.qp.connect, remote, max_rd_atomic=rd, max_dest_rd_atomic=rd,
+                    timeout=self.cfg.qp_timeout_exp, retry_cnt=self.cfg.qp_retry_cnt,
+                    timeout_ms=self.cfg.qp_timeout_ms,
+                    private_data=qp_token(ch.key, info.qp_num)))
+                await ch.request({"op": "ready"})
+        except BaseException:
+            if ch is not None:
+                await ch.aclose()
+            if path.qp is not None and not path.qp.closed \
+                    and path.qp.qp_state != IBV_QPS_RESET:
+                path.qp.to_reset()
+            raise
+        path.control = ch
+
+    def _close_later(self, ch: Channel) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(ch.aclose)
+
+    def _forget(self, vqp: VQP) -> None:
+        if vqp in self.vqps:
+            self.vqps.remove(vqp)
+
+    # ------------------------------------------------------------------ introspection
+    def statistics(self) -> EndpointStats:
+        return EndpointStats(
+            node=self.node, incarnation=self.incarnation,
+            listening=tuple(f"{h}:{p}" for h, p in self.listening),
+            nics=tuple(NicStats(n.addr, n.device.name, n.device.provider)
+                       for n in self.nics.values()),
+            exports=tuple(self.exports), leases=len(self._leases), refused=self._refused,
+            peers=tuple(v.statistics() for v in self.vqps))
+
+
+async def _aclose(stream: trio.abc.AsyncResource) -> None:
+    with trio.move_on_after(1) as cs:
+        cs.shield = True
+        try:
+            await stream.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
