@@ -1,5 +1,10 @@
 """Suite-wide options: the slow lane is opt-in (``--run-slow`` or ``./run test-slow``)."""
+from typing import TYPE_CHECKING, Iterator
+
 import pytest
+
+if TYPE_CHECKING:
+    from tests.fixtures.etcd import EtcdServer
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -13,3 +18,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# -- etcd (tests/fixtures/etcd.py) ------------------------------------------------------
+# Imported inside the fixtures so that collecting tests that never use etcd cannot fail
+# because of it.
+
+@pytest.fixture(scope="session")
+def etcd_server() -> "Iterator[EtcdServer]":
+    """One real etcd on 127.0.0.1 for the whole session; tests isolate themselves by key
+    prefix. Do not stop or restart it (other tests share it): use ``etcd_server_private``."""
+    from tests.fixtures.etcd import EtcdServer
+
+    with EtcdServer(name="kst-session") as server:
+        yield server
+
+
+@pytest.fixture
+def etcd_server_private() -> "Iterator[EtcdServer]":
+    """An etcd of the test's own, free to ``stop()``, ``start()`` and ``restart()``."""
+    from tests.fixtures.etcd import EtcdServer
+
+    with EtcdServer(name="kst-private") as server:
+        yield server
