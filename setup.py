@@ -9,7 +9,9 @@ from setuptools import Extension, setup
 CFLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-std=gnu11"]
 
 ext_modules: list[Extension] = [
-    # rdma/ soft provider engine goes here: Extension("rdma._soft_engine", ["native/soft_engine.c"], ...)
+    # rdma/ soft provider: socket I/O into registered memory, eventfd completions, no GIL
+    Extension("rdma._soft_engine", ["native/soft_engine.c"], depends=["native/soft_engine.h"],
+              include_dirs=["native"], extra_compile_args=CFLAGS),
 ]
 
 setup(ext_modules=ext_modules)

@@ -1,0 +1,2255 @@
+/* soft_engine.c — native data path of the soft RDMA provider (see soft_engine.h).
+ *
+ * Design notes
+ * ------------
+ * * One `ks_engine` per opened soft device: a listening TCP socket on the device's IPv4
+ *   address, an epoll set, and one pthread that never touches Python.  Python calls
+ *   (post_send, post_recv, modify, reg_mr, poll_cq) parse their arguments with the GIL,
+ *   then drop the GIL and take `eng->lock`.
+ * * Requester: post_send builds the request header (PSN assigned), appends the WQE to the
+ *   QP's send ring and immediately tries a non-blocking sendmsg() on the QP's outgoing
+ *   connection; whatever does not fit is finished by the engine thread on EPOLLOUT.
+ *   READ responses are read with readv() straight into the WQE's SGEs (registered
+ *   memory); only headers and payloads <= KS_SMALL go through a staging buffer.
+ * * Responder: the engine thread reads requests from the incoming connection, checks
+ *   rkey / PD / bounds / access and queues a response whose payload is the MR memory
+ *   itself (sendmsg() from the MR); no application involvement, no copy in user space.
+ * * Transport timer: like IB's Local ACK Timeout, a QP with outstanding send WRs must see
+ *   progress (bytes moving on its connection) within timeout x (retry_cnt + 1), else the
+ *   oldest WR completes RETRY_EXC_ERR and the QP goes to ERR.  TCP alone would hang on a
+ *   SIGSTOPped peer or a dead NIC; this timer is what turns that into an error.
+ * * Memory safety: every access to MR memory happens with `eng->lock` held, and
+ *   deregistration (also under the lock) first kills every connection / QP whose queued
+ *   work still points into the MR, so after dereg_mr() returns the engine never touches
+ *   that memory again.  Responder bounds checks are overflow-safe.
+ * * Completions: `cq->lock` protects the WC ring; the CQ's eventfd is written when the
+ *   ring goes non-empty and drained when poll empties it (level-triggered readability).
+ */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "soft_engine.h"
+
+#define KS_IOV 64
+#define KS_TX_BUDGET (8u << 20)   /* bytes per handler call before releasing the lock */
+#define KS_RX_BUDGET (8u << 20)
+
+/* ------------------------------------------------------------------------- objects */
+
+struct ks_mr {
+    uint32_t key;
+    int pd;
+    uint64_t addr, length;
+    int access;
+};
+
+struct ks_cq {
+    int id;
+    int efd;
+    pthread_mutex_t lock;
+    ks_wc *ring;            /* protected by lock */
+    uint32_t cap, head, count; /* protected by lock */
+    int refs;               /* QPs using this CQ; protected by eng->lock */
+};
+
+struct ks_pending {
+    struct ks_pending *next;
+    uint32_t len;
+    uint8_t data[];
+};
+
+enum { CONN_HELLO = 0, CONN_REQ = 1, CONN_RESP = 2 };
+
+/* All fields protected by eng->lock. */
+struct ks_conn {
+    int fd;
+    int role;
+    int dead;
+    ks_qp *qp;
+    ks_conn *next, *prev;   /* eng->conns list */
+    ks_conn *next_dead;     /* graveyard: freed by the engine thread after its batch */
+    uint32_t events;        /* current epoll mask */
+    uint64_t hello_deadline;
+    /* rx */
+    uint8_t *stage;
+    uint32_t spos, slen;
+    int in_payload;
+    struct ks_hdr cur;
+    uint64_t pay_off;
+    uint8_t *sendbuf;       /* responder: SEND payload being received */
+    /* tx */
+    uint64_t tx_off;        /* bytes of the first queued item already sent */
+    /* responder jobs ring */
+    ks_job *jobs;
+    uint32_t jhead, jcount;
+    int fatal_after;        /* a NAK is queued: QP -> ERR once it is sent */
+};
+
+/* All fields protected by eng->lock. */
+struct ks_qp {
+    uint32_t qpn;
+    int pd;
+    int state;
+    int access;
+    int sig_all;
+    ks_cq *scq, *rcq;
+    uint32_t max_send_wr, max_recv_wr, max_send_sge, max_recv_sge;
+    ks_wqe *sq;
+    uint32_t sq_head, sq_sent, sq_tail; /* free-running; index = n % max_send_wr */
+    ks_rwqe *rq;
+    uint32_t rq_head, rq_tail;
+    uint32_t sq_psn, rq_psn;
+    uint32_t dest_qpn;
+    uint64_t timeout_ns;               /* 0: infinite */
+    uint64_t last_progress;
+    ks_conn *req, *resp;
+    uint8_t pdata[KS_MAX_PDATA];
+    int pdata_len;                      /* -1: none received */
+    uint32_t resp_src_qpn;
+    ks_pending *pend_head, *pend_tail;
+    uint64_t pend_bytes;
+};
+
+struct ks_engine {
+    pthread_mutex_t lock;
+    pthread_t thread;
+    int thread_started;
+    int epfd, lfd, kickfd;
+    int stop;                          /* protected by lock */
+    uint32_t ip;                       /* network order */
+    int port;
+    ks_qp *qps[KS_MAX_QP];             /* protected by lock */
+    uint32_t qp_gen;                   /* protected by lock */
+    uint32_t qp_hi;                    /* highest used slot + 1; protected by lock */
+    ks_mr *mrs[KS_MAX_MR];             /* protected by lock */
+    pthread_mutex_t cq_tab_lock;
+    ks_cq *cqs[KS_MAX_CQ];             /* protected by cq_tab_lock (writes also hold lock) */
+    ks_conn *conns;                    /* protected by lock */
+    ks_conn *dead;                     /* protected by lock */
+    int n_hello;                       /* protected by lock */
+    uint64_t last_timer;               /* engine thread only */
+    /* counters, protected by lock */
+    uint64_t n_dropped_conns, n_rx_bytes, n_tx_bytes;
+};
+
+static char TAG_LISTEN, TAG_KICK;
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* --------------------------------------------------------------------------- wire */
+
+static uint32_t rd32(const uint8_t *p) { return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24; }
+static uint64_t rd64(const uint8_t *p) { return rd32(p) | (uint64_t)rd32(p + 4) << 32; }
+static void wr32(uint8_t *p, uint32_t v) { p[0] = v; p[1] = v >> 8; p[2] = v >> 16; p[3] = v >> 24; }
+static void wr64(uint8_t *p, uint64_t v) { wr32(p, (uint32_t)v); wr32(p + 4, (uint32_t)(v >> 32)); }
+
+void ks_hdr_build(uint8_t *buf, const struct ks_hdr *h)
+{
+    wr32(buf, KS_MAGIC);
+    buf[4] = KS_VERSION;
+    buf[5] = h->opcode;
+    buf[6] = h->status;
+    buf[7] = 0;
+    wr32(buf + 8, h->psn & 0xFFFFFF);
+    wr32(buf + 12, h->length);
+    wr32(buf + 16, h->rkey);
+    wr32(buf + 20, h->rlen);
+    wr64(buf + 24, h->raddr);
+}
+
+int ks_hdr_parse(const uint8_t *buf, struct ks_hdr *h, int role)
+{
+    h->magic = rd32(buf);
+    h->version = buf[4];
+    h->opcode = buf[5];
+    h->status = buf[6];
+    h->flags = buf[7];
+    h->psn = rd32(buf + 8);
+    h->length = rd32(buf + 12);
+    h->rkey = rd32(buf + 16);
+    h->rlen = rd32(buf + 20);
+    h->raddr = rd64(buf + 24);
+    if (h->magic != KS_MAGIC || h->version != KS_VERSION || h->flags != 0 || h->psn > 0xFFFFFF)
+        return -EPROTO;
+    switch (h->opcode) {
+    case KS_OP_HELLO:
+        if (role != KS_ROLE_HELLO && role != KS_ROLE_ANY)
+            return -EPROTO;
+        if (h->length > KS_HELLO_FIXED + KS_MAX_PDATA)
+            return -EMSGSIZE;
+        return 0;
+    case KS_OP_READ_REQ:
+        if (role != KS_ROLE_REQUESTS && role != KS_ROLE_ANY)
+            return -EPROTO;
+        if (h->length != 0 || h->status != 0)
+            return -EPROTO;
+        if (h->rlen > KS_MAX_MSG)
+            return -EMSGSIZE;
+        return 0;
+    case KS_OP_SEND:
+        if (role != KS_ROLE_REQUESTS && role != KS_ROLE_ANY)
+            return -EPROTO;
+        if (h->status != 0 || h->rkey != 0 || h->rlen != 0 || h->raddr != 0)
+            return -EPROTO;
+        if (h->length > KS_MAX_SEND)
+            return -EMSGSIZE;
+        return 0;
+    case KS_OP_READ_RESP:
+        if (role != KS_ROLE_RESPONSES && role != KS_ROLE_ANY)
+            return -EPROTO;
+        if (h->length > KS_MAX_MSG)
+            return -EMSGSIZE;
+        if (h->status != 0 && h->length != 0)
+            return -EPROTO;
+        return 0;
+    case KS_OP_SEND_ACK:
+        if (role != KS_ROLE_RESPONSES && role != KS_ROLE_ANY)
+            return -EPROTO;
+        if (h->length != 0)
+            return -EPROTO;
+        return 0;
+    default:
+        return -EPROTO;
+    }
+}
+
+/* -------------------------------------------------------------------------- tables */
+
+static ks_qp *qp_get(ks_engine *e, uint32_t qpn)
+{
+    ks_qp *qp = e->qps[qpn & (KS_MAX_QP - 1)];
+    return (qp && qp->qpn == qpn) ? qp : NULL;
+}
+
+static ks_mr *mr_get(ks_engine *e, uint32_t key)
+{
+    ks_mr *mr = e->mrs[key & (KS_MAX_MR - 1)];
+    return (mr && mr->key == key) ? mr : NULL;
+}
+
+/* ---------------------------------------------------------------------------- CQs */
+
+static void cq_push(ks_cq *cq, const ks_wc *wc)
+{
+    pthread_mutex_lock(&cq->lock);
+    if (cq->count == cq->cap) {
+        /* CQ overrun on hardware; here we grow rather than lose a completion */
+        uint32_t ncap = cq->cap * 2;
+        ks_wc *n = malloc(sizeof(ks_wc) * ncap);
+        if (!n) {
+            pthread_mutex_unlock(&cq->lock);
+            return;
+        }
+        for (uint32_t i = 0; i < cq->count; i++)
+            n[i] = cq->ring[(cq->head + i) % cq->cap];
+        free(cq->ring);
+        cq->ring = n;
+        cq->cap = ncap;
+        cq->head = 0;
+    }
+    cq->ring[(cq->head + cq->count) % cq->cap] = *wc;
+    cq->count++;
+    if (cq->count == 1) {
+        uint64_t one = 1;
+        ssize_t r = write(cq->efd, &one, sizeof one);
+        (void)r;
+    }
+    pthread_mutex_unlock(&cq->lock);
+}
+
+static void push_wc(ks_cq *cq, uint64_t wr_id, uint32_t status, uint32_t opcode,
+                    uint32_t byte_len, uint32_t qpn)
+{
+    ks_wc wc = {.wr_id = wr_id, .status = status, .opcode = opcode, .byte_len = byte_len,
+                .qp_num = qpn, .vendor_err = 0};
+    cq_push(cq, &wc);
+}
+
+static uint32_t wc_opcode_of(uint32_t wr_opcode)
+{
+    return wr_opcode == KS_WR_RDMA_READ ? KS_WC_RDMA_READ : KS_WC_SEND;
+}
+
+/* -------------------------------------------------------------------------- conns */
+
+static int resp_rx_enabled(ks_conn *c);
+
+static void conn_update_events(ks_engine *e, ks_conn *c)
+{
+    if (c->dead)
+        return;
+    uint32_t want = 0;
+    if (c->role == CONN_HELLO) {
+        want = EPOLLIN;
+    } else if (c->role == CONN_REQ) {
+        want = EPOLLIN;
+        if (c->qp && c->qp->sq_sent != c->qp->sq_tail)
+            want |= EPOLLOUT;
+    } else {
+        if (resp_rx_enabled(c))
+            want |= EPOLLIN;
+        if (c->jcount)
+            want |= EPOLLOUT;
+    }
+    if (want != c->events) {
+        struct epoll_event ev = {.events = want, .data.ptr = c};
+        epoll_ctl(e->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+        c->events = want;
+    }
+}
+
+static ks_conn *conn_new(ks_engine *e, int fd, int role)
+{
+    ks_conn *c = calloc(1, sizeof *c);
+    if (!c)
+        return NULL;
+    c->stage = malloc(KS_STAGE);
+    if (!c->stage) {
+        free(c);
+        return NULL;
+    }
+    c->fd = fd;
+    c->role = role;
+    c->events = EPOLLIN;
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
+    if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+        free(c->stage);
+        free(c);
+        return NULL;
+    }
+    c->next = e->conns;
+    if (e->conns)
+        e->conns->prev = c;
+    e->conns = c;
+    if (role == CONN_HELLO)
+        e->n_hello++;
+    return c;
+}
+
+/* Close the socket and detach from its QP; the memory is freed by the engine thread
+ * after its current event batch (events already fetched may still point at it). */
+static void conn_kill(ks_engine *e, ks_conn *c)
+{
+    if (!c || c->dead)
+        return;
+    c->dead = 1;
+    epoll_ctl(e->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    close(c->fd);
+    c->fd = -1;
+    if (c->role == CONN_HELLO)
+        e->n_hello--;
+    if (c->qp) {
+        if (c->qp->req == c)
+            c->qp->req = NULL;
+        if (c->qp->resp == c)
+            c->qp->resp = NULL;
+        c->qp = NULL;
+    }
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        e->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    c->next_dead = e->dead;
+    e->dead = c;
+}
+
+static void conn_free(ks_conn *c)
+{
+    free(c->stage);
+    free(c->sendbuf);
+    free(c->jobs);
+    free(c);
+}
+
+static void graveyard_free(ks_engine *e)
+{
+    ks_conn *c = e->dead;
+    e->dead = NULL;
+    while (c) {
+        ks_conn *n = c->next_dead;
+        conn_free(c);
+        c = n;
+    }
+}
+
+/* ------------------------------------------------------------------- QP state/errors */
+
+static void pending_free(ks_qp *qp)
+{
+    ks_pending *p = qp->pend_head;
+    while (p) {
+        ks_pending *n = p->next;
+        free(p);
+        p = n;
+    }
+    qp->pend_head = qp->pend_tail = NULL;
+    qp->pend_bytes = 0;
+}
+
+/* QP -> ERR: kill both connections; the send WR at `culprit` (an SQ counter, or
+ * qp->sq_tail for "none") completes with `status` first, every other outstanding send
+ * and receive WR completes WR_FLUSH_ERR.  No-op in RESET or ERR. */
+static void qp_fatal_at(ks_engine *e, ks_qp *qp, uint32_t culprit, uint32_t status)
+{
+    if (qp->state == KS_QPS_ERR || qp->state == KS_QPS_RESET)
+        return;
+    qp->state = KS_QPS_ERR;
+    conn_kill(e, qp->req);
+    conn_kill(e, qp->resp);
+    if (culprit != qp->sq_tail && status != KS_WC_WR_FLUSH_ERR) {
+        ks_wqe *w = &qp->sq[culprit % qp->max_send_wr];
+        push_wc(qp->scq, w->wr_id, status, wc_opcode_of(w->opcode), 0, qp->qpn);
+    }
+    for (uint32_t n = qp->sq_head; n != qp->sq_tail; n++) {
+        if (n == culprit && status != KS_WC_WR_FLUSH_ERR)
+            continue;
+        ks_wqe *w = &qp->sq[n % qp->max_send_wr];
+        push_wc(qp->scq, w->wr_id, KS_WC_WR_FLUSH_ERR, wc_opcode_of(w->opcode), 0, qp->qpn);
+    }
+    qp->sq_head = qp->sq_sent = qp->sq_tail;
+    for (uint32_t n = qp->rq_head; n != qp->rq_tail; n++) {
+        ks_rwqe *r = &qp->rq[n % qp->max_recv_wr];
+        push_wc(qp->rcq, r->wr_id, KS_WC_WR_FLUSH_ERR, KS_WC_RECV, 0, qp->qpn);
+    }
+    qp->rq_head = qp->rq_tail;
+    pending_free(qp);
+}
+
+/* The oldest outstanding send WR takes `status`. */
+static void qp_fatal(ks_engine *e, ks_qp *qp, uint32_t status)
+{
+    qp_fatal_at(e, qp, qp->sq_head, status);
+}
+
+static void qp_to_reset(ks_engine *e, ks_qp *qp)
+{
+    conn_kill(e, qp->req);
+    conn_kill(e, qp->resp);
+    qp->sq_head = qp->sq_sent = qp->sq_tail = 0;
+    qp->rq_head = qp->rq_tail = 0;
+    pending_free(qp);
+    qp->pdata_len = -1;
+    qp->dest_qpn = 0;
+    qp->resp_src_qpn = 0;
+    qp->state = KS_QPS_RESET;
+}
+
+/* ------------------------------------------------------------------ SGE arithmetic */
+
+/* Copy `len` bytes from `src` into the SGE list starting at byte `off` of the list. */
+static void sge_copy_in(const ks_sge *sge, uint32_t nsge, uint64_t off, const uint8_t *src,
+                        uint64_t len)
+{
+    for (uint32_t i = 0; i < nsge && len; i++) {
+        if (off >= sge[i].length) {
+            off -= sge[i].length;
+            continue;
+        }
+        uint64_t take = sge[i].length - off;
+        if (take > len)
+            take = len;
+        memcpy((uint8_t *)(uintptr_t)sge[i].addr + off, src, take);
+        src += take;
+        len -= take;
+        off = 0;
+    }
+}
+
+/* iovecs covering SGE bytes [off, off+len); returns the count (<= max). */
+static int sge_iov(const ks_sge *sge, uint32_t nsge, uint64_t off, uint64_t len,
+                   struct iovec *iov, int max)
+{
+    int n = 0;
+    for (uint32_t i = 0; i < nsge && len && n < max; i++) {
+        if (off >= sge[i].length) {
+            off -= sge[i].length;
+            continue;
+        }
+        uint64_t take = sge[i].length - off;
+        if (take > len)
+            take = len;
+        iov[n].iov_base = (uint8_t *)(uintptr_t)sge[i].addr + off;
+        iov[n].iov_len = take;
+        n++;
+        len -= take;
+        off = 0;
+    }
+    return n;
+}
+
+/* Local SGE check (lkey, PD, bounds, and LOCAL_WRITE when the HCA writes into it). */
+static int sge_ok(ks_engine *e, int pd, const ks_sge *s, int need_write)
+{
+    if (s->length == 0)
+        return 1;
+    ks_mr *mr = mr_get(e, s->lkey);
+    if (!mr || mr->pd != pd)
+        return 0;
+    if (need_write && !(mr->access & KS_ACCESS_LOCAL_WRITE))
+        return 0;
+    if (s->addr < mr->addr || s->addr - mr->addr > mr->length ||
+        s->length > mr->length - (s->addr - mr->addr))
+        return 0;
+    return 1;
+}
+
+/* ------------------------------------------------------------------- requester side */
+
+static uint64_t wqe_wire_len(const ks_wqe *w)
+{
+    return KS_HDR_LEN + (w->opcode == KS_WR_SEND ? w->total : 0);
+}
+
+/* Transmit queued requests.  0: done or would block; <0: -errno (connection broken). */
+static int req_tx(ks_engine *e, ks_qp *qp)
+{
+    ks_conn *c = qp->req;
+    uint64_t budget = KS_TX_BUDGET;
+    while (c && !c->dead && qp->sq_sent != qp->sq_tail && budget) {
+        struct iovec iov[KS_IOV];
+        int cnt = 0;
+        uint64_t skip = c->tx_off;
+        for (uint32_t n = qp->sq_sent; n != qp->sq_tail && cnt < KS_IOV - 1; n++) {
+            ks_wqe *w = &qp->sq[n % qp->max_send_wr];
+            if (skip < KS_HDR_LEN) {
+                iov[cnt].iov_base = w->hdr + skip;
+                iov[cnt].iov_len = KS_HDR_LEN - skip;
+                cnt++;
+                skip = 0;
+            } else {
+                skip -= KS_HDR_LEN;
+            }
+            if (w->opcode == KS_WR_SEND && w->total > skip)
+                cnt += sge_iov(w->sge, w->nsge, skip, w->total - skip, iov + cnt, KS_IOV - cnt);
+            skip = 0;
+        }
+        struct msghdr mh = {.msg_iov = iov, .msg_iovlen = cnt};
+        ssize_t r = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return 0;
+            return -errno;
+        }
+        qp->last_progress = now_ns();
+        e->n_tx_bytes += r;
+        budget = (uint64_t)r >= budget ? 0 : budget - r;
+        uint64_t done = c->tx_off + (uint64_t)r;
+        while (qp->sq_sent != qp->sq_tail) {
+            uint64_t wl = wqe_wire_len(&qp->sq[qp->sq_sent % qp->max_send_wr]);
+            if (done < wl)
+                break;
+            done -= wl;
+            qp->sq_sent++;
+        }
+        c->tx_off = done;
+    }
+    return 0;
+}
+
+static void req_complete_head(ks_qp *qp)
+{
+    ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
+    if ((w->flags & KS_SEND_SIGNALED) || qp->sig_all)
+        push_wc(qp->scq, w->wr_id, KS_WC_SUCCESS, wc_opcode_of(w->opcode),
+                (uint32_t)w->total, qp->qpn);
+    qp->sq_head++;
+}
+
+/* Process what is staged.  0: need more bytes; 1: the QP went to ERR (stop);
+ * <0: protocol violation. */
+static int req_consume(ks_engine *e, ks_qp *qp, ks_conn *c)
+{
+    for (;;) {
+        if (!c->in_payload) {
+            if (c->slen - c->spos < KS_HDR_LEN)
+                return 0;
+            struct ks_hdr h;
+            int rc = ks_hdr_parse(c->stage + c->spos, &h, KS_ROLE_RESPONSES);
+            if (rc < 0)
+                return rc;
+            c->spos += KS_HDR_LEN;
+            if (qp->sq_head == qp->sq_sent)
+                return -EPROTO;             /* response to nothing */
+            ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
+            if (h.psn != w->psn)
+                return -EPROTO;             /* out of order */
+            if ((w->opcode == KS_WR_RDMA_READ) != (h.opcode == KS_OP_READ_RESP))
+                return -EPROTO;
+            if (h.status != 0) {
+                qp_fatal(e, qp, h.status);  /* NAK: e.g. REM_ACCESS_ERR */
+                return 1;
+            }
+            if (h.opcode == KS_OP_READ_RESP && h.length != w->total)
+                return -EPROTO;
+            if (h.length == 0) {
+                req_complete_head(qp);
+                continue;
+            }
+            c->cur = h;
+            c->in_payload = 1;
+            c->pay_off = 0;
+        }
+        uint64_t avail = c->slen - c->spos;
+        if (avail == 0)
+            return 0;
+        uint64_t need = c->cur.length - c->pay_off;
+        uint64_t take = avail < need ? avail : need;
+        ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
+        sge_copy_in(w->sge, w->nsge, c->pay_off, c->stage + c->spos, take);
+        c->spos += take;
+        c->pay_off += take;
+        if (c->pay_off == c->cur.length) {
+            c->in_payload = 0;
+            req_complete_head(qp);
+        }
+    }
+}
+
+static void stage_compact(ks_conn *c)
+{
+    if (c->spos == 0)
+        return;
+    memmove(c->stage, c->stage + c->spos, c->slen - c->spos);
+    c->slen -= c->spos;
+    c->spos = 0;
+}
+
+/* Read responses.  0: fine / would block; 1: QP went to ERR; <0: -errno. */
+static int req_rx(ks_engine *e, ks_qp *qp, ks_conn *c)
+{
+    uint64_t budget = KS_RX_BUDGET;
+    for (;;) {
+        int rc = req_consume(e, qp, c);
+        if (rc != 0)
+            return rc;
+        if (c->dead || qp->req != c || !budget)
+            return 0;
+        ssize_t n;
+        if (c->in_payload) {
+            /* the bulk: straight from the socket into registered memory */
+            ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
+            struct iovec iov[KS_MAX_SGE];
+            int cnt = sge_iov(w->sge, w->nsge, c->pay_off, c->cur.length - c->pay_off, iov,
+                              KS_MAX_SGE);
+            n = readv(c->fd, iov, cnt);
+            if (n > 0) {
+                c->pay_off += n;
+                if (c->pay_off == c->cur.length) {
+                    c->in_payload = 0;
+                    req_complete_head(qp);
+                }
+            }
+        } else {
+            stage_compact(c);
+            uint32_t want = KS_STAGE - c->slen;
+            if (qp->sq_head != qp->sq_sent) {
+                ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
+                if (w->opcode == KS_WR_RDMA_READ && w->total > KS_SMALL)
+                    want = KS_HDR_LEN - c->slen;  /* header only; payload goes direct */
+            }
+            n = recv(c->fd, c->stage + c->slen, want, 0);
+            if (n > 0)
+                c->slen += n;
+        }
+        if (n == 0)
+            return -ECONNRESET;
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return 0;
+            return -errno;
+        }
+        qp->last_progress = now_ns();
+        e->n_rx_bytes += n;
+        budget = (uint64_t)n >= budget ? 0 : budget - n;
+    }
+}
+
+/* ------------------------------------------------------------------- responder side */
+
+static int resp_rx_enabled(ks_conn *c)
+{
+    ks_qp *qp = c->qp;
+    if (!qp || c->dead || c->fatal_after)
+        return 0;
+    if (qp->state != KS_QPS_RTR && qp->state != KS_QPS_RTS)
+        return 0;
+    if (c->jcount >= KS_RESP_JOBS)
+        return 0;
+    if (qp->pend_bytes >= KS_MAX_PENDING)
+        return 0;
+    return 1;
+}
+
+static void job_push(ks_conn *c, uint8_t op, uint32_t psn, uint32_t status,
+                     const uint8_t *data, uint64_t len, uint32_t mr_key)
+{
+    ks_job *j = &c->jobs[(c->jhead + c->jcount) % KS_RESP_JOBS];
+    struct ks_hdr h = {.opcode = op, .status = status, .psn = psn, .length = (uint32_t)len};
+    ks_hdr_build(j->hdr, &h);
+    j->data = data;
+    j->len = len;
+    j->mr_key = mr_key;
+    c->jcount++;
+}
+
+/* Check a READ request against the responder QP and the MR table. */
+static uint32_t read_check(ks_engine *e, ks_qp *qp, const struct ks_hdr *h, const uint8_t **data)
+{
+    *data = NULL;
+    if (!(qp->access & KS_ACCESS_REMOTE_READ))
+        return KS_WC_REM_INV_REQ_ERR;     /* QP does not allow READ: invalid request */
+    if (h->rlen == 0)
+        return KS_WC_SUCCESS;             /* zero-length READ checks no key (IB) */
+    ks_mr *mr = mr_get(e, h->rkey);
+    if (!mr || mr->pd != qp->pd || !(mr->access & KS_ACCESS_REMOTE_READ))
+        return KS_WC_REM_ACCESS_ERR;
+    if (h->raddr < mr->addr || h->raddr - mr->addr > mr->length ||
+        (uint64_t)h->rlen > mr->length - (h->raddr - mr->addr))
+        return KS_WC_REM_ACCESS_ERR;
+    *data = (const uint8_t *)(uintptr_t)h->raddr;
+    return KS_WC_SUCCESS;
+}
+
+/* Deliver buffered SENDs to posted RECVs (in order). */
+static void deliver_pending(ks_engine *e, ks_qp *qp)
+{
+    while (qp->pend_head && qp->rq_head != qp->rq_tail && qp->state != KS_QPS_ERR) {
+        ks_pending *p = qp->pend_head;
+        ks_rwqe *r = &qp->rq[qp->rq_head % qp->max_recv_wr];
+        if (p->len > r->total) {
+            /* RECV too small: local length error, the QP goes to ERR */
+            qp->rq_head++;
+            push_wc(qp->rcq, r->wr_id, KS_WC_LOC_LEN_ERR, KS_WC_RECV, p->len, qp->qpn);
+            qp_fatal_at(e, qp, qp->sq_tail, KS_WC_WR_FLUSH_ERR);
+            return;
+        }
+        sge_copy_in(r->sge, r->nsge, 0, p->data, p->len);
+        qp->rq_head++;
+        push_wc(qp->rcq, r->wr_id, KS_WC_SUCCESS, KS_WC_RECV, p->len, qp->qpn);
+        qp->pend_head = p->next;
+        if (!qp->pend_head)
+            qp->pend_tail = NULL;
+        qp->pend_bytes -= p->len;
+        free(p);
+    }
+}
+
+/* A complete SEND arrived (owned buffer `buf`). */
+static int send_arrived(ks_engine *e, ks_qp *qp, ks_conn *c, uint8_t *buf, uint32_t len,
+                        uint32_t psn)
+{
+    if (!qp->pend_head && qp->rq_head != qp->rq_tail &&
+        len > qp->rq[qp->rq_head % qp->max_recv_wr].total) {
+        /* posted RECV too small: LOC_LEN_ERR here, REM_INV_REQ_ERR at the requester,
+         * then this QP goes to ERR once the NAK is out (IB class C) */
+        ks_rwqe *r = &qp->rq[qp->rq_head % qp->max_recv_wr];
+        qp->rq_head++;
+        push_wc(qp->rcq, r->wr_id, KS_WC_LOC_LEN_ERR, KS_WC_RECV, len, qp->qpn);
+        job_push(c, KS_OP_SEND_ACK, psn, KS_WC_REM_INV_REQ_ERR, NULL, 0, 0);
+        c->fatal_after = 1;
+        return 0;
+    }
+    ks_pending *p = malloc(sizeof *p + len);
+    if (!p)
+        return -ENOMEM;
+    p->next = NULL;
+    p->len = len;
+    if (len)
+        memcpy(p->data, buf, len);
+    if (qp->pend_tail)
+        qp->pend_tail->next = p;
+    else
+        qp->pend_head = p;
+    qp->pend_tail = p;
+    qp->pend_bytes += len;
+    job_push(c, KS_OP_SEND_ACK, psn, 0, NULL, 0, 0);
+    deliver_pending(e, qp);
+    return 0;
+}
+
+/* 0: need bytes / paused; 1: QP went to ERR; <0 protocol error. */
+static int resp_consume(ks_engine *e, ks_qp *qp, ks_conn *c)
+{
+    for (;;) {
+        if (c->dead || qp->resp != c)
+            return 1;
+        if (c->in_payload) {
+            uint64_t avail = c->slen - c->spos;
+            uint64_t need = c->cur.length - c->pay_off;
+            uint64_t take = avail < need ? avail : need;
+            memcpy(c->sendbuf + c->pay_off, c->stage + c->spos, take);
+            c->spos += take;
+            c->pay_off += take;
+            if (c->pay_off < c->cur.length)
+                return 0;
+            c->in_payload = 0;
+            int rc = send_arrived(e, qp, c, c->sendbuf, c->cur.length, c->cur.psn);
+            free(c->sendbuf);
+            c->sendbuf = NULL;
+            if (rc < 0)
+                return rc;
+            if (qp->state == KS_QPS_ERR)
+                return 1;
+            continue;
+        }
+        if (!resp_rx_enabled(c))
+            return 0;
+        if (c->slen - c->spos < KS_HDR_LEN)
+            return 0;
+        struct ks_hdr h;
+        int rc = ks_hdr_parse(c->stage + c->spos, &h, KS_ROLE_REQUESTS);
+        if (rc < 0)
+            return rc;
+        if (h.psn != qp->rq_psn)
+            return -EPROTO;               /* out of order / replayed */
+        c->spos += KS_HDR_LEN;
+        qp->rq_psn = (qp->rq_psn + 1) & 0xFFFFFF;
+        if (h.opcode == KS_OP_READ_REQ) {
+            const uint8_t *data;
+            uint32_t st = read_check(e, qp, &h, &data);
+            if (st == KS_WC_SUCCESS) {
+                job_push(c, KS_OP_READ_RESP, h.psn, 0, data, h.rlen, h.rlen ? h.rkey : 0);
+            } else {
+                job_push(c, KS_OP_READ_RESP, h.psn, st, NULL, 0, 0);
+                c->fatal_after = 1;       /* NAK, then this QP goes to ERR (IB class C) */
+                return 0;
+            }
+        } else {                          /* SEND */
+            c->sendbuf = malloc(h.length ? h.length : 1);
+            if (!c->sendbuf)
+                return -ENOMEM;
+            c->cur = h;
+            c->in_payload = 1;
+            c->pay_off = 0;
+        }
+    }
+}
+
+static int resp_rx(ks_engine *e, ks_qp *qp, ks_conn *c)
+{
+    uint64_t budget = KS_RX_BUDGET;
+    for (;;) {
+        int rc = resp_consume(e, qp, c);
+        if (rc != 0)
+            return rc;
+        if (c->dead || !budget)
+            return 0;
+        if (!c->in_payload && !resp_rx_enabled(c))
+            return 0;
+        ssize_t n;
+        if (c->in_payload && c->spos == c->slen) {
+            n = recv(c->fd, c->sendbuf + c->pay_off, c->cur.length - c->pay_off, 0);
+            if (n > 0)
+                c->pay_off += n;
+            if (n > 0 && c->pay_off == c->cur.length) {
+                /* let resp_consume finish it: nothing staged, payload complete */
+            }
+        } else {
+            stage_compact(c);
+            if (c->slen == KS_STAGE)
+                return 0;
+            n = recv(c->fd, c->stage + c->slen, KS_STAGE - c->slen, 0);
+            if (n > 0)
+                c->slen += n;
+        }
+        if (n == 0)
+            return -ECONNRESET;
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return 0;
+            return -errno;
+        }
+        e->n_rx_bytes += n;
+        budget = (uint64_t)n >= budget ? 0 : budget - n;
+    }
+}
+
+/* Send queued responses.  0 ok/would block; 1: drained a NAK, caller moves QP to ERR;
+ * <0 -errno. */
+static int resp_tx(ks_engine *e, ks_conn *c)
+{
+    uint64_t budget = KS_TX_BUDGET;
+    while (c->jcount && budget) {
+        struct iovec iov[KS_IOV];
+        int cnt = 0;
+        uint64_t skip = c->tx_off;
+        for (uint32_t i = 0; i < c->jcount && cnt < KS_IOV - 1; i++) {
+            ks_job *j = &c->jobs[(c->jhead + i) % KS_RESP_JOBS];
+            if (skip < KS_HDR_LEN) {
+                iov[cnt].iov_base = j->hdr + skip;
+                iov[cnt].iov_len = KS_HDR_LEN - skip;
+                cnt++;
+                skip = 0;
+            } else {
+                skip -= KS_HDR_LEN;
+            }
+            if (j->len > skip) {
+                iov[cnt].iov_base = (void *)(j->data + skip);
+                iov[cnt].iov_len = j->len - skip;
+                cnt++;
+            }
+            skip = 0;
+        }
+        struct msghdr mh = {.msg_iov = iov, .msg_iovlen = cnt};
+        ssize_t r = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return 0;
+            return -errno;
+        }
+        e->n_tx_bytes += r;
+        budget = (uint64_t)r >= budget ? 0 : budget - r;
+        uint64_t done = c->tx_off + (uint64_t)r;
+        while (c->jcount) {
+            ks_job *j = &c->jobs[c->jhead];
+            if (done < KS_HDR_LEN + j->len)
+                break;
+            done -= KS_HDR_LEN + j->len;
+            c->jhead = (c->jhead + 1) % KS_RESP_JOBS;
+            c->jcount--;
+        }
+        c->tx_off = done;
+    }
+    if (c->fatal_after && c->jcount == 0)
+        return 1;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ HELLO */
+
+static void hello_reply(int fd, uint32_t status)
+{
+    uint8_t b[KS_HDR_LEN];
+    struct ks_hdr h = {.opcode = KS_OP_HELLO, .status = status};
+    ks_hdr_build(b, &h);
+    ssize_t r = send(fd, b, sizeof b, MSG_NOSIGNAL | MSG_DONTWAIT);
+    (void)r;
+}
+
+/* Route an accepted connection to its QP.  0 waiting / attached; <0 drop it. */
+static int hello_rx(ks_engine *e, ks_conn *c)
+{
+    for (;;) {
+        uint32_t want;
+        if (c->slen < KS_HDR_LEN) {
+            want = KS_HDR_LEN - c->slen;
+        } else {
+            struct ks_hdr h;
+            int rc = ks_hdr_parse(c->stage, &h, KS_ROLE_HELLO);
+            if (rc < 0)
+                return rc;
+            if (h.length < KS_HELLO_FIXED)
+                return -EPROTO;
+            uint32_t total = KS_HDR_LEN + h.length;
+            if (c->slen == total) {
+                const uint8_t *p = c->stage + KS_HDR_LEN;
+                uint32_t dest = rd32(p), src = rd32(p + 4);
+                ks_qp *qp = qp_get(e, dest);
+                int ok = qp && qp->state != KS_QPS_ERR && !qp->resp &&
+                         (qp->state < KS_QPS_RTR || qp->dest_qpn == src);
+                if (!ok) {
+                    hello_reply(c->fd, KS_WC_REM_INV_REQ_ERR);
+                    return -ECONNREFUSED;
+                }
+                c->jobs = calloc(KS_RESP_JOBS, sizeof(ks_job));
+                if (!c->jobs)
+                    return -ENOMEM;
+                e->n_hello--;
+                c->role = CONN_RESP;
+                c->qp = qp;
+                c->slen = c->spos = 0;
+                qp->resp = c;
+                qp->resp_src_qpn = src;
+                qp->pdata_len = (int)(h.length - KS_HELLO_FIXED);
+                memcpy(qp->pdata, p + KS_HELLO_FIXED, qp->pdata_len);
+                hello_reply(c->fd, 0);
+                conn_update_events(e, c);
+                return 0;
+            }
+            want = total - c->slen;
+        }
+        ssize_t n = recv(c->fd, c->stage + c->slen, want, 0);
+        if (n == 0)
+            return -ECONNRESET;
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return 0;
+            return -errno;
+        }
+        c->slen += n;
+    }
+}
+
+/* ------------------------------------------------------------------- engine thread */
+
+static void conn_drop(ks_engine *e, ks_conn *c, int err, uint32_t status)
+{
+    ks_qp *qp = c->qp;
+    e->n_dropped_conns++;
+    if (qp && (qp->state == KS_QPS_RTR || qp->state == KS_QPS_RTS))
+        qp_fatal(e, qp, status);
+    else
+        conn_kill(e, c);
+    (void)err;
+}
+
+static void handle_conn(ks_engine *e, ks_conn *c, uint32_t ev)
+{
+    int rc;
+    if (c->role == CONN_HELLO) {
+        rc = hello_rx(e, c);
+        if (rc < 0)
+            conn_drop(e, c, rc, KS_WC_WR_FLUSH_ERR);
+        return;
+    }
+    ks_qp *qp = c->qp;
+    if (!qp)
+        return;
+    if (c->role == CONN_REQ) {
+        if (ev & EPOLLOUT) {
+            rc = req_tx(e, qp);
+            if (rc < 0) {
+                conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
+                return;
+            }
+        }
+        if (ev & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
+            rc = req_rx(e, qp, c);
+            if (rc == -EPROTO || rc == -EMSGSIZE) {
+                conn_drop(e, c, rc, KS_WC_BAD_RESP_ERR);
+                return;
+            }
+            if (rc < 0) {
+                conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
+                return;
+            }
+        }
+        conn_update_events(e, c);
+        return;
+    }
+    /* responder */
+    if (ev & EPOLLOUT) {
+        rc = resp_tx(e, c);
+        if (rc == 1) {
+            qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
+            return;
+        }
+        if (rc < 0) {
+            conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
+            return;
+        }
+    }
+    if (ev & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
+        rc = resp_rx(e, qp, c);
+        if (rc < 0) {
+            conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
+            return;
+        }
+    }
+    if (c->dead)
+        return;
+    /* answer what was just parsed right away (the common case needs no EPOLLOUT) */
+    if (c->jcount) {
+        rc = resp_tx(e, c);
+        if (rc == 1) {
+            qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
+            return;
+        }
+        if (rc < 0) {
+            conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
+            return;
+        }
+        /* jobs drained: staged requests may be waiting for room */
+        if (resp_rx_enabled(c) && c->slen > c->spos) {
+            rc = resp_consume(e, qp, c);
+            if (rc < 0) {
+                conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
+                return;
+            }
+            if (!c->dead && c->jcount && (rc = resp_tx(e, c)) != 0) {
+                if (rc == 1)
+                    qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
+                else
+                    conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
+                return;
+            }
+        }
+    }
+    conn_update_events(e, c);
+}
+
+static void accept_all(ks_engine *e)
+{
+    for (;;) {
+        int fd = accept4(e->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0)
+            return;
+        if (e->n_hello >= KS_MAX_HELLO_CONNS) {
+            close(fd);
+            e->n_dropped_conns++;
+            continue;
+        }
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        ks_conn *c = conn_new(e, fd, CONN_HELLO);
+        if (!c) {
+            close(fd);
+            continue;
+        }
+        c->hello_deadline = now_ns() + (uint64_t)KS_HELLO_TIMEOUT_MS * 1000000ull;
+    }
+}
+
+/* Transport timers and HELLO deadlines.  Returns the epoll timeout in ms. */
+static int run_timers(ks_engine *e)
+{
+    uint64_t now = now_ns();
+    uint64_t next = now + 1000000000ull;
+    for (uint32_t i = 0; i < e->qp_hi; i++) {
+        ks_qp *qp = e->qps[i];
+        if (!qp || qp->state != KS_QPS_RTS || !qp->timeout_ns)
+            continue;
+        if (qp->sq_head == qp->sq_tail) {
+            if (now + 50000000ull < next)
+                next = now + 50000000ull; /* a post may arm the timer while we sleep */
+            continue;
+        }
+        uint64_t dl = qp->last_progress + qp->timeout_ns;
+        if (dl <= now) {
+            e->n_dropped_conns++;
+            qp_fatal(e, qp, KS_WC_RETRY_EXC_ERR);
+            continue;
+        }
+        if (dl < next)
+            next = dl;
+    }
+    for (ks_conn *c = e->conns, *n; c; c = n) {
+        n = c->next;
+        if (c->role == CONN_HELLO && c->hello_deadline <= now) {
+            e->n_dropped_conns++;
+            conn_kill(e, c);
+        }
+    }
+    uint64_t ms = (next > now ? next - now : 0) / 1000000ull + 1;
+    return ms > 1000 ? 1000 : (int)ms;
+}
+
+static void *engine_main(void *arg)
+{
+    ks_engine *e = arg;
+    struct epoll_event evs[64];
+    int timeout = 100;
+    for (;;) {
+        int n = epoll_wait(e->epfd, evs, 64, timeout);
+        pthread_mutex_lock(&e->lock);
+        if (e->stop) {
+            pthread_mutex_unlock(&e->lock);
+            break;
+        }
+        pthread_mutex_unlock(&e->lock);
+        for (int i = 0; i < n; i++) {
+            pthread_mutex_lock(&e->lock);
+            void *p = evs[i].data.ptr;
+            if (p == &TAG_LISTEN) {
+                accept_all(e);
+            } else if (p == &TAG_KICK) {
+                uint64_t v;
+                ssize_t r = read(e->kickfd, &v, sizeof v);
+                (void)r;
+            } else {
+                ks_conn *c = p;
+                if (!c->dead)
+                    handle_conn(e, c, evs[i].events);
+            }
+            pthread_mutex_unlock(&e->lock);
+        }
+        pthread_mutex_lock(&e->lock);
+        uint64_t now = now_ns();
+        if (n == 0 || now - e->last_timer > 1000000ull) {
+            timeout = run_timers(e);
+            e->last_timer = now;
+        }
+        graveyard_free(e);
+        pthread_mutex_unlock(&e->lock);
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ Python binding */
+
+typedef struct {
+    PyObject_HEAD
+    ks_engine *e;
+} EngineObject;
+
+static PyObject *raise_errno(int err, const char *what)
+{
+    PyObject *args = Py_BuildValue("(is)", err, what);
+    if (args) {
+        PyErr_SetObject(PyExc_OSError, args);
+        Py_DECREF(args);
+    }
+    return NULL;
+}
+
+/* Take eng->lock without holding the GIL while waiting (the engine thread may hold it
+ * for a bounded socket operation). */
+static void lock_nogil(ks_engine *e)
+{
+    if (pthread_mutex_trylock(&e->lock) == 0)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&e->lock);
+    Py_END_ALLOW_THREADS
+}
+
+static void engine_shutdown(ks_engine *e)
+{
+    if (!e)
+        return;
+    if (e->thread_started) {
+        pthread_mutex_lock(&e->lock);
+        e->stop = 1;
+        pthread_mutex_unlock(&e->lock);
+        uint64_t one = 1;
+        ssize_t r = write(e->kickfd, &one, sizeof one);
+        (void)r;
+        pthread_join(e->thread, NULL);
+        e->thread_started = 0;
+    }
+    for (ks_conn *c = e->conns, *n; c; c = n) {
+        n = c->next;
+        conn_kill(e, c);
+    }
+    graveyard_free(e);
+    for (int i = 0; i < KS_MAX_QP; i++) {
+        ks_qp *qp = e->qps[i];
+        if (qp) {
+            pending_free(qp);
+            free(qp->sq);
+            free(qp->rq);
+            free(qp);
+            e->qps[i] = NULL;
+        }
+    }
+    for (int i = 0; i < KS_MAX_MR; i++) {
+        free(e->mrs[i]);
+        e->mrs[i] = NULL;
+    }
+    for (int i = 0; i < KS_MAX_CQ; i++) {
+        ks_cq *cq = e->cqs[i];
+        if (cq) {
+            close(cq->efd);
+            pthread_mutex_destroy(&cq->lock);
+            free(cq->ring);
+            free(cq);
+            e->cqs[i] = NULL;
+        }
+    }
+    if (e->lfd >= 0)
+        close(e->lfd);
+    if (e->kickfd >= 0)
+        close(e->kickfd);
+    if (e->epfd >= 0)
+        close(e->epfd);
+    pthread_mutex_destroy(&e->lock);
+    pthread_mutex_destroy(&e->cq_tab_lock);
+    free(e);
+}
+
+static void Engine_dealloc(EngineObject *self)
+{
+    ks_engine *e = self->e;
+    self->e = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    engine_shutdown(e);
+    Py_END_ALLOW_THREADS
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"ip", "port", NULL};
+    const char *ip;
+    int port = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|i", kwlist, &ip, &port))
+        return -1;
+    if (self->e) {
+        PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
+        return -1;
+    }
+    ks_engine *e = calloc(1, sizeof *e);
+    if (!e) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    e->epfd = e->lfd = e->kickfd = -1;
+    pthread_mutex_init(&e->lock, NULL);
+    pthread_mutex_init(&e->cq_tab_lock, NULL);
+    uint32_t r;
+    if (getrandom(&r, sizeof r, 0) != sizeof r)
+        r = (uint32_t)now_ns();
+    e->qp_gen = r & 0xFFF;
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    if (inet_pton(AF_INET, ip, &sa.sin_addr) != 1) {
+        engine_shutdown(e);
+        PyErr_Format(PyExc_ValueError, "not an IPv4 address: %s", ip);
+        return -1;
+    }
+    e->ip = sa.sin_addr.s_addr;
+    e->epfd = epoll_create1(EPOLL_CLOEXEC);
+    e->kickfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    e->lfd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    int one = 1;
+    if (e->epfd < 0 || e->kickfd < 0 || e->lfd < 0 ||
+        setsockopt(e->lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0 ||
+        bind(e->lfd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(e->lfd, 256) < 0) {
+        int err = errno;
+        engine_shutdown(e);
+        raise_errno(err, "soft engine listener");
+        return -1;
+    }
+    socklen_t sl = sizeof sa;
+    getsockname(e->lfd, (struct sockaddr *)&sa, &sl);
+    e->port = ntohs(sa.sin_port);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &TAG_LISTEN};
+    epoll_ctl(e->epfd, EPOLL_CTL_ADD, e->lfd, &ev);
+    struct epoll_event ev2 = {.events = EPOLLIN, .data.ptr = &TAG_KICK};
+    epoll_ctl(e->epfd, EPOLL_CTL_ADD, e->kickfd, &ev2);
+    int err = pthread_create(&e->thread, NULL, engine_main, e);
+    if (err) {
+        engine_shutdown(e);
+        raise_errno(err, "soft engine thread");
+        return -1;
+    }
+    e->thread_started = 1;
+    self->e = e;
+    return 0;
+}
+
+#define ENGINE_OR_FAIL(self)                                            \
+    ks_engine *e = (self)->e;                                           \
+    if (!e)                                                             \
+        return raise_errno(EBADF, "engine is closed");
+
+static PyObject *Engine_close(EngineObject *self, PyObject *unused)
+{
+    ks_engine *e = self->e;
+    self->e = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    engine_shutdown(e);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_port(EngineObject *self, void *closure)
+{
+    ENGINE_OR_FAIL(self);
+    return PyLong_FromLong(e->port);
+}
+
+static PyObject *Engine_stats(EngineObject *self, PyObject *unused)
+{
+    ENGINE_OR_FAIL(self);
+    lock_nogil(e);
+    uint64_t d = e->n_dropped_conns, rx = e->n_rx_bytes, tx = e->n_tx_bytes;
+    int conns = 0, qps = 0;
+    for (ks_conn *c = e->conns; c; c = c->next)
+        conns++;
+    for (uint32_t i = 0; i < e->qp_hi; i++)
+        qps += e->qps[i] != NULL;
+    pthread_mutex_unlock(&e->lock);
+    return Py_BuildValue("{s:K,s:K,s:K,s:i,s:i}", "dropped_conns", (unsigned long long)d,
+                         "rx_bytes", (unsigned long long)rx, "tx_bytes", (unsigned long long)tx,
+                         "conns", conns, "qps", qps);
+}
+
+/* ---- MRs */
+
+static PyObject *Engine_reg_mr(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    int pd, access;
+    unsigned long long addr, length;
+    if (!PyArg_ParseTuple(args, "iKKi", &pd, &addr, &length, &access))
+        return NULL;
+    if (addr + length < addr)
+        return raise_errno(EINVAL, "reg_mr: address range wraps");
+    ks_mr *mr = calloc(1, sizeof *mr);
+    if (!mr)
+        return PyErr_NoMemory();
+    mr->pd = pd;
+    mr->addr = addr;
+    mr->length = length;
+    mr->access = access;
+    uint32_t rnd;
+    if (getrandom(&rnd, sizeof rnd, 0) != sizeof rnd)
+        rnd = (uint32_t)now_ns();
+    lock_nogil(e);
+    int slot = -1;
+    for (int i = 1; i < KS_MAX_MR; i++) {  /* slot 0 unused: key 0 is never valid */
+        if (!e->mrs[i]) {
+            slot = i;
+            break;
+        }
+    }
+    if (slot < 0) {
+        pthread_mutex_unlock(&e->lock);
+        free(mr);
+        return raise_errno(ENOMEM, "reg_mr: too many MRs");
+    }
+    mr->key = (rnd << 12) | (uint32_t)slot;
+    e->mrs[slot] = mr;
+    pthread_mutex_unlock(&e->lock);
+    return PyLong_FromUnsignedLong(mr->key);
+}
+
+static int wqe_uses(const ks_sge *s, uint32_t n, uint32_t key)
+{
+    for (uint32_t i = 0; i < n; i++)
+        if (s[i].lkey == key && s[i].length)
+            return 1;
+    return 0;
+}
+
+static PyObject *Engine_dereg_mr(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int key;
+    if (!PyArg_ParseTuple(args, "I", &key))
+        return NULL;
+    lock_nogil(e);
+    ks_mr *mr = mr_get(e, key);
+    if (!mr) {
+        pthread_mutex_unlock(&e->lock);
+        return raise_errno(EINVAL, "dereg_mr: unknown key");
+    }
+    e->mrs[key & (KS_MAX_MR - 1)] = NULL;
+    /* Nothing may touch this memory after we return: kill users of it. */
+    for (uint32_t i = 0; i < e->qp_hi; i++) {
+        ks_qp *qp = e->qps[i];
+        if (!qp)
+            continue;
+        int busy = 0;
+        for (uint32_t n = qp->sq_head; n != qp->sq_tail && !busy; n++) {
+            ks_wqe *w = &qp->sq[n % qp->max_send_wr];
+            busy = wqe_uses(w->sge, w->nsge, key);
+        }
+        for (uint32_t n = qp->rq_head; n != qp->rq_tail && !busy; n++) {
+            ks_rwqe *r = &qp->rq[n % qp->max_recv_wr];
+            busy = wqe_uses(r->sge, r->nsge, key);
+        }
+        ks_conn *c = qp->resp;
+        for (uint32_t j = 0; c && j < c->jcount && !busy; j++)
+            busy = c->jobs[(c->jhead + j) % KS_RESP_JOBS].mr_key == key;
+        if (busy) {
+            if (qp->state == KS_QPS_RESET || qp->state == KS_QPS_ERR) {
+                conn_kill(e, qp->resp);
+                conn_kill(e, qp->req);
+            } else {
+                qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
+            }
+        }
+    }
+    pthread_mutex_unlock(&e->lock);
+    free(mr);
+    Py_RETURN_NONE;
+}
+
+/* ---- CQs */
+
+static PyObject *Engine_create_cq(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    int cqe;
+    if (!PyArg_ParseTuple(args, "i", &cqe))
+        return NULL;
+    if (cqe < 1)
+        cqe = 1;
+    ks_cq *cq = calloc(1, sizeof *cq);
+    if (!cq)
+        return PyErr_NoMemory();
+    cq->cap = (uint32_t)cqe;
+    cq->ring = malloc(sizeof(ks_wc) * cq->cap);
+    cq->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (!cq->ring || cq->efd < 0) {
+        int err = errno;
+        free(cq->ring);
+        if (cq->efd >= 0)
+            close(cq->efd);
+        free(cq);
+        return raise_errno(err ? err : ENOMEM, "create_cq");
+    }
+    pthread_mutex_init(&cq->lock, NULL);
+    lock_nogil(e);
+    pthread_mutex_lock(&e->cq_tab_lock);
+    int slot = -1;
+    for (int i = 0; i < KS_MAX_CQ; i++) {
+        if (!e->cqs[i]) {
+            slot = i;
+            break;
+        }
+    }
+    if (slot >= 0) {
+        cq->id = slot;
+        e->cqs[slot] = cq;
+    }
+    pthread_mutex_unlock(&e->cq_tab_lock);
+    pthread_mutex_unlock(&e->lock);
+    if (slot < 0) {
+        close(cq->efd);
+        free(cq->ring);
+        free(cq);
+        return raise_errno(ENOMEM, "create_cq: too many CQs");
+    }
+    return Py_BuildValue("(ii)", slot, cq->efd);
+}
+
+static PyObject *Engine_destroy_cq(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    int id;
+    if (!PyArg_ParseTuple(args, "i", &id))
+        return NULL;
+    if (id < 0 || id >= KS_MAX_CQ)
+        return raise_errno(EINVAL, "destroy_cq: bad id");
+    lock_nogil(e);
+    ks_cq *cq = e->cqs[id];
+    if (!cq) {
+        pthread_mutex_unlock(&e->lock);
+        return raise_errno(EINVAL, "destroy_cq: unknown CQ");
+    }
+    if (cq->refs) {
+        pthread_mutex_unlock(&e->lock);
+        return raise_errno(EBUSY, "destroy_cq: QPs still use this CQ");
+    }
+    pthread_mutex_lock(&e->cq_tab_lock);
+    e->cqs[id] = NULL;
+    pthread_mutex_unlock(&e->cq_tab_lock);
+    pthread_mutex_unlock(&e->lock);
+    close(cq->efd);
+    pthread_mutex_destroy(&cq->lock);
+    free(cq->ring);
+    free(cq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_poll_cq(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    int id, num;
+    if (!PyArg_ParseTuple(args, "ii", &id, &num))
+        return NULL;
+    if (id < 0 || id >= KS_MAX_CQ)
+        return raise_errno(EINVAL, "poll_cq: bad id");
+    if (num < 1)
+        num = 1;
+    if (num > 4096)
+        num = 4096;
+    ks_wc local[64];
+    ks_wc *buf = num <= 64 ? local : malloc(sizeof(ks_wc) * num);
+    if (!buf)
+        return PyErr_NoMemory();
+    int got = 0, missing = 0;
+    pthread_mutex_lock(&e->cq_tab_lock);
+    ks_cq *cq = e->cqs[id];
+    if (!cq) {
+        missing = 1;
+    } else {
+        pthread_mutex_lock(&cq->lock);
+        while (got < num && cq->count) {
+            buf[got++] = cq->ring[cq->head];
+            cq->head = (cq->head + 1) % cq->cap;
+            cq->count--;
+        }
+        if (cq->count == 0) {
+            uint64_t v;
+            ssize_t r = read(cq->efd, &v, sizeof v);  /* re-arm: fd unreadable when empty */
+            (void)r;
+        }
+        pthread_mutex_unlock(&cq->lock);
+    }
+    pthread_mutex_unlock(&e->cq_tab_lock);
+    if (missing) {
+        if (buf != local)
+            free(buf);
+        return raise_errno(EBADF, "poll_cq: CQ destroyed");
+    }
+    PyObject *list = PyList_New(got);
+    for (int i = 0; list && i < got; i++) {
+        PyObject *t = Py_BuildValue("(KIIIII)", (unsigned long long)buf[i].wr_id, buf[i].status,
+                                    buf[i].opcode, buf[i].byte_len, buf[i].qp_num,
+                                    buf[i].vendor_err);
+        if (!t) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, t);
+    }
+    if (buf != local)
+        free(buf);
+    return list;
+}
+
+/* ---- QPs */
+
+static PyObject *Engine_create_qp(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    int pd, scq_id, rcq_id, sig_all;
+    unsigned int msw, mrw, mss, mrs;
+    if (!PyArg_ParseTuple(args, "iiiIIIIp", &pd, &scq_id, &rcq_id, &msw, &mrw, &mss, &mrs,
+                          &sig_all))
+        return NULL;
+    if (msw < 1 || msw > KS_MAX_WR || mrw < 1 || mrw > KS_MAX_WR || mss < 1 ||
+        mss > KS_MAX_SGE || mrs < 1 || mrs > KS_MAX_SGE)
+        return raise_errno(EINVAL, "create_qp: capabilities out of range");
+    if (scq_id < 0 || scq_id >= KS_MAX_CQ || rcq_id < 0 || rcq_id >= KS_MAX_CQ)
+        return raise_errno(EINVAL, "create_qp: bad CQ");
+    ks_qp *qp = calloc(1, sizeof *qp);
+    if (!qp)
+        return PyErr_NoMemory();
+    qp->sq = calloc(msw, sizeof(ks_wqe));
+    qp->rq = calloc(mrw, sizeof(ks_rwqe));
+    if (!qp->sq || !qp->rq) {
+        free(qp->sq);
+        free(qp->rq);
+        free(qp);
+        return PyErr_NoMemory();
+    }
+    qp->pd = pd;
+    qp->sig_all = sig_all;
+    qp->max_send_wr = msw;
+    qp->max_recv_wr = mrw;
+    qp->max_send_sge = mss;
+    qp->max_recv_sge = mrs;
+    qp->pdata_len = -1;
+    qp->state = KS_QPS_RESET;
+    lock_nogil(e);
+    qp->scq = e->cqs[scq_id];
+    qp->rcq = e->cqs[rcq_id];
+    int slot = -1;
+    for (int i = 0; i < KS_MAX_QP; i++) {
+        if (!e->qps[i]) {
+            slot = i;
+            break;
+        }
+    }
+    if (!qp->scq || !qp->rcq || slot < 0) {
+        pthread_mutex_unlock(&e->lock);
+        free(qp->sq);
+        free(qp->rq);
+        free(qp);
+        return raise_errno(slot < 0 ? ENOMEM : EINVAL, "create_qp");
+    }
+    e->qp_gen = (e->qp_gen + 1) & 0xFFF;
+    qp->qpn = (e->qp_gen << 12) | (uint32_t)slot;
+    if (qp->qpn == 0)                         /* QPN 0 is reserved (SMI) */
+        qp->qpn = (++e->qp_gen & 0xFFF) << 12 | (uint32_t)slot;
+    qp->scq->refs++;
+    qp->rcq->refs++;
+    e->qps[slot] = qp;
+    if ((uint32_t)slot + 1 > e->qp_hi)
+        e->qp_hi = slot + 1;
+    pthread_mutex_unlock(&e->lock);
+    return PyLong_FromUnsignedLong(qp->qpn);
+}
+
+static PyObject *Engine_destroy_qp(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int qpn;
+    if (!PyArg_ParseTuple(args, "I", &qpn))
+        return NULL;
+    lock_nogil(e);
+    ks_qp *qp = qp_get(e, qpn);
+    if (!qp) {
+        pthread_mutex_unlock(&e->lock);
+        return raise_errno(EINVAL, "destroy_qp: unknown QP");
+    }
+    conn_kill(e, qp->req);
+    conn_kill(e, qp->resp);
+    e->qps[qpn & (KS_MAX_QP - 1)] = NULL;
+    qp->scq->refs--;
+    qp->rcq->refs--;
+    pthread_mutex_unlock(&e->lock);
+    pending_free(qp);
+    free(qp->sq);
+    free(qp->rq);
+    free(qp);
+    Py_RETURN_NONE;
+}
+
+static ks_qp *qp_locked(ks_engine *e, unsigned int qpn)
+{
+    lock_nogil(e);
+    ks_qp *qp = qp_get(e, qpn);
+    if (!qp) {
+        pthread_mutex_unlock(&e->lock);
+        raise_errno(EINVAL, "unknown QP");
+    }
+    return qp;
+}
+
+static PyObject *Engine_qp_state(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int qpn;
+    if (!PyArg_ParseTuple(args, "I", &qpn))
+        return NULL;
+    ks_qp *qp = qp_locked(e, qpn);
+    if (!qp)
+        return NULL;
+    int st = qp->state;
+    pthread_mutex_unlock(&e->lock);
+    return PyLong_FromLong(st);
+}
+
+static PyObject *Engine_qp_private_data(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int qpn;
+    if (!PyArg_ParseTuple(args, "I", &qpn))
+        return NULL;
+    ks_qp *qp = qp_locked(e, qpn);
+    if (!qp)
+        return NULL;
+    uint8_t buf[KS_MAX_PDATA];
+    int n = qp->pdata_len;
+    if (n > 0)
+        memcpy(buf, qp->pdata, n);
+    pthread_mutex_unlock(&e->lock);
+    if (n < 0)
+        Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize((const char *)buf, n);
+}
+
+static PyObject *Engine_qp_init(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int qpn;
+    int access;
+    if (!PyArg_ParseTuple(args, "Ii", &qpn, &access))
+        return NULL;
+    ks_qp *qp = qp_locked(e, qpn);
+    if (!qp)
+        return NULL;
+    qp->access = access;
+    if (qp->state == KS_QPS_RESET)
+        qp->state = KS_QPS_INIT;
+    pthread_mutex_unlock(&e->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_qp_set_access(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int qpn;
+    int access;
+    if (!PyArg_ParseTuple(args, "Ii", &qpn, &access))
+        return NULL;
+    ks_qp *qp = qp_locked(e, qpn);
+    if (!qp)
+        return NULL;
+    qp->access = access;
+    pthread_mutex_unlock(&e->lock);
+    Py_RETURN_NONE;
+}
+
+/* INIT -> RTR: adopt the connected (HELLO-acknowledged) requester socket `fd`. */
+static PyObject *Engine_qp_rtr(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int qpn, dest, rq_psn;
+    int fd;
+    if (!PyArg_ParseTuple(args, "IiII", &qpn, &fd, &dest, &rq_psn))
+        return NULL;
+    ks_qp *qp = qp_locked(e, qpn);
+    if (!qp)
+        return NULL;
+    if (qp->state != KS_QPS_INIT) {
+        pthread_mutex_unlock(&e->lock);
+        return raise_errno(EINVAL, "qp_rtr: QP not in INIT");
+    }
+    int fl = fcntl(fd, F_GETFL);
+    fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+    ks_conn *c = conn_new(e, fd, CONN_REQ);
+    if (!c) {
+        pthread_mutex_unlock(&e->lock);
+        return raise_errno(ENOMEM, "qp_rtr: connection");
+    }
+    c->qp = qp;
+    qp->req = c;
+    qp->dest_qpn = dest;
+    qp->rq_psn = rq_psn & 0xFFFFFF;
+    qp->state = KS_QPS_RTR;
+    if (qp->resp) {
+        if (qp->resp_src_qpn != dest) {
+            conn_kill(e, qp->resp);  /* someone else connected to us: not our peer */
+            qp->pdata_len = -1;
+        } else {
+            ks_conn *r = qp->resp;
+            conn_update_events(e, r);
+            if (r->slen > r->spos) {  /* requests arrived before RTR */
+                int rc = resp_rx(e, qp, r);
+                if (rc < 0)
+                    conn_drop(e, r, rc, KS_WC_RETRY_EXC_ERR);
+                else if (!r->dead && r->jcount) {
+                    rc = resp_tx(e, r);
+                    if (rc == 1)
+                        qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
+                    else if (rc < 0)
+                        conn_drop(e, r, rc, KS_WC_RETRY_EXC_ERR);
+                    else
+                        conn_update_events(e, r);
+                }
+            }
+        }
+    }
+    pthread_mutex_unlock(&e->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_qp_rts(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int qpn, sq_psn;
+    unsigned long long timeout_ns;
+    int set_psn;
+    if (!PyArg_ParseTuple(args, "IIKp", &qpn, &sq_psn, &timeout_ns, &set_psn))
+        return NULL;
+    ks_qp *qp = qp_locked(e, qpn);
+    if (!qp)
+        return NULL;
+    if (qp->state != KS_QPS_RTR && qp->state != KS_QPS_RTS) {
+        pthread_mutex_unlock(&e->lock);
+        return raise_errno(EINVAL, "qp_rts: QP not in RTR/RTS");
+    }
+    if (set_psn)
+        qp->sq_psn = sq_psn & 0xFFFFFF;
+    qp->timeout_ns = timeout_ns;
+    qp->state = KS_QPS_RTS;
+    pthread_mutex_unlock(&e->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_qp_reset(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int qpn;
+    if (!PyArg_ParseTuple(args, "I", &qpn))
+        return NULL;
+    ks_qp *qp = qp_locked(e, qpn);
+    if (!qp)
+        return NULL;
+    qp_to_reset(e, qp);
+    pthread_mutex_unlock(&e->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_qp_err(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int qpn;
+    if (!PyArg_ParseTuple(args, "I", &qpn))
+        return NULL;
+    ks_qp *qp = qp_locked(e, qpn);
+    if (!qp)
+        return NULL;
+    if (qp->state == KS_QPS_RESET)
+        qp->state = KS_QPS_ERR;
+    else
+        qp_fatal_at(e, qp, qp->sq_tail, KS_WC_WR_FLUSH_ERR);
+    pthread_mutex_unlock(&e->lock);
+    Py_RETURN_NONE;
+}
+
+/* Parse [(addr, length, lkey), ...] */
+static int parse_sges(PyObject *seq, ks_sge *out, uint32_t max, uint32_t *n, uint64_t *total)
+{
+    PyObject *fast = PySequence_Fast(seq, "sg_list must be a sequence");
+    if (!fast)
+        return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+    if ((uint64_t)len > max) {
+        Py_DECREF(fast);
+        raise_errno(EINVAL, "too many SGEs");
+        return -1;
+    }
+    *total = 0;
+    for (Py_ssize_t i = 0; i < len; i++) {
+        unsigned long long addr;
+        unsigned int length, lkey;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KII", &addr, &length, &lkey)) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        out[i].addr = addr;
+        out[i].length = length;
+        out[i].lkey = lkey;
+        *total += length;
+    }
+    *n = (uint32_t)len;
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* post_send(qpn, [(wr_id, opcode, flags, remote_addr, rkey, [(addr, len, lkey), ...]), ...]) */
+static PyObject *Engine_post_send(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int qpn;
+    PyObject *wrs;
+    if (!PyArg_ParseTuple(args, "IO", &qpn, &wrs))
+        return NULL;
+    PyObject *fast = PySequence_Fast(wrs, "post_send needs a sequence of WRs");
+    if (!fast)
+        return NULL;
+    Py_ssize_t nwr = PySequence_Fast_GET_SIZE(fast);
+    ks_wqe one;
+    ks_wqe *tmp = nwr <= 1 ? &one : malloc(sizeof(ks_wqe) * (size_t)nwr);
+    if (!tmp) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < nwr; i++) {
+        unsigned long long wr_id, raddr;
+        unsigned int opcode, flags, rkey;
+        PyObject *sges;
+        ks_wqe *w = &tmp[i];
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KIIKIO", &wr_id, &opcode,
+                              &flags, &raddr, &rkey, &sges) ||
+            parse_sges(sges, w->sge, KS_MAX_SGE, &w->nsge, &w->total) < 0) {
+            if (tmp != &one)
+                free(tmp);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        w->wr_id = wr_id;
+        w->opcode = opcode;
+        w->flags = flags;
+        w->raddr = raddr;
+        w->rkey = rkey;
+        if ((opcode != KS_WR_RDMA_READ && opcode != KS_WR_SEND) ||
+            (opcode == KS_WR_RDMA_READ && w->total > KS_MAX_MSG) ||
+            (opcode == KS_WR_SEND && w->total > KS_MAX_SEND)) {
+            if (tmp != &one)
+                free(tmp);
+            Py_DECREF(fast);
+            return raise_errno(EINVAL, "post_send: unsupported opcode or message too long");
+        }
+    }
+    Py_DECREF(fast);
+    int err = 0;
+    const char *why = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&e->lock);
+    ks_qp *qp = qp_get(e, qpn);
+    if (!qp) {
+        err = EINVAL;
+        why = "post_send: unknown QP";
+    } else if (qp->state != KS_QPS_RTS) {
+        err = EINVAL;
+        why = "post_send: QP is not in RTS";
+    } else if ((uint64_t)(qp->sq_tail - qp->sq_head) + (uint64_t)nwr > qp->max_send_wr) {
+        err = ENOMEM;
+        why = "post_send: send queue full";
+    } else {
+        for (Py_ssize_t i = 0; i < nwr; i++)
+            if (tmp[i].nsge > qp->max_send_sge) {
+                err = EINVAL;
+                why = "post_send: more SGEs than max_send_sge";
+            }
+    }
+    if (!err) {
+        int was_idle = qp->sq_head == qp->sq_tail;
+        for (Py_ssize_t i = 0; i < nwr && qp->state == KS_QPS_RTS; i++) {
+            ks_wqe *w = &qp->sq[qp->sq_tail % qp->max_send_wr];
+            *w = tmp[i];
+            w->psn = qp->sq_psn;
+            qp->sq_psn = (qp->sq_psn + 1) & 0xFFFFFF;
+            struct ks_hdr h = {.psn = w->psn};
+            if (w->opcode == KS_WR_RDMA_READ) {
+                h.opcode = KS_OP_READ_REQ;
+                h.rkey = w->rkey;
+                h.rlen = (uint32_t)w->total;
+                h.raddr = w->raddr;
+            } else {
+                h.opcode = KS_OP_SEND;
+                h.length = (uint32_t)w->total;
+            }
+            ks_hdr_build(w->hdr, &h);
+            uint32_t at = qp->sq_tail++;
+            int ok = 1;
+            for (uint32_t s = 0; s < w->nsge && ok; s++)
+                ok = sge_ok(e, qp->pd, &w->sge[s], w->opcode == KS_WR_RDMA_READ);
+            if (!ok)   /* failed WRs are WCs, not exceptions */
+                qp_fatal_at(e, qp, at, KS_WC_LOC_PROT_ERR);
+        }
+        if (qp->state == KS_QPS_RTS) {
+            if (was_idle)
+                qp->last_progress = now_ns();
+            int rc = req_tx(e, qp);
+            if (rc < 0)
+                qp_fatal(e, qp, KS_WC_RETRY_EXC_ERR);
+            else if (qp->req)
+                conn_update_events(e, qp->req);
+        }
+    }
+    pthread_mutex_unlock(&e->lock);
+    Py_END_ALLOW_THREADS
+    if (tmp != &one)
+        free(tmp);
+    if (err)
+        return raise_errno(err, why);
+    Py_RETURN_NONE;
+}
+
+/* post_recv(qpn, [(wr_id, [(addr, len, lkey), ...]), ...]) */
+static PyObject *Engine_post_recv(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int qpn;
+    PyObject *wrs;
+    if (!PyArg_ParseTuple(args, "IO", &qpn, &wrs))
+        return NULL;
+    PyObject *fast = PySequence_Fast(wrs, "post_recv needs a sequence of WRs");
+    if (!fast)
+        return NULL;
+    Py_ssize_t nwr = PySequence_Fast_GET_SIZE(fast);
+    ks_rwqe *tmp = malloc(sizeof(ks_rwqe) * (size_t)(nwr ? nwr : 1));
+    if (!tmp) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < nwr; i++) {
+        unsigned long long wr_id;
+        PyObject *sges;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KO", &wr_id, &sges) ||
+            parse_sges(sges, tmp[i].sge, KS_MAX_SGE, &tmp[i].nsge, &tmp[i].total) < 0) {
+            free(tmp);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        tmp[i].wr_id = wr_id;
+    }
+    Py_DECREF(fast);
+    int err = 0;
+    const char *why = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&e->lock);
+    ks_qp *qp = qp_get(e, qpn);
+    if (!qp) {
+        err = EINVAL;
+        why = "post_recv: unknown QP";
+    } else if (qp->state == KS_QPS_RESET) {
+        err = EINVAL;
+        why = "post_recv: QP is in RESET";
+    } else if ((uint64_t)(qp->rq_tail - qp->rq_head) + (uint64_t)nwr > qp->max_recv_wr) {
+        err = ENOMEM;
+        why = "post_recv: receive queue full";
+    } else {
+        for (Py_ssize_t i = 0; i < nwr && !err; i++) {
+            if (tmp[i].nsge > qp->max_recv_sge) {
+                err = EINVAL;
+                why = "post_recv: more SGEs than max_recv_sge";
+            }
+            for (uint32_t s = 0; s < tmp[i].nsge && !err; s++)
+                if (!sge_ok(e, qp->pd, &tmp[i].sge[s], 1)) {
+                    err = EINVAL;
+                    why = "post_recv: SGE outside a local MR with LOCAL_WRITE";
+                }
+        }
+    }
+    if (!err) {
+        for (Py_ssize_t i = 0; i < nwr; i++) {
+            if (qp->state == KS_QPS_ERR) {
+                push_wc(qp->rcq, tmp[i].wr_id, KS_WC_WR_FLUSH_ERR, KS_WC_RECV, 0, qp->qpn);
+                continue;
+            }
+            qp->rq[qp->rq_tail % qp->max_recv_wr] = tmp[i];
+            qp->rq_tail++;
+        }
+        deliver_pending(e, qp);
+        ks_conn *r = qp->resp;
+        if (r && !r->dead) {
+            /* room again: requests / SENDs staged while paused can proceed */
+            if (resp_rx_enabled(r) && r->slen > r->spos) {
+                int rc = resp_consume(e, qp, r);
+                if (rc < 0)
+                    conn_drop(e, r, rc, KS_WC_RETRY_EXC_ERR);
+            }
+            if (!r->dead && r->jcount) {
+                int rc = resp_tx(e, r);
+                if (rc == 1)
+                    qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
+                else if (rc < 0)
+                    conn_drop(e, r, rc, KS_WC_RETRY_EXC_ERR);
+            }
+            if (qp->resp == r && !r->dead)
+                conn_update_events(e, r);
+        }
+    }
+    pthread_mutex_unlock(&e->lock);
+    Py_END_ALLOW_THREADS
+    free(tmp);
+    if (err)
+        return raise_errno(err, why);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Engine_methods[] = {
+    {"close", (PyCFunction)Engine_close, METH_NOARGS, "Stop the engine thread, free all."},
+    {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "Counters (dict)."},
+    {"reg_mr", (PyCFunction)Engine_reg_mr, METH_VARARGS, "reg_mr(pd, addr, length, access) -> key"},
+    {"dereg_mr", (PyCFunction)Engine_dereg_mr, METH_VARARGS, "dereg_mr(key)"},
+    {"create_cq", (PyCFunction)Engine_create_cq, METH_VARARGS, "create_cq(cqe) -> (id, eventfd)"},
+    {"destroy_cq", (PyCFunction)Engine_destroy_cq, METH_VARARGS, "destroy_cq(id)"},
+    {"poll_cq", (PyCFunction)Engine_poll_cq, METH_VARARGS, "poll_cq(id, n) -> [wc tuples]"},
+    {"create_qp", (PyCFunction)Engine_create_qp, METH_VARARGS,
+     "create_qp(pd, scq, rcq, max_send_wr, max_recv_wr, max_send_sge, max_recv_sge, sig_all) -> qpn"},
+    {"destroy_qp", (PyCFunction)Engine_destroy_qp, METH_VARARGS, "destroy_qp(qpn)"},
+    {"qp_state", (PyCFunction)Engine_qp_state, METH_VARARGS, "qp_state(qpn) -> int"},
+    {"qp_private_data", (PyCFunction)Engine_qp_private_data, METH_VARARGS, "bytes or None"},
+    {"qp_init", (PyCFunction)Engine_qp_init, METH_VARARGS, "qp_init(qpn, access)"},
+    {"qp_set_access", (PyCFunction)Engine_qp_set_access, METH_VARARGS, "qp_set_access(qpn, access)"},
+    {"qp_rtr", (PyCFunction)Engine_qp_rtr, METH_VARARGS, "qp_rtr(qpn, fd, dest_qpn, rq_psn)"},
+    {"qp_rts", (PyCFunction)Engine_qp_rts, METH_VARARGS, "qp_rts(qpn, sq_psn, timeout_ns, set_psn)"},
+    {"qp_reset", (PyCFunction)Engine_qp_reset, METH_VARARGS, "qp_reset(qpn)"},
+    {"qp_err", (PyCFunction)Engine_qp_err, METH_VARARGS, "qp_err(qpn)"},
+    {"post_send", (PyCFunction)Engine_post_send, METH_VARARGS, "post_send(qpn, wrs)"},
+    {"post_recv", (PyCFunction)Engine_post_recv, METH_VARARGS, "post_recv(qpn, wrs)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Engine_getset[] = {
+    {"port", (getter)Engine_port, NULL, "TCP port of the device listener", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rdma._soft_engine.Engine",
+    .tp_basicsize = sizeof(EngineObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Native soft-RDMA engine for one device (listener + epoll thread).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Engine_init,
+    .tp_dealloc = (destructor)Engine_dealloc,
+    .tp_methods = Engine_methods,
+    .tp_getset = Engine_getset,
+};
+
+/* ---- module functions */
+
+static PyObject *mod_interfaces(PyObject *m, PyObject *unused)
+{
+    struct ifaddrs *ifa0;
+    if (getifaddrs(&ifa0) < 0)
+        return raise_errno(errno, "getifaddrs");
+    PyObject *list = PyList_New(0);
+    for (struct ifaddrs *ifa = ifa0; list && ifa; ifa = ifa->ifa_next) {
+        if (!ifa->ifa_addr || ifa->ifa_addr->sa_family != AF_INET)
+            continue;
+        char buf[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &((struct sockaddr_in *)ifa->ifa_addr)->sin_addr, buf, sizeof buf);
+        PyObject *t = Py_BuildValue("(ssI)", ifa->ifa_name, buf, ifa->ifa_flags);
+        if (!t || PyList_Append(list, t) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(t);
+    }
+    freeifaddrs(ifa0);
+    return list;
+}
+
+static PyObject *mod_parse_header(PyObject *m, PyObject *args)
+{
+    Py_buffer b;
+    int role;
+    if (!PyArg_ParseTuple(args, "y*i", &b, &role))
+        return NULL;
+    if (b.len < KS_HDR_LEN) {
+        PyBuffer_Release(&b);
+        return raise_errno(EPROTO, "truncated header");
+    }
+    struct ks_hdr h;
+    int rc = ks_hdr_parse(b.buf, &h, role);
+    PyBuffer_Release(&b);
+    if (rc < 0)
+        return raise_errno(-rc, "bad header");
+    return Py_BuildValue("{s:i,s:i,s:I,s:I,s:I,s:I,s:K}", "opcode", h.opcode, "status", h.status,
+                         "psn", h.psn, "length", h.length, "rkey", h.rkey, "rlen", h.rlen,
+                         "raddr", (unsigned long long)h.raddr);
+}
+
+static PyMethodDef mod_methods[] = {
+    {"interfaces", mod_interfaces, METH_NOARGS, "[(ifname, ipv4, flags)] from getifaddrs()"},
+    {"parse_header", mod_parse_header, METH_VARARGS,
+     "parse_header(buf, role) -> dict; OSError(EPROTO/EMSGSIZE) when invalid"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {
+    PyModuleDef_HEAD_INIT, "rdma._soft_engine",
+    "Native data path of the soft RDMA provider (see native/soft_engine.h).", -1, mod_methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__soft_engine(void)
+{
+    if (PyType_Ready(&EngineType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&moddef);
+    if (!m)
+        return NULL;
+    Py_INCREF(&EngineType);
+    PyModule_AddObject(m, "Engine", (PyObject *)&EngineType);
+    PyModule_AddIntConstant(m, "HDR_LEN", KS_HDR_LEN);
+    PyModule_AddIntConstant(m, "MAGIC", KS_MAGIC);
+    PyModule_AddIntConstant(m, "VERSION", KS_VERSION);
+    PyModule_AddIntConstant(m, "MAX_MSG", KS_MAX_MSG);
+    PyModule_AddIntConstant(m, "MAX_SEND", KS_MAX_SEND);
+    PyModule_AddIntConstant(m, "MAX_PDATA", KS_MAX_PDATA);
+    PyModule_AddIntConstant(m, "MAX_SGE", KS_MAX_SGE);
+    PyModule_AddIntConstant(m, "MAX_WR", KS_MAX_WR);
+    PyModule_AddIntConstant(m, "ROLE_RESPONSES", KS_ROLE_RESPONSES);
+    PyModule_AddIntConstant(m, "ROLE_REQUESTS", KS_ROLE_REQUESTS);
+    PyModule_AddIntConstant(m, "ROLE_HELLO", KS_ROLE_HELLO);
+    PyModule_AddIntConstant(m, "ROLE_ANY", KS_ROLE_ANY);
+    return m;
+}

@@ -1,0 +1,148 @@
+/* soft_engine.h — the soft RDMA provider's native engine: wire format and objects.
+ *
+ * Why native: a one-sided READ must be served without the application (no GIL, not on the
+ * app's trio loop), and the payload must move socket <-> registered memory with no copy.
+ * Python only creates objects, posts WRs and polls WCs; everything here runs GIL-free.
+ *
+ * Wire format (all little-endian, fixed 32-byte header, then `length` payload bytes):
+ *
+ *   off size field    meaning
+ *   0   4    magic    KS_MAGIC "KSRD"
+ *   4   1    version  KS_VERSION
+ *   5   1    opcode   KS_OP_*
+ *   6   1    status   responses: 0 ok, else the ibv_wc_status the requester completes with
+ *   7   1    flags    must be 0
+ *   8   4    psn      24-bit packet sequence number (requests: requester's sq_psn++;
+ *                     responses echo the request's psn)
+ *   12  4    length   payload bytes that follow (READ_RESP <= KS_MAX_MSG, SEND <= KS_MAX_SEND)
+ *   16  4    rkey     READ_REQ: remote key
+ *   20  4    rlen     READ_REQ: bytes to read
+ *   24  8    raddr    READ_REQ: remote virtual address
+ *
+ * One TCP connection per (requester QP -> responder QP) direction: the requester writes
+ * requests and reads responses; the responder reads requests and writes responses, in
+ * order, so responses match the oldest outstanding request (PSN checked).  HELLO (first
+ * message, written by the requester's to_rtr in Python, rdma/providers/soft/wire.py) names
+ * dest/src QPN and carries <= 256 bytes of private data; the responder's engine answers
+ * with a HELLO whose status is 0 (attached) or REM_INV_REQ_ERR (no such QP / QP busy / ERR).
+ * Anything malformed, truncated, oversized or out of order drops that connection and moves
+ * that QP to ERR; nothing else is affected.
+ *
+ * Threads and locks: one engine (one epoll thread) per opened soft device.  The engine
+ * thread and the Python threads that post/modify share `eng->lock`; it is never held
+ * across a blocking call (every socket is non-blocking; TCP connect happens in Python
+ * before the fd is handed over).  CQs have their own `cq->lock` so polling never waits
+ * for the engine's socket I/O; `eng->cq_tab_lock` guards the CQ table for lookups.
+ *
+ * Lock order: eng->lock -> eng->cq_tab_lock -> cq->lock.
+ */
+#ifndef KSPEEDFS_SOFT_ENGINE_H
+#define KSPEEDFS_SOFT_ENGINE_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#define KS_MAGIC 0x4452534Bu /* "KSRD" little-endian */
+#define KS_VERSION 1
+#define KS_HDR_LEN 32
+#define KS_MAX_MSG (1u << 30)          /* largest READ payload */
+#define KS_MAX_SEND (16u << 20)        /* largest SEND payload (control messages) */
+#define KS_MAX_PDATA 256
+#define KS_HELLO_FIXED 12              /* dest_qpn, src_qpn, reserved */
+#define KS_MAX_SGE 16
+#define KS_MAX_WR 16384
+#define KS_MAX_PENDING (4u << 20)      /* buffered SEND bytes with no RECV posted */
+#define KS_HELLO_TIMEOUT_MS 10000      /* HELLO must arrive within this after accept */
+#define KS_MAX_QP 4096                 /* per engine; qpn = generation << 12 | slot */
+#define KS_MAX_MR 4096                 /* per engine; key = random << 12 | slot */
+#define KS_MAX_CQ 1024
+#define KS_MAX_HELLO_CONNS 256         /* accepted, not yet attached */
+#define KS_RESP_JOBS 1024              /* queued READ responses / SEND acks per connection */
+#define KS_STAGE 16384                 /* rx staging buffer (headers, small payloads) */
+#define KS_SMALL 4096                  /* responses up to this are read via the stage */
+
+enum ks_opcode {
+    KS_OP_HELLO = 1,
+    KS_OP_READ_REQ = 2,
+    KS_OP_READ_RESP = 3,
+    KS_OP_SEND = 4,
+    KS_OP_SEND_ACK = 5,
+};
+
+/* ibv values (rdma/enums.py mirrors these) */
+enum { KS_QPS_RESET = 0, KS_QPS_INIT = 1, KS_QPS_RTR = 2, KS_QPS_RTS = 3, KS_QPS_ERR = 6 };
+enum { KS_WR_SEND = 2, KS_WR_RDMA_READ = 4 };
+enum { KS_WC_SEND = 0, KS_WC_RDMA_READ = 2, KS_WC_RECV = 128 };
+enum {
+    KS_WC_SUCCESS = 0, KS_WC_LOC_LEN_ERR = 1, KS_WC_LOC_QP_OP_ERR = 2, KS_WC_LOC_PROT_ERR = 4,
+    KS_WC_WR_FLUSH_ERR = 5, KS_WC_BAD_RESP_ERR = 7, KS_WC_REM_INV_REQ_ERR = 9,
+    KS_WC_REM_ACCESS_ERR = 10, KS_WC_REM_OP_ERR = 11, KS_WC_RETRY_EXC_ERR = 12,
+    KS_WC_RNR_RETRY_EXC_ERR = 13,
+};
+enum { KS_ACCESS_LOCAL_WRITE = 1, KS_ACCESS_REMOTE_WRITE = 2, KS_ACCESS_REMOTE_READ = 4 };
+enum { KS_SEND_SIGNALED = 2 };
+
+/* Parser roles */
+enum { KS_ROLE_RESPONSES = 1, KS_ROLE_REQUESTS = 0, KS_ROLE_HELLO = 2, KS_ROLE_ANY = -1 };
+
+struct ks_hdr {
+    uint32_t magic;
+    uint8_t version, opcode, status, flags;
+    uint32_t psn, length, rkey, rlen;
+    uint64_t raddr;
+};
+
+/* Parse and validate a header.  role: KS_ROLE_RESPONSES accepts READ_RESP/SEND_ACK,
+ * KS_ROLE_REQUESTS READ_REQ/SEND, KS_ROLE_HELLO only HELLO, KS_ROLE_ANY any opcode.
+ * Returns 0 or a negative errno (-EPROTO bad field, -EMSGSIZE length over the opcode's
+ * limit).  Never reads past buf[0..KS_HDR_LEN). */
+int ks_hdr_parse(const uint8_t *buf, struct ks_hdr *h, int role);
+void ks_hdr_build(uint8_t *buf, const struct ks_hdr *h);
+
+typedef struct ks_wc {
+    uint64_t wr_id;
+    uint32_t status, opcode, byte_len, qp_num, vendor_err;
+} ks_wc;
+
+typedef struct ks_sge {
+    uint64_t addr;
+    uint32_t length, lkey;
+} ks_sge;
+
+/* A send-queue entry.  `hdr` is the request header, built at post time (the PSN is
+ * assigned then), so transmission is a plain gather of hdr + SEND payload. */
+typedef struct ks_wqe {
+    uint64_t wr_id;
+    uint32_t opcode, flags, psn, nsge;
+    uint64_t total;
+    uint64_t raddr;
+    uint32_t rkey;
+    uint8_t hdr[KS_HDR_LEN];
+    ks_sge sge[KS_MAX_SGE];
+} ks_wqe;
+
+/* A receive-queue entry. */
+typedef struct ks_rwqe {
+    uint64_t wr_id;
+    uint32_t nsge;
+    uint64_t total;
+    ks_sge sge[KS_MAX_SGE];
+} ks_rwqe;
+
+/* A queued response on a responder connection: header + (READ) data straight from MR
+ * memory.  `mr_key` lets MR deregistration find jobs that still point into the MR. */
+typedef struct ks_job {
+    uint8_t hdr[KS_HDR_LEN];
+    const uint8_t *data;
+    uint64_t len;
+    uint32_t mr_key;
+} ks_job;
+
+typedef struct ks_mr ks_mr;
+typedef struct ks_cq ks_cq;
+typedef struct ks_qp ks_qp;
+typedef struct ks_conn ks_conn;
+typedef struct ks_engine ks_engine;
+typedef struct ks_pending ks_pending;
+
+#endif

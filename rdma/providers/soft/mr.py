@@ -1,0 +1,70 @@
+"""Soft memory region: pins a Python buffer (a buffer export, so a bytearray cannot be
+resized and an mmap cannot be closed under the engine) and registers its address range.
+
+``close()`` deregisters first, and the engine kills any connection or QP that still has
+work pointing into the region before ``dereg_mr`` returns: a closed MR never serves a READ
+and is never written into again.  Only then is the buffer export released.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+from typing import TYPE_CHECKING, Any
+
+from ...api import MR
+from ...errors import RdmaUserError
+
+if TYPE_CHECKING:
+    from .pd import SoftPD
+
+
+class SoftMR(MR):
+    def __init__(self, pd: "SoftPD", buf: Any, access: int) -> None:
+        super().__init__(pd, access)
+        self.engine = pd.engine
+        if isinstance(buf, int):
+            if buf <= 0:
+                raise RdmaUserError(f"MR length must be > 0, got {buf}")
+            buf = mmap.mmap(-1, buf)
+        self._obj = buf
+        view = memoryview(buf)
+        if view.readonly:
+            raise RdmaUserError("MR buffer must be writable")
+        self._view = view.cast("B")
+        self.length: int = self._view.nbytes
+        if self.length == 0:
+            raise RdmaUserError("MR buffer is empty")
+        # keeps the buffer exported (pinned) for as long as the MR lives
+        self._c = (ctypes.c_char * self.length).from_buffer(self._view)
+        self.buf: int = ctypes.addressof(self._c)
+        key = self.engine.call("reg_mr", self.engine.raw.reg_mr, pd.handle, self.buf,
+                               self.length, int(access))
+        self.lkey: int = key
+        self.rkey: int = key
+
+    def _close_impl(self) -> None:
+        self.engine.call("dereg_mr", self.engine.raw.dereg_mr, self.lkey)
+        del self._c
+        self._view.release()
+        self._obj = None
+
+    def _check_range(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise RdmaUserError(f"[{offset}, {offset + length}) is outside the MR "
+                                f"(length {self.length})")
+
+    def read(self, length: int, offset: int = 0) -> bytes:
+        self._check_open()
+        self._check_range(offset, length)
+        return bytes(self._view[offset:offset + length])
+
+    def write(self, data: bytes | bytearray | memoryview, offset: int = 0) -> None:
+        self._check_open()
+        n = memoryview(data).nbytes
+        self._check_range(offset, n)
+        self._view[offset:offset + n] = memoryview(data).cast("B")
+
+    def view(self) -> memoryview:
+        """The registered bytes (valid until ``close()``), for zero-copy consumers."""
+        self._check_open()
+        return self._view
