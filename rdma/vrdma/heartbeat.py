@@ -76,9 +76,11 @@ class HeartbeatConfig:
     qp_timeout_ms: int = 100
     qp_timeout_exp: int = 14
     qp_retry_cnt: int = 2
-    #: rebuild retry backoff: base doubling up to max (with ±25 % jitter)
+    #: rebuild retry backoff: base doubling up to max (with ±25 % jitter).  One attempt is
+    #: a TCP connect + handshake, cheap enough to try 4×/s; the cap bounds how long a
+    #: repaired NIC waits for its path to be rebuilt (≤ max + one build, ~0.3 s)
     rebuild_backoff: float = 0.05
-    rebuild_backoff_max: float = 1.0
+    rebuild_backoff_max: float = 0.25
     #: paths that never came up at all (e.g. cross-rail pairs) retry this slowly
     never_up_backoff_max: float = 5.0
     #: connect + handshake budget of one path (re)build
