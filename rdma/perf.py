@@ -1,0 +1,334 @@
+"""READ bandwidth / message rate / latency, with a plain-TCP baseline in the same run.
+
+Why a tool of our own (and not ib_read_bw): the soft provider has no kernel device, and the
+number that matters (issue 5) is the *ratio* soft READ ÷ plain TCP between the same two
+addresses, measured back to back so both see the same machine load::
+
+    python -m rdma.perf server --provider soft --addr 198.18.7.2            # prints its port
+    python -m rdma.perf client --provider soft --addr 198.18.7.2 --port P \\
+        --size 1MiB --qd 8 --duration 5 --tcp-baseline
+
+The server owns one MR (``--mr-size``) and, per client, one QP; a small JSON-lines control
+connection swaps ConnInfo and the MR's (addr, rkey, length).  On that same control
+connection a ``tcp`` request makes the server stream ``--duration`` seconds of data from
+a buffer with ``sendall`` while the client ``recv_into``s a buffer of ``--size`` bytes: one
+TCP stream, one copy per side, the same work a soft READ does minus the protocol.
+
+The client keeps ``--qd`` READs of ``--size`` bytes in flight, each into its own slot of
+its local MR, and reports bandwidth, messages/s, post→WC latency p50/p99 and the CPU
+seconds per GB moved (client process, and the server process as it reports itself).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import resource
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .api import ConnInfo, QPCap, QPInitAttr, SendWR, open_device
+from .enums import IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ, IBV_SEND_SIGNALED, IBV_WR_RDMA_READ
+
+log = logging.getLogger(__name__)
+
+ACCESS = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20,
+          "mib": 1 << 20, "mb": 1000 ** 2, "g": 1 << 30, "gib": 1 << 30, "gb": 1000 ** 3}
+
+
+def parse_size(text: str) -> int:
+    """``4096``, ``64KiB``, ``1MiB``, ``1M`` (binary), ``1MB`` (decimal)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _send_json(sock: socket.socket, obj: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(obj).encode() + b"\n")
+
+
+def _recv_json(f: Any) -> dict[str, Any] | None:
+    line = f.readline()
+    return json.loads(line) if line else None
+
+
+# ------------------------------------------------------------------------- server
+
+class Server:
+    """Serves READs from one MR to any number of clients (one QP each)."""
+
+    def __init__(self, provider: str, addr: str, port: int, mr_size: int) -> None:
+        self.ctx = open_device(provider=provider, addr=addr)
+        self.pd = self.ctx.alloc_pd()
+        self.mr = self.pd.reg_mr(mr_size, ACCESS)
+        pattern = bytes(range(256)) * 4096
+        for off in range(0, mr_size, len(pattern)):
+            chunk = pattern[: min(len(pattern), mr_size - off)]
+            self.mr.write(chunk, off)
+        self.addr = addr
+        self.lsock = socket.create_server((addr, port))
+        self.port = self.lsock.getsockname()[1]
+        self._lock = threading.Lock()
+
+    def serve_forever(self) -> None:
+        while True:
+            conn, peer = self.lsock.accept()
+            threading.Thread(target=self._session, args=(conn,), daemon=True,
+                             name=f"perf-session-{peer[0]}:{peer[1]}").start()
+
+    def _session(self, conn: socket.socket) -> None:
+        f = conn.makefile("rb")
+        cq = qp = None
+        cpu0 = cpu_seconds()
+        try:
+            req = _recv_json(f)
+            if req is None:
+                return
+            if req["mode"] == "tcp":
+                self._stream(conn, req["size"], req["duration"], cpu0)
+                return
+            with self._lock:
+                cq = self.ctx.create_cq(4 * req.get("qd", 16) + 16)
+                qp = self.pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(
+                    max_send_wr=max(16, req.get("qd", 16)), max_recv_wr=16)))
+            remote = ConnInfo.from_dict(req["conninfo"])
+            info = qp.local_info()
+            qp.connect(remote)
+            _send_json(conn, {"conninfo": info.to_dict(),
+                              "mr": {"addr": self.mr.buf, "rkey": self.mr.rkey,
+                                     "length": self.mr.length}})
+            print(f"perf server: QP {qp.qp_num:#x} connected", flush=True)
+            done = _recv_json(f)  # the client says when it is finished (or goes away)
+            if done is not None:
+                _send_json(conn, {"cpu_s": cpu_seconds() - cpu0})
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("session failed: %s", exc)
+        finally:
+            with self._lock:
+                if qp is not None:
+                    qp.close()
+                if cq is not None:
+                    cq.close()
+            conn.close()
+
+    @staticmethod
+    def _stream(conn: socket.socket, size: int, duration: float, cpu0: float) -> None:
+        buf = memoryview(bytearray(os.urandom(min(size, 1 << 16)) * (size // (1 << 16) + 1))[:size])
+        end = time.monotonic() + duration
+        try:
+            while time.monotonic() < end:
+                conn.sendall(buf)
+        except OSError:
+            return
+        conn.shutdown(socket.SHUT_WR)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    srv = Server(args.provider, args.addr, args.port, args.mr_size)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"perf server listening on {srv.addr}:{srv.port} device {srv.ctx.name}", flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.ctx.close()
+    return 0
+
+
+# ------------------------------------------------------------------------- client
+
+@dataclass
+class Result:
+    mode: str
+    size: int
+    qd: int
+    seconds: float
+    messages: int
+    bytes: int
+    gbytes_per_s: float
+    msgs_per_s: float
+    lat_p50_us: float | None = None
+    lat_p99_us: float | None = None
+    client_cpu_s_per_gb: float | None = None
+    server_cpu_s_per_gb: float | None = None
+
+    def line(self) -> str:
+        s = (f"{self.mode:5s} size={self.size} qd={self.qd}: {self.gbytes_per_s:.3f} GB/s "
+             f"({self.gbytes_per_s * 8:.2f} Gbit/s), {self.msgs_per_s:.0f} msg/s")
+        if self.lat_p50_us is not None:
+            s += f", lat p50 {self.lat_p50_us:.1f} us p99 {self.lat_p99_us:.1f} us"
+        if self.client_cpu_s_per_gb is not None:
+            s += f", cpu/GB client {self.client_cpu_s_per_gb:.3f}s"
+        if self.server_cpu_s_per_gb is not None:
+            s += f" server {self.server_cpu_s_per_gb:.3f}s"
+        return s
+
+
+def local_addr_for(remote: str) -> str:
+    """The local address the kernel would use to reach ``remote`` (no packet is sent)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((remote, 9))
+        return s.getsockname()[0]
+    finally:
+        s.close()
+
+
+def _pct(sorted_vals: list[float], q: float) -> float:
+    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
+
+
+def run_rdma(provider: str, server: str, port: int, local: str, size: int, qd: int,
+             duration: float, timeout_ms: int | None = None) -> Result:
+    ctx = open_device(provider=provider, addr=local)
+    try:
+        pd = ctx.alloc_pd()
+        cq = ctx.create_cq(4 * qd + 16)
+        mr = pd.reg_mr(size * qd, ACCESS)
+        qp = pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(max_send_wr=qd, max_recv_wr=16)))
+        ctl = socket.create_connection((server, port), timeout=30)
+        f = ctl.makefile("rb")
+        _send_json(ctl, {"mode": "rdma", "qd": qd, "conninfo": qp.local_info().to_dict()})
+        rep = _recv_json(f)
+        if rep is None:
+            raise RuntimeError("perf server closed the control connection")
+        kw: dict[str, Any] = {} if timeout_ms is None else {"timeout_ms": timeout_ms}
+        qp.connect(ConnInfo.from_dict(rep["conninfo"]), **kw)
+        raddr, rkey, rlen = rep["mr"]["addr"], rep["mr"]["rkey"], rep["mr"]["length"]
+        if size > rlen:
+            raise RuntimeError(f"--size {size} exceeds the server MR ({rlen})")
+        slots = max(1, rlen // size)
+        posted: dict[int, float] = {}
+        lats: list[float] = []
+        n = done = 0
+        wrs = [SendWR(wr_id=i, opcode=IBV_WR_RDMA_READ, sg_list=[mr.sge(i * size, size)],
+                      send_flags=IBV_SEND_SIGNALED, rkey=rkey) for i in range(qd)]
+
+        def post(slot: int) -> None:
+            nonlocal n
+            wr = wrs[slot]
+            wr.wr_id = (n << 8) | slot
+            wr.remote_addr = raddr + (n % slots) * size
+            posted[wr.wr_id] = time.perf_counter()
+            qp.post_send(wr)
+            n += 1
+
+        cpu0 = cpu_seconds()
+        t0 = time.perf_counter()
+        end = t0 + duration
+        for slot in range(qd):
+            post(slot)
+        while True:
+            wcs = cq.poll_wait(qd, 10.0)
+            if not wcs:
+                raise RuntimeError("no completion in 10 s")
+            now = time.perf_counter()
+            for wc in wcs:
+                if not wc.ok:
+                    raise RuntimeError(f"READ failed: {wc}")
+                lats.append(now - posted.pop(wc.wr_id))
+                done += 1
+                if now < end:
+                    post(wc.wr_id & 0xFF)
+            if not posted:
+                break
+        elapsed = time.perf_counter() - t0
+        cpu = cpu_seconds() - cpu0
+        _send_json(ctl, {"done": True})
+        srv = _recv_json(f) or {}
+        ctl.close()
+        lats.sort()
+        gb = done * size / 1e9
+        return Result("rdma", size, qd, elapsed, done, done * size, gb / elapsed, done / elapsed,
+                      _pct(lats, 0.5) * 1e6, _pct(lats, 0.99) * 1e6,
+                      cpu / gb if gb else None,
+                      srv.get("cpu_s", 0) / gb if gb and "cpu_s" in srv else None)
+    finally:
+        ctx.close()
+
+
+def run_tcp(server: str, port: int, size: int, duration: float) -> Result:
+    ctl = socket.create_connection((server, port), timeout=30)
+    try:
+        _send_json(ctl, {"mode": "tcp", "size": size, "duration": duration})
+        buf = memoryview(bytearray(size))
+        total = 0
+        cpu0 = cpu_seconds()
+        t0 = time.perf_counter()
+        while True:
+            n = ctl.recv_into(buf)
+            if n == 0:
+                break
+            total += n
+        elapsed = time.perf_counter() - t0
+        cpu = cpu_seconds() - cpu0
+    finally:
+        ctl.close()
+    gb = total / 1e9
+    return Result("tcp", size, 1, elapsed, total // size, total, gb / elapsed,
+                  total / size / elapsed, client_cpu_s_per_gb=cpu / gb if gb else None)
+
+
+def run_client(args: argparse.Namespace) -> int:
+    local = args.local_addr or local_addr_for(args.addr)
+    results = []
+    for _ in range(args.repeat):
+        results.append(run_rdma(args.provider, args.addr, args.port, local, args.size, args.qd,
+                                args.duration))
+        print(results[-1].line(), flush=True)
+        if args.tcp_baseline:
+            results.append(run_tcp(args.addr, args.port, args.size, args.duration))
+            print(results[-1].line(), flush=True)
+    if args.tcp_baseline:
+        rd = sum(r.gbytes_per_s for r in results if r.mode == "rdma")
+        tc = sum(r.gbytes_per_s for r in results if r.mode == "tcp")
+        print(f"ratio soft/tcp = {rd / tc:.3f}", flush=True)
+    if args.json:
+        print(json.dumps([asdict(r) for r in results]), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rdma.perf", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("server", help="serve READs from one MR")
+    s.add_argument("--provider", default=None)
+    s.add_argument("--addr", required=True, help="IPv4 of the device to serve on")
+    s.add_argument("--port", type=int, default=0, help="control port (0: pick one, printed)")
+    s.add_argument("--mr-size", type=parse_size, default=parse_size("64MiB"))
+    c = sub.add_parser("client", help="measure READs against a server")
+    c.add_argument("--provider", default=None)
+    c.add_argument("--addr", required=True, help="server address")
+    c.add_argument("--port", type=int, required=True, help="server control port")
+    c.add_argument("--local-addr", default=None, help="local device address (default: route)")
+    c.add_argument("--size", type=parse_size, default=parse_size("1MiB"))
+    c.add_argument("--qd", type=int, default=8, help="READs in flight")
+    c.add_argument("--duration", type=float, default=5.0)
+    c.add_argument("--repeat", type=int, default=1, help="alternate rdma/tcp runs this often")
+    c.add_argument("--tcp-baseline", action="store_true", help="also measure plain TCP")
+    c.add_argument("--json", action="store_true", help="print the results as JSON too")
+    ap.add_argument("--log-level", default="WARNING")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    if args.cmd == "client" and args.qd > 255:
+        ap.error("--qd must be <= 255")
+    return run_server(args) if args.cmd == "server" else run_client(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
