@@ -141,7 +141,8 @@ class Endpoint:
         self.vqps: list[VQP] = []
         self.control: VMR | None = None
         self.listening: list[tuple[str, int]] = []
-        self._leases: dict[tuple[str, str, int], trio.CancelScope] = {}
+        #: served paths: (client node, vqp, path) → (lease scope, our QP)
+        self._leases: dict[tuple[str, str, int], tuple[trio.CancelScope, Any]] = {}
         self._refused = 0
         self._nursery: trio.Nursery | None = None
         self._nursery_cm: Any = None
@@ -275,7 +276,7 @@ class Endpoint:
             return
         old = self._leases.pop(key, None)
         if old is not None:
-            old.cancel()
+            old[0].cancel()
         cq = nic.ctx.create_cq(16)
         qp = None
         lease: trio.CancelScope | None = None
@@ -299,7 +300,7 @@ class Endpoint:
             await ch.send({"ok": True})
             lease = trio.CancelScope()
             with lease:
-                self._leases[key] = lease
+                self._leases[key] = (lease, qp)
                 log.debug("endpoint %s: path %s up for %s", self.node, key, ch.peer_node)
                 try:
                     while True:       # the lease: held until the client closes it
@@ -310,7 +311,7 @@ class Endpoint:
             log.info("endpoint %s: path %s for %s failed: %s", self.node, msg.get("path"),
                      ch.peer_node, e)
         finally:
-            if lease is not None and self._leases.get(key) is lease:
+            if lease is not None and self._leases.get(key, (None,))[0] is lease:
                 del self._leases[key]
             for obj in (qp, cq):
                 if obj is not None:
@@ -429,6 +430,10 @@ class Endpoint:
                 path.qp.to_reset()
             raise
         path.control = ch
+
+    def served_qp_nums(self) -> list[int]:
+        """QPNs of the QPs this endpoint serves to peers (tests, diagnostics)."""
+        return [qp.qp_num for _, qp in self._leases.values() if not qp.closed]
 
     def _close_later(self, ch: Channel) -> None:
         if self._nursery is not None:

@@ -1,0 +1,203 @@
+"""vRDMA on loopback, two endpoints in one trio run, the real provider underneath.
+
+What the namespace failover tests do not cover: authentication end to end (wrong secret,
+garbage on the listener, a raw QP that tries to attach to a served QP with a leaked
+rkey), caller errors (bad range, forged rkey), cancellation of a posted READ, close
+semantics, the paths tool.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+import trio
+
+from rdma.api import ConnInfo, QPCap, QPInitAttr, SGE, gid_from_ipv4, open_device
+from rdma.enums import IBV_WC_REM_ACCESS_ERR, IBV_WC_SUCCESS
+from rdma.errors import (AuthenticationError, ConnectError, PathClosed, PeerUnreachable,
+                         RdmaError, RdmaUserError, WCError)
+from rdma.vrdma import Endpoint, RemoteVMR
+
+SECRET = b"t3-vrdma-secret"
+LO = "127.0.0.1"
+SIZE = 4 << 20
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+def _usable() -> str | None:
+    try:
+        from rdma.api import get_device_list
+        if not any(d.ipv4 == LO for d in get_device_list()):
+            return "no RDMA device on 127.0.0.1"
+    except RdmaError as e:
+        return str(e)
+    return None
+
+
+pytestmark = pytest.mark.skipif(bool(_usable()), reason=str(_usable()))
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[Endpoint, int]]:
+    async with Endpoint(SECRET, node="B", addrs=[LO]) as ep:
+        data = ep.alloc(SIZE, name="data")
+        data.write(os.urandom(SIZE))
+        ep.export("data", data)
+        port = await ep.listen(LO)
+        yield ep, port
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[Endpoint]:
+    async with Endpoint(SECRET, node="A", addrs=[LO]) as ep:
+        yield ep
+
+
+async def test_read_roundtrip_and_statistics(server: Any, client: Endpoint) -> None:
+    srv, port = server
+    vqp = await client.connect([LO], port)
+    buf = client.alloc(1 << 20)
+    rm = vqp.remote_mr("data")
+    await vqp.read(buf, 0, rm, 1 << 20, remote_off=12345)
+    assert buf.read(1 << 20) == srv.exports["data"].read(1 << 20, 12345)
+    await vqp.read(buf, 100, rm.addr + 7, 50)        # by remote virtual address
+    assert buf.read(50, 100) == srv.exports["data"].read(50, 7)
+    st = vqp.statistics()
+    assert st.state == "reachable" and st.reads_ok == 2
+    assert [p.state for p in st.paths] == ["UP"]
+    assert srv.statistics().leases == 1
+
+
+async def test_wrong_secret_cannot_connect(server: Any) -> None:
+    srv, port = server
+    async with Endpoint(b"not-the-secret", node="mallory", addrs=[LO]) as bad:
+        with pytest.raises(AuthenticationError):
+            await bad.connect([LO], port)
+    assert srv.statistics().refused >= 1
+    assert srv.statistics().leases == 0 and srv.served_qp_nums() == []
+
+
+async def test_garbage_on_the_listener_is_refused_and_service_continues(
+        server: Any, client: Endpoint) -> None:
+    srv, port = server
+    for junk in (b"\x00" * 64, b"GET / HTTP/1.1\r\n\r\n", b"\xff\xff\xff\xff"):
+        s = await trio.open_tcp_stream(LO, port)
+        await s.send_all(junk)
+        with trio.fail_after(5):
+            while await s.receive_some():
+                pass                                 # server closes on us
+        await s.aclose()
+    vqp = await client.connect([LO], port)
+    assert vqp.statistics().state == "reachable"
+    assert srv.statistics().refused >= 3
+
+
+async def test_leaked_rkey_without_session_reads_nothing(server: Any, client: Endpoint) -> None:
+    """A process that learned (addr, rkey) and a served QPN, but not the secret, attaches
+    a QP of its own to the served QP: refused (the served QP is bound to its peer)."""
+    srv, port = server
+    vqp = await client.connect([LO], port)
+    rm = vqp.remote_mr("data")
+    qpns = srv.served_qp_nums()
+    assert qpns
+    dev_port = srv.nics[LO].ctx.query_port(1).service_port
+    with open_device(addr=LO) as ctx:
+        pd = ctx.alloc_pd()
+        cq = ctx.create_cq(4)
+        mr = pd.reg_mr(4096, 7)
+        qp = pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(max_send_wr=4)))
+        info = ConnInfo(qp_num=qpns[0], psn=1, gid=gid_from_ipv4(LO), service_port=dev_port,
+                        provider=ctx.device.provider)
+        with pytest.raises(ConnectError) as ei:
+            await trio.to_thread.run_sync(lambda: qp.connect(info, timeout_ms=100))
+        assert ei.value.errno in (errno.ECONNREFUSED, errno.ETIMEDOUT, errno.ECONNRESET)
+        addr, rkey = rm.on(LO, 0)
+        if qp.qp_state.name == "IBV_QPS_RTS":          # never expected: prove no bytes come
+            qp.read(1, SGE(mr.buf, 64, mr.lkey), addr, rkey)
+            wcs = cq.poll_wait(1, timeout=2)
+            assert not wcs or wcs[0].status != IBV_WC_SUCCESS
+    # the legitimate peer is unaffected
+    buf = client.alloc(4096)
+    await vqp.read(buf, 0, rm, 4096)
+    assert buf.read(4096) == srv.exports["data"].read(4096)
+
+
+async def test_caller_errors_fail_the_read_not_the_peer(server: Any, client: Endpoint) -> None:
+    srv, port = server
+    vqp = await client.connect([LO], port)
+    rm = vqp.remote_mr("data")
+    buf = client.alloc(8192)
+    with pytest.raises(RdmaUserError):
+        await vqp.read(buf, 0, rm, 4096, remote_off=SIZE - 100)
+    with pytest.raises(RdmaUserError):
+        await vqp.read(buf, 8000, rm, 4096)
+    forged = RemoteVMR("data", rm.length, {n: (a, k ^ 0x5A5A) for n, (a, k) in rm.keys.items()})
+    with pytest.raises(WCError) as ei:
+        await vqp.read(buf, 0, forged, 64)
+    assert ei.value.status == IBV_WC_REM_ACCESS_ERR
+    # the path goes through DOWN → REBUILDING → UP; the next good READ just works
+    with trio.fail_after(5):
+        await vqp.read(buf, 0, rm, 4096, remote_off=4096)
+    assert buf.read(4096) == srv.exports["data"].read(4096, 4096)
+    assert vqp.statistics().paths[0].downs == 1
+
+
+async def test_cancelled_read_returns_after_its_wc(server: Any, client: Endpoint) -> None:
+    srv, port = server
+    vqp = await client.connect([LO], port)
+    rm = vqp.remote_mr("data")
+    buf = client.alloc(SIZE)
+    for _ in range(5):
+        with trio.move_on_after(0.0005):
+            await vqp.read(buf, 0, rm, SIZE)
+        p = vqp.paths[0]
+        assert p.data_inflight == 0 and not [v for v in p.inflight.values()
+                                             if v is not p.HEARTBEAT]
+    await vqp.read(buf, 0, rm, SIZE)
+    assert buf.read(SIZE) == srv.exports["data"].read(SIZE)
+
+
+async def test_close_semantics(server: Any, client: Endpoint) -> None:
+    srv, port = server
+    vqp = await client.connect([LO], port)
+    buf = client.alloc(4096)
+    await vqp.aclose()
+    await vqp.aclose()
+    with pytest.raises(PathClosed):
+        await vqp.read(buf, 0, "data", 64)
+    with trio.fail_after(5):
+        while srv.statistics().leases:                # the lease closed with the vQP
+            await trio.sleep(0.01)
+
+
+async def test_nobody_listening_is_peer_unreachable(client: Endpoint) -> None:
+    s = trio.socket.socket()
+    await s.bind((LO, 0))
+    port = s.getsockname()[1]
+    s.close()
+    with trio.fail_after(5):
+        with pytest.raises(PeerUnreachable):
+            await client.connect([LO], port)
+
+
+async def test_paths_tool(server: Any) -> None:
+    srv, port = server
+    py = sys.executable
+    out = await trio.run_process([py, "-m", "rdma.vrdma.paths"], capture_stdout=True,
+                                 cwd=REPO)
+    assert b"device" in out.stdout and LO.encode() in out.stdout
+    env = {**os.environ, "KSPEEDFS_SECRET": SECRET.hex()}
+    res = await trio.run_process([py, "-m", "rdma.vrdma.paths", "--peer", LO, "--port",
+                                  str(port), "--local", LO], capture_stdout=True,
+                                 capture_stderr=True, cwd=REPO, env=env, check=False)
+    assert res.returncode == 0, res.stderr
+    assert b"UP" in res.stdout and b"reachable" in res.stdout
+    env["KSPEEDFS_SECRET"] = b"wrong".hex()
+    res = await trio.run_process([py, "-m", "rdma.vrdma.paths", "--peer", LO, "--port",
+                                  str(port), "--local", LO], capture_stdout=True,
+                                 capture_stderr=True, cwd=REPO, env=env, check=False)
+    assert res.returncode != 0
