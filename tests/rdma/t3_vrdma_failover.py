@@ -261,3 +261,82 @@ def test_peer_unreachable_within_bound(bed: Testbed, tmp_path: Path, how: str) -
     assert all(f.startswith("PeerUnreachable") for f in done["failures"]), done["failures"]
     # the bound plus event-loop and `ip` jitter (a loaded CI box): generous but finite
     assert elapsed < bound + 0.5, (elapsed, bound)
+
+
+# ----------------------------------------------------------------------- slow lane
+
+slow = pytest.mark.slow
+
+
+@slow
+def test_silent_loss_is_caught_by_heartbeats(bed: Testbed, tmp_path: Path) -> None:
+    """nftables drops everything B sends on rail 1 while the link stays up: no error
+    anywhere, only missed heartbeats can tell."""
+    a, b = bed.hosts
+    srv, port = start_server(b)
+    c, out, stop = start_client(a, b, port, tmp_path)
+    c.spread()
+    name = f"{a.address(1)}->{b.address(1)}"
+    t_fail = time.monotonic()
+    b.drop(1)
+    down = c.path_event(name, "DOWN", timeout=5)
+    time.sleep(1.5)
+    t_up = time.monotonic()
+    b.undrop(1)
+    up = c.path_event(name, "UP", timeout=15)
+    c.spread()
+    stop.touch()
+    done = c.wait(lambda e: e["ev"] == "done", 20, "done")
+    assert done["n_failures"] == 0, done["failures"]
+    comp = json.loads(out.read_text())
+    g = gap_stats(comp["done_t"], comp["lat"], t_fail)
+    _report("silent_loss_B_rail1", {**g, "detect_ms": (down["t"] - t_fail) * 1e3,
+                                    "down_reason": down["reason"],
+                                    "rebuild_ms": (up["t"] - t_up) * 1e3})
+    assert "heartbeat" in down["reason"]
+
+
+@slow
+def test_flapping_nics_zero_failed_reads(bed: Testbed, tmp_path: Path) -> None:
+    a, b = bed.hosts
+    srv, port = start_server(b)
+    c, out, stop = start_client(a, b, port, tmp_path)
+    c.spread()
+    for i in range(6):
+        host, rail = ((b, 1), (a, 2), (b, 2), (a, 1))[i % 4]
+        host.nic_down(rail)
+        time.sleep(0.3)
+        host.nic_up(rail)
+        time.sleep(0.7)
+    c.spread(timeout=15)
+    stop.touch()
+    done = c.wait(lambda e: e["ev"] == "done", 20, "done")
+    downs = [p["downs"] for p in done["stats"]["paths"]]
+    _report("flapping", {"reads": done["reads"], "downs": downs,
+                         "failed_over": done["stats"]["reads_failed_over"]})
+    assert done["n_failures"] == 0, done["failures"]
+    assert sum(downs) >= 6
+
+
+@slow
+def test_hung_peer_is_unreachable_then_comes_back(bed: Testbed, tmp_path: Path) -> None:
+    """SIGSTOP: the peer's sockets stay open and answer nothing (on soft the engine
+    thread stops with it).  PeerUnreachable within the bound; SIGCONT → paths rebuilt."""
+    a, b = bed.hosts
+    srv, port = start_server(b)
+    c, out, stop = start_client(a, b, port, tmp_path)
+    c.spread()
+    t0 = time.monotonic()
+    srv.stop()
+    ev = c.wait(lambda e: e["ev"] == "unreachable", 10, "PeerUnreachable")
+    time.sleep(0.5)
+    t_cont = time.monotonic()
+    srv.cont()
+    c.spread(timeout=15)
+    back = c.events[-1]["t"]
+    stop.touch()
+    done = c.wait(lambda e: e["ev"] == "done", 20, "done")
+    _report("hung_peer", {"unreachable_ms": (ev["t"] - t0) * 1e3,
+                          "recovered_ms": (back - t_cont) * 1e3, "reads": done["reads"]})
+    assert all(f.startswith("PeerUnreachable") for f in done["failures"]), done["failures"]
+    assert ev["t"] - t0 < HeartbeatConfig().unreachable_bound() + 0.5
