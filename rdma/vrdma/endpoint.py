@@ -261,6 +261,10 @@ class Endpoint:
                     await ch.send({"error": f"unknown op {op!r}"})
         except HandshakeError as e:
             log.debug("endpoint %s: control connection from %s ended: %s", self.node, peer, e)
+        except Exception as e:  # an authenticated peer sent nonsense: drop it, keep serving
+            log.warning("endpoint %s: control connection from %s (%s) failed: %r", self.node,
+                        peer, ch.peer_node, e)
+            log.debug("exception information", exc_info=True)
         finally:
             await ch.aclose()
 
@@ -351,18 +355,19 @@ class Endpoint:
         timeout = self.cfg.connect_timeout * 2 if timeout is None else timeout
         info, errors = None, []
         with trio.move_on_after(timeout):
-            for addr in addrs:
-                try:
-                    ch = await self._open_channel(addr, port, None)
-                    try:
-                        info = await ch.request({"op": "info"})
-                    finally:
-                        await ch.aclose()
+            for addr in addrs:          # any NIC of the peer will do; one dead NIC costs
+                try:                    # at most connect_timeout
+                    with trio.fail_after(self.cfg.connect_timeout):
+                        ch = await self._open_channel(addr, port, None)
+                        try:
+                            info = await ch.request({"op": "info"})
+                        finally:
+                            await ch.aclose()
                     break
-                except (OSError, HandshakeError) as e:
+                except (OSError, HandshakeError, trio.TooSlowError) as e:
                     if isinstance(e, AuthenticationError):
                         raise
-                    errors.append(f"{addr}: {e}")
+                    errors.append(f"{addr}: {type(e).__name__}: {e}")
         if info is None:
             raise PeerUnreachable(f"no control connection to {addrs}:{port}: "
                                   f"{'; '.join(errors) or 'timed out'}", ",".join(addrs))

@@ -237,6 +237,24 @@ def test_failover_nic_down_zero_failed_reads(bed: Testbed, tmp_path: Path) -> No
     srv.terminate()
 
 
+def test_connect_with_a_dead_nic_then_it_joins(bed: Testbed, tmp_path: Path) -> None:
+    """B's first NIC is down before A connects: bootstrap goes through the other one,
+    READs flow on the live path, and the missing path joins when the NIC comes up."""
+    a, b = bed.hosts
+    srv, port = start_server(b)
+    b.nic_down(1)
+    c, out, stop = start_client(a, b, port, tmp_path)
+    c.wait(lambda e: e["ev"] == "stats" and e["reads"] > 100, 10, "reads on one path")
+    t_up = time.monotonic()
+    b.nic_up(1)
+    up = c.path_event(f"{a.address(1)}->{b.address(1)}", "UP", timeout=15)
+    c.spread()
+    stop.touch()
+    done = c.wait(lambda e: e["ev"] == "done", 20, "done")
+    assert done["n_failures"] == 0, done["failures"]
+    _report("late_nic_join", {"join_ms": (up["t"] - t_up) * 1e3})
+
+
 @pytest.mark.parametrize("how", ["both_nics_down", "sigkill"])
 def test_peer_unreachable_within_bound(bed: Testbed, tmp_path: Path, how: str) -> None:
     a, b = bed.hosts
