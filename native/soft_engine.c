@@ -1203,6 +1203,8 @@ static void *engine_main(void *arg)
         if (n == 0 || now - e->last_timer > 1000000ull) {
             timeout = run_timers(e);
             e->last_timer = now;
+        } else {
+            timeout = 1;  /* timers were skipped (busy): look again within 1 ms */
         }
         graveyard_free(e);
         pthread_mutex_unlock(&e->lock);
@@ -1865,6 +1867,10 @@ static PyObject *Engine_qp_rts(EngineObject *self, PyObject *args)
     qp->timeout_ns = timeout_ns;
     qp->state = KS_QPS_RTS;
     pthread_mutex_unlock(&e->lock);
+    /* the engine may be sleeping up to 1 s with no timer to run: make it re-plan */
+    uint64_t one = 1;
+    ssize_t r = write(e->kickfd, &one, sizeof one);
+    (void)r;
     Py_RETURN_NONE;
 }
 

@@ -283,7 +283,8 @@ class RemoteMR:
 
 
 def gid_from_ipv4(addr: str) -> str:
-    return str(ipaddress.IPv6Address("::ffff:" + addr))
+    """``::ffff:a.b.c.d`` as documented (Python < 3.13 would print ``::ffff:7f00:1``)."""
+    return "::ffff:" + str(ipaddress.IPv4Address(addr))
 
 
 def random_psn() -> int:

@@ -193,8 +193,25 @@ def _pct(sorted_vals: list[float], q: float) -> float:
     return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
 
 
+class ReadFailed(RuntimeError):
+    """A READ completed with an error status (the WC and the time since the last good
+    completion are attached, for dead-path tests)."""
+
+    def __init__(self, wc: Any, after_s: float) -> None:
+        super().__init__(f"READ failed: {wc.status.name} after {after_s:.3f}s without success")
+        self.wc, self.after_s = wc, after_s
+
+
+#: What the server's MR holds: byte ``o`` is ``o % 256`` (see ``Server.__init__``).
+def expected_bytes(offset: int, size: int) -> bytes:
+    start = offset % 256
+    reps = (start + size) // 256 + 1
+    return (bytes(range(256)) * reps)[start:start + size]
+
+
 def run_rdma(provider: str, server: str, port: int, local: str, size: int, qd: int,
-             duration: float, timeout_ms: int | None = None) -> Result:
+             duration: float, timeout_ms: int | None = None, retry_cnt: int | None = None,
+             verify: bool = False) -> Result:
     ctx = open_device(provider=provider, addr=local)
     try:
         pd = ctx.alloc_pd()
@@ -208,12 +225,14 @@ def run_rdma(provider: str, server: str, port: int, local: str, size: int, qd: i
         if rep is None:
             raise RuntimeError("perf server closed the control connection")
         kw: dict[str, Any] = {} if timeout_ms is None else {"timeout_ms": timeout_ms}
+        if retry_cnt is not None:
+            kw["retry_cnt"] = retry_cnt
         qp.connect(ConnInfo.from_dict(rep["conninfo"]), **kw)
         raddr, rkey, rlen = rep["mr"]["addr"], rep["mr"]["rkey"], rep["mr"]["length"]
         if size > rlen:
             raise RuntimeError(f"--size {size} exceeds the server MR ({rlen})")
         slots = max(1, rlen // size)
-        posted: dict[int, float] = {}
+        posted: dict[int, tuple[float, int]] = {}
         lats: list[float] = []
         n = done = 0
         wrs = [SendWR(wr_id=i, opcode=IBV_WR_RDMA_READ, sg_list=[mr.sge(i * size, size)],
@@ -224,12 +243,12 @@ def run_rdma(provider: str, server: str, port: int, local: str, size: int, qd: i
             wr = wrs[slot]
             wr.wr_id = (n << 8) | slot
             wr.remote_addr = raddr + (n % slots) * size
-            posted[wr.wr_id] = time.perf_counter()
+            posted[wr.wr_id] = (time.perf_counter(), wr.remote_addr - raddr)
             qp.post_send(wr)
             n += 1
 
         cpu0 = cpu_seconds()
-        t0 = time.perf_counter()
+        t0 = last_ok = time.perf_counter()
         end = t0 + duration
         for slot in range(qd):
             post(slot)
@@ -240,8 +259,13 @@ def run_rdma(provider: str, server: str, port: int, local: str, size: int, qd: i
             now = time.perf_counter()
             for wc in wcs:
                 if not wc.ok:
-                    raise RuntimeError(f"READ failed: {wc}")
-                lats.append(now - posted.pop(wc.wr_id))
+                    raise ReadFailed(wc, now - last_ok)
+                t_post, roff = posted.pop(wc.wr_id)
+                lats.append(now - t_post)
+                last_ok = now
+                slot = wc.wr_id & 0xFF
+                if verify and mr.read(size, slot * size) != expected_bytes(roff, size):
+                    raise RuntimeError(f"READ of {size} bytes at offset {roff}: wrong data")
                 done += 1
                 if now < end:
                     post(wc.wr_id & 0xFF)
@@ -288,8 +312,13 @@ def run_client(args: argparse.Namespace) -> int:
     local = args.local_addr or local_addr_for(args.addr)
     results = []
     for _ in range(args.repeat):
-        results.append(run_rdma(args.provider, args.addr, args.port, local, args.size, args.qd,
-                                args.duration))
+        try:
+            results.append(run_rdma(args.provider, args.addr, args.port, local, args.size,
+                                    args.qd, args.duration, args.timeout_ms, args.retry_cnt,
+                                    args.verify))
+        except ReadFailed as exc:
+            print(json.dumps({"error": exc.wc.status.name, "after_s": exc.after_s}), flush=True)
+            return 3
         print(results[-1].line(), flush=True)
         if args.tcp_baseline:
             results.append(run_tcp(args.addr, args.port, args.size, args.duration))
@@ -322,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--repeat", type=int, default=1, help="alternate rdma/tcp runs this often")
     c.add_argument("--tcp-baseline", action="store_true", help="also measure plain TCP")
     c.add_argument("--json", action="store_true", help="print the results as JSON too")
+    c.add_argument("--verify", action="store_true", help="check every READ's bytes")
+    c.add_argument("--timeout-ms", type=int, default=None,
+                   help="per-try transport timeout (soft extension)")
+    c.add_argument("--retry-cnt", type=int, default=None)
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")

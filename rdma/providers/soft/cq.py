@@ -35,6 +35,8 @@ class SoftCQ(CQ):
                 for wr_id, st, op, byte_len, qpn, verr in raw]
 
     def _close_impl(self) -> None:
+        if not hasattr(self, 'handle'):
+            return  # construction failed before the engine made it
         try:
             import trio
 

@@ -43,6 +43,8 @@ class SoftMR(MR):
         self.rkey: int = key
 
     def _close_impl(self) -> None:
+        if not hasattr(self, 'lkey'):
+            return  # construction failed before the engine made it
         self.engine.call("dereg_mr", self.engine.raw.dereg_mr, self.lkey)
         del self._c
         self._view.release()

@@ -152,6 +152,8 @@ class SoftQP(QP):
                          error=PostError)
 
     def _close_impl(self) -> None:
+        if not hasattr(self, 'qp_num'):
+            return  # construction failed before the engine made it
         self.engine.call("destroy_qp", self.engine.raw.destroy_qp, self.qp_num)
 
 

@@ -1,0 +1,143 @@
+"""Soft provider, object level: devices, lifecycle, ownership, MR bytes, CQ fd."""
+from __future__ import annotations
+
+import errno
+import gc
+
+import pytest
+import trio
+
+import rdma
+from rdma.api import QPCap, QPInitAttr, RecvWR, find_device, get_device_list, open_device
+from rdma.enums import (IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ, IBV_PORT_ACTIVE,
+                        IBV_QPS_RESET, IBV_WC_RECV, IBV_WC_WR_FLUSH_ERR)
+from rdma.errors import NoDeviceError, ResourceBusyError, ResourceClosedError, RdmaUserError
+from rdma.testing import soft_pair
+
+ACCESS = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ
+
+
+def test_device_list_has_loopback_and_names_by_nic() -> None:
+    devs = get_device_list("soft")
+    lo = [d for d in devs if d.ipv4 == "127.0.0.1"]
+    assert lo and lo[0].name == "soft_lo" and lo[0].netdev == "lo"
+    assert all(d.name.startswith("soft_") and d.provider == "soft" for d in devs)
+    assert len({d.name for d in devs}) == len(devs)
+    assert find_device("127.0.0.1", "soft").name == "soft_lo"
+    with pytest.raises(NoDeviceError):
+        find_device("203.0.113.77", "soft")
+
+
+def test_open_query_and_gid() -> None:
+    with open_device("soft_lo", provider="soft") as ctx:
+        port = ctx.query_port(1)
+        assert port.state == IBV_PORT_ACTIVE and port.service_port > 0
+        assert ctx.query_gid(1, 0) == "::ffff:127.0.0.1"
+        assert ctx.query_device().max_sge >= 1
+        with pytest.raises(RdmaUserError):
+            ctx.query_gid(1, 1)
+
+
+def test_two_contexts_on_one_device_listen_apart() -> None:
+    with open_device("soft_lo", provider="soft") as a, open_device("soft_lo", provider="soft") as b:
+        assert a.query_port().service_port != b.query_port().service_port
+
+
+def test_parents_close_children_and_close_is_idempotent() -> None:
+    ctx = open_device("soft_lo", provider="soft")
+    pd = ctx.alloc_pd()
+    cq = ctx.create_cq(16)
+    mr = pd.reg_mr(4096, ACCESS)
+    qp = pd.create_qp(QPInitAttr(send_cq=cq))
+    assert qp.qp_state == IBV_QPS_RESET and qp.qp_num > 0
+    ctx.close()
+    for obj in (qp, mr, pd, cq, ctx):
+        assert obj.closed
+        obj.close()  # idempotent
+    with pytest.raises(ResourceClosedError):
+        _ = qp.qp_state
+    with pytest.raises(ResourceClosedError):
+        mr.read(1)
+    with pytest.raises(ResourceClosedError):
+        ctx.alloc_pd()
+
+
+def test_cq_in_use_is_busy_until_its_qp_closes() -> None:
+    with open_device("soft_lo", provider="soft") as ctx:
+        pd = ctx.alloc_pd()
+        cq = ctx.create_cq(16)
+        qp = pd.create_qp(QPInitAttr(send_cq=cq))
+        with pytest.raises(ResourceBusyError):
+            ctx.create_cq(1)  # fine
+            cq._close_impl()  # the native refusal, without marking the object closed
+        qp.close()
+        cq.close()
+
+
+def test_mr_registers_buffers_and_bounds_local_access() -> None:
+    with open_device("soft_lo", provider="soft") as ctx:
+        pd = ctx.alloc_pd()
+        buf = bytearray(b"x" * 100)
+        mr = pd.reg_mr(buf, ACCESS)
+        assert mr.length == 100 and mr.lkey == mr.rkey != 0
+        mr.write(b"abc", 10)
+        assert buf[10:13] == b"abc" and mr.read(3, 10) == b"abc"
+        with pytest.raises(BufferError):
+            buf.extend(b"no")  # pinned while registered
+        with pytest.raises(RdmaUserError):
+            mr.read(2, 99)
+        with pytest.raises(RdmaUserError):
+            pd.reg_mr(bytes(10), ACCESS)  # read-only
+        mr.close()
+        buf.extend(b"ok")  # released
+        big = pd.reg_mr(1 << 20, ACCESS)
+        assert big.read(8, (1 << 20) - 8) == bytes(8)
+
+
+def test_objects_are_collected_without_leaks() -> None:
+    for _ in range(50):
+        with soft_pair() as p:
+            p.client.qp.post_recv(RecvWR(1, [p.client.mr.sge(0, 8)]))
+    gc.collect()
+
+
+async def test_cq_fd_wakes_trio() -> None:
+    with soft_pair() as p:
+        c = p.client
+        c.qp.post_recv(RecvWR(5, [c.mr.sge(0, 8)]))
+        got = []
+
+        async def consumer() -> None:
+            got.extend(await c.cq.poll_async(4))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consumer)
+            await trio.sleep(0.05)
+            assert not got  # nothing queued: the fd is not readable
+            c.qp.to_err()  # flushes the RECV: the engine writes the eventfd
+            with trio.fail_after(5):
+                while not got:
+                    await trio.sleep(0.005)
+        assert got[0].wr_id == 5 and got[0].status == IBV_WC_WR_FLUSH_ERR
+        assert got[0].opcode == IBV_WC_RECV
+        assert c.cq.poll(4) == []
+
+
+async def test_poll_async_cancel_loses_nothing() -> None:
+    with soft_pair() as p:
+        c = p.client
+        with trio.move_on_after(0.05):
+            await c.cq.poll_async()
+        c.qp.post_recv(RecvWR(6, [c.mr.sge(0, 8)]))
+        c.qp.to_err()
+        with trio.fail_after(5):
+            (wc,) = await c.cq.poll_async()
+        assert wc.wr_id == 6
+
+
+def test_qp_caps_out_of_range_refused() -> None:
+    with open_device("soft_lo", provider="soft") as ctx:
+        pd, cq = ctx.alloc_pd(), ctx.create_cq(4)
+        with pytest.raises(rdma.RdmaError) as ei:
+            pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(max_send_wr=0)))
+        assert ei.value.errno == errno.EINVAL
