@@ -225,6 +225,13 @@ class Endpoint:
                 "mrs": {name: v.remote(name).to_dict() for name, v in self.exports.items()
                         if not v.closed}}
 
+    def advertisement(self) -> dict[str, Any]:
+        """What a peer needs to find this endpoint, JSON-able (for a registry such as
+        etcd): node, incarnation, NIC addresses, listener port, per-NIC heartbeat words
+        and exported vMRs.  Knowing it grants nothing: QPs still need the handshake."""
+        port = self.listening[0][1] if self.listening else 0
+        return {**self._info(), "port": port}
+
     # ------------------------------------------------------------------ server side
     async def listen(self, host: str = "0.0.0.0", port: int = 0) -> int:
         """Start accepting control connections; returns the TCP port."""

@@ -182,7 +182,8 @@ class Channel:
         await self.send(msg)
         reply = await self.recv(timeout)
         if isinstance(reply, dict) and "error" in reply:
-            raise HandshakeError(f"peer refused {msg.get('op')!r}: {reply['error']}")
+            op = msg.get("op") if isinstance(msg, dict) else msg
+            raise HandshakeError(f"peer refused {op!r}: {reply['error']}")
         return reply
 
     async def aclose(self) -> None:
