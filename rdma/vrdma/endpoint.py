@@ -448,8 +448,17 @@ class Endpoint:
         return [qp.qp_num for _, qp in self._leases.values() if not qp.closed]
 
     def _close_later(self, ch: Channel) -> None:
+        """Close a lease connection from synchronous code (a vQP shutting down)."""
         if self._nursery is not None:
-            self._nursery.start_soon(ch.aclose)
+            try:
+                self._nursery.start_soon(ch.aclose)
+                return
+            except RuntimeError:        # the endpoint is going away: close it bluntly
+                pass
+        try:
+            ch.frames.stream.socket.close()     # type: ignore[attr-defined]
+        except (AttributeError, OSError):
+            pass
 
     def _forget(self, vqp: VQP) -> None:
         if vqp in self.vqps:

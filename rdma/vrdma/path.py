@@ -2,18 +2,22 @@
 
 ::
 
-                 first heartbeat / READ ok after (re)connect
-          +-------------------------------------------------------------+
-          |                                                             |
-          v        silent ≥ suspect_after·I        silent ≥ M·I         |
-       +------+  ------------------------> +---------+  --------> +------+   rebuild task
-       |  UP  |                            | SUSPECT |            | DOWN | ----------------+
-       +------+  <------------------------ +---------+            +------+                 |
-          |          anything completes         |                   ^  ^                    v
-          |                                     | error WC          |  | connect/handshake +------------+
-          +-------------------------------------+-------------------+  +-- failed (backoff)| REBUILDING |
-                    error WC (RETRY_EXC, flush, access ...)                                +------------+
-                                                                   silent ≥ M·I after connect → DOWN
+              silent >= suspect_after*I            silent >= M*I
+     +----+  ------------------------->  +---------+  ------------------+
+     | UP |                              | SUSPECT |                    |
+     +----+  <-------------------------  +---------+                    v
+      ^  |        anything completes          |  error WC           +------+
+      |  |                                    +-------------------> |      |
+      |  |  error WC (RETRY_EXC, flush, access ...), post refused   | DOWN |
+      |  +--------------------------------------------------------> |      |
+      |                                                             +------+
+      |                                                              |    ^
+      |                    rebuild task, after backoff:              |    |  connect failed,
+      |                    QP RESET, fresh control connection,       v    |  or silent >= M*I
+      |  first heartbeat   INIT -> RTR -> RTS                     +------------+
+      +---------------------------------------------------------- | REBUILDING |
+         (READs flow again)                                       +------------+
+
     any state --close()--> CLOSED
 
 * UP: READs are posted here (least-loaded first).  SUSPECT: no *new* READs unless no path

@@ -241,6 +241,8 @@ class VQP:
         WCError (the caller's fault: bad range/rkey), PathClosed (we closed)."""
         if self._closed:
             raise PathClosed("virtual QP closed")
+        if length <= 0:
+            raise RdmaUserError(f"READ of {length} bytes")
         if isinstance(remote, int):
             rm, off = self._locate(remote, length)
         else:
