@@ -51,6 +51,11 @@
 #define KS_IOV 64
 #define KS_TX_BUDGET (8u << 20)   /* bytes per handler call before releasing the lock */
 #define KS_RX_BUDGET (8u << 20)
+/* While a READ response has at least this much payload to come, the requester socket's
+ * SO_RCVLOWAT is raised to it: one wake-up per KS_LOWAT bytes instead of one per skb.
+ * (The transport timer counts bytes we have read, so a path slower than
+ * KS_LOWAT per timeout could time out early; 256 KiB per ~0.5 s is far below any NIC.) */
+#define KS_LOWAT (256u << 10)
 
 /* ------------------------------------------------------------------------- objects */
 
@@ -97,6 +102,7 @@ struct ks_conn {
     uint8_t *sendbuf;       /* responder: SEND payload being received */
     /* tx */
     uint64_t tx_off;        /* bytes of the first queued item already sent */
+    int lowat;              /* current SO_RCVLOWAT (requester connections) */
     /* responder jobs ring */
     ks_job *jobs;
     uint32_t jhead, jcount;
@@ -134,6 +140,13 @@ struct ks_engine {
     int thread_started;
     int epfd, lfd, kickfd;
     int stop;                          /* protected by lock */
+    /* The engine thread drops `lock` around the bulk readv() of a READ response into
+     * registered memory (the hot path; holding the lock there stalled every post_send
+     * for milliseconds).  While `rx_busy` is set nobody may close that socket, flush or
+     * reset its QP, or deregister memory: those paths call quiesce() first, which waits
+     * on `rx_cond`.  post_send/post_recv only append to the rings and need not wait. */
+    int rx_busy;                       /* protected by lock */
+    pthread_cond_t rx_cond;
     uint32_t ip;                       /* network order */
     int port;
     ks_qp *qps[KS_MAX_QP];             /* protected by lock */
@@ -151,6 +164,14 @@ struct ks_engine {
 };
 
 static char TAG_LISTEN, TAG_KICK;
+
+/* Wait until the engine thread is not inside an unlocked readv (caller holds e->lock;
+ * a no-op on the engine thread itself, which never calls this while rx_busy). */
+static void quiesce(ks_engine *e)
+{
+    while (e->rx_busy)
+        pthread_cond_wait(&e->rx_cond, &e->lock);
+}
 
 static uint64_t now_ns(void)
 {
@@ -333,6 +354,7 @@ static ks_conn *conn_new(ks_engine *e, int fd, int role)
     }
     c->fd = fd;
     c->role = role;
+    c->lowat = 1;
     c->events = EPOLLIN;
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
     if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
@@ -353,6 +375,7 @@ static ks_conn *conn_new(ks_engine *e, int fd, int role)
  * after its current event batch (events already fetched may still point at it). */
 static void conn_kill(ks_engine *e, ks_conn *c)
 {
+    quiesce(e);
     if (!c || c->dead)
         return;
     c->dead = 1;
@@ -416,6 +439,7 @@ static void pending_free(ks_qp *qp)
  * and receive WR completes WR_FLUSH_ERR.  No-op in RESET or ERR. */
 static void qp_fatal_at(ks_engine *e, ks_qp *qp, uint32_t culprit, uint32_t status)
 {
+    quiesce(e);
     if (qp->state == KS_QPS_ERR || qp->state == KS_QPS_RESET)
         return;
     qp->state = KS_QPS_ERR;
@@ -443,11 +467,13 @@ static void qp_fatal_at(ks_engine *e, ks_qp *qp, uint32_t culprit, uint32_t stat
 /* The oldest outstanding send WR takes `status`. */
 static void qp_fatal(ks_engine *e, ks_qp *qp, uint32_t status)
 {
+    quiesce(e);  /* before reading sq_head: the engine may be completing it */
     qp_fatal_at(e, qp, qp->sq_head, status);
 }
 
 static void qp_to_reset(ks_engine *e, ks_qp *qp)
 {
+    quiesce(e);
     conn_kill(e, qp->req);
     conn_kill(e, qp->resp);
     qp->sq_head = qp->sq_sent = qp->sq_tail = 0;
@@ -641,8 +667,29 @@ static void stage_compact(ks_conn *c)
     c->spos = 0;
 }
 
+static void req_set_lowat(ks_conn *c)
+{
+    int want = 1;
+    if (c->in_payload && c->cur.length - c->pay_off >= KS_LOWAT)
+        want = KS_LOWAT;
+    if (want != c->lowat && !c->dead) {
+        setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want);
+        c->lowat = want;
+    }
+}
+
+static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c);
+
 /* Read responses.  0: fine / would block; 1: QP went to ERR; <0: -errno. */
 static int req_rx(ks_engine *e, ks_qp *qp, ks_conn *c)
+{
+    int rc = req_rx_loop(e, qp, c);
+    if (rc == 0 && !c->dead && qp->req == c)
+        req_set_lowat(c);
+    return rc;
+}
+
+static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c)
 {
     uint64_t budget = KS_RX_BUDGET;
     for (;;) {
@@ -658,12 +705,27 @@ static int req_rx(ks_engine *e, ks_qp *qp, ks_conn *c)
             struct iovec iov[KS_MAX_SGE];
             int cnt = sge_iov(w->sge, w->nsge, c->pay_off, c->cur.length - c->pay_off, iov,
                               KS_MAX_SGE);
+            e->rx_busy = 1;
+            pthread_mutex_unlock(&e->lock);
+            uint64_t asked = c->cur.length - c->pay_off;
             n = readv(c->fd, iov, cnt);
+            int saved = errno;
+            pthread_mutex_lock(&e->lock);
+            e->rx_busy = 0;
+            pthread_cond_broadcast(&e->rx_cond);
+            errno = saved;
             if (n > 0) {
                 c->pay_off += n;
                 if (c->pay_off == c->cur.length) {
                     c->in_payload = 0;
                     req_complete_head(qp);
+                }
+                if ((uint64_t)n < asked) {
+                    /* drained the socket: back to epoll (level-triggered) rather than
+                     * a readv that would only say EAGAIN */
+                    qp->last_progress = now_ns();
+                    e->n_rx_bytes += n;
+                    return 0;
                 }
             }
         } else {
@@ -1291,6 +1353,7 @@ static void engine_shutdown(ks_engine *e)
         close(e->epfd);
     pthread_mutex_destroy(&e->lock);
     pthread_mutex_destroy(&e->cq_tab_lock);
+    pthread_cond_destroy(&e->rx_cond);
     free(e);
 }
 
@@ -1323,6 +1386,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
     e->epfd = e->lfd = e->kickfd = -1;
     pthread_mutex_init(&e->lock, NULL);
     pthread_mutex_init(&e->cq_tab_lock, NULL);
+    pthread_cond_init(&e->rx_cond, NULL);
     uint32_t r;
     if (getrandom(&r, sizeof r, 0) != sizeof r)
         r = (uint32_t)now_ns();
@@ -1456,6 +1520,7 @@ static PyObject *Engine_dereg_mr(EngineObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "I", &key))
         return NULL;
     lock_nogil(e);
+    quiesce(e);
     ks_mr *mr = mr_get(e, key);
     if (!mr) {
         pthread_mutex_unlock(&e->lock);
@@ -1699,6 +1764,7 @@ static PyObject *Engine_destroy_qp(EngineObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "I", &qpn))
         return NULL;
     lock_nogil(e);
+    quiesce(e);
     ks_qp *qp = qp_get(e, qpn);
     if (!qp) {
         pthread_mutex_unlock(&e->lock);

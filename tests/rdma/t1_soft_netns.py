@@ -1,0 +1,97 @@
+"""The soft provider between two test hosts (network namespaces, veth NICs): READs over
+a real veth path, a silent path (egress drop) → RETRY_EXC_ERR within the budget, and
+(slow lane) the bandwidth ratio against plain TCP on the same path.  Needs root."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Iterator
+
+import pytest
+
+from tests.fixtures.netns import HostProcess, Testbed, TestbedError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[Testbed]:
+    try:
+        with Testbed(hosts=2, rails=1) as tb:
+            yield tb
+    except TestbedError as exc:  # pragma: no cover - e.g. no ip(8) / netns support
+        pytest.skip(f"testbed unavailable: {exc}")
+
+
+def _server(bed: Testbed, mr_size: str = "16MiB") -> tuple[HostProcess, str, int]:
+    h1 = bed.hosts[1]
+    proc = h1.python(["-m", "rdma.perf", "server", "--provider", "soft",
+                      "--addr", h1.address(1), "--mr-size", mr_size], cwd=REPO)
+    line = proc.readline_until("listening on", timeout=20)
+    addr, port = line.split("listening on ")[1].split()[0].rsplit(":", 1)
+    return proc, addr, int(port)
+
+
+def _client(bed: Testbed, addr: str, port: int, *args: str) -> HostProcess:
+    return bed.hosts[0].python(["-m", "rdma.perf", "client", "--provider", "soft",
+                                "--addr", addr, "--port", str(port), "--json", *args], cwd=REPO)
+
+
+def _last_json(proc: HostProcess, timeout: float) -> object:
+    out, _ = proc.popen.communicate(timeout=timeout)
+    lines = [ln for ln in out.splitlines() if ln.startswith(("[", "{"))]
+    assert lines, f"no JSON from client (rc={proc.popen.returncode}): {out!r} {proc.stderr_tail()}"
+    return json.loads(lines[-1])
+
+
+def test_read_over_a_veth_path_is_correct(bed: Testbed) -> None:
+    server, addr, port = _server(bed)
+    try:
+        for size in ("1", "4097", "1MiB"):
+            res = _last_json(_client(bed, addr, port, "--size", size, "--qd", "8",
+                                     "--duration", "0.3", "--verify"), 60)
+            assert isinstance(res, list) and res[0]["messages"] > 0, res
+    finally:
+        server.terminate()
+
+
+def test_silent_path_is_retry_exc_err_within_budget(bed: Testbed) -> None:
+    """Egress drop on the server's NIC (link stays up): the client's READs complete
+    RETRY_EXC_ERR after timeout_ms × (retry_cnt+1) = 0.2 s × 3 without progress."""
+    server, addr, port = _server(bed)
+    h1 = bed.hosts[1]
+    try:
+        client = _client(bed, addr, port, "--size", "64KiB", "--qd", "4", "--duration", "30",
+                         "--timeout-ms", "200", "--retry-cnt", "2")
+        time.sleep(1.5)
+        assert client.poll() is None, client.stderr_tail()
+        h1.drop(1)
+        t0 = time.monotonic()
+        res = _last_json(client, 20)
+        took = time.monotonic() - t0
+        assert isinstance(res, dict) and res["error"] == "IBV_WC_RETRY_EXC_ERR", res
+        assert 0.6 * 0.9 <= res["after_s"] <= 0.6 + 0.5, res
+        assert took < 5, took
+    finally:
+        h1.undrop(1)
+        server.terminate()
+
+
+@pytest.mark.slow
+def test_bandwidth_ratio_vs_tcp_over_veth(bed: Testbed) -> None:
+    """Issue 5: soft READ bandwidth >= 0.8 x plain TCP on the same path (1 MiB, qd 8)."""
+    server, addr, port = _server(bed, "64MiB")
+    try:
+        res = _last_json(_client(bed, addr, port, "--size", "1MiB", "--qd", "8", "--duration",
+                                 "3", "--repeat", "2", "--tcp-baseline"), 120)
+        assert isinstance(res, list)
+        rd = sum(r["gbytes_per_s"] for r in res if r["mode"] == "rdma")
+        tc = sum(r["gbytes_per_s"] for r in res if r["mode"] == "tcp")
+        assert rd >= 0.8 * tc, (rd, tc, res)
+    finally:
+        server.terminate()
+
+
