@@ -296,7 +296,8 @@ def test_silent_loss_is_caught_by_heartbeats(bed: Testbed, tmp_path: Path) -> No
     c.spread()
     name = f"{a.address(1)}->{b.address(1)}"
     t_fail = time.monotonic()
-    b.drop(1)
+    b.drop(1)                     # `nft -f` inside the host: takes effect somewhere in here
+    t_applied = time.monotonic()
     down = c.path_event(name, "DOWN", timeout=5)
     time.sleep(1.5)
     t_up = time.monotonic()
@@ -309,6 +310,9 @@ def test_silent_loss_is_caught_by_heartbeats(bed: Testbed, tmp_path: Path) -> No
     comp = json.loads(out.read_text())
     g = gap_stats(comp["done_t"], comp["lat"], t_fail)
     _report("silent_loss_B_rail1", {**g, "detect_ms": (down["t"] - t_fail) * 1e3,
+                                    "detect_after_nft_returned_ms":
+                                        (down["t"] - t_applied) * 1e3,
+                                    "nft_ms": (t_applied - t_fail) * 1e3,
                                     "down_reason": down["reason"],
                                     "rebuild_ms": (up["t"] - t_up) * 1e3})
     assert "heartbeat" in down["reason"]
