@@ -14,7 +14,22 @@ Modules, one concept each: :mod:`.heartbeat` (interval/miss arithmetic), :mod:`.
 (a node's NICs, exports, listener), :mod:`.paths` (``python -m rdma.vrdma.paths``).
 
 Written against :mod:`rdma.api` only: runs unchanged on the ``soft`` and ``verbs``
-providers.
+providers.  NICs are IPv4-addressed (soft, RoCE v2): each path's control connection is TCP
+from its local NIC to its remote NIC.
+
+Use::
+
+    async with Endpoint(secret) as server:               # node B
+        arena = server.alloc(1 << 30, name="arena")
+        server.export("arena", arena)
+        port = await server.listen()
+        ad = server.advertisement()                      # → etcd: nics, port, vMRs
+
+    async with Endpoint(secret) as client:               # node A
+        vqp = await client.connect(ad["nics"], ad["port"])
+        buf = client.alloc(4 << 20)
+        await vqp.read(buf, 0, "arena", 1 << 20, remote_off=off)   # or PeerUnreachable
+        vqp.statistics()                                 # frozen dataclasses, per path
 """
 from .endpoint import Endpoint, EndpointStats, routed_pairs
 from .heartbeat import HeartbeatConfig
