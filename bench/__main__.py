@@ -1,0 +1,6 @@
+"""``python -m bench``: see bench/run.py."""
+import sys
+
+from .run import main
+
+sys.exit(main())

@@ -1,0 +1,178 @@
+"""The benchmark suite's one entry point: ``python -m bench [--quick] [--workload NAME ...]``.
+
+For each workload: make (or reuse) its deterministic dataset, import it into
+kspeedfs, build and mount the baselines, then for every case run every target
+*interleaved* - A, B, C, A, B, C ... for ``reps`` repetitions - each target put in
+its state just before its run (page cache dropped for the cold and FUSE targets, a
+fresh mount for kspeedfs-cold). Report medians and per-repetition ratios; write
+results.json, results.txt, ratios.md and one PNG per workload to ``--out``.
+
+Mounts are always removed: every mount is registered the moment it exists and a
+``finally`` unmounts them (SIGTERM is turned into the same path as Ctrl-C).
+Benchmarks are not tests: nothing here asserts a figure.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import workloads as W
+from .results import Results, Run
+from .system import Mounts, REPO
+from .targets import build_ramfs_c, fuse_knobs
+
+log = logging.getLogger("bench")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, 2 repetitions (< 3 min): a smoke check")
+    p.add_argument("--scale", choices=list(W.SCALES), help="dataset sizes (default: full, or quick with --quick)")
+    p.add_argument("--workload", "-w", action="append", default=[],
+                   help=f"workload or group (repeatable); known: {', '.join([*W.WORKLOADS, *W.GROUPS])}")
+    p.add_argument("--reps", type=int, help="repetitions of each interleaved round (default per scale)")
+    p.add_argument("--imagenet-files", type=int, help="override the ImageNet-like file count")
+    p.add_argument("--seq-size", type=str, help="override the size of each seq.N file (e.g. 512MiB)")
+    p.add_argument("--runtime", type=int, help="override the time-based fio runtime, s")
+    p.add_argument("--workdir", default="/tmp/kspeedfs-bench", help="datasets, stores, mounts, logs")
+    p.add_argument("--out", help="results directory (default WORKDIR/results/<timestamp>)")
+    p.add_argument("--no-c", action="store_true", help="skip the C libfuse ceiling")
+    p.add_argument("--kspeedfs-rev", metavar="REV",
+                   help="benchmark kspeedfs as committed at REV (git archive into WORKDIR), "
+                        "not the working tree: a stable subject while others edit the checkout")
+    p.add_argument("--list", action="store_true", help="list the workloads and exit")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def _meta(args: argparse.Namespace, scale: W.Scale, names: list[str]) -> dict:
+    def sh(*cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO).stdout.strip()
+        except OSError:
+            return ""
+    knobs = fuse_knobs()
+    return {
+        "command": " ".join([os.path.basename(sys.executable), "-m", "bench", *sys.argv[1:]]),
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "scale": scale.name, "reps": scale.reps, "sizes": scale.__dict__, "workloads": names,
+        "git": sh("git", "rev-parse", "--short", "HEAD"), "kspeedfs": args.kspeedfs_rev or "working tree", "kernel": platform.release(),
+        "cpus": os.cpu_count(), "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "fio": sh("fio", "--version"), "fuse_knobs": knobs.__dict__,
+    }
+
+
+def snapshot(rev: str, work: Path) -> Path:
+    """``git archive REV kspeedfs`` into WORKDIR/subject-<sha>; returns the directory."""
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], capture_output=True, text=True,
+                         cwd=REPO, check=True).stdout.strip()
+    dest = work / f"subject-{sha}"
+    if not (dest / "kspeedfs" / "__init__.py").exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        arch = subprocess.run(["git", "archive", sha, "kspeedfs"], capture_output=True, cwd=REPO, check=True)
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=arch.stdout, check=True)
+    return dest
+
+
+def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
+    t0 = time.monotonic()
+    if wl.needs:
+        wl.needs()
+    ds = wl.dataset(ctx)
+    print(f"\n== {wl.name}: {wl.doc}\n   dataset {ds.root} ({ds.files:,} files, {ds.bytes / 1e6:,.0f} MB)",
+          flush=True)
+    targets = wl.targets(ds, ctx)
+    names = [t.name for t in targets]
+    sweep_ratios = getattr(wl, "sweep_ratios", None)
+    results.ratio_pairs[wl.name] = sweep_ratios(names) if sweep_ratios else \
+        [(a, b) for a, b in wl.ratios if a in names and b in names]
+    mounts = Mounts()
+    try:
+        for t in targets:
+            t.setup(mounts, ctx.work)
+        print(f"   set up {', '.join(names)} in {time.monotonic() - t0:.0f}s", flush=True)
+        cases = wl.cases(ds, ctx)
+        for case in cases[:ctx.scale.max_cases] if ctx.scale.max_cases else cases:
+            for rep in range(ctx.scale.reps):
+                for t in targets:
+                    try:
+                        t.prepare()
+                        before = t.stats()
+                        figures = case.run(t.path)
+                    except Exception as e:       # record, go on: one broken target is a finding
+                        log.error("%s/%s on %s: %s", wl.name, case.name, t.name, e)
+                        results.errors.append({"workload": wl.name, "case": case.name, "target": t.name,
+                                               "rep": rep, "error": str(e)})
+                        t.finish()
+                        continue
+                    after = t.stats()
+                    t.finish()
+                    delta = ({k: after[k] - before.get(k, 0) for k in after
+                              if isinstance(after[k], (int, float))} if before and after else None)
+                    results.runs.append(Run(wl.name, case.name, t.name, rep, case.primary, figures, delta))
+                    print(f"   {case.name:<22} rep {rep}  {t.name:<30} {figures[case.primary]:>12,.1f} "
+                          f"{case.primary}", flush=True)
+    finally:
+        mounts.close()
+    print(f"   {wl.name} done in {time.monotonic() - t0:.0f}s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.list:
+        for name, wl in W.WORKLOADS.items():
+            print(f"{name:<24} {wl.doc}")
+        for g, members in W.GROUPS.items():
+            print(f"{g:<24} = {' '.join(members)}")
+        return 0
+    work = Path(args.workdir).resolve()
+    (work / "log").mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else \
+        work / "results" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    subject = snapshot(args.kspeedfs_rev, work) if args.kspeedfs_rev else REPO
+    sys.path.insert(0, str(subject))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(subject), str(REPO),
+                                                             os.environ.get("PYTHONPATH")]))
+
+    from kspeedfs.config import parse_size
+
+    scale = W.SCALES[args.scale or ("quick" if args.quick else "full")]
+    scale = W.scale_with(scale, reps=args.reps or 0, imagenet_files=args.imagenet_files or 0,
+                         runtime=args.runtime or 0,
+                         seq_size=parse_size(args.seq_size) if args.seq_size else 0)
+    names = W.expand(args.workload or (W.DEFAULT_QUICK if scale.name == "quick" else W.DEFAULT_FULL))
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_term)
+
+    ctx = W.Context(work, scale, None if args.no_c else build_ramfs_c(work))
+    results = Results(_meta(args, scale, names))
+    t0 = time.monotonic()
+    try:
+        for name in names:
+            try:
+                run_workload(W.WORKLOADS[name], ctx, results)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                log.error("workload %s failed: %s", name, e)
+                results.errors.append({"workload": name, "error": str(e)})
+    except KeyboardInterrupt:
+        print("\ninterrupted: mounts removed; writing what was measured", file=sys.stderr)
+    finally:
+        results.meta["seconds"] = round(time.monotonic() - t0, 1)
+        files = results.write(out)
+        print("\n" + results.table())
+        if results.errors:
+            print(f"\n{len(results.errors)} run(s) failed; see results.json 'errors'")
+        print(f"\nwrote {', '.join(str(f) for f in files)}")
+    return 1 if results.errors else 0

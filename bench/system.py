@@ -1,0 +1,136 @@
+"""The machine under the benchmarks: page cache, mounts, child processes, fio.
+
+Everything that touches the system from the suite goes through here, so the cleanup
+guarantees live in one place: every mount is registered in a :class:`Mounts` the
+moment it exists, and ``Mounts.close()`` (run from a ``finally`` and on SIGTERM)
+unmounts it and reaps its daemon, escalating to ``fusermount3 -uz`` and SIGKILL.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+FIO_DIR = Path(__file__).resolve().parent / "fio"
+
+
+def drop_caches() -> None:
+    """Drop clean page cache, dentries and inodes (also a FUSE mount's cached pages)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+    except OSError as e:     # not root: the "cold" figures are then warm; say so once
+        log.warning("cannot drop caches (%s): cold runs will not be cold", e.strerror)
+
+
+def is_mounted(path: Path) -> bool:
+    target = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+def wait_mounted(path: Path, proc: subprocess.Popen | None, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not is_mounted(path):
+        if proc is not None and proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            raise RuntimeError(f"{proc.args[0]} exited {proc.returncode} before mounting {path}: {err}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} not mounted after {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def unmount(path: Path, pid: int | None, timeout: float = 15.0) -> None:
+    if is_mounted(path):
+        r = subprocess.run(["fusermount3", "-u", str(path)], capture_output=True)
+        if r.returncode and is_mounted(path):
+            subprocess.run(["fusermount3", "-uz", str(path)], capture_output=True)
+    deadline = time.monotonic() + timeout
+    while pid and time.monotonic() < deadline:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return
+        except ChildProcessError:        # not our child (a daemonized kspeedfs)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+        time.sleep(0.05)
+    if pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+class Mounts:
+    """Every mount the suite made, with the pid serving it; closed in reverse order."""
+
+    def __init__(self) -> None:
+        self._live: list[tuple[Path, Callable[[], int | None]]] = []
+
+    def add(self, path: Path, pid: Callable[[], int | None]) -> None:
+        self._live.append((path, pid))
+
+    def remove(self, path: Path) -> None:
+        for item in list(self._live):
+            if item[0] == path:
+                self._live.remove(item)
+                unmount(path, item[1]())
+
+    def close(self) -> None:
+        while self._live:
+            path, pid = self._live.pop()
+            try:
+                unmount(path, pid())
+            except Exception as e:      # keep going: the next mount must still go
+                log.error("unmounting %s: %s", path, e)
+
+
+def daemon_pid(mountpoint: Path) -> int | None:
+    """The kspeedfs daemon serving ``mountpoint`` (it daemonizes, so not our child)."""
+    want = str(mountpoint).encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"kspeedfs.cli.app" in b" ".join(argv) and b"mount" in argv and want in argv:
+            return int(d.name)
+    return None
+
+
+def run_fio(job: str, env: dict[str, str], extra: Sequence[str] = ()) -> dict:
+    """Run ``bench/fio/<job>`` read-only; the summed read figures of all jobs."""
+    cmd = ["fio", "--readonly", "--output-format=json", *extra, str(FIO_DIR / job)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=1800)
+    if proc.returncode:
+        raise RuntimeError(f"fio {job} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    out = proc.stdout
+    data = json.loads(out[out.index("{"):])        # fio may print notes before the JSON
+    read = data["jobs"][0]["read"]                 # group_reporting: one summed job
+    return {"bytes": read["io_bytes"], "seconds": read["runtime"] / 1000.0,
+            "MB/s": read["bw_bytes"] / 1e6, "IOPS": read["iops"],
+            "lat_p99_us": read.get("clat_ns", {}).get("percentile", {}).get("99.000000", 0) / 1000.0}
+
+
+def cpu_times() -> tuple[float, float]:
+    """(user+system seconds of all CPUs, wall) for CPU-use figures around a run."""
+    with open("/proc/stat") as f:
+        parts = f.readline().split()[1:]
+    ticks = os.sysconf("SC_CLK_TCK")
+    busy = sum(int(x) for i, x in enumerate(parts[:8]) if i not in (3, 4))
+    return busy / ticks, time.monotonic()

@@ -1,0 +1,250 @@
+"""What a workload runs against: kspeedfs and its baselines, each in a named state.
+
+=================  ==========================================================  =====================
+target             state before every measured run                             ceiling of
+=================  ==========================================================  =====================
+``source-cold``    the source directory; page cache dropped                    the disk
+``source-warm``    the source directory; every file read just before           the page cache
+``kspeedfs-cold``  a fresh mount (empty chunk cache); page cache dropped       (kspeedfs, first epoch)
+``kspeedfs-warm``  a mount whose chunk cache holds the dataset; page cache     (kspeedfs, later epochs
+                   dropped: every byte crosses FUSE and the Python daemon       evicted from the kernel)
+``ramfs-py``       bench/ramfs_py.py, bytes preloaded; page cache dropped      a Python FUSE daemon
+``ramfs-c``        bench/ramfs_c.c (libfuse3 low level); page cache dropped  any FUSE daemon
+=================  ==========================================================  =====================
+
+All FUSE targets get the same mount options family (``ro``, default_permissions),
+keep_cache, day-long entry/attr timeouts and the same sysfs knobs
+(``kspeedfs.fuse.tuning`` with kspeedfs's configured values), so differences are
+the daemons, not the kernel settings.
+
+A target is set up once per workload (``setup``), put in its state before every
+measured run (``prepare``), and torn down by the suite's :class:`~bench.system.Mounts`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .datasets import Dataset
+from .system import Mounts, daemon_pid, drop_caches, unmount, wait_mounted
+
+log = logging.getLogger(__name__)
+
+PY = sys.executable
+KSPEEDFS = [PY, "-m", "kspeedfs.cli.app"]
+BENCH = Path(__file__).resolve().parent
+
+
+def read_tree(root: Path, paths: Sequence[str]) -> int:
+    """Read every file once (warm a cache); returns bytes read."""
+    total = 0
+    buf = bytearray(4 << 20)
+    for rel in paths:
+        fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+        try:
+            while n := os.readv(fd, [buf]):
+                total += n
+        finally:
+            os.close(fd)
+    return total
+
+
+def fuse_knobs(overrides: dict[str, str] | None = None) -> "object":
+    """kspeedfs's effective FUSE knobs (defaults + overrides), as tuning.KernelKnobs."""
+    from kspeedfs import config
+    from kspeedfs.fuse import tuning
+
+    cfg = config.load(overrides={k: v for k, v in (overrides or {}).items()}, environ={})
+    return tuning.KernelKnobs(cfg.fuse.max_background, cfg.fuse.congestion_threshold,
+                              cfg.fuse.read_ahead_kb)
+
+
+class Target:
+    name = "?"
+    fuse = False
+
+    def __init__(self, ds: Dataset) -> None:
+        self.ds = ds
+        self.path: Path = ds.root
+
+    def setup(self, mounts: Mounts, work: Path) -> None:
+        pass
+
+    def prepare(self) -> None:
+        drop_caches()
+
+    def stats(self) -> dict | None:
+        return None
+
+    def finish(self) -> None:
+        """After a measured run (the cold kspeedfs mount gives its memory back here)."""
+
+
+class SourceCold(Target):
+    name = "source-cold"
+
+
+class SourceWarm(Target):
+    name = "source-warm"
+
+    def prepare(self) -> None:
+        read_tree(self.path, self.ds.paths())
+
+
+class KspeedfsStore:
+    """One embedded store per (dataset, chunk size), imported once and reused."""
+
+    def __init__(self, work: Path, ds: Dataset, chunk: str = "") -> None:
+        self.chunk = chunk
+        tag = f"-{chunk}" if chunk else ""
+        self.dir = work / "stores" / f"{ds.root.name}{tag}"
+        self.name = "ds"
+        self.logs = work / "log"
+        self.ds = ds
+
+    def common(self) -> list[str]:
+        return ["--store", str(self.dir / "store"), "--set", f"log.dir={self.logs}"]
+
+    def ensure(self) -> None:
+        marker = self.dir / ".imported"
+        want = json.dumps({"root": str(self.ds.root), "chunk": self.chunk,
+                           "mtime": os.stat(self.ds.root / ".complete").st_mtime_ns})
+        if marker.exists() and marker.read_text() == want:
+            return
+        if self.dir.exists():
+            import shutil
+
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True)
+        cmd = [*KSPEEDFS, "import", str(self.ds.root), "--name", self.name, "-q", *self.common()]
+        if self.chunk:
+            cmd += ["--chunk-size", self.chunk]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"kspeedfs import failed: {r.stderr.strip()}")
+        log.info("%s", r.stdout.strip())
+        marker.write_text(want)
+
+
+class Kspeedfs(Target):
+    """kspeedfs through its own CLI, exactly as a user mounts it."""
+
+    preload = True      # warm: read the whole dataset through the mount at setup
+
+    def __init__(self, ds: Dataset, store: KspeedfsStore, warm: bool,
+                 settings: dict[str, str] | None = None, label: str = "") -> None:
+        super().__init__(ds)
+        self.store = store
+        self.warm = warm
+        self.settings = dict(settings or {})
+        self.name = label or ("kspeedfs-warm" if warm else "kspeedfs-cold")
+        self.mounts: Mounts | None = None
+        self.mp: Path | None = None
+        self._mounted = False
+
+    def _mount_args(self) -> list[str]:
+        args = [*KSPEEDFS, "mount", self.store.name, str(self.mp), *self.store.common()]
+        if "cache.memory" not in self.settings:
+            # a dataset-sized cache: "warm" means every chunk is held
+            args += ["--cache-mem", str(max(256 << 20, int(self.ds.bytes * 1.3) + (64 << 20)))]
+        for k, v in self.settings.items():
+            args += ["--set", f"{k}={v}"]
+        return args
+
+    def _mount(self) -> None:
+        assert self.mounts is not None and self.mp is not None
+        r = subprocess.run(self._mount_args(), capture_output=True, text=True)
+        mp = self.mp
+        self.mounts.add(mp, lambda: daemon_pid(mp))
+        if r.returncode:
+            raise RuntimeError(f"kspeedfs mount failed: {r.stderr.strip()}")
+        self._mounted = True
+
+    def _unmount(self) -> None:
+        assert self.mounts is not None and self.mp is not None
+        self.mounts.remove(self.mp)
+        self._mounted = False
+
+    def setup(self, mounts: Mounts, work: Path) -> None:
+        self.store.ensure()
+        self.mounts = mounts
+        self.mp = work / "mnt" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", self.name)
+        self.mp.mkdir(parents=True, exist_ok=True)
+        if self.warm:
+            self._mount()
+            if self.preload:
+                read_tree(self.mp, self.ds.paths())   # every chunk into the chunk cache
+        self.path = self.mp
+
+    def prepare(self) -> None:
+        if not self.warm:
+            if self._mounted:
+                self._unmount()
+            self._mount()
+        drop_caches()
+
+    def finish(self) -> None:
+        if not self.warm and self._mounted:
+            self._unmount()
+
+    def stats(self) -> dict | None:
+        if not self._mounted:
+            return None
+        try:
+            return json.loads(os.getxattr(self.path, "user.kspeedfs.stats"))
+        except OSError:
+            return None
+
+
+class RamFS(Target):
+    """bench/ramfs_py.py or bench/ramfs_c.c, run in the foreground as our child."""
+
+    def __init__(self, ds: Dataset, kind: str, binary: Path | None = None,
+                 knobs: dict[str, str] | None = None) -> None:
+        super().__init__(ds)
+        self.kind = kind
+        self.name = f"ramfs-{kind}"
+        self.binary = binary
+        self.knob_overrides = knobs
+        self.proc: subprocess.Popen | None = None
+
+    def setup(self, mounts: Mounts, work: Path) -> None:
+        from kspeedfs.fuse import tuning
+
+        mp = work / "mnt" / self.name
+        mp.mkdir(parents=True, exist_ok=True)
+        if self.kind == "py":
+            cmd = [PY, str(BENCH / "ramfs_py.py"), str(self.ds.root), str(mp)]
+        else:
+            assert self.binary is not None
+            cmd = [str(self.binary), str(self.ds.root), str(mp)]
+        errlog = open(work / "log" / f"{self.name}.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog)
+        proc = self.proc
+        mounts.add(mp, lambda: proc.pid if proc.poll() is None else None)
+        wait_mounted(mp, self.proc, timeout=1800)
+        now = tuning.apply(str(mp), fuse_knobs(self.knob_overrides))
+        log.info("%s knobs: %s", self.name, now)
+        self.path = mp
+
+
+def build_ramfs_c(work: Path) -> Path:
+    """Compile bench/ramfs_c.c against libfuse3 (``pkg-config fuse3``)."""
+    out = work / "ramfs_c"
+    src = BENCH / "ramfs_c.c"
+    if out.exists() and out.stat().st_mtime_ns > src.stat().st_mtime_ns:
+        return out
+    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], capture_output=True,
+                           text=True, check=True).stdout.split()
+    subprocess.run(["gcc", "-O2", "-Wall", "-o", str(out), str(src), *flags], check=True)
+    return out
+
+
+__all__ = ["Target", "SourceCold", "SourceWarm", "Kspeedfs", "KspeedfsStore", "RamFS",
+           "build_ramfs_c", "read_tree", "unmount"]

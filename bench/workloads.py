@@ -1,0 +1,319 @@
+"""The workloads: which dataset, which cases (one measured run each), which targets.
+
+=================  =========================  =====================================================
+workload           dataset                    cases (primary figure)
+=================  =========================  =====================================================
+``seq-1m``         files: seq.0..3            fio seq-read.fio, 1 MiB, psync and io_uring (QD 16),
+                                              1 and 4 jobs, each job its own file (MB/s)
+``rand-4k``        files                      fio rand-read.fio, 4 KiB, 1 and 4 jobs (IOPS)
+``rand-128k``      files                      fio rand-read.fio, 128 KiB, 1 and 4 jobs (MB/s)
+``imagenet``       imagenet: log-normal       every file read whole once, shuffled, 8 worker
+                   ~110 KB files, 16 dirs     processes (files/s; MB/s alongside)
+``dataloader``     imagenet                   torch DataLoader, 4 workers, raw bytes (files/s)
+``shards``         shards: a few big files    fio shards.fio, 4 readers, random 1-8 MiB reads (MB/s)
+``stat``           imagenet                   stat() of every file, dentry cache cold (stats/s)
+``ls-l``           bigdir: one huge dir       ls -l of it (entries/s)
+``sweep-*``        files / imagenet           kspeedfs alone, one knob varied; ratio to the default
+=================  =========================  =====================================================
+
+Sizes come from a :class:`Scale` (``--quick``, ``--scale medium``, full by default).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from . import datasets, readers
+from .datasets import Dataset
+from .system import REPO, run_fio
+from .targets import Kspeedfs, KspeedfsStore, RamFS, SourceCold, SourceWarm, Target
+
+
+@dataclass(frozen=True)
+class Scale:
+    name: str
+    reps: int
+    seq_files: int = 4
+    seq_size: int = 1 << 30
+    runtime: int = 10
+    imagenet_files: int = 50_000
+    shard_count: int = 3
+    shard_size: int = 2 << 30
+    bigdir_entries: int = 1_000_000
+    max_cases: int = 0            # quick: only the first cases of each workload (0 = all)
+
+
+SCALES = {
+    "quick": Scale("quick", reps=2, seq_size=32 << 20, runtime=1, imagenet_files=1_000,
+                   shard_count=2, shard_size=64 << 20, bigdir_entries=5_000, max_cases=1),
+    "medium": Scale("medium", reps=3, seq_size=256 << 20, runtime=5, imagenet_files=20_000,
+                    shard_count=3, shard_size=512 << 20, bigdir_entries=100_000),
+    "full": Scale("full", reps=5),
+}
+
+
+@dataclass
+class Case:
+    name: str
+    run: Callable[[Path], dict]
+    primary: str
+
+
+@dataclass
+class Context:
+    work: Path
+    scale: Scale
+    ramfs_c: Path | None = None
+    # (numerator, denominator) target pairs reported as ratios of the primary figure
+    ratios: list[tuple[str, str]] = field(default_factory=list)
+
+
+STANDARD_RATIOS = [
+    ("kspeedfs-cold", "source-cold"),
+    ("kspeedfs-warm", "source-warm"),
+    ("kspeedfs-warm", "ramfs-py"),
+    ("kspeedfs-warm", "ramfs-c"),
+    ("ramfs-py", "ramfs-c"),
+]
+META_RATIOS = [("kspeedfs", "source-cold"), ("kspeedfs", "source-warm"), ("kspeedfs", "ramfs-py"),
+               ("kspeedfs", "ramfs-c"), ("ramfs-py", "ramfs-c")]
+
+
+@dataclass
+class Workload:
+    name: str
+    doc: str
+    dataset: Callable[[Context], Dataset]
+    cases: Callable[[Dataset, Context], list[Case]]
+    targets: Callable[[Dataset, Context], list[Target]]
+    ratios: list[tuple[str, str]] = field(default_factory=lambda: list(STANDARD_RATIOS))
+    needs: Callable[[], None] | None = None         # e.g. installs torch
+
+
+# -- datasets ----------------------------------------------------------------------------
+
+def _files(ctx: Context) -> Dataset:
+    return datasets.big_files(ctx.work / "data", ctx.scale.seq_files, ctx.scale.seq_size)
+
+
+def _imagenet(ctx: Context) -> Dataset:
+    return datasets.imagenet(ctx.work / "data", ctx.scale.imagenet_files)
+
+
+def _shards(ctx: Context) -> Dataset:
+    return datasets.shards(ctx.work / "data", ctx.scale.shard_count, ctx.scale.shard_size)
+
+
+def _bigdir(ctx: Context) -> Dataset:
+    return datasets.bigdir(ctx.work / "data", ctx.scale.bigdir_entries)
+
+
+# -- targets -----------------------------------------------------------------------------
+
+def standard_targets(ds: Dataset, ctx: Context) -> list[Target]:
+    store = KspeedfsStore(ctx.work, ds)
+    out: list[Target] = [SourceCold(ds), SourceWarm(ds), Kspeedfs(ds, store, warm=False),
+                         Kspeedfs(ds, store, warm=True), RamFS(ds, "py")]
+    if ctx.ramfs_c:
+        out.append(RamFS(ds, "c", ctx.ramfs_c))
+    return out
+
+
+def metadata_targets(ds: Dataset, ctx: Context) -> list[Target]:
+    store = KspeedfsStore(ctx.work, ds)
+    ks = Kspeedfs(ds, store, warm=True, label="kspeedfs")
+    ks.preload = False
+    out: list[Target] = [SourceCold(ds), SourceWarm(ds), ks, RamFS(ds, "py")]
+    if ctx.ramfs_c:
+        out.append(RamFS(ds, "c", ctx.ramfs_c))
+    return out
+
+
+# -- cases -------------------------------------------------------------------------------
+
+def seq_case(ds: Dataset, engine: str, jobs: int) -> Case:
+    size = ds.bytes // ds.files
+    depth = 1 if engine == "psync" else 16
+
+    def run(path: Path) -> dict:
+        return run_fio("seq-read.fio", {"DIR": str(path), "SIZE": str(size), "JOBS": str(jobs),
+                                        "ENGINE": engine, "IODEPTH": str(depth)})
+    return Case(f"{engine}-j{jobs}" + (f"-qd{depth}" if depth > 1 else ""), run, "MB/s")
+
+
+def rand_case(ds: Dataset, ctx: Context, bs: str, jobs: int, primary: str) -> Case:
+    def run(path: Path) -> dict:
+        files = ":".join(str(path / p).replace(":", "\\:") for p in ds.paths())
+        return run_fio("rand-read.fio", {"FILES": files, "SIZE": str(ds.bytes), "BS": bs,
+                                         "JOBS": str(jobs), "RUNTIME": str(ctx.scale.runtime),
+                                         "ENGINE": "psync", "IODEPTH": "1"})
+    return Case(f"psync-j{jobs}", run, primary)
+
+
+def _seq_cases(ds: Dataset, ctx: Context) -> list[Case]:
+    return [seq_case(ds, e, j) for e, j in (("psync", 1), ("io_uring", 4), ("psync", 4), ("io_uring", 1))]
+
+
+def _imagenet_cases(ds: Dataset, ctx: Context) -> list[Case]:
+    paths = ds.paths()
+    return [Case("8-workers", lambda p: readers.whole_files(str(p), paths, 8), "files/s")]
+
+
+def _shards_cases(ds: Dataset, ctx: Context) -> list[Case]:
+    def run(path: Path) -> dict:
+        files = ":".join(str(path / p) for p in ds.paths())
+        return run_fio("shards.fio", {"FILES": files, "SIZE": str(ds.bytes), "JOBS": "4",
+                                      "RUNTIME": str(ctx.scale.runtime)})
+    return [Case("psync-j4-1to8m", run, "MB/s")]
+
+
+def _stat_cases(ds: Dataset, ctx: Context) -> list[Case]:
+    paths = ds.paths()
+    return [Case("stat-every-file", lambda p: readers.stat_all(str(p), paths), "stats/s")]
+
+
+def _ls_cases(ds: Dataset, ctx: Context) -> list[Case]:
+    return [Case(f"ls-l-{ds.files}", lambda p: readers.ls_l(str(p / "d")), "entries/s")]
+
+
+def ensure_torch() -> None:
+    """torch into the venv, only when the DataLoader workload runs."""
+    probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
+    if probe.returncode == 0:
+        return
+    print("installing torch==2.13.0 (CPU) into the venv for the dataloader workload", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
+
+
+def _dataloader_cases(ds: Dataset, ctx: Context) -> list[Case]:
+    ds.paths()
+    listing = ds.listing()
+
+    def run(path: Path) -> dict:
+        p = subprocess.run([sys.executable, "-m", "bench.dataloader", str(path), str(listing),
+                            "--workers", "4"], capture_output=True, text=True, cwd=REPO)
+        if p.returncode:
+            raise RuntimeError(f"dataloader failed: {p.stderr.strip()[-2000:]}")
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    return [Case("torch-4-workers", run, "files/s")]
+
+
+# -- sweeps: kspeedfs alone, one knob at a time, ratio to the configured default ----------
+
+def _default(key: str) -> str:
+    from kspeedfs import config
+
+    cfg = config.Config()
+    section, _, name = key.partition(".")
+    v = getattr(getattr(cfg, "import_" if section == "import" else section), name)
+    return config.format_size(v) if key in ("import.chunk_size", "cache.memory") else str(v)
+
+
+def sweep(name: str, key: str, values: list[str], warm: bool, dataset: Callable[[Context], Dataset],
+          cases: Callable[[Dataset, Context], list[Case]], doc: str) -> Workload:
+    default = _default(key)
+
+    def targets(ds: Dataset, ctx: Context) -> list[Target]:
+        out: list[Target] = []
+        vals = values if default in values else [default, *values]
+        for v in vals:
+            label = f"{key.split('.')[-1]}={v}" + (" (default)" if v == default else "")
+            if key == "import.chunk_size":
+                t = Kspeedfs(ds, KspeedfsStore(ctx.work, ds, chunk=v), warm=warm, label=label)
+            else:
+                t = Kspeedfs(ds, KspeedfsStore(ctx.work, ds), warm=warm, settings={key: v}, label=label)
+            out.append(t)
+        return out
+
+    def ratios(ds_targets: list[str]) -> list[tuple[str, str]]:
+        base = next(t for t in ds_targets if t.endswith("(default)"))
+        return [(t, base) for t in ds_targets if t != base]
+
+    wl = Workload(name, doc, dataset, cases, targets, ratios=[])
+    wl.sweep_ratios = ratios        # type: ignore[attr-defined]
+    return wl
+
+
+def _cache_sweep() -> Workload:
+    """cache.memory as fractions of the dataset: re-read after one pass, page cache dropped."""
+    def targets(ds: Dataset, ctx: Context) -> list[Target]:
+        out: list[Target] = []
+        for frac in ("0.25", "0.5", "1.0", "1.5"):
+            size = max(16 << 20, int(ds.bytes * float(frac)))
+            label = f"memory={frac}x dataset" + (" (default)" if frac == "1.5" else "")
+            out.append(Kspeedfs(ds, KspeedfsStore(ctx.work, ds), warm=True,
+                                settings={"cache.memory": str(size)}, label=label))
+        return out
+
+    wl = Workload("sweep-cache", "memory tier size vs dataset size; 2nd pass re-read", _files,
+                  lambda ds, ctx: [seq_case(ds, "psync", 4)], targets, ratios=[])
+    wl.sweep_ratios = lambda names: [(t, names[-1]) for t in names[:-1]]   # type: ignore[attr-defined]
+    return wl
+
+
+def _seq_and_rand(ds: Dataset, ctx: Context) -> list[Case]:
+    return [seq_case(ds, "psync", 1), seq_case(ds, "io_uring", 4),
+            rand_case(ds, ctx, "128k", 4, "MB/s")]
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in [
+    Workload("seq-1m", "sequential 1 MiB reads, one file per job", _files, _seq_cases, standard_targets),
+    Workload("rand-4k", "random 4 KiB reads over the large files", _files,
+             lambda ds, ctx: [rand_case(ds, ctx, "4k", j, "IOPS") for j in (4, 1)], standard_targets),
+    Workload("rand-128k", "random 128 KiB reads over the large files", _files,
+             lambda ds, ctx: [rand_case(ds, ctx, "128k", j, "MB/s") for j in (4, 1)], standard_targets),
+    Workload("imagenet", "ImageNet-like: every small file read whole once, shuffled, 8 workers",
+             _imagenet, _imagenet_cases, standard_targets),
+    Workload("dataloader", "torch DataLoader epoch over the ImageNet-like files, raw bytes",
+             _imagenet, _dataloader_cases, standard_targets, needs=ensure_torch),
+    Workload("shards", "large shards: 4 readers, random 1-8 MiB reads", _shards, _shards_cases,
+             standard_targets),
+    Workload("stat", "stat() of every ImageNet-like file, dentry cache cold", _imagenet, _stat_cases,
+             metadata_targets, ratios=list(META_RATIOS)),
+    Workload("ls-l", "ls -l of one huge directory", _bigdir, _ls_cases, metadata_targets,
+             ratios=list(META_RATIOS)),
+    sweep("sweep-chunk", "import.chunk_size", ["1MiB", "4MiB", "16MiB"], False,
+          _imagenet, lambda ds, ctx: _imagenet_cases(ds, ctx), "chunk size, cold: small files"),
+    sweep("sweep-chunk-seq", "import.chunk_size", ["1MiB", "4MiB", "16MiB"], False,
+          _files, lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4)],
+          "chunk size, cold: sequential"),
+    sweep("sweep-prefetch", "fuse.prefetch_chunks", ["0", "2", "4", "8", "16"], False, _files,
+          lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4)],
+          "prefetch depth, cold sequential readers"),
+    sweep("sweep-max_background", "fuse.max_background", ["12", "32", "64", "128"], True, _files,
+          _seq_and_rand, "FUSE max_background, warm (chunk cache) reads"),
+    sweep("sweep-read_ahead_kb", "fuse.read_ahead_kb", ["128", "1024", "4096", "16384"], True, _files,
+          lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4),
+                           rand_case(ds, ctx, "4k", 1, "IOPS")],
+          "bdi read_ahead_kb, warm (chunk cache) reads"),
+    _cache_sweep(),
+]}
+
+GROUPS = {
+    "metadata": ["stat", "ls-l"],
+    "sweep": ["sweep-chunk", "sweep-chunk-seq", "sweep-prefetch", "sweep-max_background",
+              "sweep-read_ahead_kb", "sweep-cache"],
+}
+DEFAULT_QUICK = ["seq-1m", "rand-4k", "imagenet", "shards", "stat", "ls-l"]
+DEFAULT_FULL = ["seq-1m", "rand-4k", "rand-128k", "imagenet", "dataloader", "shards", "stat", "ls-l",
+                *GROUPS["sweep"]]
+
+
+def expand(names: list[str]) -> list[str]:
+    out: list[str] = []
+    for n in names:
+        for w in GROUPS.get(n, [n]):
+            if w not in WORKLOADS:
+                raise SystemExit(f"unknown workload {w!r}; known: {', '.join([*WORKLOADS, *GROUPS])}")
+            if w not in out:
+                out.append(w)
+    return out
+
+
+def scale_with(scale: Scale, **kw: int) -> Scale:
+    return replace(scale, **{k: v for k, v in kw.items() if v})
