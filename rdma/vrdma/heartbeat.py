@@ -77,8 +77,12 @@ class HeartbeatConfig:
     suspect_after: int = 2
     #: all paths dead for this long → pending and new READs get PeerUnreachable
     unreachable_grace: float = 0.25
-    #: any single READ older than this → PeerUnreachable, whatever the paths say
+    #: a READ parked because no path is UP (paths flapping, rebuilding) fails with
+    #: PeerUnreachable once it is this old.  A READ parked only because every UP path's
+    #: queue is full is never failed for it: that is load, not unreachability.
     read_timeout: float = 5.0
+    #: a READ re-posted this many times (its paths kept failing under it) gives up
+    max_reposts: int = 16
     #: per-try transport timeout (soft provider extension) and retries: the backstop
     qp_timeout_ms: int = 100
     qp_timeout_exp: int = 14

@@ -3,7 +3,8 @@
 ``await vqp.read(local_vmr, local_off, remote, length)`` returns when the bytes are in
 ``local_vmr``; it raises :class:`~rdma.errors.PeerUnreachable` only when every path to
 the peer has been dead for ``unreachable_grace`` (or the READ is older than
-``read_timeout``).  The request path, top to bottom::
+``read_timeout`` while no path is UP, or it failed over ``max_reposts`` times).
+The request path, top to bottom::
 
     read() ─► _dispatch(op) ─► choose_path(): least-loaded UP path, round-robin on ties
                  │                 └─ none: op waits in _waiting (bounded, see below)
@@ -376,6 +377,12 @@ class VQP:
             self._finish(op, None)
         elif wc.status in CALLER_ERRORS:
             self._finish(op, WCError(wc))
+        elif op.posts >= self.cfg.max_reposts:
+            self.unreachable += 1
+            e = PeerUnreachable(f"READ from {self.peer} failed over {op.posts} times: its "
+                                f"paths keep failing under it", self.peer)
+            e.__cause__ = self._last_broken
+            self._finish(op, e)
         else:
             path.failed_over += 1
             self.failed_over += 1
@@ -457,15 +464,16 @@ class VQP:
 
     def _expire(self, now: float) -> None:
         """Fail waiting READs once the peer has been unreachable for the grace period, or
-        any waiting READ older than ``read_timeout``."""
+        (while no path is UP) once they are older than ``read_timeout``."""
         if not self._waiting:
             return
         dead_long = (self._all_dead_since is not None
                      and now - self._all_dead_since >= self.cfg.unreachable_grace)
+        none_up = not any(p.m.postable for p in self.paths)
         keep: collections.deque[_Read] = collections.deque()
         while self._waiting:
             op = self._waiting.popleft()
-            if dead_long or now - op.t0 >= self.cfg.read_timeout:
+            if dead_long or (none_up and now - op.t0 >= self.cfg.read_timeout):
                 self.unreachable += 1
                 self._finish(op, self._unreachable(now))
             else:

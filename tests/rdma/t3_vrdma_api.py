@@ -223,3 +223,18 @@ async def test_paths_tool(server: Any) -> None:
                                   str(port), "--local", LO], capture_stdout=True,
                                  capture_stderr=True, cwd=REPO, env=env, check=False)
     assert res.returncode != 0
+
+
+async def test_more_reads_than_queue_slots_all_complete(server: Any, client: Endpoint) -> None:
+    """Thousands of concurrent READs on one path (SQ depth 256): the excess waits for
+    slots and is never mistaken for an unreachable peer."""
+    srv, port = server
+    vqp = await client.connect([LO], port)
+    rm = vqp.remote_mr("data")
+    n, size = 3000, 1024
+    buf = client.alloc(n * size)
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(vqp.read, buf, i * size, rm, size, i * size)
+    assert buf.read(n * size) == srv.exports["data"].read(n * size)
+    assert vqp.statistics().reads_ok == n
