@@ -43,8 +43,9 @@ from typing import Any, Callable
 
 import trio
 
-from ..api import ConnInfo, Context, Device, PD, QPCap, QPInitAttr, get_device_list
-from ..enums import IBV_QPS_RESET
+from ..api import (ConnInfo, Context, Device, PD, QPAttr, QPCap, QPInitAttr,
+                   get_device_list)
+from ..enums import IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ, IBV_QPS_RESET
 from ..errors import AuthenticationError, HandshakeError, PathClosed, PeerUnreachable, RdmaError
 from .handshake import Channel, client_handshake, qp_token, server_handshake
 from .heartbeat import HEARTBEAT_BYTES, HeartbeatConfig
@@ -294,20 +295,26 @@ class Endpoint:
         try:
             qp = nic.pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(max_send_wr=4,
                                                                    max_recv_wr=1)))
+            # Our QP waits in INIT (it serves nothing before RTR) while the client
+            # connects to it; only once the connection that attached is proven to be the
+            # authenticated client's (its private_data token) does our QP go to RTR/RTS.
+            qp.to_init(QPAttr(qp_access_flags=IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ))
             info = qp.local_info()
             await ch.send({**self._info(), "conn": info.to_dict()})
-            rd = self._rd_atomic(nic)
-            await trio.to_thread.run_sync(partial(
-                qp.connect, remote, max_rd_atomic=rd, max_dest_rd_atomic=rd,
-                timeout=self.cfg.qp_timeout_exp, retry_cnt=self.cfg.qp_retry_cnt,
-                timeout_ms=self.cfg.qp_timeout_ms))
             ready = await ch.recv()
             if ready != {"op": "ready"}:
                 raise HandshakeError(f"expected ready, got {ready!r}")
             if not await self._token_ok(qp, qp_token(ch.key, remote.qp_num)):
                 self._refused += 1
+                log.info("endpoint %s: path %s: the connection attached to QP %#x is not "
+                         "%s's; refused", self.node, key, qp.qp_num, ch.peer_node)
                 await ch.send({"error": "QP connection not bound to this session"})
                 return
+            rd = self._rd_atomic(nic)
+            await trio.to_thread.run_sync(partial(
+                qp.connect, remote, max_rd_atomic=rd, max_dest_rd_atomic=rd,
+                timeout=self.cfg.qp_timeout_exp, retry_cnt=self.cfg.qp_retry_cnt,
+                timeout_ms=self.cfg.qp_timeout_ms))
             await ch.send({"ok": True})
             lease = trio.CancelScope()
             with lease:

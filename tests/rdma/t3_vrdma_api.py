@@ -238,3 +238,74 @@ async def test_more_reads_than_queue_slots_all_complete(server: Any, client: End
             nursery.start_soon(vqp.read, buf, i * size, rm, size, i * size)
     assert buf.read(n * size) == srv.exports["data"].read(n * size)
     assert vqp.statistics().reads_ok == n
+
+
+async def test_hostile_connection_racing_the_client_reads_nothing(
+        server: Any, client: Endpoint) -> None:
+    """Soft wire level: an attacker who learned a served QP's number, the client's QPN and
+    PSN and a valid rkey attaches to the served QP first (forged HELLO) and sends a READ
+    request.  The served QP stays in INIT until the attached connection proves (token)
+    that it is the authenticated client's, so nothing is served; the path is refused."""
+    import socket
+
+    from rdma.vrdma.handshake import qp_token
+    if client.nics[LO].device.provider != "soft":
+        pytest.skip("wire-level attack on the soft provider")
+    from rdma.providers.soft import wire
+
+    srv, port = server
+    ch = await client._open_channel(LO, port, None)
+    nic = client.nics[LO]
+    cq = nic.ctx.create_cq(8)
+    qp = nic.pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(max_send_wr=4)))
+    info = qp.local_info()
+    await ch.send({"op": "path", "vqp": "race", "path": 0, "nic": LO, "conn": info.to_dict()})
+    reply = await ch.recv()
+    served = ConnInfo.from_dict(reply["conn"])
+    rm = RemoteVMR.from_dict("data", reply["mrs"]["data"])
+    addr, rkey = rm.on(LO, 0)
+
+    def attack() -> bytes:
+        s = socket.create_connection((LO, served.service_port), timeout=3)
+        try:
+            s.sendall(wire.hello(served.qp_num, info.qp_num, b"forged"))
+            got = b""
+            while len(got) < wire.HDR_LEN:
+                chunk = s.recv(wire.HDR_LEN - len(got))
+                if not chunk:
+                    return b""
+                got += chunk
+            assert wire.Header.unpack(got).status == 0      # attached (first one wins)
+            s.sendall(wire.read_req(info.psn, addr, rkey, 64))
+            out = b""
+            try:
+                while chunk := s.recv(65536):
+                    out += chunk
+            except (socket.timeout, ConnectionError):
+                pass
+            return out
+        finally:
+            s.close()
+
+    async with trio.open_nursery() as nursery:
+        result: list[bytes] = []
+
+        async def run_attack() -> None:
+            result.append(await trio.to_thread.run_sync(attack))
+
+        nursery.start_soon(run_attack)
+        await trio.sleep(0.2)                      # the attacker is attached and waiting
+        with pytest.raises(ConnectError):          # the real client cannot attach now
+            await trio.to_thread.run_sync(lambda: qp.connect(
+                served, private_data=qp_token(ch.key, info.qp_num), timeout_ms=100))
+        await ch.send({"op": "ready"})
+        refused = await ch.recv()
+        assert "error" in refused
+    served_bytes = result[0]
+    assert srv.exports["data"].read(64) not in served_bytes
+    for off in range(0, len(served_bytes) - wire.HDR_LEN + 1, wire.HDR_LEN):
+        h = wire.Header.unpack(served_bytes[off:off + wire.HDR_LEN])
+        assert not (h.opcode == wire.OP_READ_RESP and h.status == 0)
+    await ch.aclose()
+    qp.close()
+    cq.close()
