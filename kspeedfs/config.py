@@ -146,6 +146,54 @@ class FuseConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The cluster (``cluster/``): node daemons pooling memory, mounts reading peers.
+
+    A mount uses peers when the store is etcd and ``peers`` is true; ``kspeedfs node``
+    always needs etcd. Every process of one cluster must share ``secret``."""
+
+    peers: bool = _opt(True, "with the etcd store, read chunks from peers before the source")
+    secret_file: str = _opt("/etc/kspeedfs/secret", "file holding the cluster's shared secret")
+    replicas: int = _opt(2, "R: owners per chunk (placement.py)")
+    nics: list[str] = _opt([], "local NIC addresses to use; empty = every RDMA device but loopback")
+    port: int = _opt(7470, "vRDMA endpoint (control) port of a node")
+    rpc_port: int = _opt(7471, "node control RPC port (load-on-demand, status)")
+    provider: str = _opt("", "RDMA provider: 'soft', 'verbs' or '' (verbs if devices exist)")
+    memory: int = _size("1GiB", "node: memory arena registered for RDMA (chunk slots)")
+    slot_size: int = _size("4MiB", "node: arena slot size = the largest chunk size served")
+    lease_ttl: int = _opt(5, "node: membership lease TTL, s (a dead node leaves after this)")
+    preload_workers: int = _opt(4, "node: chunks loaded concurrently by preload/re-replication")
+    hb_interval: float = _opt(0.010, "vRDMA heartbeat interval per path, s")
+    hb_miss: int = _opt(5, "heartbeats missed before a path is DOWN (detection ~ miss x interval)")
+    peer_timeout: float = _opt(0.5, "all paths to a peer dead this long -> try the next replica, s")
+
+    def validate(self) -> None:
+        if not 1 <= self.replicas <= 16:
+            raise ConfigError(f"cluster.replicas: {self.replicas} must be in 1..16")
+        if self.memory < self.slot_size * 2:
+            raise ConfigError(f"cluster.memory: {self.memory} must hold at least two slots")
+        if self.slot_size % 4096:
+            raise ConfigError(f"cluster.slot_size: {self.slot_size} must be a multiple of 4 KiB")
+        _choice("cluster.provider", self.provider, ("", "soft", "verbs"))
+        if self.lease_ttl < 1:
+            raise ConfigError(f"cluster.lease_ttl: {self.lease_ttl} must be >= 1")
+        _positive("cluster.hb_interval", self.hb_interval)
+        _positive("cluster.peer_timeout", self.peer_timeout)
+        if self.hb_miss < 2:
+            raise ConfigError(f"cluster.hb_miss: {self.hb_miss} must be >= 2")
+
+    def secret(self) -> bytes:
+        try:
+            data = open(self.secret_file, "rb").read().strip()
+        except OSError as e:
+            raise ConfigError(f"cluster.secret_file {self.secret_file}: {e.strerror} "
+                              "(every node and mount of a cluster needs the same secret)") from None
+        if len(data) < 16:
+            raise ConfigError(f"cluster.secret_file {self.secret_file}: the secret is shorter than 16 bytes")
+        return data
+
+
+@dataclass
 class LogConfig:
     """Where the daemon logs (``log.py``)."""
 
@@ -163,6 +211,7 @@ class Config:
     import_: ImportConfig = field(default_factory=ImportConfig, metadata={"toml": "import"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     fuse: FuseConfig = field(default_factory=FuseConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log: LogConfig = field(default_factory=LogConfig)
     source_path: str = field(default="", metadata={"skip": True})  # file the config came from
 

@@ -19,8 +19,9 @@ import logging
 import os
 import signal
 import socket
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import pyfuse3
 import trio
@@ -36,6 +37,9 @@ from .manifest.store import open_store
 from .manifest.store.base import DatasetInfo
 from .origin import Origin
 from .reader import Reader
+
+if TYPE_CHECKING:
+    from .cluster.fetch import Peers
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,45 @@ async def _on_signals() -> None:
             return
 
 
+@asynccontextmanager
+async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | None"]:
+    """Peers to read chunks from, when this mount belongs to a cluster (etcd store and
+    ``cluster.peers``); None otherwise. The mount talks to the nodes directly — its own
+    vRDMA endpoint and one-sided READs into its own buffers — so a read from a peer
+    crosses the network once and the local node's CPU is never on the path."""
+    if cfg.store.backend != "etcd" or not cfg.cluster.peers:
+        yield None
+        return
+    from rdma.vrdma import Endpoint
+
+    from .cluster.fetch import Peers
+    from .cluster.membership import Membership
+    from .cluster.node import heartbeat_config
+    from .manifest.store.etcd import EtcdStore
+
+    secret = cfg.cluster.secret()
+    store = EtcdStore(cfg.store)
+    me = f"mount:{os.uname().nodename}:{os.getpid()}"
+    async with Endpoint(secret, node=me, addrs=cfg.cluster.nics or None,
+                        provider=cfg.cluster.provider or None, cfg=heartbeat_config(cfg)) as ep, \
+            trio.open_nursery() as nursery:
+        membership = Membership(store)
+        await nursery.start(membership.run)
+        local = next((r.node for r in membership.nodes.values() if set(r.nics) & set(ep.nics)), None)
+        log.info("cluster: %d nodes (%s), local node %s, R=%d", len(membership.nodes),
+                 ", ".join(sorted(membership.nodes)), local, cfg.cluster.replicas)
+        peers = Peers(ep, membership, secret, cfg.cluster.replicas,
+                      max(cfg.cluster.slot_size, index.chunk_size), local_node=local,
+                      nbuf=max(8, cfg.fuse.prefetch_chunks * 2))
+        try:
+            yield peers
+        finally:
+            with trio.CancelScope(shield=True):
+                await peers.aclose()
+            nursery.cancel_scope.cancel()
+            store.close()
+
+
 async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | None = None) -> None:
     boundary.SLOW_OP = cfg.log.slow_op
     path = mp.prepare(req.mountpoint, req.nonempty)
@@ -87,8 +130,9 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     memory = MemoryCache(cfg.cache.memory)
     disk = DiskCache(cfg.cache.disk_dir, cfg.cache.disk) if cfg.cache.disk else None
 
-    async with trio.open_nursery() as nursery:
-        reader = Reader(index, origin, memory, disk, nursery, cfg.fuse.workers, cfg.fuse.prefetch_chunks)
+    async with _cluster(cfg, index) as peers, trio.open_nursery() as nursery:
+        reader = Reader(index, origin, memory, disk, nursery, cfg.fuse.workers, cfg.fuse.prefetch_chunks,
+                        peers, (info.name, info.version))
         ops = Operations(index, reader, info, cfg.fuse.entry_timeout, cfg.fuse.attr_timeout)
         options = set(pyfuse3.default_options) | {"ro", f"fsname=kspeedfs:{info.name}", "subtype=kspeedfs"}
         if cfg.fuse.allow_other:

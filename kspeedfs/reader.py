@@ -6,7 +6,7 @@
           memory tier hit?                  ③ local cache (verified, immutable)
           else single-flight load:
             disk tier, verified             ③ (chunk digest; discard on mismatch)
-            [cluster: replicas by vRDMA]    ④⑤ placement + peer READ (later)
+            replicas by vRDMA READ          ④⑤ cluster/placement.py + cluster/fetch.py
             origin, verified per extent     ⑤′ last resort; SourceChanged → EIO
           → memory (and disk) tier
       → slice and join                      reply
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -31,6 +32,9 @@ from .errors import ChunkUnavailable, SourceChanged
 from .manifest.index import ManifestIndex
 from .origin import Origin
 from .stats import Counters, ReadStatistics
+
+if TYPE_CHECKING:
+    from .cluster.fetch import Peers
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,8 @@ class Reader:
         nursery: trio.Nursery,
         workers: int = 16,
         prefetch_depth: int = 4,
+        peers: "Peers | None" = None,
+        dataset: tuple[str, int] = ("", 0),
     ) -> None:
         self.index = index
         self.origin = origin
@@ -52,6 +58,8 @@ class Reader:
         self.disk = disk
         self.nursery = nursery
         self.counters = Counters()
+        self.peers = peers
+        self.dataset = dataset
         self.prefetcher = Prefetcher(prefetch_depth)
         self._flights: SingleFlight[bytes] = SingleFlight(nursery)
         self._limiter = trio.CapacityLimiter(workers)
@@ -60,6 +68,9 @@ class Reader:
         return self.counters.snapshot(
             memory_bytes=self.memory.used, disk_bytes=self.disk.used if self.disk else 0
         )
+
+    def peer_statistics(self) -> dict[str, object]:
+        return self.peers.statistics() if self.peers is not None else {}
 
     async def read(self, entry: int, offset: int, size: int, stream: Stream | None = None) -> bytes:
         ix = self.index
@@ -130,6 +141,14 @@ class Reader:
             data = await trio.to_thread.run_sync(self._from_disk, key, limiter=self._limiter)
             if data is not None:
                 self.counters.add("disk_hits")
+                self.memory.put(key, data)
+                return data
+        if self.peers is not None:
+            data = await self.peers.read_chunk(self.dataset[0], self.dataset[1], k, key,
+                                               self.index.chunk_len[k])
+            if data is not None:
+                self.counters.add("peer_hits")
+                self.counters.add("peer_bytes", len(data))
                 self.memory.put(key, data)
                 return data
         try:

@@ -16,6 +16,8 @@ class ReadStatistics:
     read_bytes: int = 0            # bytes returned to readers
     memory_hits: int = 0           # chunk requests served by the memory tier
     disk_hits: int = 0             # ... by the disk tier (verified on load)
+    peer_hits: int = 0             # ... READ from a replica's arena over vRDMA (verified)
+    peer_bytes: int = 0
     source_loads: int = 0          # chunks assembled from the source
     source_bytes: int = 0
     prefetched: int = 0            # chunk loads started by the prefetcher

@@ -23,6 +23,9 @@ COMMANDS = {
     "umount": ("umount", "unmount a kspeedfs mount"),
     "ls": ("ls", "list datasets"),
     "config": ("config", "print the effective configuration as TOML"),
+    "node": ("node", "run this machine's cluster node (memory arena, vRDMA endpoint)"),
+    "preload": ("preload", "load a dataset into the cluster's pooled cache (--check: verify)"),
+    "status": ("status", "nodes, NICs and paths, cache use, datasets cached, hit ratios"),
 }
 
 log = logging.getLogger("kspeedfs")

@@ -167,7 +167,9 @@ class Operations(pyfuse3.Operations):
             out[b"checksum"] = ("xxh3-128:" + ",".join(e.digest.hex() for e in exts)).encode()
             out[b"chunks"] = ",".join(str(e.chunk) for e in exts).encode()
         if entry == 0:
-            out[b"stats"] = json.dumps(asdict(self.reader.statistics())).encode()
+            stats = asdict(self.reader.statistics())
+            stats.update(self.reader.peer_statistics())
+            out[b"stats"] = json.dumps(stats).encode()
         return out
 
     @fuse_op

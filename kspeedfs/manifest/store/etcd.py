@@ -269,6 +269,12 @@ class EtcdStore(MetadataStore):
             time.sleep(min(delay, max(0.0, self.timeout - elapsed)))
             delay = min(delay * 2, 0.5)
 
+    def call(self, op: Callable[[etcd3.Etcd3Client], T]) -> T:
+        """Run ``op(client)`` with this store's failover, retries and error mapping.
+        The cluster's membership, preload and status keys share the store's endpoints,
+        credentials and ``etcd_prefix`` through this (``cluster/membership.py``)."""
+        return self._rpc(op)
+
     def _get(self, key: str) -> tuple[bytes | None, Any]:
         return self._rpc(lambda c: c.get(key))
 

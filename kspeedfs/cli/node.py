@@ -1,0 +1,68 @@
+"""``kspeedfs node --etcd URL --nic A --nic B --cache-mem 8GiB``: run this machine's node.
+
+Stays in the foreground (run it under systemd: ``mount/kspeedfs-node.service``); logs
+to stderr and to ``log.dir``/node-<name>.log. SIGTERM/SIGINT leave the cluster cleanly
+(the lease is revoked, so peers re-replicate at once instead of after the TTL).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from typing import Any
+
+from .options import load_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", help="node name in the cluster (default: the host name)")
+    p.add_argument("--nic", action="append", default=None, metavar="ADDR",
+                   help="local NIC address to serve on (repeat per NIC; cluster.nics)")
+    p.add_argument("--cache-mem", metavar="SIZE", help="memory arena size (cluster.memory)")
+    p.add_argument("--cache-dir", metavar="DIR", help="SSD tier directory (not used by nodes yet)")
+    p.add_argument("--cache-disk", metavar="SIZE", help="SSD tier size (not used by nodes yet)")
+    p.add_argument("--source", help="read the source from this directory instead of the recorded one")
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    from .. import log as logsetup
+    from ..cluster.membership import default_node_name
+    from ..cluster.node import serve
+
+    overrides: dict[str, Any] = {"cluster.memory": args.cache_mem}
+    if args.nic:
+        overrides["cluster.nics"] = args.nic
+    cfg = load_config(args, **overrides)
+    name = args.name or default_node_name()
+    logsetup.setup(cfg.log.level, stderr=True,
+                   file=os.path.join(cfg.log.dir, f"node-{name}.log"))
+    if args.cache_dir or args.cache_disk:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "--cache-dir/--cache-disk: the node's SSD tier is not implemented yet; memory only")
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            async def on_signals() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+                    async for s in sigs:
+                        import logging
+
+                        logging.getLogger(__name__).info("%s: leaving the cluster",
+                                                         signal.Signals(s).name)
+                        n.cancel_scope.cancel()
+                        return
+
+            n.start_soon(on_signals)
+
+            def ready(record: Any) -> None:
+                print(f"node {record.node} ready: nics {','.join(record.nics)} port {record.port}",
+                      flush=True)
+
+            await serve(cfg, name, ready, args.source)
+
+    trio.run(main)
+    return 0

@@ -1,0 +1,62 @@
+"""``kspeedfs status``: the cluster at a glance, from etcd only (nodes publish every 2 s)."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from ..errors import KspeedfsError
+from .options import cli_logging, load_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _prefix(store, sub: str) -> dict[str, dict]:
+    pre = store.prefix + sub
+    out = {}
+    for kv in store.call(lambda c: c.get_prefix_response(pre)).kvs:
+        try:
+            out[kv.key.decode()[len(pre):]] = json.loads(kv.value)
+        except ValueError:
+            continue
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..manifest.store.etcd import EtcdStore
+
+    cli_logging(args)
+    cfg = load_config(args)
+    if cfg.store.backend != "etcd":
+        raise KspeedfsError("status needs the cluster's etcd store (--etcd URL)")
+    store = EtcdStore(cfg.store)
+    nodes, stats = _prefix(store, "nodes/"), _prefix(store, "stats/")
+    preload, progress = _prefix(store, "preload/"), _prefix(store, "progress/")
+    if args.json:
+        print(json.dumps({"nodes": nodes, "stats": stats, "preload": preload, "progress": progress},
+                         indent=2))
+        return 0
+    now = time.time()
+    print(f"{len(nodes)} live node(s)")
+    for name, rec in sorted(nodes.items()):
+        s = stats.get(name, {})
+        a = s.get("arena", {})
+        c = s.get("counters", {})
+        print(f"  {name}: NICs {', '.join(rec['nics'])}; cache {a.get('used_bytes', 0) / 2**30:.2f}/"
+              f"{rec['capacity'] / 2**30:.2f} GiB ({a.get('used_slots', 0)} chunks); "
+              f"up {now - rec['started']:.0f}s")
+        print(f"    loads: {c.get('source_loads', 0)} from source, {c.get('peer_loads', 0)} from "
+              f"peers, {c.get('demand_loads', 0)} on demand, {c.get('rereplicated', 0)} re-replicated")
+        for peer, p in sorted(s.get("endpoint", {}).get("peers", {}).items()):
+            paths = ", ".join(f"{k} {v}" for k, v in p["paths"].items())
+            print(f"    to {peer}: {p['state']} ({paths}); reads failed over {p['reads_failed_over']}")
+    print("datasets held by the cluster:")
+    for name, req in sorted(preload.items()):
+        tag = f"{name}@{req['version']}"
+        mine = {k.split("/", 1)[1]: v for k, v in progress.items() if k.startswith(tag + "/")}
+        owned = sum(v["owned"] for n, v in mine.items() if n in nodes)
+        cached = sum(v["cached"] for n, v in mine.items() if n in nodes)
+        print(f"  {tag}: {100 * cached / owned if owned else 0:.1f}% of {owned:,} chunk replicas cached")
+    return 0

@@ -1,0 +1,177 @@
+"""③ A node's cache: a memory arena of chunk slots plus an index peers read one-sidedly.
+
+Two vMRs, registered on every NIC of the node and exported to authenticated peers::
+
+    "arena"  nslots × slot_size bytes        slot s holds one chunk at s·slot_size
+    "index"  nbuckets × WAYS × 32 bytes      open hash table: key → (slot, length)
+
+    index entry (32 B, little-endian):  key[16] = xxh3-128 of the chunk | slot u32 |
+                                        length u32 | reserved u64
+    bucket of a key = first 8 bytes of the key as an integer, mod nbuckets
+
+Why this shape — the reader needs no help from the owner's CPU on the hot path: it
+READs the key's bucket (WAYS × 32 = 256 bytes), finds its key, READs the slot, and
+checks the bytes against the key. Two one-sided READs, zero RPCs.
+
+Why eviction needs no locks or epochs with readers: the key *is* the checksum of the
+content (content addressing). The owner evicts by clearing the index entry first and
+only then reusing the slot; a reader that raced (read the entry before the clear and
+the slot after the reuse, or caught a half-written slot) gets bytes whose xxh3-128 is
+not the key it looked up — the verification every read does anyway — and retries the
+index once, then treats the chunk as missing. So no read can return wrong bytes, and
+no coordination is needed for one to be safe. Slots are written only by this process
+(``put``), in the order data → index entry.
+
+Eviction order when the arena is full: chunks this node no longer owns (placement
+moved them elsewhere) first, then the oldest. Owned chunks are the node's share of the
+pooled cache; evicting them only happens when the share exceeds the arena, which
+``kspeedfs status`` reports as a capacity problem.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+log = logging.getLogger(__name__)
+
+WAYS = 8
+ENTRY = struct.Struct("<16sIIQ")
+BUCKET_BYTES = WAYS * ENTRY.size
+
+
+class Buffer(Protocol):
+    """What the arena needs of a registered buffer (a vRDMA ``VMR`` or a bytearray view)."""
+
+    length: int
+
+    def write(self, data: bytes | bytearray | memoryview, offset: int = 0) -> None: ...
+
+    def read(self, length: int, offset: int = 0) -> bytes: ...
+
+
+def bucket_of(key: bytes, nbuckets: int) -> int:
+    return int.from_bytes(key[:8], "little") % nbuckets
+
+
+def find_in_bucket(bucket: bytes, key: bytes) -> tuple[int, int] | None:
+    """(slot, length) of ``key`` in one bucket's bytes as READ from a peer, or None."""
+    for i in range(WAYS):
+        k, slot, length, _ = ENTRY.unpack_from(bucket, i * ENTRY.size)
+        if k == key and length:
+            return slot, length
+    return None
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Published in the node's membership record so readers can address its arena."""
+
+    nslots: int
+    slot_size: int
+    nbuckets: int
+
+    @classmethod
+    def for_memory(cls, memory: int, slot_size: int) -> "Geometry":
+        nslots = memory // slot_size
+        # at most half the index ways in use on average: few full buckets
+        nbuckets = max(1, (2 * nslots + WAYS - 1) // WAYS)
+        return cls(nslots, slot_size, nbuckets)
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.nslots * self.slot_size
+
+    @property
+    def index_bytes(self) -> int:
+        return self.nbuckets * BUCKET_BYTES
+
+
+@dataclass(frozen=True)
+class ArenaStatistics:
+    slots: int
+    used_slots: int
+    used_bytes: int
+    capacity: int
+    evictions: int
+    puts: int
+
+
+class Arena:
+    """The owner's side: ``put``/``get``/``evict``. Single-threaded (the node's trio loop)."""
+
+    def __init__(self, geometry: Geometry, data: Buffer, index: Buffer,
+                 owned: Callable[[bytes], bool] = lambda key: True) -> None:
+        self.g = geometry
+        self.data = data
+        self.index = index
+        self.owned = owned                       # placement: does this node own a key?
+        self._free = list(range(geometry.nslots - 1, -1, -1))
+        self._slots: OrderedDict[bytes, tuple[int, int, int]] = OrderedDict()  # key → (slot, len, way)
+        self._ways: dict[int, list[bytes | None]] = {}     # bucket → keys by way
+        self.evictions = 0
+        self.puts = 0
+        self.used_bytes = 0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def keys(self) -> list[bytes]:
+        return list(self._slots)
+
+    def get(self, key: bytes) -> bytes | None:
+        """The owner's own copy (for serving re-replication locally, tests, ``--check``)."""
+        hit = self._slots.get(key)
+        if hit is None:
+            return None
+        slot, length, _ = hit
+        return self.data.read(length, slot * self.g.slot_size)
+
+    def put(self, key: bytes, data: bytes | bytearray | memoryview) -> None:
+        """Store a *verified* chunk. Data first, index entry second (see the docstring)."""
+        if key in self._slots:
+            return
+        if len(data) > self.g.slot_size:
+            raise ValueError(f"chunk of {len(data)} bytes does not fit a {self.g.slot_size}-byte slot")
+        b = bucket_of(key, self.g.nbuckets)
+        ways = self._ways.setdefault(b, [None] * WAYS)
+        if None not in ways:
+            self._evict(self._victim([k for k in ways if k is not None]))
+        if not self._free:
+            self._evict(self._victim(list(self._slots)))
+        slot = self._free.pop()
+        way = ways.index(None)
+        self.data.write(data, slot * self.g.slot_size)
+        self.index.write(ENTRY.pack(key, slot, len(data), 0), (b * WAYS + way) * ENTRY.size)
+        ways[way] = key
+        self._slots[key] = (slot, len(data), way)
+        self.used_bytes += len(data)
+        self.puts += 1
+
+    def _victim(self, candidates: list[bytes]) -> bytes:
+        for key in candidates:                   # oldest first (insertion order)
+            if not self.owned(key):
+                return key
+        return candidates[0]
+
+    def _evict(self, key: bytes) -> None:
+        slot, length, way = self._slots.pop(key)
+        b = bucket_of(key, self.g.nbuckets)
+        self.index.write(bytes(ENTRY.size), (b * WAYS + way) * ENTRY.size)   # entry first ...
+        self._ways[b][way] = None
+        self._free.append(slot)                                              # ... then the slot
+        self.used_bytes -= length
+        self.evictions += 1
+
+    def evict(self, key: bytes) -> None:
+        if key in self._slots:
+            self._evict(key)
+
+    def statistics(self) -> ArenaStatistics:
+        return ArenaStatistics(self.g.nslots, len(self._slots), self.used_bytes,
+                               self.g.arena_bytes, self.evictions, self.puts)

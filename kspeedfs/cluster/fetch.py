@@ -1,0 +1,207 @@
+"""⑤ Fetch a chunk from a replica's arena with one-sided vRDMA READs; next replica on failure.
+
+    read_chunk(k):
+      for node in placement.reader_order(key):     local node first, then score order
+          READ its index bucket (256 B)            arena.find_in_bucket → (slot, length)
+          READ the slot                            one READ of up to slot_size bytes
+          xxh3-128 == key?  → done                 the checksum (key = content digest)
+          missing?          → RPC "load" to the owner (it fetches from another replica
+                              or the source into its arena), then READ again
+          PeerUnreachable / RpcUnavailable → the next replica (and skip that node for a
+                              while so later reads do not wait on it again)
+      → None: the caller goes to the source
+
+Failure handling is layered: a NIC or link dying is invisible here (vRDMA re-posts the
+READ on another path); a whole peer dying surfaces as ``PeerUnreachable`` after
+``cluster.peer_timeout`` with all paths dead, and we move to the next replica. A node
+that was unreachable is skipped for ``SKIP`` seconds, then tried again (it may be back,
+or its lease has expired and placement no longer names it).
+
+Buffers: ``nbuf`` slots of ``slot_size`` bytes in one local vMR; a READ lands in a slot,
+is verified and copied out as immutable ``bytes`` (the memory tier keeps those), then
+the slot is reused. Cancellation: a cancelled read keeps its slot until the READ has
+completed (vRDMA owns the buffer until its completion), which ``VQP.read`` guarantees
+by shielding the wait for the completion.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+import xxhash
+
+from rdma.errors import PathClosed, PeerUnreachable, RdmaError
+from rdma.vrdma import VMR, VQP, Endpoint
+
+from .arena import BUCKET_BYTES, bucket_of, find_in_bucket
+from .membership import Membership, NodeRecord
+from .placement import reader_order
+from .rpc import RpcClient, RpcUnavailable
+
+log = logging.getLogger(__name__)
+
+SKIP = 2.0      # seconds an unreachable node is skipped before it is tried again
+
+
+@dataclass
+class PeerCounters:
+    """Per-tier and per-peer counters of one process's peer reads."""
+
+    hits: int = 0                    # chunks READ from a peer arena and verified
+    bytes: int = 0
+    loads_requested: int = 0         # misses the owner was asked to fill
+    misses: int = 0                  # no replica could provide the chunk → source
+    checksum_retries: int = 0        # bytes that failed verification (raced an eviction)
+    unreachable: int = 0             # PeerUnreachable / RpcUnavailable seen
+    longest_stall: float = 0.0       # longest time one chunk spent on failed replicas, s
+    per_peer: Counter[str] = field(default_factory=Counter)   # node → bytes served
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"peer_hits": self.hits, "peer_bytes": self.bytes,
+                "peer_loads_requested": self.loads_requested, "peer_misses": self.misses,
+                "peer_checksum_retries": self.checksum_retries,
+                "peer_unreachable": self.unreachable,
+                "peer_longest_stall_ms": round(self.longest_stall * 1e3, 1),
+                "per_peer_bytes": dict(self.per_peer)}
+
+
+class Peers:
+    """Chunk reads from the cluster for one process (a mount, or a node re-replicating)."""
+
+    def __init__(self, endpoint: Endpoint, membership: Membership, secret: bytes, replicas: int,
+                 slot_size: int, *, me: str | None = None, local_node: str | None = None,
+                 nbuf: int = 8, rpc_timeout: float = 30.0) -> None:
+        self.ep = endpoint
+        self.membership = membership
+        self.secret = secret
+        self.replicas = replicas
+        self.slot_size = slot_size
+        self.me = me or endpoint.node          # this process, as named in RPC handshakes
+        self.local_node = local_node           # the node on this host, tried first
+        self.rpc_timeout = rpc_timeout
+        self.buf: VMR = endpoint.alloc(nbuf * slot_size, name="fetch-buffers")
+        self._free = list(range(nbuf))
+        self._slot_free = trio.Semaphore(nbuf)
+        self._vqps: dict[str, tuple[float, VQP]] = {}   # node → (started, vqp)
+        self._connecting: dict[str, trio.Event] = {}
+        self._rpc: dict[str, RpcClient] = {}
+        self._skip_until: dict[str, float] = {}
+        self.counters = PeerCounters()
+
+    # -- connections ----------------------------------------------------------------------
+
+    async def _vqp(self, rec: NodeRecord) -> VQP:
+        have = self._vqps.get(rec.node)
+        if have is not None and have[0] == rec.started:
+            return have[1]
+        if rec.node in self._connecting:              # one connect per node at a time
+            await self._connecting[rec.node].wait()
+            return await self._vqp(rec)
+        self._connecting[rec.node] = done = trio.Event()
+        try:
+            if have is not None:                       # the node restarted: new incarnation
+                await have[1].aclose()
+            vqp = await self.ep.connect(rec.nics, rec.port, timeout=max(1.0, 2 * self._grace()))
+            self._vqps[rec.node] = (rec.started, vqp)
+            return vqp
+        finally:
+            del self._connecting[rec.node]
+            done.set()
+
+    def _grace(self) -> float:
+        return self.ep.cfg.unreachable_grace
+
+    def rpc(self, rec: NodeRecord) -> RpcClient:
+        c = self._rpc.get(rec.node)
+        if c is None or c.addrs != rec.nics:
+            c = self._rpc[rec.node] = RpcClient(self.secret, self.me, rec.nics, rec.rpc_port,
+                                                self.rpc_timeout)
+        return c
+
+    async def aclose(self) -> None:
+        for _, vqp in self._vqps.values():
+            await vqp.aclose()
+        for c in self._rpc.values():
+            await c.aclose()
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def order(self, key: bytes, exclude: str | None = None) -> list[NodeRecord]:
+        nodes = self.membership.nodes
+        names = reader_order(key, self.membership.members, self.replicas, self.local_node)
+        return [nodes[n] for n in names if n != exclude and n in nodes]
+
+    async def read_chunk(self, dataset: str, version: int, chunk: int, key: bytes, length: int,
+                         *, ask_owner: bool = True, exclude: str | None = None) -> bytes | None:
+        """Verified bytes of the chunk from some replica, or None (go to the source)."""
+        if length > self.slot_size:
+            return None
+        t0 = time.monotonic()
+        failed = False
+        for rec in self.order(key, exclude):
+            now = time.monotonic()
+            if self._skip_until.get(rec.node, 0.0) > now:
+                continue
+            try:
+                data = await self._read_from(rec, key, length)
+                if data is None and ask_owner:
+                    self.counters.loads_requested += 1
+                    await self.rpc(rec).request({"op": "load", "dataset": dataset,
+                                                 "version": version, "chunk": chunk})
+                    data = await self._read_from(rec, key, length)
+            except (PeerUnreachable, RpcUnavailable, PathClosed) as e:
+                self.counters.unreachable += 1
+                self._skip_until[rec.node] = time.monotonic() + SKIP
+                failed = True
+                log.warning("chunk %d of %s: replica %s unreachable (%s); trying the next",
+                            chunk, dataset, rec.node, e)
+                continue
+            except RdmaError as e:
+                failed = True
+                log.warning("chunk %d of %s: READ from %s failed: %s", chunk, dataset, rec.node, e)
+                continue
+            if data is not None:
+                self.counters.hits += 1
+                self.counters.bytes += len(data)
+                self.counters.per_peer[rec.node] += len(data)
+                if failed:
+                    self.counters.longest_stall = max(self.counters.longest_stall,
+                                                      time.monotonic() - t0)
+                return data
+        self.counters.misses += 1
+        return None
+
+    async def _read_from(self, rec: NodeRecord, key: bytes, length: int) -> bytes | None:
+        """Index bucket READ, then slot READ, then verify; None if the node lacks the chunk."""
+        vqp = await self._vqp(rec)
+        await self._slot_free.acquire()
+        slot = self._free.pop()
+        try:
+            base = slot * self.slot_size
+            for attempt in (0, 1):
+                b = bucket_of(key, rec.nbuckets)
+                await vqp.read(self.buf, base, "index", BUCKET_BYTES, b * BUCKET_BYTES)
+                found = find_in_bucket(self.buf.read(BUCKET_BYTES, base), key)
+                if found is None or found[1] != length:
+                    return None
+                rslot, rlen = found
+                await vqp.read(self.buf, base, "arena", rlen, rslot * rec.slot_size)
+                data = self.buf.read(rlen, base)
+                if xxhash.xxh3_128_digest(data) == key:
+                    return data
+                self.counters.checksum_retries += 1    # raced an eviction: look again
+                log.info("chunk %s from %s failed its checksum (attempt %d)", key.hex()[:12],
+                         rec.node, attempt + 1)
+            return None
+        finally:
+            self._free.append(slot)
+            self._slot_free.release()
+
+    def statistics(self) -> dict[str, Any]:
+        out = self.counters.snapshot()
+        out["vqps"] = {n: v.statistics().state for n, (_, v) in self._vqps.items()}
+        return out

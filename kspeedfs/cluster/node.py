@@ -1,0 +1,346 @@
+"""``kspeedfs node``: one per machine — its memory arena is its share of the pooled cache.
+
+Composition (each resource's teardown is the ``async with`` that opened it)::
+
+    EtcdStore ─ Membership (watch nodes/) ─ PrefixView (watch preload/)
+    Endpoint(NICs) ─ vMRs "arena" + "index" exported to authenticated peers ─ listen(port)
+    Arena(geometry, vMRs, owned = placement says this node is an owner)
+    Peers (to copy chunks from other replicas)
+    nursery ─┬─ rpc.serve(rpc_port)          load-on-demand, have, stats
+             ├─ Registration.run             lease keep-alive (nodes/, progress/, stats/)
+             ├─ reconcile                    preload + re-replication + rejoin, one loop
+             └─ publish_stats                every 2 s, for ``kspeedfs status``
+
+Reconcile is the one mechanism behind preload, re-replication and a node taking its
+share back: for every dataset version the cluster should hold (``preload/``), compute
+the chunks this node owns under the *current* membership and load the missing ones —
+from another replica if one has it (vRDMA READ, verified), else from the source
+(verified per extent). It runs when a preload is requested and whenever membership
+changes (a node's lease expired, a node joined), so after a node dies the survivors
+that inherited its chunks copy them from the remaining replica; R copies again.
+Progress goes to ``progress/<ds>@<v>/<node>`` so ``kspeedfs preload`` can show a
+global view and resume: an interrupted preload is just a reconcile that finds fewer
+chunks missing. The source is read at most once per chunk per replica.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import trio
+
+from rdma.vrdma import Endpoint, HeartbeatConfig
+
+from ..cache.singleflight import SingleFlight
+from ..config import Config
+from ..errors import ConfigError, KspeedfsError, SourceChanged
+from ..manifest.index import ManifestIndex
+from ..manifest.store.base import DatasetInfo
+from ..manifest.store.etcd import EtcdStore
+from ..origin import Origin
+from .arena import Arena, Geometry
+from .fetch import Peers
+from .membership import Membership, NodeRecord, PrefixView, Registration
+from .placement import owners
+from . import rpc
+
+log = logging.getLogger(__name__)
+
+
+class Dataset:
+    """One dataset version as a node needs it: manifest index and source."""
+
+    def __init__(self, info: DatasetInfo, index: ManifestIndex, source: str) -> None:
+        self.info = info
+        self.index = index
+        self.origin = Origin(source, index, info.name)
+
+
+@dataclass
+class NodeCounters:
+    source_loads: int = 0
+    source_bytes: int = 0
+    peer_loads: int = 0
+    peer_bytes: int = 0
+    demand_loads: int = 0            # "load" RPCs from readers
+    rereplicated: int = 0            # chunks copied because membership changed
+
+
+def heartbeat_config(cfg: Config) -> HeartbeatConfig:
+    c = cfg.cluster
+    return HeartbeatConfig(interval=c.hb_interval, miss_threshold=c.hb_miss,
+                           suspect_after=min(2, c.hb_miss), unreachable_grace=c.peer_timeout)
+
+
+class Node:
+    def __init__(self, cfg: Config, name: str, store: EtcdStore, ep: Endpoint, arena: Arena,
+                 membership: Membership, peers: Peers, registration: Registration,
+                 nursery: trio.Nursery, source_override: str | None = None) -> None:
+        self.cfg = cfg
+        self.name = name
+        self.store = store
+        self.ep = ep
+        self.arena = arena
+        self.membership = membership
+        self.peers = peers
+        self.registration = registration
+        self.source_override = source_override
+        self.counters = NodeCounters()
+        self.datasets: dict[tuple[str, int], Dataset] = {}
+        self._loading: dict[tuple[str, int], trio.Event] = {}
+        self._flights: SingleFlight[str] = SingleFlight(nursery)
+        self._io = trio.CapacityLimiter(max(2, cfg.cluster.preload_workers))
+        self.preload = PrefixView(store, "preload/")
+        self.progress: dict[str, dict[str, int]] = {}
+        self._last_members: list[str] = []
+
+    # -- datasets --------------------------------------------------------------------------
+
+    async def dataset(self, name: str, version: int) -> Dataset:
+        key = (name, version)
+        if key in self.datasets:
+            return self.datasets[key]
+        if key in self._loading:
+            await self._loading[key].wait()
+            return await self.dataset(name, version)
+        self._loading[key] = done = trio.Event()
+        try:
+            def fetch() -> Dataset:
+                info = self.store.dataset(name, version)
+                index = ManifestIndex.from_blob(self.store.manifest(name, version))
+                if index.chunk_size > self.arena.g.slot_size:
+                    raise ConfigError(f"dataset {name} has {index.chunk_size}-byte chunks; this "
+                                      f"node's cluster.slot_size is {self.arena.g.slot_size}")
+                return Dataset(info, index, self.source_override or info.source)
+
+            ds = await trio.to_thread.run_sync(fetch)
+            self.datasets[key] = ds
+            log.info("dataset %s v%d: %d chunks, %d bytes", name, version, ds.index.chunks, ds.info.bytes)
+            return ds
+        finally:
+            del self._loading[key]
+            done.set()
+
+    def owns(self, key: bytes) -> bool:
+        return self.name in owners(key, self.membership.members, self.cfg.cluster.replicas)
+
+    # -- loading one chunk --------------------------------------------------------------------
+
+    async def load_chunk(self, ds: Dataset, k: int) -> str:
+        """Make chunk ``k`` present in the arena; returns where it came from."""
+        key = ds.index.chunk_digest(k)
+        if key in self.arena:
+            return "cache"
+        where, _ = await self._flights.run(key, self._load, ds, k, key)
+        return where
+
+    async def _load(self, ds: Dataset, k: int, key: bytes) -> str:
+        length = ds.index.chunk_len[k]
+        data = await self.peers.read_chunk(ds.info.name, ds.info.version, k, key, length,
+                                           ask_owner=False, exclude=self.name)
+        if data is not None:
+            self.counters.peer_loads += 1
+            self.counters.peer_bytes += length
+            where = "peer"
+        else:
+            try:
+                data, _ = await trio.to_thread.run_sync(ds.origin.load, k, limiter=self._io)
+            except SourceChanged as e:
+                log.error("%s", e)
+                raise
+            except OSError as e:
+                raise KspeedfsError(f"chunk {k} of {ds.info.name}: source read failed: {e}") from e
+            self.counters.source_loads += 1
+            self.counters.source_bytes += length
+            where = "source"
+        if key not in self.arena:
+            self.arena.put(key, data)
+        return where
+
+    # -- RPC -----------------------------------------------------------------------------------
+
+    async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "load":
+            ds = await self.dataset(str(req["dataset"]), int(req["version"]))
+            k = int(req["chunk"])
+            if not 0 <= k < ds.index.chunks:
+                raise KspeedfsError(f"chunk {k} out of range")
+            self.counters.demand_loads += 1
+            return {"ok": True, "source": await self.load_chunk(ds, k)}
+        if op == "have":
+            ds = await self.dataset(str(req["dataset"]), int(req["version"]))
+            have = [k for k in range(ds.index.chunks) if ds.index.chunk_digest(k) in self.arena]
+            return {"chunks": have}
+        if op == "stats":
+            return self.statistics()
+        raise KspeedfsError(f"unknown op {op!r}")
+
+    def statistics(self) -> dict[str, Any]:
+        a = self.arena.statistics()
+        return {"node": self.name, "time": time.time(), "arena": asdict(a),
+                "counters": asdict(self.counters), "reads": self.peers.statistics(),
+                "endpoint": _endpoint_summary(self.ep), "progress": self.progress}
+
+    # -- reconcile: preload, re-replication, rejoin ----------------------------------------
+
+    async def reconcile_forever(self) -> None:
+        while True:
+            preload_changed = self.preload.changed
+            members_changed = self.membership.view.changed
+            try:
+                await self.reconcile()
+            except KspeedfsError as e:
+                log.error("reconcile: %s; retrying in 2 s", e)
+                with trio.move_on_after(2):
+                    await preload_changed.wait()
+                continue
+            async with trio.open_nursery() as n:
+                async def wait(ev: trio.Event) -> None:
+                    await ev.wait()
+                    n.cancel_scope.cancel()
+                n.start_soon(wait, preload_changed)
+                n.start_soon(wait, members_changed)
+            await trio.sleep(0.2)                    # debounce a burst of changes
+
+    async def reconcile(self) -> None:
+        wanted = {}
+        for name, raw in self.preload.values.items():
+            try:
+                wanted[name] = int(json.loads(raw)["version"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignoring malformed preload request for %s", name)
+        members = [m.node for m in self.membership.members]
+        rereplicating = bool(set(self._last_members) - set(members))
+        if members != self._last_members and self._last_members:
+            log.info("membership changed (%s → %s): re-checking my share",
+                     ",".join(self._last_members), ",".join(members))
+        self._last_members = members
+        if self.name not in members:
+            return                                   # not registered (yet): own nothing
+        for name, version in sorted(wanted.items()):
+            ds = await self.dataset(name, version)
+            await self._fill(ds, rereplicating)
+
+    async def _fill(self, ds: Dataset, rereplicating: bool) -> None:
+        ix = ds.index
+        mine = [k for k in range(ix.chunks) if self.owns(ix.chunk_digest(k))]
+        missing = [k for k in mine if ix.chunk_digest(k) not in self.arena]
+        tag = f"{ds.info.name}@{ds.info.version}"
+        prog = self.progress[tag] = {"owned": len(mine), "cached": len(mine) - len(missing),
+                                     "owned_bytes": sum(ix.chunk_len[k] for k in mine),
+                                     "from_source": 0, "from_peer": 0}
+        if not missing:
+            await self._publish_progress(tag)
+            return
+        log.info("%s: %d of my %d chunks missing; loading (%s)", tag, len(missing), len(mine),
+                 "re-replication" if rereplicating else "preload")
+        t0 = time.monotonic()
+        todo = iter(missing)
+        last_pub = 0.0
+
+        async def worker() -> None:
+            nonlocal last_pub
+            for k in todo:
+                where = await self.load_chunk(ds, k)
+                prog["cached"] += 1
+                if where == "source":
+                    prog["from_source"] += 1
+                elif where == "peer":
+                    prog["from_peer"] += 1
+                if rereplicating:
+                    self.counters.rereplicated += 1
+                if time.monotonic() - last_pub > 1.0:
+                    last_pub = time.monotonic()
+                    await self._publish_progress(tag)
+
+        async with trio.open_nursery() as n:
+            for _ in range(self.cfg.cluster.preload_workers):
+                n.start_soon(worker)
+        await self._publish_progress(tag)
+        dt = time.monotonic() - t0
+        log.info("%s: my share is cached: %d chunks (%d from peers, %d from the source) in %.1fs",
+                 tag, len(mine), prog["from_peer"], prog["from_source"], dt)
+
+    async def _publish_progress(self, tag: str) -> None:
+        key = f"{self.store.prefix}progress/{tag}/{self.name}"
+        value = json.dumps(self.progress[tag]).encode()
+        try:
+            await trio.to_thread.run_sync(self.registration.put, key, value)
+        except KspeedfsError as e:
+            log.warning("cannot publish progress: %s", e)
+
+    async def publish_stats_forever(self, interval: float = 2.0) -> None:
+        key = f"{self.store.prefix}stats/{self.name}"
+        while True:
+            try:
+                await trio.to_thread.run_sync(self.registration.put, key,
+                                              json.dumps(self.statistics()).encode())
+            except KspeedfsError as e:
+                log.debug("cannot publish stats: %s", e)
+            except Exception:                   # statistics are never worth the node
+                log.exception("publishing statistics failed")
+            await trio.sleep(interval)
+
+
+def _endpoint_summary(ep: Endpoint) -> dict[str, Any]:
+    out: dict[str, Any] = {"nics": list(ep.nics), "peers": {}}
+    for v in list(ep.vqps):
+        s = v.statistics()
+        out["peers"][s.peer] = {"state": s.state, "reads_failed_over": s.reads_failed_over,
+                                "paths": {f"{p.local_nic}->{p.remote_nic}": p.state for p in s.paths}}
+    return out
+
+
+async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | None = None,
+                source_override: str | None = None) -> None:
+    """Run a node until cancelled (SIGTERM/SIGINT in the CLI)."""
+    if cfg.store.backend != "etcd":
+        raise ConfigError("kspeedfs node needs the etcd store (--etcd URL)")
+    secret = cfg.cluster.secret()
+    store = EtcdStore(cfg.store)
+    geometry = Geometry.for_memory(cfg.cluster.memory, cfg.cluster.slot_size)
+    async with Endpoint(secret, node=name, addrs=cfg.cluster.nics or None,
+                        provider=cfg.cluster.provider or None, cfg=heartbeat_config(cfg)) as ep:
+        arena_mr = ep.alloc(geometry.arena_bytes, name="arena")
+        index_mr = ep.alloc(geometry.index_bytes, name="index")
+        ep.export("arena", arena_mr)
+        ep.export("index", index_mr)
+        port = await ep.listen(port=cfg.cluster.port)
+        membership = Membership(store)
+        registration = Registration(store, cfg.cluster.lease_ttl)
+        peers = Peers(ep, membership, secret, cfg.cluster.replicas, cfg.cluster.slot_size,
+                      local_node=name)
+        async with trio.open_nursery() as nursery:
+            arena = Arena(geometry, arena_mr, index_mr)
+            node = Node(cfg, name, store, ep, arena, membership, peers, registration, nursery,
+                        source_override)
+            arena.owned = node.owns
+            await nursery.start(rpc.serve, secret, name, node.handle, cfg.cluster.rpc_port)
+            await nursery.start(membership.run)
+            await nursery.start(node.preload.run)
+            record = NodeRecord(node=name, host=os.uname().nodename, nics=list(ep.nics), port=port,
+                                rpc_port=cfg.cluster.rpc_port, capacity=geometry.arena_bytes,
+                                nslots=geometry.nslots, slot_size=geometry.slot_size,
+                                nbuckets=geometry.nbuckets)
+            await trio.to_thread.run_sync(registration.put, f"{store.prefix}nodes/{name}",
+                                          record.to_json())
+            nursery.start_soon(registration.run, name="lease")
+            nursery.start_soon(node.reconcile_forever, name="reconcile")
+            nursery.start_soon(node.publish_stats_forever, name="stats")
+            log.info("node %s up: NICs %s, port %d, rpc %d, arena %d slots of %d bytes",
+                     name, ",".join(ep.nics), port, cfg.cluster.rpc_port, geometry.nslots,
+                     geometry.slot_size)
+            if ready:
+                ready(record)
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(registration.revoke)
+                    await peers.aclose()
+                    store.close()
