@@ -20,7 +20,7 @@ from its local NIC to its remote NIC.
 Use::
 
     async with Endpoint(secret) as server:               # node B
-        arena = server.alloc(1 << 30, name="arena")
+        arena = server.alloc(1 << 30, name="arena", remote_read=True)
         server.export("arena", arena)
         port = await server.listen()
         ad = server.advertisement()                      # → etcd: nics, port, vMRs

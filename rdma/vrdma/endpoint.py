@@ -46,7 +46,8 @@ import trio
 from ..api import (ConnInfo, Context, Device, PD, QPAttr, QPCap, QPInitAttr,
                    get_device_list)
 from ..enums import IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ, IBV_QPS_RESET
-from ..errors import AuthenticationError, HandshakeError, PathClosed, PeerUnreachable, RdmaError
+from ..errors import (AuthenticationError, HandshakeError, PathClosed, PeerUnreachable,
+                      RdmaError, RdmaUserError)
 from .handshake import Channel, client_handshake, qp_token, server_handshake
 from .heartbeat import HEARTBEAT_BYTES, HeartbeatConfig
 from .path import Path, Transition
@@ -183,7 +184,8 @@ class Endpoint:
                 self.nics[addr] = LocalNIC(addr, dev, ctx, ctx.alloc_pd())
             if not self.nics:
                 raise RdmaError("no RDMA devices with an IPv4 address", 19)
-            self.control = self.alloc(max(HEARTBEAT_BYTES, 64), name="control")
+            self.control = self.alloc(max(HEARTBEAT_BYTES, 64), name="control",
+                                      remote_read=True)
             self.control.write(self.incarnation.to_bytes(HEARTBEAT_BYTES, "little"))
         except BaseException:
             self._close_resources()
@@ -209,14 +211,21 @@ class Endpoint:
             raise PathClosed(f"endpoint has no (open) NIC {addr}") from None
 
     # ------------------------------------------------------------------ memory
-    def alloc(self, length: int, name: str = "") -> VMR:
-        """A buffer registered on every local NIC (not exported)."""
-        v = VMR({a: n.pd for a, n in self.nics.items()}, length, name=name)
+    def alloc(self, length: int, name: str = "", *, remote_read: bool = False) -> VMR:
+        """A buffer registered on every local NIC.  Landing buffers stay local
+        (``LOCAL_WRITE`` only): nobody can READ them, whatever QP they reach.  Memory to
+        :meth:`export` needs ``remote_read=True``."""
+        access = IBV_ACCESS_LOCAL_WRITE | (IBV_ACCESS_REMOTE_READ if remote_read else 0)
+        v = VMR({a: n.pd for a, n in self.nics.items()}, length, access=access, name=name)
         self._vmrs.append(v)
         return v
 
     def export(self, name: str, vmr: VMR) -> None:
-        """Let authenticated peers READ ``vmr`` under ``name``."""
+        """Let authenticated peers READ ``vmr`` (made with ``remote_read=True``) as
+        ``name``."""
+        if not vmr.access & IBV_ACCESS_REMOTE_READ:
+            raise RdmaUserError(f"vMR {name!r} is not remotely readable: "
+                                "alloc(..., remote_read=True)")
         self.exports[name] = vmr
 
     def _info(self) -> dict[str, Any]:
@@ -435,8 +444,9 @@ class Endpoint:
                 vqp._apply_info(reply)
                 remote = ConnInfo.from_dict(reply["conn"])
                 rd = self._rd_atomic(nic)
-                await trio.to_thread.run_sync(partial(
+                await trio.to_thread.run_sync(partial(   # our QP only requests: it
                     path.qp.connect, remote, max_rd_atomic=rd, max_dest_rd_atomic=rd,
+                    qp_access_flags=IBV_ACCESS_LOCAL_WRITE,  # serves no READ, ever
                     timeout=self.cfg.qp_timeout_exp, retry_cnt=self.cfg.qp_retry_cnt,
                     timeout_ms=self.cfg.qp_timeout_ms,
                     private_data=qp_token(ch.key, info.qp_num)))

@@ -46,7 +46,7 @@ pytestmark = pytest.mark.skipif(bool(_usable()), reason=str(_usable()))
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[Endpoint, int]]:
     async with Endpoint(SECRET, node="B", addrs=[LO]) as ep:
-        data = ep.alloc(SIZE, name="data")
+        data = ep.alloc(SIZE, name="data", remote_read=True)
         data.write(os.urandom(SIZE))
         ep.export("data", data)
         port = await ep.listen(LO)
@@ -309,3 +309,11 @@ async def test_hostile_connection_racing_the_client_reads_nothing(
     await ch.aclose()
     qp.close()
     cq.close()
+
+
+async def test_only_remote_readable_memory_can_be_exported(client: Endpoint) -> None:
+    landing = client.alloc(4096)
+    with pytest.raises(RdmaUserError):
+        client.export("landing", landing)
+    client.export("ok", client.alloc(4096, remote_read=True))
+    assert client.advertisement()["mrs"].keys() == {"ok"}

@@ -50,7 +50,7 @@ def raw_rate(addr: str, size: int, n: int, qd: int) -> float:
 
 async def vqp_rate(addr: str, size: int, n: int, qd: int) -> float:
     async with Endpoint(b"bench", addrs=[addr]) as srv, Endpoint(b"bench", addrs=[addr]) as cli:
-        srv.export("d", srv.alloc(1 << 22, "d"))
+        srv.export("d", srv.alloc(1 << 22, "d", remote_read=True))
         port = await srv.listen(addr)
         vqp = await cli.connect([addr], port)
         buf, rm = cli.alloc(qd * size), vqp.remote_mr("d")

@@ -53,7 +53,7 @@ def make_cfg(args: argparse.Namespace) -> HeartbeatConfig:
 
 async def serve(args: argparse.Namespace) -> None:
     async with Endpoint(bytes.fromhex(args.secret), node=args.node, cfg=make_cfg(args)) as ep:
-        data = ep.alloc(args.size, name="data")
+        data = ep.alloc(args.size, name="data", remote_read=True)
         data.write(pattern(args.size, args.seed))
         ep.export("data", data)
         port = await ep.listen("0.0.0.0", args.port)
