@@ -994,6 +994,11 @@ static int resp_tx(ks_engine *e, ks_conn *c)
         }
         e->n_tx_bytes += r;
         budget = (uint64_t)r >= budget ? 0 : budget - r;
+        uint64_t asked = 0;
+        for (int i = 0; i < cnt; i++)
+            asked += iov[i].iov_len;
+        if ((uint64_t)r < asked)
+            budget = 0;  /* send buffer full: wait for EPOLLOUT, not for EAGAIN */
         uint64_t done = c->tx_off + (uint64_t)r;
         while (c->jcount) {
             ks_job *j = &c->jobs[c->jhead];

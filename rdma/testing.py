@@ -312,26 +312,50 @@ def check_send_recv(make_pair: PairFactory) -> None:
 
 
 def check_queue_depth(make_pair: PairFactory, depth: int = 16, size: int = 65536) -> None:
-    """``depth`` READs in flight at once complete in order with the right data, and the
-    (depth+1)-th post is refused with ENOMEM when max_send_wr == depth."""
+    """``depth`` READs in flight at once complete in order with the right data.  One more
+    post is either refused with ENOMEM (queue full) or, if a READ already completed and
+    made room, accepted and completed after the others; never anything else."""
     import errno
 
-    with make_pair(mr_size=depth * size, cap=QPCap(max_send_wr=depth, max_recv_wr=4)) as p:
+    spare = depth * size  # the extra READ lands here, outside the checked slots
+    with make_pair(mr_size=(depth + 1) * size,
+                   cap=QPCap(max_send_wr=depth, max_recv_wr=4)) as p:
         p.server.mr.write(os.urandom(p.server.mr.length))
         p.client.qp.post_send([read_wr(i, p.client.mr, p.server.mr, size, i * size,
                                        (depth - 1 - i) * size) for i in range(depth)])
         try:
-            p.client.qp.post_send(read_wr(99, p.client.mr, p.server.mr, 8))
-            full_refused = False
+            p.client.qp.post_send(read_wr(99, p.client.mr, p.server.mr, 8, spare))
+            extra = 1
         except PostError as exc:
-            full_refused = exc.errno == errno.ENOMEM
-        wcs = p.client.wait(depth)
-        _expect([w.wr_id for w in wcs] == list(range(depth)), f"order: {[w.wr_id for w in wcs]}")
+            _expect(exc.errno == errno.ENOMEM, f"extra post: {exc}")
+            extra = 0
+        wcs = p.client.wait(depth + extra)
+        want = list(range(depth)) + [99] * extra
+        _expect([w.wr_id for w in wcs] == want, f"order: {[w.wr_id for w in wcs]}")
         _expect(all(w.ok for w in wcs), f"statuses: {wcs}")
         for i in range(depth):
             _expect(p.client.mr.read(size, i * size) ==
                     p.server.mr.read(size, (depth - 1 - i) * size), f"data of WR {i}")
-        _expect(full_refused or len(wcs) == depth, "queue full not refused")
+
+
+def check_queue_full(make_pair: PairFactory, depth: int = 8) -> None:
+    """With the responder unable to answer (its QP not yet at RTR, so requests wait in
+    its socket), ``max_send_wr`` posts are accepted and the next is refused ENOMEM."""
+    import errno
+
+    with make_pair(connect=False, cap=QPCap(max_send_wr=depth, max_recv_wr=4)) as p:
+        ci, si = p.client.info(), p.server.info()   # local_info() mints the PSN: once
+        p.client.qp.connect(si)           # the server QP stays in RESET: no answers
+        p.client.qp.post_send([read_wr(i, p.client.mr, p.server.mr, 8) for i in range(depth)])
+        try:
+            p.client.qp.post_send(read_wr(99, p.client.mr, p.server.mr, 8))
+            raise CheckFailed("post beyond max_send_wr accepted")
+        except PostError as exc:
+            _expect(exc.errno == errno.ENOMEM, f"queue full: {exc}")
+        p.server.qp.connect(ci)           # now the server answers what waited
+        wcs = p.client.wait(depth)
+        _expect([w.wr_id for w in wcs] == list(range(depth)) and all(w.ok for w in wcs),
+                f"after RTR: {wcs}")
 
 
 def check_unsignaled(make_pair: PairFactory) -> None:
@@ -355,6 +379,7 @@ CHECKS: dict[str, Callable[[PairFactory], None]] = {
     "error_then_flush": check_error_then_flush,
     "send_recv": check_send_recv,
     "queue_depth": check_queue_depth,
+    "queue_full": check_queue_full,
     "unsignaled": check_unsignaled,
 }
 
