@@ -179,13 +179,14 @@ class VQP:
 
     async def wait_connected(self, timeout: float) -> None:
         """Return once a path is UP; PeerUnreachable once every candidate path has failed
-        its first build (or ``timeout`` passed) without one coming up."""
+        two builds in a row (one failure may be a race: a connection attempt refused, a
+        NIC coming up) or ``timeout`` passed without one coming up."""
         with trio.move_on_after(timeout):
             while True:
                 changed = self._changed = trio.Event()
                 if any(p.m.alive for p in self.paths):
                     return
-                if all(p.m.rebuilds > 0 and p.m.state is PathState.DOWN for p in self.paths):
+                if all(p.m.attempts >= 2 and p.m.state is PathState.DOWN for p in self.paths):
                     break
                 await changed.wait()
         if any(p.m.alive for p in self.paths):

@@ -317,3 +317,63 @@ async def test_only_remote_readable_memory_can_be_exported(client: Endpoint) -> 
         client.export("landing", landing)
     client.export("ok", client.alloc(4096, remote_read=True))
     assert client.advertisement()["mrs"].keys() == {"ok"}
+
+
+def _attack(port: int, dest_qpn: int, src_qpn: int, psn: int, addr: int, rkey: int,
+            n: int) -> bytes:
+    """Forge a HELLO onto a soft QP, send one READ request, return all bytes received."""
+    import socket
+
+    from rdma.providers.soft import wire
+    s = socket.create_connection((LO, port), timeout=0.5)
+    out = b""
+    try:
+        s.sendall(wire.hello(dest_qpn, src_qpn, b""))
+        s.sendall(wire.read_req(psn, addr, rkey, n))
+        while chunk := s.recv(65536):
+            out += chunk
+    except (socket.timeout, ConnectionError):
+        pass
+    finally:
+        s.close()
+    return out
+
+
+async def test_client_path_qp_serves_no_reads(server: Any, client: Endpoint,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node is client and server at once.  In the window where the client's path QP
+    is in RTS but the server has not attached to it yet, an attacker forges the server's
+    HELLO onto it and asks for the client's *exported* memory: the client QP has no
+    REMOTE_READ access, so nothing comes back."""
+    if client.nics[LO].device.provider != "soft":
+        pytest.skip("wire-level attack on the soft provider")
+    from rdma.providers.soft import wire
+    from rdma.vrdma.handshake import Channel
+
+    srv, port = server
+    mine = client.alloc(4096, remote_read=True)
+    mine.write(b"S3CRET!!" * 512)
+    client.export("mine", mine)
+    addr, rkey = mine.remote().keys[LO]
+    real = Channel.request
+    seen: dict[str, Any] = {}
+
+    async def spy(self: Channel, msg: Any, timeout: float | None = None) -> Any:
+        if msg == {"op": "ready"} and "stolen" not in seen:
+            qp = client.vqps[-1].paths[0].qp
+            served = ConnInfo.from_dict(seen["reply"]["conn"])
+            eport = client.nics[LO].ctx.query_port(1).service_port
+            seen["stolen"] = await trio.to_thread.run_sync(
+                _attack, eport, qp.qp_num, served.qp_num, served.psn, addr, rkey, 64)
+        reply = await real(self, msg, timeout)
+        if isinstance(msg, dict) and msg.get("op") == "path":
+            seen["reply"] = reply
+        return reply
+
+    monkeypatch.setattr(Channel, "request", spy)
+    await client.connect([LO], port, timeout=10)
+    stolen = seen["stolen"]
+    assert b"S3CRET!!" not in stolen
+    for off in range(0, len(stolen) - wire.HDR_LEN + 1, wire.HDR_LEN):
+        h = wire.Header.unpack(stolen[off:off + wire.HDR_LEN])
+        assert not (h.opcode == wire.OP_READ_RESP and h.status == 0)
