@@ -25,6 +25,18 @@ a failed path are the same code (:meth:`_connect_path`).  A path's control conne
 opened from its own local NIC to its own remote NIC, so a control channel that works is
 itself evidence the path's network works.
 
+Who can read what (the rkey is a capability; these keep it one):
+
+* Only :meth:`export`-ed vMRs are remotely readable (``alloc(remote_read=True)``);
+  landing buffers, scratch and everything else are ``LOCAL_WRITE`` only.
+* A served QP is connected only after the control channel authenticated the client, and
+  it stays in INIT (serving nothing) until the connection that attached to it carried the
+  session's token (``private_data`` = HMAC(session key, client QPN)); a connection that
+  raced the client onto it is refused and the QP destroyed.
+* Client path QPs have no REMOTE_READ access at all: a connection that sneaks onto one
+  (between its RTS and the server's attach) can read nothing, not even this node's
+  exports.  ``tests/rdma/t3_vrdma_api.py`` forges both attacks at the soft wire level.
+
 Server-side leases are keyed ``(client node, vqp, path)``: a client that rebuilds a path
 while its old control connection is stuck on a dead NIC replaces the old lease; TCP
 keepalive (a few seconds) reaps leases of clients that vanished without a FIN.
