@@ -119,3 +119,68 @@ def test_mr_closed_mid_flight_kills_only_its_users() -> None:
         assert len(wcs) == 4  # completes somehow (success or error), never hangs
         other.client.qp.post_send(read_wr(9, other.client.mr, other.server.mr, 64))
         assert other.client.wait()[0].ok
+
+
+def test_send_into_too_small_recv_fails_both_sides() -> None:
+    """IB class C: the responder's RECV completes LOC_LEN_ERR, the requester's SEND
+    REM_INV_REQ_ERR, and both QPs end in ERR."""
+    from rdma.api import RecvWR
+    from rdma.enums import IBV_WC_LOC_LEN_ERR, IBV_WC_REM_INV_REQ_ERR, IBV_WR_SEND
+
+    with soft_pair() as p:
+        p.server.qp.post_recv(RecvWR(1, [p.server.mr.sge(0, 8)]))
+        p.client.qp.post_send(SendWR(wr_id=2, opcode=IBV_WR_SEND,
+                                     sg_list=[p.client.mr.sge(0, 100)]))
+        (rw,) = p.server.wait()
+        (sw,) = p.client.wait()
+        assert rw.status == IBV_WC_LOC_LEN_ERR and rw.wr_id == 1
+        assert sw.status == IBV_WC_REM_INV_REQ_ERR and sw.wr_id == 2
+        assert p.client.qp.qp_state == IBV_QPS_ERR
+
+
+def test_send_recv_many_in_order_both_ways() -> None:
+    from rdma.api import QPCap, RecvWR
+    from rdma.enums import IBV_WR_SEND
+
+    n = 32
+    with soft_pair(cap=QPCap(max_send_wr=n, max_recv_wr=n)) as p:
+        for a, b in ((p.client, p.server), (p.server, p.client)):
+            b.qp.post_recv([RecvWR(i, [b.mr.sge(i * 64, 64)]) for i in range(n)])
+            for i in range(n):
+                a.mr.write(f"msg-{i:03d}".encode(), 4096 + i * 64)
+            a.qp.post_send([SendWR(wr_id=i, opcode=IBV_WR_SEND,
+                                   sg_list=[a.mr.sge(4096 + i * 64, 7)]) for i in range(n)])
+            got = b.wait(n)
+            assert [w.wr_id for w in got] == list(range(n)) and all(w.ok for w in got)
+            assert [b.mr.read(7, i * 64) for i in range(n)] == \
+                [f"msg-{i:03d}".encode() for i in range(n)]
+            assert len(a.wait(n)) == n
+
+
+def test_oversized_send_and_unsupported_opcode_are_post_errors() -> None:
+    from rdma.enums import IBV_WR_RDMA_WRITE, IBV_WR_SEND
+
+    with soft_pair(mr_size=(16 << 20) + 1) as p:
+        with pytest.raises(PostError):
+            p.client.qp.post_send(SendWR(wr_id=1, opcode=IBV_WR_SEND,
+                                         sg_list=[p.client.mr.sge(0, (16 << 20) + 1)]))
+        with pytest.raises(PostError):
+            p.client.qp.post_send(SendWR(wr_id=2, opcode=IBV_WR_RDMA_WRITE,
+                                         sg_list=[p.client.mr.sge(0, 8)],
+                                         remote_addr=p.server.mr.buf, rkey=p.server.mr.rkey))
+        assert p.client.qp.qp_state == IBV_QPS_RTS  # a refused post changes nothing
+
+
+def test_qp_without_remote_read_serves_nothing() -> None:
+    """The responder QP's own access flags gate READs too (not only the MR's)."""
+    from rdma.enums import IBV_ACCESS_LOCAL_WRITE, IBV_WC_REM_INV_REQ_ERR
+
+    with soft_pair(connect=False) as p:
+        ci, si = p.client.info(), p.server.info()
+        p.client.qp.connect(si)
+        p.server.qp.connect(ci, qp_access_flags=IBV_ACCESS_LOCAL_WRITE)
+        p.client.mr.write(b"\x55" * 64)
+        p.client.qp.post_send(read_wr(1, p.client.mr, p.server.mr, 64))
+        (wc,) = p.client.wait()
+        assert wc.status == IBV_WC_REM_INV_REQ_ERR
+        assert p.client.mr.read(64) == b"\x55" * 64
