@@ -111,7 +111,7 @@ class Server:
             _send_json(conn, {"conninfo": info.to_dict(),
                               "mr": {"addr": self.mr.buf, "rkey": self.mr.rkey,
                                      "length": self.mr.length}})
-            print(f"perf server: QP {qp.qp_num:#x} connected", flush=True)
+            log.info("QP %#x connected to %s QP %#x", qp.qp_num, remote.ipv4, remote.qp_num)
             done = _recv_json(f)  # the client says when it is finished (or goes away)
             if done is not None:
                 _send_json(conn, {"cpu_s": cpu_seconds() - cpu0})

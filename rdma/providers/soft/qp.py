@@ -17,9 +17,10 @@ them onto the engine:
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Iterable
 
-from ...api import QP, QPAttr, QPInitAttr, RecvWR, SendWR
+from ...api import QP, ConnInfo, QPAttr, QPInitAttr, RecvWR, SendWR
 from ...enums import (IBV_QPS_ERR, IBV_QPS_INIT, IBV_QPS_RESET, IBV_QPS_RTR, IBV_QPS_RTS,
                       IBV_WR_RDMA_READ, IBV_WR_SEND)
 from ...errors import PostError, QPStateError, RdmaUserError
@@ -83,8 +84,6 @@ class SoftQP(QP):
         if ah is None or not ah.dgid or not ah.service_port:
             raise RdmaUserError("soft INIT->RTR needs ah_attr.dgid and ah_attr.service_port "
                                 "(take them from the peer's ConnInfo)")
-        from ...api import ConnInfo
-
         remote_ip = ConnInfo(qp_num=0, psn=0, gid=ah.dgid).ipv4
         if remote_ip is None:
             raise RdmaUserError(f"dgid {ah.dgid} is not an IPv4(-mapped) address")
@@ -100,8 +99,6 @@ class SoftQP(QP):
             self.engine.call("qp_rtr", self.engine.raw.qp_rtr, self.qp_num, fd,
                              attr.dest_qp_num, attr.rq_psn)
         except BaseException:
-            import os
-
             os.close(fd)
             raise
         log.debug("QP %#x connected to %s:%d QP %#x", self.qp_num, remote_ip,
