@@ -126,7 +126,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     log.info("dataset %s v%d: %d entries, %d bytes, %d chunks of %d; index %d bytes",
              info.name, info.version, info.entries, info.bytes, info.chunks, info.chunk_size,
              index.nbytes)
-    origin = Origin(req.source or info.source, index, info.name)
+    clustered = cfg.store.backend == "etcd" and cfg.cluster.peers
+    origin = Origin(req.source or info.source, index, info.name, required=not clustered)
     memory = MemoryCache(cfg.cache.memory)
     disk = DiskCache(cfg.cache.disk_dir, cfg.cache.disk) if cfg.cache.disk else None
 

@@ -15,19 +15,25 @@ import os
 
 import xxhash
 
-from .errors import SourceChanged, SourceError
+from .errors import ChunkUnavailable, SourceChanged, SourceError
 from .manifest.index import ManifestIndex
 
 log = logging.getLogger(__name__)
 
 
 class Origin:
-    def __init__(self, root: str | os.PathLike[str], index: ManifestIndex, dataset: str) -> None:
+    def __init__(self, root: str | os.PathLike[str], index: ManifestIndex, dataset: str,
+                 required: bool = True) -> None:
+        """``required=False`` (a cluster mount, where replicas serve first): a missing
+        source is logged, not fatal; only reads that reach it fail."""
         self.root = os.fsencode(root)
         self.index = index
         self.dataset = dataset
         if not os.path.isdir(self.root):
-            raise SourceError(f"source {os.fsdecode(self.root)} of dataset {dataset} is missing")
+            msg = f"source {os.fsdecode(self.root)} of dataset {dataset} is missing"
+            if required:
+                raise SourceError(msg)
+            log.warning("%s: chunks no replica holds cannot be read", msg)
 
     def _read_once(self, chunk: int) -> tuple[bytearray, list[tuple[int, bytes, str]]]:
         ix = self.index
@@ -54,6 +60,9 @@ class Origin:
 
     def load(self, chunk: int) -> tuple[bytes, int]:
         """Verified bytes of ``chunk`` and the number of mismatching extents seen (retried)."""
+        if not os.path.isdir(self.root):
+            raise ChunkUnavailable(f"chunk {chunk} of {self.dataset}: no replica had it and the "
+                                   f"source {os.fsdecode(self.root)} is missing")
         buf, bad = self._read_once(chunk)
         mismatches = len(bad)
         if bad:

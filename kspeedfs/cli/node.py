@@ -64,5 +64,11 @@ def run(args: argparse.Namespace) -> int:
 
             await serve(cfg, name, ready, args.source)
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    except BaseException:
+        import logging
+
+        logging.getLogger(__name__).exception("node %s failed", name)
+        raise
     return 0

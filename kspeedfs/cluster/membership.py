@@ -121,6 +121,9 @@ class Registration:
                 if not down:
                     log.warning("cannot refresh the membership lease: %s", e)
                 down = True
+            except Exception:               # a client bug must not take the node down
+                log.exception("refreshing the membership lease failed")
+                down = True
             await trio.sleep(self.ttl / 3)
 
     def revoke(self) -> None:
@@ -141,6 +144,10 @@ def _watch_once(client: Any, prefix: str, timeout: float, start_revision: int) -
         client.watch_prefix_once(prefix, timeout=timeout, start_revision=start_revision)
     except etcd3.exceptions.WatchTimedOut:
         pass
+    except AttributeError as e:
+        # etcd3 0.12 hands a failed watch stream (etcd restarting) to watch_once as if it
+        # were a response; treat it like the connection failure it is.
+        raise etcd3.exceptions.ConnectionFailedError(f"watch stream failed: {e}") from e
 
 
 class PrefixView:
@@ -191,9 +198,11 @@ class PrefixView:
                 assert self._token is not None
                 trio.from_thread.run_sync(self._publish, values, trio_token=self._token)
                 self.store.call(lambda c: _watch_once(c, self.prefix, self.resync, rev + 1))
-            except (StoreError, trio.RunFinishedError) as e:
-                if isinstance(e, trio.RunFinishedError):
-                    return
+            except trio.RunFinishedError:
+                return
+            except Exception as e:          # StoreError, or an etcd3 client bug
+                if not isinstance(e, StoreError):
+                    log.exception("watching %s failed", self.prefix)
                 if not down:
                     log.warning("etcd unreachable; keeping the last known %s (%d keys): %s",
                                 self.prefix, len(self.values), e)

@@ -306,8 +306,8 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
     geometry = Geometry.for_memory(cfg.cluster.memory, cfg.cluster.slot_size)
     async with Endpoint(secret, node=name, addrs=cfg.cluster.nics or None,
                         provider=cfg.cluster.provider or None, cfg=heartbeat_config(cfg)) as ep:
-        arena_mr = ep.alloc(geometry.arena_bytes, name="arena")
-        index_mr = ep.alloc(geometry.index_bytes, name="index")
+        arena_mr = ep.alloc(geometry.arena_bytes, name="arena", remote_read=True)
+        index_mr = ep.alloc(geometry.index_bytes, name="index", remote_read=True)
         ep.export("arena", arena_mr)
         ep.export("index", index_mr)
         port = await ep.listen(port=cfg.cluster.port)

@@ -216,10 +216,14 @@ class EtcdStore(MetadataStore):
             try:
                 return op(client)
             except _UNREACHABLE as e:
+                # A fresh channel next time: seen here, a channel whose server restarted
+                # in another network namespace kept failing long after etcd was back.
+                self._drop_client(ep)
                 raise _Unreachable(str(e)) from e
             except grpc.RpcError as e:
                 code = e.code()
                 if code in _UNREACHABLE_CODES:
+                    self._drop_client(ep)
                     raise _Unreachable(f"{code.name}: {e.details()}") from e
                 if code == grpc.StatusCode.UNAUTHENTICATED and attempt == 0:
                     log.info("etcd %s: %s; re-authenticating", ep.url, e.details())

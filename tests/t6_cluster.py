@@ -1,0 +1,181 @@
+"""The cluster on real test hosts: etcd + 3 nodes (two NICs each) + a client with a mount.
+
+One cluster per module (it takes ~10 s to build). The tests run in order and build on
+each other, as an operator's day would: preload, read from peers only, lose a NIC, lose
+a node (re-replication), the node comes back, etcd restarts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.cluster import Cluster, cluster
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, FUSE)")
+
+
+def _make_source(root: Path) -> dict[str, bytes]:
+    rnd = random.Random(11)
+    files = {}
+    for i in range(300):
+        rel = f"train/c{i % 5}/img{i:04d}.jpg"
+        files[rel] = rnd.randbytes(rnd.randint(1_000, 150_000))
+    for s in range(2):
+        files[f"shards/s{s}.bin"] = rnd.randbytes(6 << 20)
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    return files
+
+
+def _stats(mnt: Path) -> dict:
+    return json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
+
+
+def _read_all(mnt: Path, files: dict[str, bytes]) -> int:
+    n = 0
+    for rel, want in files.items():
+        got = (mnt / rel).read_bytes()
+        assert got == want, f"{rel}: wrong bytes"
+        n += len(got)
+    return n
+
+
+class Reading:
+    """A background reader: reads random files through a mount until stopped, checking
+    every byte; records errors and the longest gap between completed reads."""
+
+    def __init__(self, mnt: Path, files: dict[str, bytes]) -> None:
+        self.mnt, self.files = mnt, files
+        self.errors: list[str] = []
+        self.reads = 0
+        self.max_gap = 0.0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        rels = list(self.files)
+        rnd = random.Random(5)
+        last = time.monotonic()
+        while not self._stop.is_set():
+            rel = rnd.choice(rels)
+            off = rnd.randrange(0, max(1, len(self.files[rel]) - 4096))
+            try:
+                with open(self.mnt / rel, "rb") as f:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    f.seek(off)
+                    got = f.read(65536)
+                if got != self.files[rel][off:off + 65536]:
+                    self.errors.append(f"{rel}@{off}: wrong bytes")
+            except OSError as e:
+                self.errors.append(f"{rel}@{off}: {e}")
+            now = time.monotonic()
+            self.max_gap = max(self.max_gap, now - last)
+            last = now
+            self.reads += 1
+
+    def __enter__(self) -> "Reading":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(30)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    base = tmp_path_factory.mktemp("cluster")
+    src = base / "source"
+    files = _make_source(src)
+    with cluster(base / "c") as c:
+        c.ks(["import", str(src), "--name", "imgs", "--chunk-size", c.chunk_size, "-q"])
+        yield c, src, files
+
+
+def test_preload_then_reads_come_from_peers(world) -> None:
+    c, src, files = world
+    r = c.ks(["preload", "imgs", "--timeout", "60"])
+    assert "complete" in r.stdout
+    check = c.ks(["preload", "imgs", "--check"])
+    assert "every chunk has R verified copies" in check.stdout
+    # the source is not needed any more: hide it, mount, read everything
+    hidden = src.with_name("source-hidden")
+    src.rename(hidden)
+    try:
+        mnt = c.mount("imgs", "--source", str(src))
+        total = _read_all(mnt, files)
+        s = _stats(mnt)
+        assert s["source_loads"] == 0 and s["peer_bytes"] >= total * 0.9
+        assert s["peer_hits"] > 0 and len(s["per_peer_bytes"]) == 3, s["per_peer_bytes"]
+    finally:
+        hidden.rename(src)
+    status = c.ks(["status"]).stdout
+    assert "3 live node(s)" in status and "100.0% of" in status
+
+
+def test_nic_down_during_reads_is_invisible(world) -> None:
+    c, _, files = world
+    mnt = c.mounts[0]
+    before = _stats(mnt)
+    with Reading(mnt, files) as rd:
+        time.sleep(1.0)
+        c.node_host(1).nic_down(1)
+        time.sleep(2.0)
+        c.node_host(1).nic_up(1)
+        time.sleep(1.0)
+    assert rd.errors == [] and rd.reads > 50
+    after = _stats(mnt)
+    assert after["source_loads"] == before["source_loads"]
+    print(f"NIC down: {rd.reads} reads, longest gap between reads {rd.max_gap * 1e3:.0f} ms")
+
+
+def test_node_killed_reads_fail_over_and_rereplicate(world) -> None:
+    c, _, files = world
+    mnt = c.mount("imgs")                    # fresh mount: empty memory tier
+    with Reading(mnt, files) as rd:
+        time.sleep(1.0)
+        c.kill_node(2)
+        time.sleep(3.0)
+    assert rd.errors == [], rd.errors[:5]
+    s = _stats(mnt)
+    print(f"node killed: {rd.reads} reads, longest gap {rd.max_gap * 1e3:.0f} ms, "
+          f"longest replica stall {s['peer_longest_stall_ms']} ms")
+    assert rd.max_gap < 2.0
+    # the lease expires, the survivors copy n2's share from the remaining replicas
+    c.wait_nodes(2, timeout=30)
+    deadline = time.monotonic() + 60
+    while c.ks(["preload", "imgs", "--check"], check=False).returncode != 0:
+        assert time.monotonic() < deadline, c.ks(["preload", "imgs", "--check"], check=False).stdout
+        time.sleep(1)
+    assert "re-replication" in c.log_text()
+
+
+def test_node_rejoins_and_takes_its_share_back(world) -> None:
+    c, _, _ = world
+    c.start_node(2)
+    c.wait_nodes(3)
+    deadline = time.monotonic() + 60
+    while True:
+        r = c.ks(["preload", "imgs", "--check"], check=False)
+        if r.returncode == 0 and "n2" in r.stdout:
+            break
+        assert time.monotonic() < deadline, r.stdout
+        time.sleep(1)
+
+
+def test_etcd_restart_reads_continue(world) -> None:
+    c, _, files = world
+    mnt = c.mount("imgs")
+    c.stop_etcd()
+    assert _read_all(mnt, files) > 0          # last known membership serves the reads
+    c.start_etcd()
+    c.wait_nodes(3, timeout=30)
+    assert _read_all(mnt, files) > 0
