@@ -101,6 +101,9 @@ class Server:
             if req["mode"] == "tcp":
                 self._stream(conn, req["size"], req["duration"], cpu0)
                 return
+            if req["mode"] == "cpu":  # process CPU so far: the client diffs two readings
+                _send_json(conn, {"cpu_s": cpu_seconds()})
+                return
             with self._lock:
                 cq = self.ctx.create_cq(4 * req.get("qd", 16) + 16)
                 qp = self.pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(
@@ -209,6 +212,14 @@ def expected_bytes(offset: int, size: int) -> bytes:
     return (bytes(range(256)) * reps)[start:start + size]
 
 
+def server_cpu(server: str, port: int) -> float:
+    """The perf server's process CPU seconds so far (same method for rdma and tcp runs)."""
+    with socket.create_connection((server, port), timeout=30) as ctl:
+        _send_json(ctl, {"mode": "cpu"})
+        rep = _recv_json(ctl.makefile("rb"))
+    return float(rep["cpu_s"]) if rep else 0.0
+
+
 def run_rdma(provider: str, server: str, port: int, local: str, size: int, qd: int,
              duration: float, timeout_ms: int | None = None, retry_cnt: int | None = None,
              verify: bool = False) -> Result:
@@ -247,6 +258,7 @@ def run_rdma(provider: str, server: str, port: int, local: str, size: int, qd: i
             qp.post_send(wr)
             n += 1
 
+        scpu0 = server_cpu(server, port)
         cpu0 = cpu_seconds()
         t0 = last_ok = time.perf_counter()
         end = t0 + duration
@@ -273,20 +285,21 @@ def run_rdma(provider: str, server: str, port: int, local: str, size: int, qd: i
                 break
         elapsed = time.perf_counter() - t0
         cpu = cpu_seconds() - cpu0
+        scpu = server_cpu(server, port) - scpu0
         _send_json(ctl, {"done": True})
-        srv = _recv_json(f) or {}
+        _recv_json(f)
         ctl.close()
         lats.sort()
         gb = done * size / 1e9
         return Result("rdma", size, qd, elapsed, done, done * size, gb / elapsed, done / elapsed,
                       _pct(lats, 0.5) * 1e6, _pct(lats, 0.99) * 1e6,
-                      cpu / gb if gb else None,
-                      srv.get("cpu_s", 0) / gb if gb and "cpu_s" in srv else None)
+                      cpu / gb if gb else None, scpu / gb if gb else None)
     finally:
         ctx.close()
 
 
 def run_tcp(server: str, port: int, size: int, duration: float) -> Result:
+    scpu0 = server_cpu(server, port)
     ctl = socket.create_connection((server, port), timeout=30)
     try:
         _send_json(ctl, {"mode": "tcp", "size": size, "duration": duration})
@@ -303,9 +316,11 @@ def run_tcp(server: str, port: int, size: int, duration: float) -> Result:
         cpu = cpu_seconds() - cpu0
     finally:
         ctl.close()
+    scpu = server_cpu(server, port) - scpu0
     gb = total / 1e9
     return Result("tcp", size, 1, elapsed, total // size, total, gb / elapsed,
-                  total / size / elapsed, client_cpu_s_per_gb=cpu / gb if gb else None)
+                  total / size / elapsed, client_cpu_s_per_gb=cpu / gb if gb else None,
+                  server_cpu_s_per_gb=scpu / gb if gb else None)
 
 
 def run_client(args: argparse.Namespace) -> int:
