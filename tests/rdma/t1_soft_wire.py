@@ -128,6 +128,15 @@ def test_many_idle_connections_do_not_block_the_engine(pair: Pair) -> None:
             s.close()
 
 
+def test_dropped_connections_are_counted(pair: Pair) -> None:
+    before = pair.server.ctx.statistics().dropped_conns  # type: ignore[attr-defined]
+    with socket.create_connection(_listener(pair), timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(32))
+        _eof_or_reset(s)
+    stats = pair.server.ctx.statistics()  # type: ignore[attr-defined]
+    assert stats.dropped_conns == before + 1 and stats.qps == 1
+
+
 def test_hello_to_a_connected_qp_is_refused(pair: Pair) -> None:
     """A QP has one peer: a second HELLO for it (say, a spoofer) is refused."""
     with socket.create_connection(_listener(pair), timeout=5) as s:

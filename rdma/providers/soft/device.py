@@ -13,7 +13,7 @@ import logging
 from ...api import CQ, PD, Context, Device, DeviceAttr, PortAttr, gid_from_ipv4
 from ...enums import IBV_MTU_1024, IBV_MTU_4096, IBV_PORT_ACTIVE, IBV_PORT_DOWN
 from ...errors import NoDeviceError, RdmaUserError
-from .engine import Engine, native
+from .engine import Engine, EngineStats, native
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,11 @@ class SoftContext(Context):
 
     def _close_impl(self) -> None:
         self.engine.close()
+
+    def statistics(self) -> EngineStats:
+        """What the engine has done so far (dropped connections, bytes, QPs)."""
+        self._check_open()
+        return self.engine.stats()
 
     def query_device(self) -> DeviceAttr:
         self._check_open()

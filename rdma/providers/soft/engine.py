@@ -16,6 +16,7 @@ import errno
 import logging
 import socket
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from ...errors import ConnectError, RdmaError, from_oserror
@@ -38,6 +39,20 @@ def native() -> Any:
         raise NotSupportedError(f"soft provider engine not built ({exc}); run "
                                 "`python setup.py build_ext --inplace`") from exc
     return _soft_engine
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters of one soft device's engine (read-only snapshot)."""
+
+    #: connections the engine dropped: hostile/malformed input, HELLO timeouts, broken
+    #: sockets, transport timeouts
+    dropped_conns: int
+    rx_bytes: int
+    tx_bytes: int
+    #: open connections (incl. accepted, not yet routed) and live QPs
+    conns: int
+    qps: int
 
 
 class Engine:
@@ -69,8 +84,8 @@ class Engine:
         """The native object (for the verbs objects of this package only)."""
         return self._n
 
-    def stats(self) -> dict[str, int]:
-        return dict(self._n.stats())
+    def stats(self) -> EngineStats:
+        return EngineStats(**self._n.stats())
 
     def close(self) -> None:
         with self._lock:
