@@ -30,6 +30,7 @@ from .cache.prefetch import Prefetcher, Stream
 from .cache.singleflight import SingleFlight
 from .errors import ChunkUnavailable, SourceChanged
 from .manifest.index import ManifestIndex
+from .manifest.model import Extent
 from .origin import Origin
 from .stats import Counters, ReadStatistics
 
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
     from .cluster.fetch import Peers
 
 log = logging.getLogger(__name__)
+
+#: files up to chunk_size / this are fetched alone from peers (one extent READ)
+SMALL_FILE_DIVISOR = 8
 
 
 class Reader:
@@ -85,7 +89,10 @@ class Reader:
         start = ix.data[entry] + offset
         end = ix.data[entry] + min(offset + size, ix.size[entry])
         c = ix.chunk_size
-        if len(chunks) == 1:
+        if len(chunks) == 1 and self._small(entry, chunks[0]):
+            data = await self._small_file(entry, chunks[0])
+            out = data[offset:offset + (end - start)]
+        elif len(chunks) == 1:
             data = await self._chunk_for(entry, chunks[0])
             lo = start - chunks[0] * c
             out = data[lo:lo + (end - start)]
@@ -104,6 +111,40 @@ class Reader:
             out = b"".join(parts)
         self.counters.add("read_bytes", len(out))
         return out
+
+    def _small(self, entry: int, k: int) -> bool:
+        """Whether to fetch this file alone rather than its whole chunk: a small file
+        whose chunk is not in the memory tier, when peers can serve extents."""
+        ix = self.index
+        return (self.peers is not None and ix.size[entry] <= ix.chunk_size // SMALL_FILE_DIVISOR
+                and ix.chunk_digest(k) not in self.memory)
+
+    async def _small_file(self, entry: int, k: int) -> bytes:
+        """The whole (small) file, as one extent READ from a replica, verified against the
+        extent's digest and kept in the memory tier under it; else via its chunk."""
+        (ext,) = self.index.file_extents(entry)
+        data = self.memory.get(ext.digest)
+        if data is not None:
+            self.counters.add("memory_hits")
+            return data
+        data, joined = await self._flights.run(ext.digest, self._load_extent, entry, k, ext)
+        if joined:
+            self.counters.add("waited_in_flight")
+        return data
+
+    async def _load_extent(self, entry: int, k: int, ext: Extent) -> bytes:
+        assert self.peers is not None
+        key = self.index.chunk_digest(k)
+        data = await self.peers.read_chunk(self.dataset[0], self.dataset[1], k, key,
+                                           self.index.chunk_len[k],
+                                           part=(ext.chunk_offset, ext.length, ext.digest))
+        if data is None:                         # no replica: the whole chunk, any tier
+            chunk = await self._chunk_for(entry, k)
+            return chunk[ext.chunk_offset:ext.chunk_offset + ext.length]
+        self.counters.add("peer_hits")
+        self.counters.add("peer_bytes", len(data))
+        self.memory.put(ext.digest, data)
+        return data
 
     async def _chunk_for(self, entry: int, k: int) -> bytes:
         """Chunk ``k`` for a read of file ``entry``. If some *other* file packed in the

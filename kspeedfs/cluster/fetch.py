@@ -136,8 +136,13 @@ class Peers:
         return [nodes[n] for n in names if n != exclude and n in nodes]
 
     async def read_chunk(self, dataset: str, version: int, chunk: int, key: bytes, length: int,
-                         *, ask_owner: bool = True, exclude: str | None = None) -> bytes | None:
-        """Verified bytes of the chunk from some replica, or None (go to the source)."""
+                         *, ask_owner: bool = True, exclude: str | None = None,
+                         part: tuple[int, int, bytes] | None = None) -> bytes | None:
+        """Verified bytes of the chunk from some replica, or None (go to the source).
+
+        ``part = (offset, length, digest)`` READs only that extent of the chunk and
+        verifies it against the extent's own digest: a small file costs a READ of its
+        bytes, not of the 4 MiB chunk that packs it."""
         if length > self.slot_size:
             return None
         t0 = time.monotonic()
@@ -147,12 +152,12 @@ class Peers:
             if self._skip_until.get(rec.node, 0.0) > now:
                 continue
             try:
-                data = await self._read_from(rec, key, length)
+                data = await self._read_from(rec, key, length, part)
                 if data is None and ask_owner:
                     self.counters.loads_requested += 1
                     await self.rpc(rec).request({"op": "load", "dataset": dataset,
                                                  "version": version, "chunk": chunk})
-                    data = await self._read_from(rec, key, length)
+                    data = await self._read_from(rec, key, length, part)
             except (PeerUnreachable, RpcUnavailable, PathClosed) as e:
                 self.counters.unreachable += 1
                 self._skip_until[rec.node] = time.monotonic() + SKIP
@@ -175,8 +180,10 @@ class Peers:
         self.counters.misses += 1
         return None
 
-    async def _read_from(self, rec: NodeRecord, key: bytes, length: int) -> bytes | None:
+    async def _read_from(self, rec: NodeRecord, key: bytes, length: int,
+                         part: tuple[int, int, bytes] | None = None) -> bytes | None:
         """Index bucket READ, then slot READ, then verify; None if the node lacks the chunk."""
+        off, want, digest = part if part is not None else (0, length, key)
         vqp = await self._vqp(rec)
         await self._slot_free.acquire()
         slot = self._free.pop()
@@ -188,10 +195,10 @@ class Peers:
                 found = find_in_bucket(self.buf.read(BUCKET_BYTES, base), key)
                 if found is None or found[1] != length:
                     return None
-                rslot, rlen = found
-                await vqp.read(self.buf, base, "arena", rlen, rslot * rec.slot_size)
-                data = self.buf.read(rlen, base)
-                if xxhash.xxh3_128_digest(data) == key:
+                rslot, _ = found
+                await vqp.read(self.buf, base, "arena", want, rslot * rec.slot_size + off)
+                data = self.buf.read(want, base)
+                if xxhash.xxh3_128_digest(data) == digest:
                     return data
                 self.counters.checksum_retries += 1    # raced an eviction: look again
                 log.info("chunk %s from %s failed its checksum (attempt %d)", key.hex()[:12],

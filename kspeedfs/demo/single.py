@@ -1,6 +1,6 @@
-"""The README's main job: kspeedfs on this one machine, end to end, in about a minute.
+"""The single-node demo: one machine, no cluster, end to end, in about a minute.
 
-    ./run demo            (= python -m kspeedfs.demo [--files N] [--keep])
+    ./run demo --single-node      (= python -m kspeedfs.demo --single-node [--files N] [--keep])
 
 1. generate a sample training set: ImageNet-like JPEG-sized files (log-normal, ~110 KB)
    in a few class directories, plus two large shards;
@@ -12,8 +12,7 @@
 5. print what happened (counters from the mount's ``user.kspeedfs.stats``), unmount and
    clean up, also on Ctrl-C.
 
-The cluster demo (peers over vRDMA, a NIC cut, a node killed) replaces this once the
-cluster exists; this one stays reachable as ``--single-node``.
+The cluster demo (``cluster.py``) is the default ``./run demo``.
 """
 from __future__ import annotations
 
@@ -78,15 +77,7 @@ def _drop_page_cache() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kspeedfs-demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--files", type=int, default=3000, help="ImageNet-like files to generate")
-    ap.add_argument("--workdir", help="where to put the sample data (default: a temp dir)")
-    ap.add_argument("--keep", action="store_true", help="leave the work directory behind")
-    ap.add_argument("--single-node", action="store_true", help="(the only mode for now)")
-    args = ap.parse_args(argv)
-
+def main(args: argparse.Namespace) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kspeedfs-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     src, mnt = work / "source", work / "mnt"
@@ -138,6 +129,3 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The README's main job: ``cluster.py`` (default) and ``single.py`` (``--single-node``)."""
