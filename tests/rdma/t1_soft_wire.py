@@ -272,3 +272,31 @@ def test_send_flood_without_recv_is_backpressured_not_buffered_forever(pair: Pai
     _assert_still_serves(pair)
 
 
+
+
+def test_responder_bounds_property(pair: Pair) -> None:
+    """Random READ_REQs around an MR: inside → exactly the MR's bytes; anything else →
+    a NAK with no payload (and the connection dropped).  Nothing outside is ever sent."""
+    mr = pair.server.mr
+    mr.write(os.urandom(mr.length))
+    psn_box = {}
+
+    @settings(max_examples=120, deadline=None)
+    @given(start=st.integers(-4096, mr.length + 4096), rlen=st.integers(0, 8192))
+    def one(start: int, rlen: int) -> None:
+        inside = 0 <= start and start + rlen <= mr.length
+        with victim_on(pair) as v:
+            raddr = (mr.buf + start) % (1 << 64)
+            v.sock.sendall(wire.read_req(v.psn, raddr, mr.rkey, rlen))
+            h = _resp(v.sock)
+            if inside or rlen == 0:
+                assert h.status == 0 and h.length == rlen
+                data = v.sock.recv(rlen, socket.MSG_WAITALL) if rlen else b""
+                assert data == mr.read(rlen, start) if rlen else True
+            else:
+                assert h.status == 10 and h.length == 0
+                assert _eof_or_reset(v.sock) == b""
+        psn_box["n"] = psn_box.get("n", 0) + 1
+
+    one()
+    _assert_still_serves(pair)

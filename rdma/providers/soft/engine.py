@@ -75,9 +75,12 @@ class Engine:
         try:
             return fn(*args)
         except OSError as exc:
+            why = str(exc.strerror or exc)
+            msg = why if why.startswith(what) else f"{what}: {why}"
             if error is not None:
-                raise error(f"{what}: {exc.strerror or exc}", exc.errno) from exc
-            raise from_oserror(exc, what) from exc
+                raise error(msg, exc.errno) from exc
+            cls = type(from_oserror(exc, what))   # the tree decides the class, we the text
+            raise cls(msg, exc.errno) from exc
 
     @property
     def raw(self) -> Any:
