@@ -101,6 +101,10 @@ class PathMachine:
         """Counts towards 'the peer is reachable': READs may still complete here."""
         return self.state in (PathState.UP, PathState.SUSPECT)
 
+    def silent_dead(self, now: float) -> bool:
+        """Alive, but silent for the DOWN threshold (a held last path)."""
+        return self.alive and self.live.verdict(now) == "down"
+
     def _go(self, new: PathState, reason: str, now: float) -> Transition:
         t = Transition(self.path_id, self.state, new, reason, now)
         self.state, self.reason, self.since = new, reason, now
@@ -122,11 +126,19 @@ class PathMachine:
             return self._go(PathState.UP, "heartbeat after (re)connect", now)
         return None
 
-    def tick(self, now: float) -> Transition | None:
-        """Periodic heartbeat verdict."""
+    def tick(self, now: float, hold: bool = False) -> Transition | None:
+        """Periodic heartbeat verdict.  ``hold``: this is the last live path to the peer;
+        silence makes it SUSPECT but not DOWN (see :attr:`silent_dead`), because there is
+        nowhere to fail over to and a transient stall (a starved peer or host) should not
+        flush READs that may still complete.  The vQP decides when to give up on it."""
         if not self.connected or self.state in (PathState.DOWN, PathState.CLOSED):
             return None
         v = self.live.verdict(now)
+        if v == "down" and hold and self.state is not PathState.REBUILDING:
+            if self.state is PathState.UP:
+                return self._go(PathState.SUSPECT, f"silent for "
+                                f"{self.live.silence(now) * 1e3:.0f} ms (last path: held)", now)
+            return None
         if v == "down":
             return self.fail(f"no heartbeat for {self.live.silence(now) * 1e3:.0f} ms", now)
         if v == "suspect" and self.state is PathState.UP:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import select
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -415,11 +416,7 @@ class VQP:
             return
         log.debug("vqp %s path %d: %s -> %s (%s)", self.peer, t.path_id, t.old.value,
                   t.new.value, t.reason)
-        alive = any(p.m.alive for p in self.paths)
-        if alive:
-            self._all_dead_since = None
-        elif self._all_dead_since is None:
-            self._all_dead_since = t.at
+        self._update_reachability(t.at)
         if t.new is PathState.UP:
             log.info("vqp %s: path %s UP (%s)", self.peer, self.paths[t.path_id].name,
                      t.reason)
@@ -429,13 +426,25 @@ class VQP:
         if self.on_transition is not None:
             self.on_transition(t)
 
+    def _update_reachability(self, now: float) -> None:
+        """The peer counts as dead from the moment no path is alive *and talking*: every
+        path DOWN/REBUILDING, or the last one held SUSPECT but silent past the DOWN
+        threshold.  That moment starts the ``unreachable_grace`` clock."""
+        if any(p.m.alive and not p.m.silent_dead(now) for p in self.paths):
+            self._all_dead_since = None
+        elif self._all_dead_since is None:
+            self._all_dead_since = now
+
     # ------------------------------------------------------------------ heartbeats
     async def _monitor(self) -> None:
         iv = self.cfg.interval
         while True:
             now = self.clock()
             for p in self.paths:
-                self._note(p.m.tick(now))
+                others = any(q.m.alive for q in self.paths if q is not p)
+                if p.m.connected and p.m.live.verdict(now) == "down" and _wcs_pending(p):
+                    continue          # its WCs are queued, not yet consumed: not silence
+                self._note(p.m.tick(now, hold=not others))
                 if p.m.connected and p.m.state is not PathState.DOWN \
                         and p.m.live.want_probe(now):
                     self._probe(p, now)
@@ -444,6 +453,7 @@ class VQP:
                     self._rebuilding.add(p.id)
                     self._nursery.start_soon(self._rebuild, p,
                                              name=f"vqp{self.id}-rebuild{p.id}")
+            self._update_reachability(now)
             self._expire(now)
             await trio.sleep(iv)
 
@@ -466,10 +476,15 @@ class VQP:
     def _expire(self, now: float) -> None:
         """Fail waiting READs once the peer has been unreachable for the grace period, or
         (while no path is UP) once they are older than ``read_timeout``."""
-        if not self._waiting:
-            return
         dead_long = (self._all_dead_since is not None
                      and now - self._all_dead_since >= self.cfg.unreachable_grace)
+        if dead_long:                   # give up on a held last path: its READs flush,
+            for p in self.paths:        # come back here and fail with PeerUnreachable
+                if p.m.silent_dead(now):
+                    self._path_failed(p, f"no heartbeat for "
+                                      f"{p.m.live.silence(now) * 1e3:.0f} ms (last path)", None)
+        if not self._waiting:
+            return
         none_up = not any(p.m.postable for p in self.paths)
         keep: collections.deque[_Read] = collections.deque()
         while self._waiting:
@@ -541,4 +556,16 @@ class VQP:
 
 
 _VQP_IDS = itertools.count(1)
+
+
+def _wcs_pending(path: Path) -> bool:
+    """Is the path's CQ holding WCs its consumer has not polled yet?  (A peek at the fd,
+    never a poll: the consumer task stays the CQ's only poller.)"""
+    cq = path.cq
+    if cq is None or cq.closed:
+        return False
+    try:
+        return bool(select.select([cq.fd], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
 

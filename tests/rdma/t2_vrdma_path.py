@@ -99,6 +99,21 @@ def test_error_wc_is_immediate_and_rebuild_rejoins_on_heartbeat() -> None:
     assert m.last_rebuild_seconds == pytest.approx(0.25)
 
 
+def test_last_path_is_held_not_failed_on_silence() -> None:
+    m = PathMachine(0, CFG, 0.0)
+    _up(m, 0.0)
+    m.live.probe_posted(0.0)
+    t = m.tick(0.2, hold=True)
+    assert t is not None and t.new is PathState.SUSPECT and "held" in t.reason
+    assert m.silent_dead(0.2) and m.alive
+    assert m.tick(0.3, hold=True) is None
+    t = m.ok(0.31)                                  # the stall ends: nothing was lost
+    assert t is not None and t.new is PathState.UP and not m.silent_dead(0.31)
+    m.live.probe_posted(0.31)
+    assert m.tick(0.5, hold=False).new is PathState.DOWN   # another path is alive now
+    assert m.wc_error(12, 0.5) is None
+
+
 def test_failed_rebuilds_back_off_and_cap() -> None:
     m = PathMachine(0, CFG, 0.0)
     _up(m, 0.0)
@@ -163,10 +178,13 @@ class PathModel(RuleBasedStateMachine):
             assert t.old is not t.new
             assert t.new is not PathState.CLOSED or self.closed
 
-    @rule(dt=st.floats(0.0, 0.1))
-    def tick(self, dt: float) -> None:
+    @rule(dt=st.floats(0.0, 0.1), hold=st.booleans())
+    def tick(self, dt: float, hold: bool) -> None:
         self.now += dt
-        self._t(self.m.tick(self.now))
+        before = self.m.state
+        self._t(self.m.tick(self.now, hold=hold))
+        if hold and before in (PathState.UP, PathState.SUSPECT):
+            assert self.m.state is not PathState.DOWN      # a held last path stays
 
     @rule()
     def ok(self) -> None:
