@@ -231,3 +231,27 @@ def test_many_qps_share_one_responder_engine() -> None:
         for c in clients:
             c.close()
         server.close()
+
+
+def test_local_mr_closed_while_responses_stream_into_it() -> None:
+    """The engine reads large responses into registered memory without its lock; closing
+    that MR (or the QP, or the context) meanwhile must wait for the copy, then flush:
+    no crash, no hang, and the freed memory is never written again."""
+    import time as _time
+
+    from rdma.api import QPCap
+
+    for i in range(25):
+        with soft_pair(mr_size=16 << 20, cap=QPCap(max_send_wr=8)) as p:
+            p.client.qp.post_send([read_wr(k, p.client.mr, p.server.mr, 4 << 20,
+                                           k << 22, 0) for k in range(4)])
+            _time.sleep(0.0005 * (i % 5))
+            if i % 3 == 0:
+                p.client.mr.close()
+            elif i % 3 == 1:
+                p.client.qp.to_err()
+            else:
+                p.client.ctx.close()
+                continue
+            wcs = p.client.wait(4)
+            assert len(wcs) == 4
