@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.mounts import CHUNK, Cluster1, assert_same_tree, cluster1, make_tree
+from tests.fixtures.mounts import CHUNK, assert_same_tree, cluster1, make_tree
 
 
 def _stats(mnt: Path) -> dict:

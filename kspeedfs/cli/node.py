@@ -7,6 +7,7 @@ to stderr and to ``log.dir``/node-<name>.log. SIGTERM/SIGINT leave the cluster c
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 from typing import Any
@@ -36,12 +37,11 @@ def run(args: argparse.Namespace) -> int:
         overrides["cluster.nics"] = args.nic
     cfg = load_config(args, **overrides)
     name = args.name or default_node_name()
+    log = logging.getLogger(__name__)
     logsetup.setup(cfg.log.level, stderr=True,
                    file=os.path.join(cfg.log.dir, f"node-{name}.log"))
     if args.cache_dir or args.cache_disk:
-        import logging
-
-        logging.getLogger(__name__).warning(
+        log.warning(
             "--cache-dir/--cache-disk: the node's SSD tier is not implemented yet; memory only")
 
     async def main() -> None:
@@ -49,10 +49,7 @@ def run(args: argparse.Namespace) -> int:
             async def on_signals() -> None:
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
                     async for s in sigs:
-                        import logging
-
-                        logging.getLogger(__name__).info("%s: leaving the cluster",
-                                                         signal.Signals(s).name)
+                        log.info("%s: leaving the cluster", signal.Signals(s).name)
                         n.cancel_scope.cancel()
                         return
 
@@ -67,8 +64,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         trio.run(main)
     except BaseException:
-        import logging
-
-        logging.getLogger(__name__).exception("node %s failed", name)
+        log.exception("node %s failed", name)
         raise
     return 0

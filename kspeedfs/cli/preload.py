@@ -27,13 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _progress(store, tag: str) -> tuple[dict, dict]:
-    n = len(store.prefix)
-    nodes = {kv.key.decode()[n + len("nodes/"):]: json.loads(kv.value)
-             for kv in store.call(lambda c: c.get_prefix_response(store.prefix + "nodes/")).kvs}
-    pre = f"{store.prefix}progress/{tag}/"
-    prog = {kv.key.decode()[len(pre):]: json.loads(kv.value)
-            for kv in store.call(lambda c: c.get_prefix_response(pre)).kvs}
-    return nodes, prog
+    from ..cluster.membership import list_json
+
+    return list_json(store, "nodes/"), list_json(store, f"progress/{tag}/")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,15 +82,13 @@ def run(args: argparse.Namespace) -> int:
 def _check(cfg, store, info) -> int:
     import trio
 
-    from ..cluster.membership import NodeRecord
-    from ..cluster.placement import Member, owners
+    from ..cluster.membership import NodeRecord, list_json
+    from ..cluster.placement import owners
     from ..cluster.rpc import RpcClient, RpcUnavailable
     from ..manifest.index import ManifestIndex
 
     ix = ManifestIndex.from_blob(store.manifest(info.name, info.version))
-    n = len(store.prefix + "nodes/")
-    records = [NodeRecord.from_json(kv.value)
-               for kv in store.call(lambda c: c.get_prefix_response(store.prefix + "nodes/")).kvs]
+    records = [NodeRecord(**d) for d in list_json(store, "nodes/").values()]
     secret = cfg.cluster.secret()
     have: dict[str, set[int] | None] = {}
 

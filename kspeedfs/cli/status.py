@@ -13,18 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def _prefix(store, sub: str) -> dict[str, dict]:
-    pre = store.prefix + sub
-    out = {}
-    for kv in store.call(lambda c: c.get_prefix_response(pre)).kvs:
-        try:
-            out[kv.key.decode()[len(pre):]] = json.loads(kv.value)
-        except ValueError:
-            continue
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
+    from ..cluster.membership import list_json as _prefix
     from ..manifest.store.etcd import EtcdStore
 
     cli_logging(args)

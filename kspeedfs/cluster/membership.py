@@ -66,6 +66,19 @@ class NodeRecord:
         return Member(self.node, max(self.capacity, 1) / (1 << 30))
 
 
+def list_json(store: EtcdStore, sub: str) -> dict[str, Any]:
+    """Blocking, for the CLI: every key under ``P sub`` (suffix → decoded JSON). Keys
+    that do not hold JSON are skipped."""
+    pre = store.prefix + sub
+    out = {}
+    for kv in store.call(lambda c: c.get_prefix_response(pre)).kvs:
+        try:
+            out[kv.key.decode()[len(pre):]] = json.loads(kv.value)
+        except ValueError:
+            log.warning("ignoring malformed %s", kv.key.decode(errors="replace"))
+    return out
+
+
 def default_node_name() -> str:
     return socket.gethostname()
 

@@ -103,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
         n1, t1 = read_all(mnt, src, rels)
         _drop_page_cache()
         n2, t2 = read_all(mnt, src, rels)
-        _say(f"4. read every file through the mount with 8 readers, compared byte for byte:")
+        _say("4. read every file through the mount with 8 readers, compared byte for byte:")
         _say(f"   epoch 1 (chunks loaded from the source): {n1 / 1e6:,.0f} MB in {t1:.2f}s "
              f"= {n1 / t1 / 1e6:,.0f} MB/s, {len(rels) / t1:,.0f} files/s")
         _say(f"   epoch 2 (daemon memory tier, kernel page cache dropped): {n2 / 1e6:,.0f} MB in "
