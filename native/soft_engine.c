@@ -72,6 +72,13 @@ struct ks_cq {
     pthread_mutex_t lock;
     ks_wc *ring;            /* protected by lock */
     uint32_t cap, head, count; /* protected by lock */
+    /* Moderation (ibv_modify_cq): the eventfd is written once `mod_count` WCs are queued
+     * or `mod_period_ns` after the first unsignalled one, whichever is first; count <= 1
+     * means every WC signals.  `signaled`: the eventfd has been written since the ring
+     * was last emptied.  All protected by lock. */
+    uint32_t mod_count;
+    uint64_t mod_period_ns, first_unsignaled;
+    int signaled;
     int refs;               /* QPs using this CQ; protected by eng->lock */
 };
 
@@ -293,10 +300,15 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
     }
     cq->ring[(cq->head + cq->count) % cq->cap] = *wc;
     cq->count++;
-    if (cq->count == 1) {
-        uint64_t one = 1;
-        ssize_t r = write(cq->efd, &one, sizeof one);
-        (void)r;
+    if (!cq->signaled) {
+        if (cq->mod_count <= 1 || cq->count >= cq->mod_count) {
+            uint64_t one = 1;
+            ssize_t r = write(cq->efd, &one, sizeof one);
+            (void)r;
+            cq->signaled = 1;
+        } else if (!cq->first_unsignaled) {
+            cq->first_unsignaled = now_ns();  /* run_timers signals it after the period */
+        }
     }
     pthread_mutex_unlock(&cq->lock);
 }
@@ -1225,6 +1237,24 @@ static int run_timers(ks_engine *e)
         if (dl < next)
             next = dl;
     }
+    for (int i = 0; i < KS_MAX_CQ; i++) {   /* moderated CQs whose period ran out */
+        ks_cq *cq = e->cqs[i];
+        if (!cq || cq->mod_count <= 1)
+            continue;
+        pthread_mutex_lock(&cq->lock);
+        if (!cq->signaled && cq->count && cq->first_unsignaled) {
+            uint64_t dl = cq->first_unsignaled + cq->mod_period_ns;
+            if (dl <= now) {
+                uint64_t one = 1;
+                ssize_t r = write(cq->efd, &one, sizeof one);
+                (void)r;
+                cq->signaled = 1;
+            } else if (dl < next) {
+                next = dl;
+            }
+        }
+        pthread_mutex_unlock(&cq->lock);
+    }
     for (ks_conn *c = e->conns, *n; c; c = n) {
         n = c->next;
         if (c->role == CONN_HELLO && c->hello_deadline <= now) {
@@ -1641,6 +1671,46 @@ static PyObject *Engine_destroy_cq(EngineObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* modify_cq(id, cq_count, cq_period_us): completion moderation (ibv_modify_cq). */
+static PyObject *Engine_modify_cq(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    int id;
+    unsigned int count, period_us;
+    if (!PyArg_ParseTuple(args, "iII", &id, &count, &period_us))
+        return NULL;
+    if (id < 0 || id >= KS_MAX_CQ)
+        return raise_errno(EINVAL, "modify_cq: bad id");
+    if (count > 1 && period_us == 0)
+        return raise_errno(EINVAL, "modify_cq: cq_count > 1 needs a cq_period (or WCs could "
+                                   "wait forever)");
+    int missing = 0;
+    pthread_mutex_lock(&e->cq_tab_lock);
+    ks_cq *cq = e->cqs[id];
+    if (!cq) {
+        missing = 1;
+    } else {
+        pthread_mutex_lock(&cq->lock);
+        cq->mod_count = count;
+        cq->mod_period_ns = (uint64_t)period_us * 1000ull;
+        if (!cq->signaled && cq->count) {  /* signal what already waits */
+            uint64_t one = 1;
+            ssize_t r = write(cq->efd, &one, sizeof one);
+            (void)r;
+            cq->signaled = 1;
+        }
+        pthread_mutex_unlock(&cq->lock);
+    }
+    pthread_mutex_unlock(&e->cq_tab_lock);
+    if (missing)
+        return raise_errno(EBADF, "modify_cq: CQ destroyed");
+    /* the engine plans its sleep around CQ periods too */
+    uint64_t one = 1;
+    ssize_t r = write(e->kickfd, &one, sizeof one);
+    (void)r;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Engine_poll_cq(EngineObject *self, PyObject *args)
 {
     ENGINE_OR_FAIL(self);
@@ -1673,6 +1743,8 @@ static PyObject *Engine_poll_cq(EngineObject *self, PyObject *args)
             uint64_t v;
             ssize_t r = read(cq->efd, &v, sizeof v);  /* re-arm: fd unreadable when empty */
             (void)r;
+            cq->signaled = 0;
+            cq->first_unsignaled = 0;
         }
         pthread_mutex_unlock(&cq->lock);
     }
@@ -2218,6 +2290,8 @@ static PyMethodDef Engine_methods[] = {
     {"create_cq", (PyCFunction)Engine_create_cq, METH_VARARGS, "create_cq(cqe) -> (id, eventfd)"},
     {"destroy_cq", (PyCFunction)Engine_destroy_cq, METH_VARARGS, "destroy_cq(id)"},
     {"poll_cq", (PyCFunction)Engine_poll_cq, METH_VARARGS, "poll_cq(id, n) -> [wc tuples]"},
+    {"modify_cq", (PyCFunction)Engine_modify_cq, METH_VARARGS,
+     "modify_cq(id, cq_count, cq_period_us): completion moderation"},
     {"create_qp", (PyCFunction)Engine_create_qp, METH_VARARGS,
      "create_qp(pd, scq, rcq, max_send_wr, max_recv_wr, max_send_sge, max_recv_sge, sig_all) -> qpn"},
     {"destroy_qp", (PyCFunction)Engine_destroy_qp, METH_VARARGS, "destroy_qp(qpn)"},

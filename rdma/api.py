@@ -26,6 +26,10 @@ parents close their children first: Context → PDs (→ QPs, then MRs) → CQs)
     CQ.poll(num_entries=1) -> list[WC]                 # non-blocking
     await CQ.poll_async(num_entries=1) -> list[WC]     # trio; see cancellation contract
     CQ.poll_wait(num_entries=1, timeout=None) -> list[WC]   # blocking, for threads/tests
+    CQ.modify(cq_count, cq_period)                     # ibv_modify_cq moderation: fd turns
+                                                       #   readable at cq_count WCs or cq_period
+                                                       #   µs after the first (soft; verbs may
+                                                       #   raise NotSupportedError)
     QP.qp_num .qp_state .qp_type .cap
     QP.modify(QPAttr, attr_mask)                       # raw ibv_modify_qp, checked by
                                                        #   rdma.qp_state.TRANSITIONS
@@ -458,6 +462,15 @@ class CQ(Resource, abc.ABC):
 
     @abc.abstractmethod
     def poll(self, num_entries: int = 1) -> list[WC]: ...
+
+    def modify(self, cq_count: int, cq_period: int) -> None:
+        """Completion moderation (``ibv_modify_cq``): ``fd`` becomes readable once
+        ``cq_count`` WCs are queued or ``cq_period`` µs after the first one, whichever
+        comes first; ``cq_count`` <= 1 restores "readable iff WCs are queued".  Fewer
+        wake-ups per WC for bandwidth consumers; ``poll`` itself is never delayed."""
+        from .errors import NotSupportedError
+
+        raise NotSupportedError(f"{type(self).__name__} has no CQ moderation")
 
     async def poll_async(self, num_entries: int = 1) -> list[WC]:
         """Wait (trio) until at least one WC is available, return up to ``num_entries``.

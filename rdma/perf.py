@@ -222,11 +222,13 @@ def server_cpu(server: str, port: int) -> float:
 
 def run_rdma(provider: str, server: str, port: int, local: str, size: int, qd: int,
              duration: float, timeout_ms: int | None = None, retry_cnt: int | None = None,
-             verify: bool = False) -> Result:
+             verify: bool = False, cq_mod: int = 1) -> Result:
     ctx = open_device(provider=provider, addr=local)
     try:
         pd = ctx.alloc_pd()
         cq = ctx.create_cq(4 * qd + 16)
+        if cq_mod > 1:  # perftest's --cq-mod: one wake-up per cq_mod WCs (100 us cap)
+            cq.modify(cq_mod, 100)
         mr = pd.reg_mr(size * qd, ACCESS)
         qp = pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(max_send_wr=qd, max_recv_wr=16)))
         ctl = socket.create_connection((server, port), timeout=30)
@@ -249,26 +251,31 @@ def run_rdma(provider: str, server: str, port: int, local: str, size: int, qd: i
         wrs = [SendWR(wr_id=i, opcode=IBV_WR_RDMA_READ, sg_list=[mr.sge(i * size, size)],
                       send_flags=IBV_SEND_SIGNALED, rkey=rkey) for i in range(qd)]
 
-        def post(slot: int) -> None:
+        def post(free: list[int]) -> None:
+            """One post_send for every freed slot: one request packet, not len(free)."""
             nonlocal n
-            wr = wrs[slot]
-            wr.wr_id = (n << 8) | slot
-            wr.remote_addr = raddr + (n % slots) * size
-            posted[wr.wr_id] = (time.perf_counter(), wr.remote_addr - raddr)
-            qp.post_send(wr)
-            n += 1
+            batch = []
+            now = time.perf_counter()
+            for slot in free:
+                wr = SendWR(wr_id=(n << 8) | slot, opcode=IBV_WR_RDMA_READ,
+                            sg_list=wrs[slot].sg_list, send_flags=IBV_SEND_SIGNALED,
+                            remote_addr=raddr + (n % slots) * size, rkey=rkey)
+                posted[wr.wr_id] = (now, wr.remote_addr - raddr)
+                batch.append(wr)
+                n += 1
+            qp.post_send(batch)
 
         scpu0 = server_cpu(server, port)
         cpu0 = cpu_seconds()
         t0 = last_ok = time.perf_counter()
         end = t0 + duration
-        for slot in range(qd):
-            post(slot)
+        post(list(range(qd)))
         while True:
             wcs = cq.poll_wait(qd, 10.0)
             if not wcs:
                 raise RuntimeError("no completion in 10 s")
             now = time.perf_counter()
+            free = []
             for wc in wcs:
                 if not wc.ok:
                     raise ReadFailed(wc, now - last_ok)
@@ -280,7 +287,9 @@ def run_rdma(provider: str, server: str, port: int, local: str, size: int, qd: i
                     raise RuntimeError(f"READ of {size} bytes at offset {roff}: wrong data")
                 done += 1
                 if now < end:
-                    post(wc.wr_id & 0xFF)
+                    free.append(slot)
+            if free:
+                post(free)
             if not posted:
                 break
         elapsed = time.perf_counter() - t0
@@ -330,7 +339,7 @@ def run_client(args: argparse.Namespace) -> int:
         try:
             results.append(run_rdma(args.provider, args.addr, args.port, local, args.size,
                                     args.qd, args.duration, args.timeout_ms, args.retry_cnt,
-                                    args.verify))
+                                    args.verify, args.cq_mod))
         except ReadFailed as exc:
             print(json.dumps({"error": exc.wc.status.name, "after_s": exc.after_s}), flush=True)
             return 3
@@ -370,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--timeout-ms", type=int, default=None,
                    help="per-try transport timeout (soft extension)")
     c.add_argument("--retry-cnt", type=int, default=None)
+    c.add_argument("--cq-mod", type=int, default=1,
+                   help="CQ moderation: wake once per N completions (as perftest --cq-mod)")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")

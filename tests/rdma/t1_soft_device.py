@@ -141,3 +141,38 @@ def test_qp_caps_out_of_range_refused() -> None:
         with pytest.raises(rdma.RdmaError) as ei:
             pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(max_send_wr=0)))
         assert ei.value.errno == errno.EINVAL
+
+
+def test_cq_moderation_batches_wakeups_but_never_strands_wcs() -> None:
+    """cq_count=4: the fd stays quiet for 1-3 WCs until cq_period passes, then wakes;
+    4 WCs wake it at once; poll() is never delayed."""
+    import select
+    import time
+
+    with soft_pair() as p:
+        c = p.client
+        c.cq.modify(4, 200_000)  # 4 WCs or 200 ms
+        c.qp.post_recv([RecvWR(i, [c.mr.sge(i * 8, 8)]) for i in range(6)])
+        p.server.mr.write(b"x" * 8)
+        from rdma.api import SendWR
+        from rdma.enums import IBV_WR_SEND
+
+        def send(n: int) -> None:
+            p.server.qp.post_send([SendWR(wr_id=100 + i, opcode=IBV_WR_SEND,
+                                          sg_list=[p.server.mr.sge(0, 8)]) for i in range(n)])
+
+        send(2)
+        time.sleep(0.05)
+        assert select.select([c.cq.fd], [], [], 0)[0] == []      # 2 < 4, period not over
+        t0 = time.monotonic()
+        assert select.select([c.cq.fd], [], [], 2)[0] == [c.cq.fd]  # the period ends it
+        assert 0.08 < time.monotonic() - t0 + 0.05 < 1.0
+        assert len(c.cq.poll(8)) == 2
+        send(4)
+        assert select.select([c.cq.fd], [], [], 2)[0] == [c.cq.fd]
+        got = []
+        while len(got) < 4:
+            got += c.cq.poll(8)
+        c.cq.modify(1, 0)  # back to one wake-up per WC
+        with pytest.raises(rdma.RdmaError):
+            c.cq.modify(8, 0)  # count without a period could strand WCs

@@ -34,6 +34,11 @@ class SoftCQ(CQ):
         return [WC(wr_id, _STATUS[st], _OPCODE[op], byte_len, qpn, verr)
                 for wr_id, st, op, byte_len, qpn, verr in raw]
 
+    def modify(self, cq_count: int, cq_period: int) -> None:
+        self._check_open()
+        self.engine.call("modify_cq", self.engine.raw.modify_cq, self.handle, int(cq_count),
+                         int(cq_period))
+
     def _close_impl(self) -> None:
         if not hasattr(self, 'handle'):
             return  # construction failed before the engine made it
