@@ -26,6 +26,10 @@
   REBUILDING: QP RESET → INIT → RTR → RTS against a fresh peer QP, over a fresh
   authenticated control connection on this very NIC pair; it rejoins (UP) only when a
   heartbeat completes, i.e. when READs demonstrably flow again.
+* The last live path to a peer is *held*: silence makes it SUSPECT, not DOWN (nowhere to
+  fail over to, and a starved host or peer may only be late).  The vQP starts the
+  peer-dead clock from that silence and fails the path when ``unreachable_grace`` runs out
+  (:meth:`rdma.vrdma.vqp.VQP._expire`), so PeerUnreachable keeps its bound.
 * A path that has never been UP (e.g. a cross-rail NIC pair with no route) sits in DOWN and
   is retried with a slower backoff; it never counts as a lost path.
 

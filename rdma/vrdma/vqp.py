@@ -299,6 +299,12 @@ class VQP:
                 return
             path = choose_path(self.paths, self._rr, SQ_DEPTH - 1)
             if path is None:
+                now = self.clock()
+                if (self._all_dead_since is not None
+                        and now - self._all_dead_since >= self.cfg.unreachable_grace):
+                    self.unreachable += 1
+                    self._finish(op, self._unreachable(now))
+                    return
                 if op.waiting_since is None:
                     op.waiting_since = self.clock()
                 self._waiting.append(op)
