@@ -61,3 +61,15 @@ def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
                                          ("0.5KiB", 512), (123, 123), ("7", 7)])
 def test_parse_size(text: object, value: int) -> None:
     assert config.parse_size(text) == value
+
+
+def test_unset_flags_do_not_hide_set_overrides() -> None:
+    """A flag the user did not give (None) must not undo ``--set`` (it did, once)."""
+    import argparse
+
+    from kspeedfs.cli.options import load_config
+
+    args = argparse.Namespace(set=["cache.disk=64MiB", "cache.disk_dir=/ssd"], store=None, etcd=None,
+                              verbose=False, log_level=None, config=None)
+    cfg = load_config(args, **{"cache.disk": None, "cache.memory": "2GiB"})
+    assert cfg.cache.disk == 64 << 20 and cfg.cache.memory == 2 << 30

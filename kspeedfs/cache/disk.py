@@ -48,6 +48,10 @@ class DiskCache:
         self._evict()
         log.info("disk tier %s: %d chunks, %d bytes of %d", self.dir, len(self._files), self.used, capacity)
 
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._files
+
     def _path(self, key: bytes) -> Path:
         h = key.hex()
         return self.dir / h[:2] / h
@@ -71,7 +75,7 @@ class DiskCache:
                 return
         path = self._path(key)
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{threading.get_ident()}")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

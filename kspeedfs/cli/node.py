@@ -20,8 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nic", action="append", default=None, metavar="ADDR",
                    help="local NIC address to serve on (repeat per NIC; cluster.nics)")
     p.add_argument("--cache-mem", metavar="SIZE", help="memory arena size (cluster.memory)")
-    p.add_argument("--cache-dir", metavar="DIR", help="SSD tier directory (not used by nodes yet)")
-    p.add_argument("--cache-disk", metavar="SIZE", help="SSD tier size (not used by nodes yet)")
+    p.add_argument("--cache-dir", metavar="DIR", help="SSD tier directory (cache.disk_dir)")
+    p.add_argument("--cache-disk", metavar="SIZE", help="SSD tier size (cache.disk)")
     p.add_argument("--source", help="read the source from this directory instead of the recorded one")
 
 
@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     from ..cluster.membership import default_node_name
     from ..cluster.node import serve
 
-    overrides: dict[str, Any] = {"cluster.memory": args.cache_mem}
+    overrides: dict[str, Any] = {"cluster.memory": args.cache_mem, "cache.disk_dir": args.cache_dir,
+                                 "cache.disk": args.cache_disk}
     if args.nic:
         overrides["cluster.nics"] = args.nic
     cfg = load_config(args, **overrides)
@@ -40,9 +41,6 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger(__name__)
     logsetup.setup(cfg.log.level, stderr=True,
                    file=os.path.join(cfg.log.dir, f"node-{name}.log"))
-    if args.cache_dir or args.cache_disk:
-        log.warning(
-            "--cache-dir/--cache-disk: the node's SSD tier is not implemented yet; memory only")
 
     async def main() -> None:
         async with trio.open_nursery() as n:

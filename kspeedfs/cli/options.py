@@ -39,7 +39,7 @@ def load_config(args: argparse.Namespace, **overrides: Any) -> Config:
         o["log.level"] = "DEBUG"
     elif args.log_level:
         o["log.level"] = args.log_level
-    o.update(overrides)
+    o.update({k: v for k, v in overrides.items() if v is not None})   # unset flags keep --set
     return config_mod.load(args.config, o)
 
 

@@ -103,11 +103,13 @@ class Arena:
     """The owner's side: ``put``/``get``/``evict``. Single-threaded (the node's trio loop)."""
 
     def __init__(self, geometry: Geometry, data: Buffer, index: Buffer,
-                 owned: Callable[[bytes], bool] = lambda key: True) -> None:
+                 owned: Callable[[bytes], bool] = lambda key: True,
+                 on_evict: Callable[[bytes, bytes], None] | None = None) -> None:
         self.g = geometry
         self.data = data
         self.index = index
         self.owned = owned                       # placement: does this node own a key?
+        self.on_evict = on_evict                 # (key, bytes) of an evicted chunk: SSD tier
         self._free = list(range(geometry.nslots - 1, -1, -1))
         self._slots: OrderedDict[bytes, tuple[int, int, int]] = OrderedDict()  # key → (slot, len, way)
         self._ways: dict[int, list[bytes | None]] = {}     # bucket → keys by way
@@ -160,7 +162,10 @@ class Arena:
         return candidates[0]
 
     def _evict(self, key: bytes) -> None:
-        slot, length, way = self._slots.pop(key)
+        slot, length, way = self._slots[key]
+        if self.on_evict is not None:
+            self.on_evict(key, self.data.read(length, slot * self.g.slot_size))
+        del self._slots[key]
         b = bucket_of(key, self.g.nbuckets)
         self.index.write(bytes(ENTRY.size), (b * WAYS + way) * ENTRY.size)   # entry first ...
         self._ways[b][way] = None

@@ -5,6 +5,7 @@ Composition (each resource's teardown is the ``async with`` that opened it)::
     EtcdStore ─ Membership (watch nodes/) ─ PrefixView (watch preload/)
     Endpoint(NICs) ─ vMRs "arena" + "index" exported to authenticated peers ─ listen(port)
     Arena(geometry, vMRs, owned = placement says this node is an owner)
+    DiskCache (optional SSD tier: owned chunks evicted from the arena, promoted on demand)
     Peers (to copy chunks from other replicas)
     nursery ─┬─ rpc.serve(rpc_port)          load-on-demand, have, stats
              ├─ Registration.run             lease keep-alive (nodes/, progress/, stats/)
@@ -35,6 +36,8 @@ import trio
 
 from rdma.vrdma import Endpoint, HeartbeatConfig
 
+from .. import checksum
+from ..cache.disk import DiskCache
 from ..cache.singleflight import SingleFlight
 from ..config import Config
 from ..errors import ConfigError, KspeedfsError, SourceChanged
@@ -68,6 +71,9 @@ class NodeCounters:
     peer_bytes: int = 0
     demand_loads: int = 0            # "load" RPCs from readers
     rereplicated: int = 0            # chunks copied because membership changed
+    disk_loads: int = 0              # chunks promoted from the SSD tier back to the arena
+    spilled: int = 0                 # evicted owned chunks written to the SSD tier
+    spills_inline: int = 0           # ... written in the loop because the SSD queue was full
 
 
 def heartbeat_config(cfg: Config) -> HeartbeatConfig:
@@ -79,7 +85,8 @@ def heartbeat_config(cfg: Config) -> HeartbeatConfig:
 class Node:
     def __init__(self, cfg: Config, name: str, store: EtcdStore, ep: Endpoint, arena: Arena,
                  membership: Membership, peers: Peers, registration: Registration,
-                 nursery: trio.Nursery, source_override: str | None = None) -> None:
+                 nursery: trio.Nursery, source_override: str | None = None,
+                 disk: DiskCache | None = None) -> None:
         self.cfg = cfg
         self.name = name
         self.store = store
@@ -90,6 +97,8 @@ class Node:
         self.registration = registration
         self.source_override = source_override
         self.counters = NodeCounters()
+        self.disk = disk
+        self._spill_send, self._spill_recv = trio.open_memory_channel[tuple[bytes, bytes]](64)
         self.datasets: dict[tuple[str, int], Dataset] = {}
         self._loading: dict[tuple[str, int], trio.Event] = {}
         self._flights: SingleFlight[str] = SingleFlight(nursery)
@@ -125,6 +134,10 @@ class Node:
             del self._loading[key]
             done.set()
 
+    def has(self, key: bytes) -> bool:
+        """Cached on this node: in the arena (READable by peers) or on its SSD tier."""
+        return key in self.arena or (self.disk is not None and key in self.disk)
+
     def owns(self, key: bytes) -> bool:
         return self.name in owners(key, self.membership.members, self.cfg.cluster.replicas)
 
@@ -140,6 +153,12 @@ class Node:
 
     async def _load(self, ds: Dataset, k: int, key: bytes) -> str:
         length = ds.index.chunk_len[k]
+        if self.disk is not None:
+            data = await trio.to_thread.run_sync(self._from_disk, key, limiter=self._io)
+            if data is not None:
+                self.counters.disk_loads += 1
+                self.arena.put(key, data)
+                return "disk"
         data = await self.peers.read_chunk(ds.info.name, ds.info.version, k, key, length,
                                            ask_owner=False, exclude=self.name)
         if data is not None:
@@ -161,6 +180,37 @@ class Node:
             self.arena.put(key, data)
         return where
 
+    # -- the SSD tier: chunks evicted from the arena, promoted back on demand ----------------
+
+    def _from_disk(self, key: bytes) -> bytes | None:
+        assert self.disk is not None
+        data = self.disk.get(key)
+        if data is not None and not checksum.chunk_matches(data, key):
+            log.warning("SSD tier chunk %s failed its checksum: discarded", key.hex()[:12])
+            self.disk.discard(key)
+            return None
+        return data
+
+    def spill(self, key: bytes, data: bytes) -> None:
+        """Arena eviction hook (trio thread, must not block): queue the chunk for the SSD."""
+        if self.disk is not None and self.owns(key):
+            try:
+                self._spill_send.send_nowait((key, data))
+            except trio.WouldBlock:             # the SSD is behind: write now, never drop
+                self.counters.spills_inline += 1
+                self.disk.put(key, data)
+                self.counters.spilled += 1
+
+    async def spill_forever(self) -> None:
+        assert self.disk is not None
+        async for key, data in self._spill_recv:
+            try:
+                await trio.to_thread.run_sync(self.disk.put, key, data, limiter=self._io)
+            except OSError as e:
+                log.warning("SSD tier: cannot write chunk %s: %s", key.hex()[:12], e)
+                continue
+            self.counters.spilled += 1
+
     # -- RPC -----------------------------------------------------------------------------------
 
     async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -174,7 +224,7 @@ class Node:
             return {"ok": True, "source": await self.load_chunk(ds, k)}
         if op == "have":
             ds = await self.dataset(str(req["dataset"]), int(req["version"]))
-            have = [k for k in range(ds.index.chunks) if ds.index.chunk_digest(k) in self.arena]
+            have = [k for k in range(ds.index.chunks) if self.has(ds.index.chunk_digest(k))]
             return {"chunks": have}
         if op == "stats":
             return self.statistics()
@@ -229,7 +279,7 @@ class Node:
     async def _fill(self, ds: Dataset, rereplicating: bool) -> None:
         ix = ds.index
         mine = [k for k in range(ix.chunks) if self.owns(ix.chunk_digest(k))]
-        missing = [k for k in mine if ix.chunk_digest(k) not in self.arena]
+        missing = [k for k in mine if not self.has(ix.chunk_digest(k))]
         tag = f"{ds.info.name}@{ds.info.version}"
         prog = self.progress[tag] = {"owned": len(mine), "cached": len(mine) - len(missing),
                                      "owned_bytes": sum(ix.chunk_len[k] for k in mine),
@@ -317,9 +367,15 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
                       local_node=name)
         async with trio.open_nursery() as nursery:
             arena = Arena(geometry, arena_mr, index_mr)
+            # <disk_dir>/<node>: several nodes may share a host (and a disk) in tests
+            disk = (DiskCache(os.path.join(cfg.cache.disk_dir, name), cfg.cache.disk)
+                    if cfg.cache.disk else None)
             node = Node(cfg, name, store, ep, arena, membership, peers, registration, nursery,
-                        source_override)
+                        source_override, disk)
             arena.owned = node.owns
+            if disk is not None:
+                arena.on_evict = node.spill
+                nursery.start_soon(node.spill_forever, name="ssd-tier")
             await nursery.start(rpc.serve, secret, name, node.handle, cfg.cluster.rpc_port)
             await nursery.start(membership.run)
             await nursery.start(node.preload.run)
