@@ -14,6 +14,11 @@ connection a ``tcp`` request makes the server stream ``--duration`` seconds of d
 a buffer with ``sendall`` while the client ``recv_into``s a buffer of ``--size`` bytes: one
 TCP stream, one copy per side, the same work a soft READ does minus the protocol.
 
+``--cq-mod N`` moderates the client's CQ (one wake-up per N completions, 100 µs cap) and
+freed slots are reposted with one ``post_send`` (one request packet), as perftest's
+``--cq-mod`` does; the per-READ overhead (request packet + wake-up) is what separates a
+1 MiB READ stream from one TCP stream on a small VM.
+
 The client keeps ``--qd`` READs of ``--size`` bytes in flight, each into its own slot of
 its local MR, and reports bandwidth, messages/s, post→WC latency p50/p99 and the CPU
 seconds per GB moved (client process, and the server process as it reports itself).

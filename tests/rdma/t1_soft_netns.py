@@ -96,7 +96,7 @@ def test_bandwidth_ratio_vs_tcp_over_veth(bed: Testbed) -> None:
     server, addr, port = _server(bed, "64MiB")
     try:
         res = _last_json(_client(bed, addr, port, "--size", "1MiB", "--qd", "8", "--duration",
-                                 "3", "--repeat", "2", "--tcp-baseline"), 120)
+                                 "3", "--repeat", "3", "--cq-mod", "4", "--tcp-baseline"), 180)
         assert isinstance(res, list)
         rd = sum(r["gbytes_per_s"] for r in res if r["mode"] == "rdma")
         tc = sum(r["gbytes_per_s"] for r in res if r["mode"] == "tcp")

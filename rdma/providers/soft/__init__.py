@@ -6,7 +6,8 @@ bounds and access (REM_ACCESS_ERR, never data outside an MR), turns a silent pat
 RETRY_EXC_ERR after timeout × (retry_cnt + 1), and flushes with WR_FLUSH_ERR on ERR.
 Python only posts WRs and polls WCs.  One module per verbs object, as pyverbs:
 ``device`` (Context), ``pd``, ``mr``, ``cq``, ``qp``; ``engine`` owns the native thread and
-``wire`` packs the HELLO.  What is not implemented: RDMA WRITE, atomics, immediate data,
+``wire`` packs the HELLO.  CQs support moderation (``CQ.modify(cq_count, cq_period)``), as
+perftest's ``--cq-mod`` uses it, to cut wake-ups per completion.  What is not implemented: RDMA WRITE, atomics, immediate data,
 inline data, SRQ, UD/UC, SQD; ``post_send`` refuses those opcodes with PostError.
 """
 from __future__ import annotations
