@@ -69,6 +69,8 @@ struct ks_mr {
 struct ks_cq {
     int id;
     int efd;
+    int kickfd;             /* the engine's: wake it to time a moderation period */
+    pthread_t engine_thread;
     pthread_mutex_t lock;
     ks_wc *ring;            /* protected by lock */
     uint32_t cap, head, count; /* protected by lock */
@@ -308,6 +310,11 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
             cq->signaled = 1;
         } else if (!cq->first_unsignaled) {
             cq->first_unsignaled = now_ns();  /* run_timers signals it after the period */
+            if (!pthread_equal(pthread_self(), cq->engine_thread)) {
+                uint64_t one = 1;  /* an app thread pushed (a flush): engine may be asleep */
+                ssize_t r = write(cq->kickfd, &one, sizeof one);
+                (void)r;
+            }
         }
     }
     pthread_mutex_unlock(&cq->lock);
@@ -1629,6 +1636,8 @@ static PyObject *Engine_create_cq(EngineObject *self, PyObject *args)
     }
     if (slot >= 0) {
         cq->id = slot;
+        cq->kickfd = e->kickfd;
+        cq->engine_thread = e->thread;
         e->cqs[slot] = cq;
     }
     pthread_mutex_unlock(&e->cq_tab_lock);

@@ -176,3 +176,22 @@ def test_cq_moderation_batches_wakeups_but_never_strands_wcs() -> None:
         c.cq.modify(1, 0)  # back to one wake-up per WC
         with pytest.raises(rdma.RdmaError):
             c.cq.modify(8, 0)  # count without a period could strand WCs
+
+
+def test_moderated_flush_from_app_thread_is_signalled_within_the_period() -> None:
+    import select
+    import time
+
+    from rdma.api import QPAttr
+
+    with soft_pair(connect=False) as p:
+        c = p.client
+        c.cq.modify(16, 50_000)  # 16 WCs or 50 ms
+        c.qp.to_init(QPAttr(qp_access_flags=ACCESS))  # no RTS QP: the engine sleeps long
+        c.qp.post_recv([RecvWR(i, [c.mr.sge(0, 8)]) for i in range(3)])
+        time.sleep(1.2)
+        t0 = time.monotonic()
+        c.qp.to_err()            # 3 flush WCs pushed by this (app) thread
+        assert select.select([c.cq.fd], [], [], 2)[0] == [c.cq.fd]
+        assert time.monotonic() - t0 < 0.5
+        assert len(c.cq.poll(16)) == 3
