@@ -8,6 +8,7 @@ NICs as two independent paths.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 
 from ...api import CQ, PD, Context, Device, DeviceAttr, PortAttr, gid_from_ipv4
@@ -56,7 +57,7 @@ class SoftContext(Context):
         assert device.ipv4 is not None
         self.ipv4: str = device.ipv4
         self.engine = Engine(device.ipv4)
-        self._next_pd = 1
+        self._pd_handles = itertools.count(1)  # next() is atomic under the GIL
 
     def _close_impl(self) -> None:
         self.engine.close()
@@ -99,9 +100,7 @@ class SoftContext(Context):
         from .pd import SoftPD
 
         self._check_open()
-        pd = SoftPD(self, self._next_pd)
-        self._next_pd += 1
-        return pd
+        return SoftPD(self, next(self._pd_handles))
 
     def create_cq(self, cqe: int = 256) -> CQ:
         from .cq import SoftCQ
