@@ -436,7 +436,8 @@ class VQP:
         """The peer counts as dead from the moment no path is alive *and talking*: every
         path DOWN/REBUILDING, or the last one held SUSPECT but silent past the DOWN
         threshold.  That moment starts the ``unreachable_grace`` clock."""
-        if any(p.m.alive and not p.m.silent_dead(now) for p in self.paths):
+        if any(p.m.alive and (not p.m.silent_dead(now) or _wcs_pending(p))
+               for p in self.paths):
             self._all_dead_since = None
         elif self._all_dead_since is None:
             self._all_dead_since = now
@@ -486,7 +487,7 @@ class VQP:
                      and now - self._all_dead_since >= self.cfg.unreachable_grace)
         if dead_long:                   # give up on a held last path: its READs flush,
             for p in self.paths:        # come back here and fail with PeerUnreachable
-                if p.m.silent_dead(now):
+                if p.m.silent_dead(now) and not _wcs_pending(p):
                     self._path_failed(p, f"no heartbeat for "
                                       f"{p.m.live.silence(now) * 1e3:.0f} ms (last path)", None)
         if not self._waiting:
