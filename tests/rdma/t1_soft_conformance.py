@@ -255,3 +255,35 @@ def test_local_mr_closed_while_responses_stream_into_it() -> None:
                 continue
             wcs = p.client.wait(4)
             assert len(wcs) == 4
+
+
+def test_reads_and_sends_interleaved_on_one_qp() -> None:
+    """Requests of both kinds share one ordered connection: completions come back in post
+    order, READ data and SEND payloads land where they should."""
+    from rdma.api import QPCap, RecvWR
+    from rdma.enums import IBV_WC_RDMA_READ, IBV_WC_SEND, IBV_WR_SEND
+
+    n = 24
+    with soft_pair(cap=QPCap(max_send_wr=n, max_recv_wr=n)) as p:
+        c, s = p.client, p.server
+        s.mr.write(os.urandom(s.mr.length))
+        s.qp.post_recv([RecvWR(1000 + i, [s.mr.sge(512 * 1024 + i * 64, 64)])
+                        for i in range(n // 2)])
+        wrs = []
+        for i in range(n):
+            if i % 2:
+                c.mr.write(f"send-{i:02d}".encode(), 768 * 1024 + i * 64)
+                wrs.append(SendWR(wr_id=i, opcode=IBV_WR_SEND,
+                                  sg_list=[c.mr.sge(768 * 1024 + i * 64, 7)]))
+            else:
+                wrs.append(read_wr(i, c.mr, s.mr, 8192 + i, i * 16384, i * 1000))
+        c.qp.post_send(wrs)
+        wcs = c.wait(n)
+        assert [w.wr_id for w in wcs] == list(range(n)) and all(w.ok for w in wcs)
+        assert [w.opcode for w in wcs] == [IBV_WC_RDMA_READ, IBV_WC_SEND] * (n // 2)
+        for i in range(0, n, 2):
+            assert c.mr.read(8192 + i, i * 16384) == s.mr.read(8192 + i, i * 1000)
+        rws = s.wait(n // 2)
+        assert [w.wr_id for w in rws] == [1000 + i for i in range(n // 2)]
+        for k, i in enumerate(range(1, n, 2)):
+            assert s.mr.read(7, 512 * 1024 + k * 64) == f"send-{i:02d}".encode()
