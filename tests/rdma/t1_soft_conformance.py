@@ -287,3 +287,37 @@ def test_reads_and_sends_interleaved_on_one_qp() -> None:
         assert [w.wr_id for w in rws] == [1000 + i for i in range(n // 2)]
         for k, i in enumerate(range(1, n, 2)):
             assert s.mr.read(7, 512 * 1024 + k * 64) == f"send-{i:02d}".encode()
+
+
+def test_threads_posting_on_one_qp_lose_nothing() -> None:
+    import errno
+    import threading
+
+    from rdma.api import QPCap
+
+    per, nthreads = 150, 4
+    with soft_pair(cap=QPCap(max_send_wr=64)) as p:
+        p.server.mr.write(os.urandom(4096))
+        posted = []
+        lock = threading.Lock()
+
+        def poster(t: int) -> None:
+            for i in range(per):
+                wr = read_wr(t * 1000 + i, p.client.mr, p.server.mr, 64, t * 4096, 0)
+                while True:
+                    try:
+                        p.client.qp.post_send(wr)
+                        break
+                    except PostError as exc:  # queue full: the consumer will make room
+                        assert exc.errno == errno.ENOMEM
+                with lock:
+                    posted.append(wr.wr_id)
+
+        threads = [threading.Thread(target=poster, args=(t,)) for t in range(nthreads)]
+        for t in threads:
+            t.start()
+        got = p.client.wait(per * nthreads, timeout=60)
+        for t in threads:
+            t.join(10)
+        assert sorted(w.wr_id for w in got) == sorted(posted)
+        assert len(set(w.wr_id for w in got)) == per * nthreads and all(w.ok for w in got)
