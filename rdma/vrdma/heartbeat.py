@@ -54,9 +54,11 @@ path is not declared dead by a late tick (a false DOWN costs a rebuild, not data
 costs it on every path at once).  Cost: 100 probes/s per path of 8 bytes -- negligible for
 a handful of peers; for hundreds of peers raise ``I`` (detection scales linearly).
 
-The transport timeout of the QPs (``qp_timeout_ms`` × (``retry_cnt``+1), default 100 ms ×
-3 on soft; verbs exponent 14 ≈ 67 ms × 4) is only the backstop: heartbeats (or a reset TCP
-connection on soft, or an error WC) decide first.
+The transport timeout of the QPs (``qp_timeout_ms`` × (``retry_cnt``+1), default 250 ms ×
+4 on soft; verbs exponent 16 ≈ 268 ms × 4) is only the backstop: heartbeats (or a reset TCP
+connection on soft, or an error WC) decide first.  It is deliberately loose (~1 s): the
+transport timer cannot be held like the last path's heartbeat verdict, and on a starved
+host (load ~20 on 2 CPUs in our tests) a 300 ms timer killed healthy last paths.
 
 This module is pure: no I/O, no clock of its own (``now`` is passed in), so tests drive it.
 """
@@ -84,9 +86,9 @@ class HeartbeatConfig:
     #: a READ re-posted this many times (its paths kept failing under it) gives up
     max_reposts: int = 16
     #: per-try transport timeout (soft provider extension) and retries: the backstop
-    qp_timeout_ms: int = 100
-    qp_timeout_exp: int = 14
-    qp_retry_cnt: int = 2
+    qp_timeout_ms: int = 250
+    qp_timeout_exp: int = 16
+    qp_retry_cnt: int = 3
     #: rebuild retry backoff: base doubling up to max (with ±25 % jitter).  One attempt is
     #: a TCP connect + handshake, cheap enough to try 4×/s; the cap bounds how long a
     #: repaired NIC waits for its path to be rebuilt (≤ max + one build, ~0.3 s)

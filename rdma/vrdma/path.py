@@ -137,8 +137,16 @@ class PathMachine:
         flush READs that may still complete.  The vQP decides when to give up on it."""
         if not self.connected or self.state in (PathState.DOWN, PathState.CLOSED):
             return None
+        if self.state is PathState.REBUILDING:
+            # A rebuilt QP is verified by its first heartbeat, with the rebuild's budget
+            # (connect_timeout): the M·I rule is for noticing that a working path died.
+            if self.live.silence(now) >= self.cfg.connect_timeout and \
+                    self.live.probe_since is not None:
+                return self.fail(f"no heartbeat {self.cfg.connect_timeout * 1e3:.0f} ms "
+                                 "after (re)connect", now)
+            return None
         v = self.live.verdict(now)
-        if v == "down" and hold and self.state is not PathState.REBUILDING:
+        if v == "down" and hold:
             if self.state is PathState.UP:
                 return self._go(PathState.SUSPECT, f"silent for "
                                 f"{self.live.silence(now) * 1e3:.0f} ms (last path: held)", now)
