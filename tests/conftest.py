@@ -9,9 +9,16 @@ if TYPE_CHECKING:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", default=False, help="also run tests marked slow")
+    parser.addoption("--run-vm", action="store_true", default=False,
+                     help="also run tests marked vm (Soft-RoCE QEMU guests, tests/vm)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--run-vm"):
+        skip_vm = pytest.mark.skip(reason="guest lane: use --run-vm (./run test-vm)")
+        for item in items:
+            if item.get_closest_marker("vm") is not None:
+                item.add_marker(skip_vm)
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow lane: use --run-slow (./run test-slow)")
