@@ -128,7 +128,7 @@ class Results:
             wrows = [r for r in rows if r["workload"] == wl]
             targets = self.targets(wl)
             ref = next((t for t in ("ramfs-c", "ramfs-py") if t in targets),
-                       next((t for t in targets if t.endswith("(default)")), targets[0]))
+                       next((t for t in targets if t.endswith(("(default)", "(reference)"))), targets[0]))
             fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(wrows) * len(targets) / 3), 4))
             width = 0.8 / len(targets)
             for i, t in enumerate(targets):

@@ -45,9 +45,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", default="/tmp/kspeedfs-bench", help="datasets, stores, mounts, logs")
     p.add_argument("--out", help="results directory (default WORKDIR/results/<timestamp>)")
     p.add_argument("--no-c", action="store_true", help="skip the C libfuse ceiling")
+    p.add_argument("--ab-tree", metavar="DIR",
+                   help="A/B: also mount kspeedfs from the tree in DIR (DIR/kspeedfs/...) as targets "
+                        "B:kspeedfs-cold/-warm, interleaved with the others; ratios B / A")
     p.add_argument("--kspeedfs-rev", metavar="REV",
                    help="benchmark kspeedfs as committed at REV (git archive into WORKDIR), "
                         "not the working tree: a stable subject while others edit the checkout")
+    p.add_argument("--kspeedfs-tree", metavar="DIR",
+                   help="benchmark the kspeedfs package found in DIR (DIR/kspeedfs/...), e.g. a "
+                        "patched copy, to measure a proposed fix against the same baselines")
     p.add_argument("--list", action="store_true", help="list the workloads and exit")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -64,7 +70,8 @@ def _meta(args: argparse.Namespace, scale: W.Scale, names: list[str]) -> dict:
         "command": " ".join([os.path.basename(sys.executable), "-m", "bench", *sys.argv[1:]]),
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "scale": scale.name, "reps": scale.reps, "sizes": scale.__dict__, "workloads": names,
-        "git": sh("git", "rev-parse", "--short", "HEAD"), "kspeedfs": args.kspeedfs_rev or "working tree", "kernel": platform.release(),
+        "git": sh("git", "rev-parse", "--short", "HEAD"), "kernel": platform.release(),
+        "kspeedfs": args.kspeedfs_tree or args.kspeedfs_rev or "working tree", "ab_tree": args.ab_tree,
         "cpus": os.cpu_count(), "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "fio": sh("fio", "--version"), "fuse_knobs": knobs.__dict__,
     }
@@ -139,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     (work / "log").mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else \
         work / "results" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    subject = snapshot(args.kspeedfs_rev, work) if args.kspeedfs_rev else REPO
+    subject = (Path(args.kspeedfs_tree).resolve() if args.kspeedfs_tree else
+               snapshot(args.kspeedfs_rev, work) if args.kspeedfs_rev else REPO)
     sys.path.insert(0, str(subject))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(subject), str(REPO),
                                                              os.environ.get("PYTHONPATH")]))
@@ -156,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, on_term)
 
-    ctx = W.Context(work, scale, None if args.no_c else build_ramfs_c(work))
+    ctx = W.Context(work, scale, None if args.no_c else build_ramfs_c(work),
+                    Path(args.ab_tree).resolve() if args.ab_tree else None)
     results = Results(_meta(args, scale, names))
     t0 = time.monotonic()
     try:

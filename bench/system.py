@@ -62,9 +62,7 @@ def unmount(path: Path, pid: int | None, timeout: float = 15.0) -> None:
             if done:
                 return
         except ChildProcessError:        # not our child (a daemonized kspeedfs)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not _alive(pid):
                 return
         time.sleep(0.05)
     if pid:
@@ -72,6 +70,15 @@ def unmount(path: Path, pid: int | None, timeout: float = 15.0) -> None:
             os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class Mounts:

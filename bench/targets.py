@@ -138,9 +138,11 @@ class Kspeedfs(Target):
     preload = True      # warm: read the whole dataset through the mount at setup
 
     def __init__(self, ds: Dataset, store: KspeedfsStore, warm: bool,
-                 settings: dict[str, str] | None = None, label: str = "") -> None:
+                 settings: dict[str, str] | None = None, label: str = "",
+                 tree: Path | None = None) -> None:
         super().__init__(ds)
         self.store = store
+        self.tree = tree          # another kspeedfs source tree (A/B runs), first on PYTHONPATH
         self.warm = warm
         self.settings = dict(settings or {})
         self.name = label or ("kspeedfs-warm" if warm else "kspeedfs-cold")
@@ -159,7 +161,10 @@ class Kspeedfs(Target):
 
     def _mount(self) -> None:
         assert self.mounts is not None and self.mp is not None
-        r = subprocess.run(self._mount_args(), capture_output=True, text=True)
+        env = None
+        if self.tree is not None:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(self.tree), os.environ.get("PYTHONPATH", "")])}
+        r = subprocess.run(self._mount_args(), capture_output=True, text=True, env=env)
         mp = self.mp
         self.mounts.add(mp, lambda: daemon_pid(mp))
         if r.returncode:

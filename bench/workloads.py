@@ -69,10 +69,13 @@ class Context:
     work: Path
     scale: Scale
     ramfs_c: Path | None = None
+    ab_tree: Path | None = None     # --ab-tree: a second kspeedfs tree measured alongside
     # (numerator, denominator) target pairs reported as ratios of the primary figure
     ratios: list[tuple[str, str]] = field(default_factory=list)
 
 
+AB_RATIOS = [("B:kspeedfs-cold", "kspeedfs-cold"), ("B:kspeedfs-warm", "kspeedfs-warm"),
+             ("B:kspeedfs-warm", "ramfs-py")]
 STANDARD_RATIOS = [
     ("kspeedfs-cold", "source-cold"),
     ("kspeedfs-warm", "source-warm"),
@@ -91,7 +94,7 @@ class Workload:
     dataset: Callable[[Context], Dataset]
     cases: Callable[[Dataset, Context], list[Case]]
     targets: Callable[[Dataset, Context], list[Target]]
-    ratios: list[tuple[str, str]] = field(default_factory=lambda: list(STANDARD_RATIOS))
+    ratios: list[tuple[str, str]] = field(default_factory=lambda: STANDARD_RATIOS + AB_RATIOS)
     needs: Callable[[], None] | None = None         # e.g. installs torch
 
 
@@ -119,6 +122,9 @@ def standard_targets(ds: Dataset, ctx: Context) -> list[Target]:
     store = KspeedfsStore(ctx.work, ds)
     out: list[Target] = [SourceCold(ds), SourceWarm(ds), Kspeedfs(ds, store, warm=False),
                          Kspeedfs(ds, store, warm=True), RamFS(ds, "py")]
+    if ctx.ab_tree:
+        out[4:4] = [Kspeedfs(ds, store, warm=False, label="B:kspeedfs-cold", tree=ctx.ab_tree),
+                    Kspeedfs(ds, store, warm=True, label="B:kspeedfs-warm", tree=ctx.ab_tree)]
     if ctx.ramfs_c:
         out.append(RamFS(ds, "c", ctx.ramfs_c))
     return out
@@ -215,7 +221,10 @@ def _default(key: str) -> str:
 
 
 def sweep(name: str, key: str, values: list[str], warm: bool, dataset: Callable[[Context], Dataset],
-          cases: Callable[[Dataset, Context], list[Case]], doc: str) -> Workload:
+          cases: Callable[[Dataset, Context], list[Case]], doc: str,
+          also: Callable[[str], dict[str, str]] = lambda v: {}) -> Workload:
+    """``also(value)``: settings that must move with the knob (congestion_threshold
+    with max_background, as kspeedfs's own default keeps it at 3/4)."""
     default = _default(key)
 
     def targets(ds: Dataset, ctx: Context) -> list[Target]:
@@ -226,7 +235,8 @@ def sweep(name: str, key: str, values: list[str], warm: bool, dataset: Callable[
             if key == "import.chunk_size":
                 t = Kspeedfs(ds, KspeedfsStore(ctx.work, ds, chunk=v), warm=warm, label=label)
             else:
-                t = Kspeedfs(ds, KspeedfsStore(ctx.work, ds), warm=warm, settings={key: v}, label=label)
+                t = Kspeedfs(ds, KspeedfsStore(ctx.work, ds), warm=warm, settings={key: v, **also(v)},
+                             label=label)
             out.append(t)
         return out
 
@@ -245,7 +255,7 @@ def _cache_sweep() -> Workload:
         out: list[Target] = []
         for frac in ("0.25", "0.5", "1.0", "1.5"):
             size = max(16 << 20, int(ds.bytes * float(frac)))
-            label = f"memory={frac}x dataset" + (" (default)" if frac == "1.5" else "")
+            label = f"memory={frac}x dataset" + (" (reference)" if frac == "1.5" else "")
             out.append(Kspeedfs(ds, KspeedfsStore(ctx.work, ds), warm=True,
                                 settings={"cache.memory": str(size)}, label=label))
         return out
@@ -286,7 +296,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
           lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4)],
           "prefetch depth, cold sequential readers"),
     sweep("sweep-max_background", "fuse.max_background", ["12", "32", "64", "128"], True, _files,
-          _seq_and_rand, "FUSE max_background, warm (chunk cache) reads"),
+          _seq_and_rand, "FUSE max_background, warm (chunk cache) reads",
+          also=lambda v: {"fuse.congestion_threshold": str(max(1, int(v) * 3 // 4))}),
     sweep("sweep-read_ahead_kb", "fuse.read_ahead_kb", ["128", "1024", "4096", "16384"], True, _files,
           lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4),
                            rand_case(ds, ctx, "4k", 1, "IOPS")],
