@@ -20,7 +20,7 @@ from rdma.api import ConnInfo, QPCap, QPInitAttr, SGE, gid_from_ipv4, open_devic
 from rdma.enums import IBV_WC_REM_ACCESS_ERR, IBV_WC_SUCCESS
 from rdma.errors import (AuthenticationError, ConnectError, PathClosed, PeerUnreachable,
                          RdmaError, RdmaUserError, WCError)
-from rdma.vrdma import Endpoint, RemoteVMR
+from rdma.vrdma import Endpoint, HeartbeatConfig, RemoteVMR
 
 SECRET = b"t3-vrdma-secret"
 #: the local NIC both endpoints use; on RDMA hardware point it at the NIC's address
@@ -28,6 +28,8 @@ SECRET = b"t3-vrdma-secret"
 LO = os.environ.get("KSPEEDFS_VRDMA_TEST_ADDR", "127.0.0.1")
 SIZE = 4 << 20
 REPO = str(Path(__file__).resolve().parents[2])
+#: these tests are about semantics, not timing: budgets a starved CI box cannot break
+CFG = HeartbeatConfig(connect_timeout=5.0, unreachable_grace=3.0)
 
 
 def _usable() -> str | None:
@@ -45,7 +47,7 @@ pytestmark = pytest.mark.skipif(bool(_usable()), reason=str(_usable()))
 
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[Endpoint, int]]:
-    async with Endpoint(SECRET, node="B", addrs=[LO]) as ep:
+    async with Endpoint(SECRET, node="B", addrs=[LO], cfg=CFG) as ep:
         data = ep.alloc(SIZE, name="data", remote_read=True)
         data.write(os.urandom(SIZE))
         ep.export("data", data)
@@ -55,7 +57,7 @@ async def server() -> AsyncIterator[tuple[Endpoint, int]]:
 
 @pytest.fixture
 async def client() -> AsyncIterator[Endpoint]:
-    async with Endpoint(SECRET, node="A", addrs=[LO]) as ep:
+    async with Endpoint(SECRET, node="A", addrs=[LO], cfg=CFG) as ep:
         yield ep
 
 

@@ -48,6 +48,8 @@ def make_cfg(args: argparse.Namespace) -> HeartbeatConfig:
         kw["interval"] = args.hb_interval
     if args.hb_misses:
         kw["miss_threshold"] = args.hb_misses
+    if args.grace:
+        kw["unreachable_grace"] = args.grace
     return HeartbeatConfig(**kw)
 
 
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--until-unreachable", action="store_true")
     ap.add_argument("--hb-interval", type=float, default=0.0)
     ap.add_argument("--hb-misses", type=int, default=0)
+    ap.add_argument("--grace", type=float, default=0.0, help="unreachable_grace (s)")
     ap.add_argument("--log", default="WARNING")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log, stream=sys.stderr,
