@@ -35,7 +35,8 @@ log = logging.getLogger("bench")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, 2 repetitions (< 3 min): a smoke check")
-    p.add_argument("--scale", choices=list(W.SCALES), help="dataset sizes (default: full, or quick with --quick)")
+    p.add_argument("--scale", choices=list(W.SCALES),
+                   help="dataset sizes (default: full, or quick with --quick)")
     p.add_argument("--workload", "-w", action="append", default=[],
                    help=f"workload or group (repeatable); known: {', '.join([*W.WORKLOADS, *W.GROUPS])}")
     p.add_argument("--reps", type=int, help="repetitions of each interleaved round (default per scale)")
@@ -72,7 +73,8 @@ def _meta(args: argparse.Namespace, scale: W.Scale, names: list[str]) -> dict:
         "scale": scale.name, "reps": scale.reps, "sizes": scale.__dict__, "workloads": names,
         "git": sh("git", "rev-parse", "--short", "HEAD"), "kernel": platform.release(),
         "kspeedfs": args.kspeedfs_tree or args.kspeedfs_rev or "working tree", "ab_tree": args.ab_tree,
-        "cpus": os.cpu_count(), "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "cpus": os.cpu_count(),
+        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "fio": sh("fio", "--version"), "fuse_knobs": knobs.__dict__,
     }
 

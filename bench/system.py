@@ -133,11 +133,3 @@ def run_fio(job: str, env: dict[str, str], extra: Sequence[str] = ()) -> dict:
             "MB/s": read["bw_bytes"] / 1e6, "IOPS": read["iops"],
             "lat_p99_us": read.get("clat_ns", {}).get("percentile", {}).get("99.000000", 0) / 1000.0}
 
-
-def cpu_times() -> tuple[float, float]:
-    """(user+system seconds of all CPUs, wall) for CPU-use figures around a run."""
-    with open("/proc/stat") as f:
-        parts = f.readline().split()[1:]
-    ticks = os.sysconf("SC_CLK_TCK")
-    busy = sum(int(x) for i, x in enumerate(parts[:8]) if i not in (3, 4))
-    return busy / ticks, time.monotonic()

@@ -163,7 +163,8 @@ class Kspeedfs(Target):
         assert self.mounts is not None and self.mp is not None
         env = None
         if self.tree is not None:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(self.tree), os.environ.get("PYTHONPATH", "")])}
+            path = os.pathsep.join([str(self.tree), os.environ.get("PYTHONPATH", "")])
+            env = {**os.environ, "PYTHONPATH": path}
         r = subprocess.run(self._mount_args(), capture_output=True, text=True, env=env)
         mp = self.mp
         self.mounts.add(mp, lambda: daemon_pid(mp))

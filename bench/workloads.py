@@ -21,7 +21,6 @@ Sizes come from a :class:`Scale` (``--quick``, ``--scale medium``, full by defau
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
