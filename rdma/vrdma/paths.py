@@ -47,8 +47,10 @@ def format_paths(stats) -> str:  # noqa: ANN001 - VQPStats
 
 async def _peer(args: argparse.Namespace) -> int:
     from .endpoint import Endpoint
+    from .heartbeat import HeartbeatConfig
 
-    async with Endpoint(_secret(args), provider=args.provider,
+    cfg = HeartbeatConfig(connect_timeout=args.timeout)
+    async with Endpoint(_secret(args), provider=args.provider, cfg=cfg,
                         addrs=args.local.split(",") if args.local else None) as ep:
         try:
             vqp = await ep.connect(args.peer.split(","), args.port, pairs=args.pairs)
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", choices=["routed", "all"], default="routed")
     ap.add_argument("--secret-file", default="")
     ap.add_argument("--watch", type=float, default=0.5)
+    ap.add_argument("--timeout", type=float, default=1.0,
+                    help="budget of one path build (control connection + handshake), s")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)

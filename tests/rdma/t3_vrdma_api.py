@@ -216,7 +216,8 @@ async def test_paths_tool(server: Any) -> None:
     assert b"device" in out.stdout and LO.encode() in out.stdout
     env = {**os.environ, "KSPEEDFS_SECRET": SECRET.hex()}
     res = await trio.run_process([py, "-m", "rdma.vrdma.paths", "--peer", LO, "--port",
-                                  str(port), "--local", LO], capture_stdout=True,
+                                  str(port), "--local", LO, "--timeout", "5"],
+                                 capture_stdout=True,
                                  capture_stderr=True, cwd=REPO, env=env, check=False)
     # 0 reachable; 1 degraded (a path SUSPECT at the snapshot: a loaded CI box)
     assert res.returncode in (0, 1), res.stderr
@@ -224,7 +225,8 @@ async def test_paths_tool(server: Any) -> None:
     assert b" UP " in res.stdout or b" SUSPECT " in res.stdout
     env["KSPEEDFS_SECRET"] = b"wrong".hex()
     res = await trio.run_process([py, "-m", "rdma.vrdma.paths", "--peer", LO, "--port",
-                                  str(port), "--local", LO], capture_stdout=True,
+                                  str(port), "--local", LO, "--timeout", "5"],
+                                 capture_stdout=True,
                                  capture_stderr=True, cwd=REPO, env=env, check=False)
     assert res.returncode != 0
 
