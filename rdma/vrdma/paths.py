@@ -57,6 +57,9 @@ async def _peer(args: argparse.Namespace) -> int:
         except PeerUnreachable as e:
             print(f"unreachable: {e.msg}", file=sys.stderr)
             return 2
+        except RdmaError as e:          # AuthenticationError: wrong secret, ...
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         await trio.sleep(args.watch)
         stats = vqp.statistics()
         if args.json:
