@@ -58,7 +58,7 @@ class Origin:
                 bad.append((e.entry, path, f"bytes {e.file_offset}..{e.file_offset + e.length} differ from the snapshot"))
         return buf, bad
 
-    def load(self, chunk: int) -> tuple[bytes, int]:
+    def load(self, chunk: int) -> tuple[memoryview, int]:
         """Verified bytes of ``chunk`` and the number of mismatching extents seen (retried)."""
         if not os.path.isdir(self.root):
             raise ChunkUnavailable(f"chunk {chunk} of {self.dataset}: no replica had it and the "
@@ -77,4 +77,6 @@ class Origin:
                 f"{self.dataset} was imported; re-import the dataset (kspeedfs import)",
                 frozenset(entry for entry, _, _ in bad), bytes(buf),
             )
-        return bytes(buf), mismatches
+        # a read-only view, not bytes(buf): no 4 MiB copy under the GIL per chunk (14 % of
+        # the daemon's samples in a cold random-read profile); nothing else holds ``buf``
+        return memoryview(buf).toreadonly(), mismatches

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: verified chunk bytes: ``bytes`` or a read-only ``memoryview`` (never written again)
+Data = bytes | memoryview
+
 #: files up to chunk_size / this are fetched alone from peers (one extent READ)
 SMALL_FILE_DIVISOR = 8
 
@@ -65,7 +68,7 @@ class Reader:
         self.peers = peers
         self.dataset = dataset
         self.prefetcher = Prefetcher(prefetch_depth)
-        self._flights: SingleFlight[bytes] = SingleFlight(nursery)
+        self._flights: SingleFlight[Data] = SingleFlight(nursery)
         self._limiter = trio.CapacityLimiter(workers)
 
     def statistics(self) -> ReadStatistics:
@@ -76,7 +79,7 @@ class Reader:
     def peer_statistics(self) -> dict[str, object]:
         return self.peers.statistics() if self.peers is not None else {}
 
-    async def read(self, entry: int, offset: int, size: int, stream: Stream | None = None) -> bytes:
+    async def read(self, entry: int, offset: int, size: int, stream: Stream | None = None) -> Data:
         ix = self.index
         chunks = ix.chunk_range(entry, offset, size)
         self.counters.add("reads")
@@ -93,11 +96,11 @@ class Reader:
             data = await self._small_file(entry, chunks[0])
             out = data[offset:offset + (end - start)]
         elif len(chunks) == 1:
-            data = await self._chunk_for(entry, chunks[0])
+            data = memoryview(await self._chunk_for(entry, chunks[0]))
             lo = start - chunks[0] * c
-            out = data[lo:lo + (end - start)]
+            out = data[lo:lo + (end - start)]         # a view: pyfuse3 replies from any buffer
         else:
-            parts: list[bytes] = [b""] * len(chunks)
+            parts: list[Data] = [b""] * len(chunks)
 
             async def one(i: int, k: int) -> None:
                 data = await self._chunk_for(entry, k)
@@ -119,7 +122,7 @@ class Reader:
         return (self.peers is not None and ix.size[entry] <= ix.chunk_size // SMALL_FILE_DIVISOR
                 and ix.chunk_digest(k) not in self.memory)
 
-    async def _small_file(self, entry: int, k: int) -> bytes:
+    async def _small_file(self, entry: int, k: int) -> Data:
         """The whole (small) file, as one extent READ from a replica, verified against the
         extent's digest and kept in the memory tier under it; else via its chunk."""
         (ext,) = self.index.file_extents(entry)
@@ -132,7 +135,7 @@ class Reader:
             self.counters.add("waited_in_flight")
         return data
 
-    async def _load_extent(self, entry: int, k: int, ext: Extent) -> bytes:
+    async def _load_extent(self, entry: int, k: int, ext: Extent) -> Data:
         assert self.peers is not None
         key = self.index.chunk_digest(k)
         data = await self.peers.read_chunk(self.dataset[0], self.dataset[1], k, key,
@@ -146,7 +149,7 @@ class Reader:
         self.memory.put(ext.digest, data)
         return data
 
-    async def _chunk_for(self, entry: int, k: int) -> bytes:
+    async def _chunk_for(self, entry: int, k: int) -> Data:
         """Chunk ``k`` for a read of file ``entry``. If some *other* file packed in the
         chunk changed at the source, this file's verified bytes are still served (from
         the uncached partial chunk); only readers of a changed file get EIO."""
@@ -158,7 +161,7 @@ class Reader:
             self.counters.add("source_partial_reads")
             return e.partial
 
-    async def chunk(self, k: int) -> bytes:
+    async def chunk(self, k: int) -> Data:
         """Verified bytes of chunk ``k`` from the nearest tier that has them."""
         key = self.index.chunk_digest(k)
         data = self.memory.get(key)
@@ -177,7 +180,7 @@ class Reader:
         self.counters.add("prefetched")
         self._flights.start(key, self._load, k, key)
 
-    async def _load(self, k: int, key: bytes) -> bytes:
+    async def _load(self, k: int, key: bytes) -> Data:
         if self.disk is not None:
             data = await trio.to_thread.run_sync(self._from_disk, key, limiter=self._limiter)
             if data is not None:
