@@ -157,7 +157,7 @@ def rand_case(ds: Dataset, ctx: Context, bs: str, jobs: int, primary: str) -> Ca
         return run_fio("rand-read.fio", {"FILES": files, "SIZE": str(ds.bytes), "BS": bs,
                                          "JOBS": str(jobs), "RUNTIME": str(ctx.scale.runtime),
                                          "ENGINE": "psync", "IODEPTH": "1"})
-    return Case(f"psync-j{jobs}", run, primary)
+    return Case(f"{bs}-psync-j{jobs}", run, primary)     # names unique within a sweep
 
 
 def _seq_cases(ds: Dataset, ctx: Context) -> list[Case]:
