@@ -40,7 +40,10 @@ happens; DOWN is declared at the first tick after ``M·I`` of silence.  Hence::
     detection  ∈  [ (M-1)·I ,  (M+1)·I + rtt + tick jitter ]
 
 (``tests/rdma/t2_vrdma_path.py`` checks this against a simulated schedule for many
-``I``, ``M``, RTT and failure times.)
+``I``, ``M``, RTT and failure times.)  Two exceptions, both to keep a starved host from
+killing healthy paths: a path whose CQ still holds unconsumed WCs is not silent, and the
+*last* live path is held SUSPECT instead of DOWN -- the peer-dead clock starts from its
+silence instead, so PeerUnreachable keeps the bound below (:mod:`.path`).
 
 Defaults: ``I = 10 ms``, ``M = 5``, ``suspect_after = 2``  →  detection 40–60 ms, and the
 in-flight READs of the dead path are re-posted on a healthy one right after (the QP is
