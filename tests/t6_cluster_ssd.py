@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -35,5 +36,10 @@ def test_share_larger_than_memory_spills_to_ssd(tmp_path: Path) -> None:
         s = json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
         assert s["source_loads"] == 0 and s["peer_loads_requested"] > 0
         hidden.rename(src)
-        status = json.loads(c.ks(["status", "--json"]).stdout)
-        assert sum(st["counters"]["disk_loads"] for st in status["stats"].values()) > 0
+        deadline = time.monotonic() + 15                 # nodes publish stats every 2 s
+        while True:
+            status = json.loads(c.ks(["status", "--json"]).stdout)
+            if sum(st["counters"]["disk_loads"] for st in status["stats"].values()) > 0:
+                break
+            assert time.monotonic() < deadline, status["stats"]
+            time.sleep(0.5)
