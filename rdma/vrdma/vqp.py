@@ -424,8 +424,10 @@ class VQP:
                   t.new.value, t.reason)
         self._update_reachability(t.at)
         if t.new is PathState.UP:
-            log.info("vqp %s: path %s UP (%s)", self.peer, self.paths[t.path_id].name,
-                     t.reason)
+            # a recovery is news for an operator; a brief SUSPECT under load is not
+            level = logging.DEBUG if t.old is PathState.SUSPECT else logging.INFO
+            log.log(level, "vqp %s: path %s UP (%s)", self.peer, self.paths[t.path_id].name,
+                    t.reason)
             if self._waiting:
                 self._drain_waiting()
         self._changed.set()
