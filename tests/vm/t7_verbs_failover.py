@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +27,7 @@ def _server_payload(secret: str, python: str) -> str:
     return f"""set -u
 cd {qemu.REPO}
 {python} tests/rdma/vrdma_peer.py serve --secret {secret} --port {PORT} \\
-    --size {8 << 20} > /run/ks/b.serve.log 2>&1 &
+    --size {8 << 20} --log INFO > /run/ks/b.serve.log 2>&1 &
 pid=$!
 i=0
 while [ ! -e /run/ks/a.rc ] && [ $i -lt 1500 ]; do sleep 0.4; i=$((i + 1)); done
@@ -63,7 +62,10 @@ def guests(vm_image: qemu.Image, tmp_path_factory: pytest.TempPathFactory) -> di
 def test_vrdma_failover_on_rxe(guests: dict[str, Any]) -> None:
     outcome, msg = guests["outcomes"].get("test_failover_zero_failed_reads",
                                           ("missing", "not in junit"))
-    serve_log = Path(guests["run"] / "b.serve.log")
-    tail = serve_log.read_text(errors="replace")[-2000:] if serve_log.exists() else ""
-    assert outcome == "passed", f"{outcome}: {msg}\n--- server log:\n{tail}"
+    logs = ""
+    for log in sorted(guests["run"].glob("a.stream*.log")) + [guests["run"] / "b.serve.log"]:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines()
+                 if "traffic resumed" not in ln]
+        logs += f"\n--- {log.name}:\n" + "\n".join(lines[-25:])
+    assert outcome == "passed", f"{outcome}: {msg}{logs}"
     assert guests["res"]["a"].rc == 0 and guests["res"]["b"].rc == 0

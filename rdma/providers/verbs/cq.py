@@ -111,8 +111,8 @@ class Poller:
                 sleep, last_hit = MIN_SLEEP, now
                 continue
             if not busy and now - last_hit > LINGER:
-                self._wake.clear()
-                if not any(cq._busy() for cq in list(self._cqs)):
+                self._wake.clear()      # then re-check: a post or stop() may have raced
+                if not self._stop and not any(cq._busy() for cq in list(self._cqs)):
                     self._wake.wait()
                 sleep, last_hit = MIN_SLEEP, time.monotonic()
                 continue

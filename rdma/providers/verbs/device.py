@@ -3,9 +3,8 @@
 A kspeedfs device is named by its NIC's IPv4 address (the vRDMA layer pairs NICs by
 routing).  On RoCE that address lives in the port's GID table as an IPv4-mapped GID, one
 entry per RoCE version; we take the **RoCE v2** one (routable, UDP port 4791) and call its
-index the device's ``gid_index``.  The table is read from sysfs
-(``/sys/class/infiniband/<dev>/ports/1/gids/<i>``, ``gid_attrs/types/<i>``,
-``gid_attrs/ndevs/<i>``): it needs no open device and gives the netdev as well.  A
+index the device's ``gid_index``.  The table comes from one ``ibv_query_gid_table``
+(type, address and netdev of each valid entry; sysfs is the fallback).  A
 device with no RoCE v2 IPv4 GID (InfiniBand, a NIC without an IPv4 address, RoCE v1
 only) is still listed, with ``ipv4=None``; opening it works, connecting a QP does not
 (``local_info`` raises NotSupportedError).
@@ -19,8 +18,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 from ...api import CQ, PD, Context, Device, DeviceAttr, PortAttr, gid_from_ipv4
 from ...errors import NoDeviceError
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 PROVIDER = "verbs"
 SYSFS = Path("/sys/class/infiniband")
 ROCE_V2 = "RoCE v2"
+IBV_GID_TYPE_ROCE_V2 = 2     # enum ibv_gid_type (IB = 0, RoCE v1 = 1)
 _LINK_LAYER = {1: "InfiniBand", 2: "Ethernet"}
 
 
@@ -47,8 +49,48 @@ def normalize_gid(text: str) -> str:
     return gid_from_ipv4(str(ip.ipv4_mapped)) if ip.ipv4_mapped else str(ip)
 
 
-def roce_v2_gids(name: str, port: int = 1) -> list[tuple[int, str, str]]:
-    """``(index, ipv4, netdev)`` of every RoCE v2 GID of ``name`` that maps an IPv4."""
+def roce_v2_gids(name: str, port: int = 1, raw_ctx: object = None
+                 ) -> list[tuple[int, str, str]]:
+    """``(index, ipv4, netdev)`` of every RoCE v2 GID of ``name`` that maps an IPv4.
+
+    One ``ibv_query_gid_table`` on an opened context (``raw_ctx``, or one opened here);
+    the sysfs table is the fallback (rxe's has 1024 entries: thousands of file reads,
+    seconds in a TCG guest, so only valid entries are looked at)."""
+    from pyverbs.pyverbs_error import PyverbsError
+
+    try:
+        if raw_ctx is None:
+            import pyverbs.device as d
+
+            with d.Context(name=name) as ctx:
+                return _gid_table(ctx, port)
+        return _gid_table(raw_ctx, port)
+    except (PyverbsError, AttributeError, OSError):
+        log.debug("ibv_query_gid_table on %s failed; reading sysfs", name, exc_info=True)
+        return _sysfs_gids(name, port)
+
+
+def _gid_table(ctx: Any, port: int) -> list[tuple[int, str, str]]:
+    entries = ctx.query_gid_table(int(ctx.query_port(port).gid_tbl_len))
+    out = []
+    for e in sorted(entries, key=lambda e: e.gid_index):
+        if int(e.port_num) != port or int(e.gid_type) != IBV_GID_TYPE_ROCE_V2:
+            continue
+        g = e.gid_str() if callable(e.gid_str) else e.gid_str     # a method in v44
+        try:
+            ip = ipaddress.IPv6Address(g.decode() if isinstance(g, bytes) else str(g))
+        except ValueError:
+            continue
+        if ip.ipv4_mapped is not None:
+            try:
+                netdev = socket.if_indextoname(e.ndev_ifindex) if e.ndev_ifindex else ""
+            except OSError:
+                netdev = ""
+            out.append((int(e.gid_index), str(ip.ipv4_mapped), netdev))
+    return out
+
+
+def _sysfs_gids(name: str, port: int) -> list[tuple[int, str, str]]:
     base = SYSFS / name / "ports" / str(port)
     out = []
     try:
@@ -56,14 +98,15 @@ def roce_v2_gids(name: str, port: int = 1) -> list[tuple[int, str, str]]:
     except OSError:
         return []
     for i in indices:
-        if _read(base / "gid_attrs" / "types" / str(i)) != ROCE_V2:
-            continue
         try:
             ip = ipaddress.IPv6Address(_read(base / "gids" / str(i)))
         except ValueError:
             continue
-        if ip.ipv4_mapped is not None:
-            out.append((i, str(ip.ipv4_mapped), _read(base / "gid_attrs" / "ndevs" / str(i))))
+        if ip.ipv4_mapped is None or ip.ipv4_mapped.is_unspecified:
+            continue
+        if _read(base / "gid_attrs" / "types" / str(i)) != ROCE_V2:
+            continue
+        out.append((i, str(ip.ipv4_mapped), _read(base / "gid_attrs" / "ndevs" / str(i))))
     return out
 
 
@@ -126,7 +169,7 @@ class VerbsContext(Context):
         with mapped(f"open {self.ibv_name}", NoDeviceError):
             self.raw = d.Context(name=self.ibv_name)
         self.gid_index: int | None = None
-        for idx, ipv4, _nd in roce_v2_gids(self.ibv_name):
+        for idx, ipv4, _nd in roce_v2_gids(self.ibv_name, raw_ctx=self.raw):
             if device.ipv4 is None or ipv4 == device.ipv4:
                 self.gid_index = idx
                 break
