@@ -33,6 +33,7 @@ PROVIDER = "verbs"
 SYSFS = Path("/sys/class/infiniband")
 ROCE_V2 = "RoCE v2"
 IBV_GID_TYPE_ROCE_V2 = 2     # enum ibv_gid_type (IB = 0, RoCE v1 = 1)
+RXE_VENDOR_ID = 0xFFFFFF     # drivers/infiniband/sw/rxe/rxe_param.h
 _LINK_LAYER = {1: "InfiniBand", 2: "Ethernet"}
 
 
@@ -173,6 +174,10 @@ class VerbsContext(Context):
             if device.ipv4 is None or ipv4 == device.ipv4:
                 self.gid_index = idx
                 break
+        with mapped("ibv_query_device"):
+            vendor = int(self.raw.query_device().vendor_id)
+        #: Soft-RoCE (rxe): vendor id 0xFFFFFF; its retry_cnt=7 means "forever" (qp.py)
+        self.is_rxe = vendor == RXE_VENDOR_ID or self.ibv_name.startswith("rxe")
         self._poller_lock = threading.Lock()
         self._poller: object | None = None
 

@@ -104,8 +104,7 @@ class VerbsQP(QP):
         self._sq_signaled = 0
         self._rq: collections.deque[int] = collections.deque()
         self._rq_outstanding = 0
-        self._is_rxe = pd.ctx.device.name.startswith("rxe") or \
-            getattr(pd.ctx, "ibv_name", "").startswith("rxe")
+        self._is_rxe = bool(getattr(pd.ctx, "is_rxe", False))
         self.timeout, self.retry_cnt = 14, 6
         scq.attach(self, send=True, recv=rcq is scq)
         if rcq is not scq:
