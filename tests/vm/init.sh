@@ -7,6 +7,8 @@
 #   ks.rxe=1                    create one rxe device per NIC (rxe0 on eth0, ...)
 #   ks.loopwire=1               eth0 and eth1 are the two ends of one wire: policy-route
 #                               traffic between their addresses over the wire (see below)
+#   ks.keep=/tmp/x,/tmp/venv    host paths under /tmp, /run or /var/tmp (the checkout, the
+#                               venv) kept visible through the tmpfs mounted over those
 # The payload is /run/ks/<name>.sh on the run share; its exit status goes to
 # /run/ks/<name>.rc and to the console as "KS_EXIT=<rc>".  The host's / is the guest's
 # root, read-only (9p), with tmpfs on /tmp, /run and /var/tmp.
@@ -19,13 +21,14 @@ mount -t devtmpfs devtmpfs /dev
 say() { echo "[ks-init $(cut -d' ' -f1 /proc/uptime)] $*" > /dev/console; }
 say "kernel up"
 
-name=guest ip= rxe=1 loopwire=0
+name=guest ip= rxe=1 loopwire=0 keep=
 for kv in $(cat /proc/cmdline); do
   case "$kv" in
     ks.name=*) name=${kv#ks.name=} ;;
     ks.ip=*) ip=${kv#ks.ip=} ;;
     ks.rxe=*) rxe=${kv#ks.rxe=} ;;
     ks.loopwire=*) loopwire=${kv#ks.loopwire=} ;;
+    ks.keep=*) keep=${kv#ks.keep=} ;;
   esac
 done
 
@@ -36,7 +39,19 @@ say "modules loaded"
 
 R=/host
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose hostroot $R || say "9p hostroot failed"
+# host paths that live under the directories about to be covered by tmpfs: park a bind
+# mount of each first, then put it back at the same path on top of the tmpfs
+i=0
+for p in $(echo "$keep" | tr ',' ' '); do
+  mkdir -p /keep/$i && mount -o bind "$R$p" /keep/$i || say "keep $p failed"
+  i=$((i + 1))
+done
 for d in tmp run var/tmp; do mount -t tmpfs tmpfs $R/$d; done
+i=0
+for p in $(echo "$keep" | tr ',' ' '); do
+  mkdir -p "$R$p" && mount -o bind /keep/$i "$R$p" || say "keep $p failed"
+  i=$((i + 1))
+done
 mount -t proc proc $R/proc
 mount -t sysfs sysfs $R/sys
 mount -t devtmpfs devtmpfs $R/dev

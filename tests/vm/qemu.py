@@ -262,6 +262,9 @@ def qemu_argv(image: Image, spec: GuestSpec, index: int, run_dir: Path,
     cmdline = (f"console=ttyS0 loglevel=4 panic=-1 ks.name={spec.name} "
                f"ks.ip={','.join(n.addr for n in spec.nics)} ks.rxe={int(spec.rxe)} "
                f"ks.loopwire={int(spec.loopwire)}")
+    keep = guest_keep_paths()
+    if keep:
+        cmdline += f" ks.keep={','.join(keep)}"
     argv = [QEMU, "-accel", "tcg,thread=single", "-cpu", "max", "-smp", "1",
             "-m", str(spec.mem_mb), "-M", "pc", "-nodefaults", "-no-user-config",
             "-display", "none", "-monitor", "none", "-serial", "stdio", "-no-reboot",
@@ -277,6 +280,20 @@ def qemu_argv(image: Image, spec: GuestSpec, index: int, run_dir: Path,
                             f"localaddr=127.0.0.1:{mine}",
                  "-device", f"virtio-net-pci,netdev=n{i},mac={_mac(index, i)}"]
     return argv
+
+
+def guest_keep_paths() -> list[str]:
+    """The checkout and the venv, when they live where the guest mounts tmpfs (/tmp,
+    /var/tmp, /run): CI may clone into /tmp. Paths with spaces or commas cannot be passed
+    on the kernel command line and are left out (the guest then cannot see them)."""
+    import sys
+
+    out = []
+    for p in (str(REPO), sys.prefix):
+        p = os.path.realpath(p)
+        if p.startswith(("/tmp/", "/var/tmp/", "/run/")) and not any(c in p for c in " ,\t"):
+            out.append(p)
+    return out
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
