@@ -439,6 +439,12 @@ class MR(Resource, abc.ABC):
     def remote(self) -> RemoteMR:
         return RemoteMR(self.buf, self.rkey, self.length)
 
+    def _check_range(self, offset: int, length: int) -> None:
+        """For ``read``/``write`` of both providers: the range must lie inside the MR."""
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise RdmaUserError(f"[{offset}, {offset + length}) is outside the MR "
+                                f"(length {self.length})")
+
     def sge(self, offset: int = 0, length: int | None = None) -> SGE:
         """An SGE covering ``[offset, offset+length)`` of this MR."""
         n = self.length - offset if length is None else length

@@ -57,11 +57,6 @@ class VerbsMR(MR):
             self._view.release()
             self._view = None
 
-    def _check_range(self, offset: int, length: int) -> None:
-        if offset < 0 or length < 0 or offset + length > self.length:
-            raise RdmaUserError(f"[{offset}, {offset + length}) is outside the MR "
-                                f"(length {self.length})")
-
     def read(self, length: int, offset: int = 0) -> bytes:
         self._check_open()
         self._check_range(offset, length)
