@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .datasets import Dataset
+from .readers import read_paths
 from .system import Mounts, daemon_pid, drop_caches, unmount, wait_mounted
 
 log = logging.getLogger(__name__)
@@ -43,16 +44,7 @@ BENCH = Path(__file__).resolve().parent
 
 def read_tree(root: Path, paths: Sequence[str]) -> int:
     """Read every file once (warm a cache); returns bytes read."""
-    total = 0
-    buf = bytearray(4 << 20)
-    for rel in paths:
-        fd = os.open(os.path.join(root, rel), os.O_RDONLY)
-        try:
-            while n := os.readv(fd, [buf]):
-                total += n
-        finally:
-            os.close(fd)
-    return total
+    return read_paths(root, paths)
 
 
 def fuse_knobs(overrides: dict[str, str] | None = None) -> "object":
