@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import config as config_mod
 from ..config import Config
+
+if TYPE_CHECKING:
+    from ..manifest.store.etcd import EtcdStore
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -47,3 +50,14 @@ def cli_logging(args: argparse.Namespace) -> None:
     from .. import log
 
     log.setup("DEBUG" if args.verbose else (args.log_level or "WARNING"))
+
+
+def cluster_store(cfg: Config, command: str) -> "EtcdStore":
+    """The etcd store the cluster commands (preload, status) work on; a clear error
+    when the configuration points at the embedded store instead."""
+    from ..errors import KspeedfsError
+    from ..manifest.store.etcd import EtcdStore
+
+    if cfg.store.backend != "etcd":
+        raise KspeedfsError(f"{command} needs the cluster's etcd store (--etcd URL)")
+    return EtcdStore(cfg.store)

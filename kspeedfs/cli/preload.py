@@ -14,8 +14,7 @@ import json
 import sys
 import time
 
-from ..errors import KspeedfsError
-from .options import cli_logging, load_config
+from .options import cli_logging, cluster_store, load_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,13 +32,10 @@ def _progress(store, tag: str) -> tuple[dict, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..manifest.store.etcd import EtcdStore
 
     cli_logging(args)
     cfg = load_config(args)
-    if cfg.store.backend != "etcd":
-        raise KspeedfsError("preload needs the cluster's etcd store (--etcd URL)")
-    store = EtcdStore(cfg.store)
+    store = cluster_store(cfg, "preload")
     info = store.dataset(args.dataset, args.dataset_version)
     tag = f"{info.name}@{info.version}"
     if args.check:

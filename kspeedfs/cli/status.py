@@ -5,8 +5,7 @@ import argparse
 import json
 import time
 
-from ..errors import KspeedfsError
-from .options import cli_logging, load_config
+from .options import cli_logging, cluster_store, load_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,13 +14,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..cluster.membership import list_json as _prefix
-    from ..manifest.store.etcd import EtcdStore
 
     cli_logging(args)
     cfg = load_config(args)
-    if cfg.store.backend != "etcd":
-        raise KspeedfsError("status needs the cluster's etcd store (--etcd URL)")
-    store = EtcdStore(cfg.store)
+    store = cluster_store(cfg, "status")
     nodes, stats = _prefix(store, "nodes/"), _prefix(store, "stats/")
     preload, progress = _prefix(store, "preload/"), _prefix(store, "progress/")
     if args.json:
