@@ -1,4 +1,9 @@
 """Suite-wide options: the slow lane is opt-in (``--run-slow`` or ``./run test-slow``)."""
+import os
+
+# before anything imports grpc: its fork handlers abort a test process that spawns a
+# server (fork) while gRPC threads run (seen once in CI-like runs: etcd restart test)
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 from typing import TYPE_CHECKING, Iterator
 
 import pytest

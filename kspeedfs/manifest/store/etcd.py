@@ -85,8 +85,14 @@ import time
 from typing import Any, Callable, TypeVar
 from urllib.parse import urlsplit
 
-import etcd3
-import etcd3.exceptions as etcd_exc
+# gRPC's fork handlers (pthread_atfork) abort a process that forks while gRPC threads
+# run, and our processes do fork (test fixtures, daemons spawning helpers); no child of
+# ours ever uses the parent's channels, so the handlers are only a hazard. Must be set
+# before grpc is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import etcd3  # noqa: E402
+import etcd3.exceptions as etcd_exc  # noqa: E402
 import etcd3.transactions as tx
 import grpc
 
