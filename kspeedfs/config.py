@@ -123,6 +123,8 @@ class FuseConfig:
     entry_timeout: float = _opt(86400.0, "kernel dentry cache lifetime, s (the snapshot is immutable)")
     attr_timeout: float = _opt(86400.0, "kernel attribute cache lifetime, s")
     prefetch_chunks: int = _opt(4, "chunks fetched ahead of a sequential reader")
+    push_pages: bool = _opt(False, "store prefetched chunks in the kernel page cache (FUSE_NOTIFY_STORE) "
+                                  "so sequential readers skip the READ round trip")
     max_background: int = _opt(64, "FUSE max_background, set via sysfs after mount (kernel default 12)")
     congestion_threshold: int = _opt(48, "FUSE congestion_threshold via sysfs (default 3/4 of max_background)")
     read_ahead_kb: int = _opt(4096, "bdi read_ahead_kb via sysfs (kernel default 128)")

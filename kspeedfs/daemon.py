@@ -32,6 +32,7 @@ from .cache.memory import MemoryCache
 from .config import Config
 from .fuse import boundary, tuning
 from .fuse.operations import Operations
+from .fuse.pagecache import PageCache
 from .manifest.index import ManifestIndex
 from .manifest.store import open_store
 from .manifest.store.base import DatasetInfo
@@ -134,6 +135,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     async with _cluster(cfg, index) as peers, trio.open_nursery() as nursery:
         reader = Reader(index, origin, memory, disk, nursery, cfg.fuse.workers, cfg.fuse.prefetch_chunks,
                         peers, (info.name, info.version))
+        pages = PageCache(index, reader.counters) if cfg.fuse.push_pages else None
+        reader.push = pages.push if pages else None
         ops = Operations(index, reader, info, cfg.fuse.entry_timeout, cfg.fuse.attr_timeout)
         options = set(pyfuse3.default_options) | {"ro", f"fsname=kspeedfs:{info.name}", "subtype=kspeedfs"}
         if cfg.fuse.allow_other:
@@ -156,8 +159,12 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
             nursery.start_soon(after_mount, name="after-mount")
             await pyfuse3.main()
         except BaseException:
+            if pages:
+                pages.close()
             pyfuse3.close(unmount=True)
             raise
         nursery.cancel_scope.cancel()
+    if pages:
+        pages.close()
     pyfuse3.close(unmount=True)
     log.info("unmounted %s; %s", path, reader.statistics())

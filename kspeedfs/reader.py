@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import trio
 
@@ -28,7 +28,7 @@ from .cache.disk import DiskCache
 from .cache.memory import MemoryCache
 from .cache.prefetch import Prefetcher, Stream
 from .cache.singleflight import SingleFlight
-from .errors import ChunkUnavailable, SourceChanged
+from .errors import ChunkUnavailable, KspeedfsError, SourceChanged
 from .manifest.index import ManifestIndex
 from .manifest.model import Extent
 from .origin import Origin
@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 
 #: verified chunk bytes: ``bytes`` or a read-only ``memoryview`` (never written again)
 Data = bytes | memoryview
+
+#: ``push(entry, chunk, data)``: hand a prefetched, verified chunk of an open file to the
+#: kernel page cache (fuse/pagecache.py) so the reader finds it there
+Push = Callable[[int, int, Data], Awaitable[None]]
 
 #: files up to chunk_size / this are fetched alone from peers (one extent READ)
 SMALL_FILE_DIVISOR = 8
@@ -58,6 +62,7 @@ class Reader:
         prefetch_depth: int = 4,
         peers: "Peers | None" = None,
         dataset: tuple[str, int] = ("", 0),
+        push: Push | None = None,
     ) -> None:
         self.index = index
         self.origin = origin
@@ -67,6 +72,7 @@ class Reader:
         self.counters = Counters()
         self.peers = peers
         self.dataset = dataset
+        self.push = push
         self.prefetcher = Prefetcher(prefetch_depth)
         self._flights: SingleFlight[Data] = SingleFlight(nursery)
         self._limiter = trio.CapacityLimiter(workers)
@@ -88,7 +94,7 @@ class Reader:
         if stream is not None:
             last = (ix.data[entry] + ix.size[entry] - 1) // ix.chunk_size   # the file's last chunk
             for k in self.prefetcher.advise(stream, offset, size, chunks, last):
-                self._prefetch(k)
+                self._prefetch(entry, k)
         start = ix.data[entry] + offset
         end = ix.data[entry] + min(offset + size, ix.size[entry])
         c = ix.chunk_size
@@ -173,12 +179,26 @@ class Reader:
             self.counters.add("waited_in_flight")
         return data
 
-    def _prefetch(self, k: int) -> None:
+    def _prefetch(self, entry: int, k: int) -> None:
+        """Start loading chunk ``k`` ahead of a sequential reader of ``entry``; with a
+        page-cache push, hand it to the kernel once it is here."""
         key = self.index.chunk_digest(k)
-        if key in self.memory or self._flights.in_flight(key):
+        loading = key not in self.memory and not self._flights.in_flight(key)
+        if loading:
+            self.counters.add("prefetched")
+        if self.push is not None:
+            self.nursery.start_soon(self._push_ahead, entry, k)
+        elif loading:
+            self._flights.start(key, self._load, k, key)
+
+    async def _push_ahead(self, entry: int, k: int) -> None:
+        assert self.push is not None
+        try:
+            data = await self._chunk_for(entry, k)
+        except KspeedfsError as e:      # the demand read of this chunk reports it
+            log.debug("prefetch of chunk %d: %s", k, e)
             return
-        self.counters.add("prefetched")
-        self._flights.start(key, self._load, k, key)
+        await self.push(entry, k, data)
 
     async def _load(self, k: int, key: bytes) -> Data:
         if self.disk is not None:

@@ -21,6 +21,8 @@ class ReadStatistics:
     source_loads: int = 0          # chunks assembled from the source
     source_bytes: int = 0
     prefetched: int = 0            # chunk loads started by the prefetcher
+    pushed_bytes: int = 0          # bytes stored into the kernel page cache ahead of readers
+    push_failures: int = 0         # page-cache stores the kernel refused (reader used READ)
     waited_in_flight: int = 0      # requests that joined an in-flight load (single-flight)
     corrupt_discarded: int = 0     # chunks from a tier that failed their checksum
     source_mismatches: int = 0     # source extents that failed their checksum

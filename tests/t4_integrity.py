@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,32 @@ def test_source_file_deleted(tmp_path: Path) -> None:
             (mnt / "one").read_bytes()
         assert e.value.errno == errno.EIO
         assert (mnt / "sizes" / "chunk").read_bytes() == (src / "sizes" / "chunk").read_bytes()
+
+
+def test_page_cache_push_serves_exact_bytes(tmp_path: Path) -> None:
+    """With ``fuse.push_pages`` the prefetched chunks reach the reader through the page
+    cache (FUSE_NOTIFY_STORE), not READ replies: the bytes must still be exact, the file
+    must not grow, and the reader must not ask for the pushed pages again."""
+    src = make_tree(tmp_path / "src", small_files=50)
+    big = src / "many-chunks.bin"
+    with cluster1(tmp_path) as c:
+        c.import_(src, "ds")
+        # a small readahead window, so the kernel does not ask for the whole file at once
+        mnt = c.mount("ds", None, "--set", "fuse.push_pages=true", "--set", "fuse.read_ahead_kb=128",
+                      "--set", "fuse.prefetch_chunks=8")
+        want = big.read_bytes()
+        with open(mnt / "many-chunks.bin", "rb", buffering=0) as f:
+            head = b"".join(f.read(64 << 10) for _ in range(4))   # sequential: prefetch opens
+            for _ in range(100):
+                if _stats(mnt)["pushed_bytes"] >= 6 * CHUNK:
+                    break
+                time.sleep(0.05)
+            before = _stats(mnt)["read_bytes"]
+            rest = f.read()
+            asked = _stats(mnt)["read_bytes"] - before
+        assert head + rest == want
+        assert os.stat(mnt / "many-chunks.bin").st_size == len(want)
+        s = _stats(mnt)
+        assert s["pushed_bytes"] >= 6 * CHUNK and s["push_failures"] == 0
+        assert asked < len(rest) - 4 * CHUNK      # most of the rest came from pushed pages
+        assert_same_tree(src, mnt)
