@@ -127,10 +127,21 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                     delta = ({k: after[k] - before.get(k, 0) for k in after
                               if isinstance(after[k], (int, float))} if before and after else None)
                     results.runs.append(Run(wl.name, case.name, t.name, rep, case.primary, figures, delta))
+                    also = "".join(f"  {k} {figures[k]:.3g}" for k in case.also if figures.get(k) is not None)
                     print(f"   {case.name:<22} rep {rep}  {t.name:<30} {figures[case.primary]:>12,.1f} "
-                          f"{case.primary}", flush=True)
+                          f"{case.primary}{also}", flush=True)
+                    if figures.get("errors"):        # a reader that counts its failures, not raises
+                        results.errors.append({"workload": wl.name, "case": case.name, "target": t.name,
+                                               "rep": rep, "error": f"{figures['errors']} read errors"})
     finally:
         mounts.close()
+        for t in targets:           # test-beds (netns hosts, clusters) a target started
+            close = getattr(t, "close", None)
+            if close:
+                try:
+                    close()
+                except Exception as e:
+                    log.error("%s: closing %s: %s", wl.name, t.name, e)
     print(f"   {wl.name} done in {time.monotonic() - t0:.0f}s", flush=True)
 
 

@@ -14,6 +14,13 @@ workload           dataset                    cases (primary figure)
 ``stat``           imagenet                   stat() of every file, dentry cache cold (stats/s)
 ``ls-l``           bigdir: one huge dir       ls -l of it (entries/s)
 ``sweep-*``        files / imagenet           kspeedfs alone, one knob varied; ratio to the default
+``transport``      none (memory to memory)    rdma.perf READ, 4 MiB / 128 KiB / 1 MiB, QD 8, soft
+                                              provider vs one TCP stream, two netns hosts (MB/s)
+``cluster``        cluster: 4 large files     a client mount reading from 3 peers over the soft
+                   (+ ImageNet-like files)    transport: 4 sequential readers (MB/s); 8 workers
+                                              over the small files (files/s)
+``cluster-flap``   cluster: 4 large files     the same readers, time based, one client NIC
+                                              flapping (MB/s; errors, longest stall)
 =================  =========================  =====================================================
 
 Sizes come from a :class:`Scale` (``--quick``, ``--scale medium``, full by default).
@@ -27,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from . import datasets, readers
+from . import cluster, datasets, readers
 from .datasets import Dataset
 from .system import REPO, run_fio
 from .targets import Kspeedfs, KspeedfsStore, RamFS, SourceCold, SourceWarm, Target
@@ -61,6 +68,7 @@ class Case:
     name: str
     run: Callable[[Path], dict]
     primary: str
+    also: tuple[str, ...] = ()      # secondary figures worth a look in the progress lines
 
 
 @dataclass
@@ -302,9 +310,18 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
                            rand_case(ds, ctx, "4k", 1, "IOPS")],
           "bdi read_ahead_kb, warm (chunk cache) reads"),
     _cache_sweep(),
+    Workload("transport", "soft RDMA READ vs plain TCP between two netns hosts (rdma.perf)",
+             cluster.transport_dataset, cluster.transport_cases, cluster.transport_targets,
+             ratios=cluster.TRANSPORT_RATIOS),
+    Workload("cluster", "a client mount reading a dataset preloaded into 3 peers (soft transport)",
+             cluster.cluster_dataset, cluster.cluster_cases, cluster.cluster_targets,
+             ratios=cluster.CLUSTER_RATIOS),
+    Workload("cluster-flap", "reads from 3 peers while one client NIC flaps (down 1 s, up, repeat)",
+             cluster.flap_dataset, cluster.flap_cases, cluster.flap_targets, ratios=cluster.FLAP_RATIOS),
 ]}
 
 GROUPS = {
+    "cluster-all": ["transport", "cluster", "cluster-flap"],
     "metadata": ["stat", "ls-l"],
     "sweep": ["sweep-chunk", "sweep-chunk-seq", "sweep-prefetch", "sweep-max_background",
               "sweep-read_ahead_kb", "sweep-cache"],

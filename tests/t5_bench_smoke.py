@@ -49,3 +49,24 @@ def test_quick_imagenet_reports_ratios(tmp_path: Path) -> None:
     assert warm and all(r["kspeedfs"]["source_loads"] == 0 for r in warm)
     assert "ratio kspeedfs-warm / ramfs-py" in proc.stdout          # the table was printed
     assert (out / "results.txt").exists() and (out / "ratios.md").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes network namespaces: needs root")
+def test_quick_transport_reports_soft_over_tcp(tmp_path: Path) -> None:
+    """The soft-vs-TCP baseline runs between two netns hosts (~10 s) and leaves none behind."""
+    out = tmp_path / "out"
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--workload", "transport", "--reps", "1",
+         "--workdir", str(tmp_path / "work"), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert not data["errors"]
+    (row,) = [r for r in data["summary"] if r["workload"] == "transport"]
+    assert set(row["targets"]) == {"soft", "tcp"}
+    assert row["ratios"]["soft / tcp"]["median"] > 0
+    assert all(r["figures"]["client_cpu_s_per_gb"] > 0 for r in data["runs"])
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert not {ns for ns in after - before if ns.startswith("kst")}, "the suite left namespaces behind"
