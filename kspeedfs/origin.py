@@ -17,6 +17,7 @@ import xxhash
 
 from .errors import ChunkUnavailable, SourceChanged, SourceError
 from .manifest.index import ManifestIndex
+from .manifest.model import Extent
 
 log = logging.getLogger(__name__)
 
@@ -35,34 +36,63 @@ class Origin:
                 raise SourceError(msg)
             log.warning("%s: chunks no replica holds cannot be read", msg)
 
+    def _read_extent(self, e: Extent, part: memoryview) -> str | None:
+        """Fill ``part`` with extent ``e`` from its source file; why it failed, or None."""
+        path = os.path.join(self.root, self.index.path(e.entry))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as err:
+            return f"cannot be opened ({err.strerror})"
+        try:
+            got = os.preadv(fd, [part], e.file_offset)
+        finally:
+            os.close(fd)
+        if got != e.length:
+            return f"is shorter than at import ({e.file_offset + got} bytes)"
+        if xxhash.xxh3_128_digest(part) != e.digest:
+            return f"bytes {e.file_offset}..{e.file_offset + e.length} differ from the snapshot"
+        return None
+
     def _read_once(self, chunk: int) -> tuple[bytearray, list[tuple[int, bytes, str]]]:
         ix = self.index
         buf = bytearray(ix.chunk_len[chunk])
         view = memoryview(buf)
         bad: list[tuple[int, bytes, str]] = []
         for e in ix.chunk_extents(chunk):
-            path = os.path.join(self.root, ix.path(e.entry))
-            part = view[e.chunk_offset:e.chunk_offset + e.length]
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            except OSError as err:
-                bad.append((e.entry, path, f"cannot be opened ({err.strerror})"))
-                continue
-            try:
-                got = os.preadv(fd, [part], e.file_offset)
-            finally:
-                os.close(fd)
-            if got != e.length:
-                bad.append((e.entry, path, f"is shorter than at import ({e.file_offset + got} bytes)"))
-            elif xxhash.xxh3_128_digest(part) != e.digest:
-                bad.append((e.entry, path, f"bytes {e.file_offset}..{e.file_offset + e.length} differ from the snapshot"))
+            why = self._read_extent(e, view[e.chunk_offset:e.chunk_offset + e.length])
+            if why:
+                bad.append((e.entry, os.path.join(self.root, ix.path(e.entry)), why))
         return buf, bad
+
+    def _check_root(self, what: str) -> None:
+        if not os.path.isdir(self.root):
+            raise ChunkUnavailable(f"{what} of {self.dataset}: no replica had it and the "
+                                   f"source {os.fsdecode(self.root)} is missing")
+
+    def _changed(self, path: bytes, why: str, entries: frozenset[int], partial: bytes | None) -> SourceChanged:
+        return SourceChanged(
+            f"source file {os.fsdecode(path)} {why}: it changed after dataset "
+            f"{self.dataset} was imported; re-import the dataset (kspeedfs import)",
+            entries, partial)
+
+    def load_extent(self, e: Extent) -> memoryview:
+        """Verified bytes of one extent alone (a small file when the dataset is larger than
+        the cache tiers: reading its whole chunk would read ~chunk/size times the bytes)."""
+        self._check_root(f"file {os.fsdecode(self.index.path(e.entry))}")
+        buf = bytearray(e.length)
+        why = self._read_extent(e, memoryview(buf))
+        if why:
+            log.warning("extent of %s failed the checksum, retrying: %s",
+                        os.fsdecode(self.index.path(e.entry)), why)
+            why = self._read_extent(e, memoryview(buf))
+        if why:
+            raise self._changed(os.path.join(self.root, self.index.path(e.entry)), why,
+                                frozenset((e.entry,)), None)
+        return memoryview(buf).toreadonly()
 
     def load(self, chunk: int) -> tuple[memoryview, int]:
         """Verified bytes of ``chunk`` and the number of mismatching extents seen (retried)."""
-        if not os.path.isdir(self.root):
-            raise ChunkUnavailable(f"chunk {chunk} of {self.dataset}: no replica had it and the "
-                                   f"source {os.fsdecode(self.root)} is missing")
+        self._check_root(f"chunk {chunk}")
         buf, bad = self._read_once(chunk)
         mismatches = len(bad)
         if bad:
@@ -72,11 +102,7 @@ class Origin:
             mismatches += len(bad)
         if bad:
             _, path, why = bad[0]
-            raise SourceChanged(
-                f"source file {os.fsdecode(path)} {why}: it changed after dataset "
-                f"{self.dataset} was imported; re-import the dataset (kspeedfs import)",
-                frozenset(entry for entry, _, _ in bad), bytes(buf),
-            )
+            raise self._changed(path, why, frozenset(entry for entry, _, _ in bad), bytes(buf))
         # a read-only view, not bytes(buf): no 4 MiB copy under the GIL per chunk (14 % of
         # the daemon's samples in a cold random-read profile); nothing else holds ``buf``
         return memoryview(buf).toreadonly(), mismatches

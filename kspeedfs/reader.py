@@ -74,6 +74,12 @@ class Reader:
         self.dataset = dataset
         self.push = push
         self.prefetcher = Prefetcher(prefetch_depth)
+        # Whether whole-chunk loads pay off: when the dataset fits in the tiers, a chunk
+        # read once serves every file packed in it; when it does not, the chunk is evicted
+        # before its neighbours are read and a 110 KB file costs a 4 MiB load (19x the
+        # source bytes measured on a 2.2 GB ImageNet-like set with a 1 GiB memory tier)
+        tiers = memory.capacity + (disk.capacity if disk is not None else 0)
+        self.chunks_fit = index.chunks * index.chunk_size <= tiers
         self._flights: SingleFlight[Data] = SingleFlight(nursery)
         self._limiter = trio.CapacityLimiter(workers)
 
@@ -123,14 +129,17 @@ class Reader:
 
     def _small(self, entry: int, k: int) -> bool:
         """Whether to fetch this file alone rather than its whole chunk: a small file
-        whose chunk is not in the memory tier, when peers can serve extents."""
+        whose chunk is not in the memory tier, when peers can serve extents or the
+        dataset is too big for whole-chunk loads to pay off."""
         ix = self.index
-        return (self.peers is not None and ix.size[entry] <= ix.chunk_size // SMALL_FILE_DIVISOR
+        return ((self.peers is not None or not self.chunks_fit)
+                and ix.size[entry] <= ix.chunk_size // SMALL_FILE_DIVISOR
                 and ix.chunk_digest(k) not in self.memory)
 
     async def _small_file(self, entry: int, k: int) -> Data:
-        """The whole (small) file, as one extent READ from a replica, verified against the
-        extent's digest and kept in the memory tier under it; else via its chunk."""
+        """The whole (small) file as one extent — READ from a replica, or read alone from
+        the source when the dataset outgrows the tiers — verified against the extent's
+        digest and kept in the memory tier under it; else via its chunk."""
         (ext,) = self.index.file_extents(entry)
         data = self.memory.get(ext.digest)
         if data is not None:
@@ -142,16 +151,28 @@ class Reader:
         return data
 
     async def _load_extent(self, entry: int, k: int, ext: Extent) -> Data:
-        assert self.peers is not None
-        key = self.index.chunk_digest(k)
-        data = await self.peers.read_chunk(self.dataset[0], self.dataset[1], k, key,
-                                           self.index.chunk_len[k],
-                                           part=(ext.chunk_offset, ext.length, ext.digest))
-        if data is None:                         # no replica: the whole chunk, any tier
+        if self.peers is not None:
+            key = self.index.chunk_digest(k)
+            data = await self.peers.read_chunk(self.dataset[0], self.dataset[1], k, key,
+                                               self.index.chunk_len[k],
+                                               part=(ext.chunk_offset, ext.length, ext.digest))
+            if data is not None:
+                self.counters.add("peer_hits")
+                self.counters.add("peer_bytes", len(data))
+                self.memory.put(ext.digest, data)
+                return data
+        if self.chunks_fit:                      # no replica: the whole chunk, any tier
             chunk = await self._chunk_for(entry, k)
             return chunk[ext.chunk_offset:ext.chunk_offset + ext.length]
-        self.counters.add("peer_hits")
-        self.counters.add("peer_bytes", len(data))
+        try:
+            data = await trio.to_thread.run_sync(self.origin.load_extent, ext, limiter=self._limiter)
+        except SourceChanged:
+            self.counters.add("source_changed")
+            raise
+        except OSError as e:
+            raise ChunkUnavailable(f"chunk {k}: source read failed: {e}") from e
+        self.counters.add("source_extents")
+        self.counters.add("source_bytes", len(data))
         self.memory.put(ext.digest, data)
         return data
 

@@ -20,6 +20,7 @@ class ReadStatistics:
     peer_bytes: int = 0
     source_loads: int = 0          # chunks assembled from the source
     source_bytes: int = 0
+    source_extents: int = 0        # small files read alone from the source (dataset > tiers)
     prefetched: int = 0            # chunk loads started by the prefetcher
     pushed_bytes: int = 0          # bytes stored into the kernel page cache ahead of readers
     push_failures: int = 0         # page-cache stores the kernel refused (reader used READ)

@@ -116,3 +116,36 @@ def test_missing_source_is_refused_up_front(dataset, tmp_path: Path) -> None:
     _, ix, _ = dataset
     with pytest.raises(SourceError, match="missing"):
         Origin(tmp_path / "nowhere", ix, "ds")
+
+
+async def test_small_files_read_alone_when_the_dataset_outgrows_the_tiers(dataset) -> None:
+    """Memory for 4 of the 22 chunks: loading a 3 KB file's whole chunk would be evicted
+    before its neighbours are read, so each small file is read alone and verified."""
+    src, ix, big = dataset
+    names = [f"s{i:02d}" for i in range(30)]
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, memory=4 * C, prefetch=0)
+        assert not r.chunks_fit
+        for name in reversed(names):
+            assert await r.read(ix.lookup(0, name.encode()), 0, 1 << 20) == (src / name).read_bytes()
+        s = r.statistics()
+        assert s.source_extents == 30 and s.source_loads == 0
+        assert s.source_bytes == sum((src / name).stat().st_size for name in names)
+        assert await r.read(ix.lookup(0, b"s07"), 10, 20) == (src / "s07").read_bytes()[10:30]
+        assert r.statistics().memory_hits == 1
+        with open(src / "s03", "r+b") as f:             # changed after import: that file only
+            f.write(b"X")
+        r.memory.discard(next(ix.file_extents(ix.lookup(0, b"s03"))).digest)
+        with pytest.raises(SourceChanged, match="s03.*re-import"):
+            await r.read(ix.lookup(0, b"s03"), 0, 10)
+
+
+async def test_whole_chunks_when_the_dataset_fits(dataset) -> None:
+    src, ix, _ = dataset
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, prefetch=0)
+        assert r.chunks_fit
+        for i in range(30):
+            assert await r.read(ix.lookup(0, f"s{i:02d}".encode()), 0, 1 << 20) == (src / f"s{i:02d}").read_bytes()
+        s = r.statistics()
+        assert s.source_extents == 0 and s.source_loads <= 3
