@@ -61,6 +61,11 @@ class Results:
                 if v:
                     row["targets"][t] = {"median": statistics.median(v), "min": min(v), "max": max(v),
                                          "n": len(v)}
+                    for k in ("daemon_cpu_%", "daemon_cpu_s_per_GB"):
+                        cpu = [r.figures[k] for r in self.runs if r.workload == wl
+                               and r.case == case and r.target == t and k in r.figures]
+                        if cpu:
+                            row["targets"][t][k] = statistics.median(cpu)
             for a, b in self.ratio_pairs.get(wl, []):
                 va, vb = self._values(wl, case, a), self._values(wl, case, b)
                 per_rep = [va[k] / vb[k] for k in va if k in vb and vb[k] > 0]
@@ -79,7 +84,10 @@ class Results:
             head = f"{row['workload']} / {row['case']}  ({row['primary']}, median of {_n(row)})"
             lines.append(head)
             for t, s in row["targets"].items():
-                lines.append(f"    {t:<34} {_fmt(s['median']):>10}   [{_fmt(s['min'])} .. {_fmt(s['max'])}]")
+                cpu = f"   daemon CPU {s['daemon_cpu_%']:.0f}%" if "daemon_cpu_%" in s else ""
+                if "daemon_cpu_s_per_GB" in s:
+                    cpu += f", {s['daemon_cpu_s_per_GB']:.2f} s/GB"
+                lines.append(f"    {t:<34} {_fmt(s['median']):>10}   [{_fmt(s['min'])} .. {_fmt(s['max'])}]{cpu}")
             for name, s in row["ratios"].items():
                 lines.append(f"    ratio {name:<40} {s['median']:6.2f}   [{s['min']:.2f} .. {s['max']:.2f}]")
         return "\n".join(lines)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import workloads as W
 from .results import Results, Run
-from .system import Mounts, REPO
+from .system import Mounts, REPO, process_cpu
 from .targets import build_ramfs_c, fuse_knobs
 
 log = logging.getLogger("bench")
@@ -115,7 +115,18 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                     try:
                         t.prepare()
                         before = t.stats()
+                        pid = t.daemon()
+                        cpu0, wall0 = process_cpu(pid), time.monotonic()
                         figures = case.run(t.path)
+                        cpu1, wall = process_cpu(pid), time.monotonic() - wall0
+                        if cpu0 is not None and cpu1 is not None:
+                            # the daemon's share of the machine while the case ran (on 2
+                            # vCPUs its cost is what the readers compete with); 10 ms ticks,
+                            # so short --quick runs give coarse figures
+                            cpu = cpu1 - cpu0
+                            figures["daemon_cpu_%"] = 100 * cpu / (figures.get("seconds") or wall)
+                            if figures.get("bytes"):
+                                figures["daemon_cpu_s_per_GB"] = cpu / (figures["bytes"] / 1e9)
                     except Exception as e:       # record, go on: one broken target is a finding
                         log.error("%s/%s on %s: %s", wl.name, case.name, t.name, e)
                         results.errors.append({"workload": wl.name, "case": case.name, "target": t.name,
@@ -127,7 +138,8 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                     delta = ({k: after[k] - before.get(k, 0) for k in after
                               if isinstance(after[k], (int, float))} if before and after else None)
                     results.runs.append(Run(wl.name, case.name, t.name, rep, case.primary, figures, delta))
-                    also = "".join(f"  {k} {figures[k]:.3g}" for k in case.also if figures.get(k) is not None)
+                    also = "".join(f"  {k} {figures[k]:.3g}" for k in (*case.also, "daemon_cpu_%")
+                                   if figures.get(k) is not None)
                     print(f"   {case.name:<22} rep {rep}  {t.name:<30} {figures[case.primary]:>12,.1f} "
                           f"{case.primary}{also}", flush=True)
                     if figures.get("errors"):        # a reader that counts its failures, not raises

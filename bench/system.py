@@ -120,6 +120,17 @@ def daemon_pid(mountpoint: Path) -> int | None:
     return None
 
 
+def process_cpu(pid: int | None) -> float | None:
+    """CPU seconds (user + system, every thread) a live process has used, or None."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
+
+
 def run_fio(job: str, env: dict[str, str], extra: Sequence[str] = ()) -> dict:
     """Run ``bench/fio/<job>`` read-only; the summed read figures of all jobs."""
     cmd = ["fio", "--readonly", "--output-format=json", *extra, str(FIO_DIR / job)]

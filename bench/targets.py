@@ -74,6 +74,11 @@ class Target:
     def stats(self) -> dict | None:
         return None
 
+    def daemon(self) -> int | None:
+        """The process serving this target (a FUSE daemon), whose CPU the suite charges
+        to each run; None for targets the kernel serves alone."""
+        return None
+
     def finish(self) -> None:
         """After a measured run (the cold kspeedfs mount gives its memory back here)."""
 
@@ -191,6 +196,9 @@ class Kspeedfs(Target):
         if not self.warm and self._mounted:
             self._unmount()
 
+    def daemon(self) -> int | None:
+        return daemon_pid(self.mp) if self._mounted and self.mp is not None else None
+
     def stats(self) -> dict | None:
         if not self._mounted:
             return None
@@ -230,6 +238,9 @@ class RamFS(Target):
         now = tuning.apply(str(mp), fuse_knobs(self.knob_overrides))
         log.info("%s knobs: %s", self.name, now)
         self.path = mp
+
+    def daemon(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
 
 def build_ramfs_c(work: Path) -> Path:
