@@ -77,8 +77,7 @@ class TransportBed:
     """Two hosts, a ``rdma.perf server`` (soft provider) on the second: both targets of
     the ``transport`` workload talk to the same server over the same veth rail."""
 
-    def __init__(self, work: Path) -> None:
-        self.work = work
+    def __init__(self) -> None:
         self.bed: Testbed | None = None
         self.endpoint: dict[str, Any] = {}
 
@@ -151,7 +150,7 @@ def transport_dataset(ctx: Context) -> Dataset:
 
 
 def transport_targets(ds: Dataset, ctx: Context) -> list[Target]:
-    bed = TransportBed(ctx.work)
+    bed = TransportBed()
     return [TransportTarget(ds, "soft", bed), TransportTarget(ds, "tcp", bed)]
 
 
@@ -315,12 +314,13 @@ class PeersTarget(Target):
         self.bed.close()
 
 
-def cluster_dataset(ctx: Context, small_files: bool = True) -> Dataset:
+def cluster_dataset(ctx: Context) -> Dataset:
     """4 large files and, when every case runs (not ``--quick``), ImageNet-like small
     files, as two subtrees of one tree: one import, one preload and one cluster serve
-    both cases (kspeedfs imports symlinks as symlinks, so the parts are real directories)."""
+    both cases (kspeedfs imports symlinks as symlinks, so the parts are real directories).
+    ``cluster-flap`` reads only the large files but uses the same tree (made once)."""
     size = min(ctx.scale.seq_size, 256 << 20)
-    n = min(ctx.scale.imagenet_files, 5_000) if small_files and not ctx.scale.max_cases else 0
+    n = min(ctx.scale.imagenet_files, 5_000) if not ctx.scale.max_cases else 0
     root = ctx.work / "data" / (f"cluster-4x{size >> 20}M" + (f"-imagenet{n}" if n else ""))
     parts = [datasets.big_files(root, 4, size)]
     if n:
@@ -404,10 +404,6 @@ def cluster_cases(ds: Dataset, ctx: Context) -> list[Case]:
     if small:
         out.append(Case("imagenet-8-workers", lambda p: readers.whole_files(str(p), small, 8), "files/s"))
     return out
-
-
-def flap_dataset(ctx: Context) -> Dataset:
-    return cluster_dataset(ctx, small_files=False)
 
 
 def flap_targets(ds: Dataset, ctx: Context) -> list[Target]:

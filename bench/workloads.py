@@ -317,7 +317,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              cluster.cluster_dataset, cluster.cluster_cases, cluster.cluster_targets,
              ratios=cluster.CLUSTER_RATIOS),
     Workload("cluster-flap", "reads from 3 peers while one client NIC flaps (down 1 s, up, repeat)",
-             cluster.flap_dataset, cluster.flap_cases, cluster.flap_targets, ratios=cluster.FLAP_RATIOS),
+             cluster.cluster_dataset, cluster.flap_cases, cluster.flap_targets, ratios=cluster.FLAP_RATIOS),
 ]}
 
 GROUPS = {
