@@ -137,6 +137,27 @@ def test_nic_down_during_reads_is_invisible(world) -> None:
     print(f"NIC down: {rd.reads} reads, longest gap between reads {rd.max_gap * 1e3:.0f} ms")
 
 
+@pytest.mark.parametrize("rail", [0, 1])
+def test_fresh_mount_with_a_silent_client_nic_reads_from_peers(world, rail: int) -> None:
+    """A fresh mount (no connection to any peer yet) whose NIC on one rail silently drops
+    everything: it dials every NIC of each peer at once, so the live rail connects and no
+    read goes to the source. (Dialled in turn, an unanswered first address ate the whole
+    connect budget: every peer was skipped and the chunks came from the source.)"""
+    c, _, files = world
+    c.client.drop(rail)
+    try:
+        mnt = c.mount("imgs")
+        t0 = time.monotonic()
+        total = _read_all(mnt, files)
+        took = time.monotonic() - t0
+    finally:
+        c.client.undrop(rail)
+    s = _stats(mnt)
+    assert s["source_loads"] == 0 and s["peer_unreachable"] == 0, s
+    assert s["peer_bytes"] >= total * 0.9
+    print(f"client NIC eth{rail} silent from the start: {total / took / 1e6:.0f} MB/s, all from peers")
+
+
 def test_node_killed_reads_fail_over_and_rereplicate(world) -> None:
     c, _, files = world
     mnt = c.mount("imgs")                    # fresh mount: empty memory tier

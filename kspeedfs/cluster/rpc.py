@@ -23,7 +23,8 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from rdma.errors import AuthenticationError, HandshakeError
+from rdma.errors import HandshakeError
+from rdma.vrdma.dial import DialFailed, dial
 from rdma.vrdma.handshake import Channel, client_handshake, server_handshake
 
 from ..errors import KspeedfsError
@@ -82,23 +83,19 @@ class RpcClient:
         self._idle: list[Channel] = []
 
     async def _open(self) -> Channel:
-        errors = []
-        for addr in self.addrs:
-            try:
-                with trio.fail_after(min(self.timeout, 2.0)):
-                    stream = await trio.open_tcp_stream(addr, self.port)
-            except (OSError, trio.TooSlowError) as e:
-                errors.append(f"{addr}: {e!r}")
-                continue
+        async def attempt(addr: str) -> Channel:
+            with trio.fail_after(min(self.timeout, 2.0)):
+                stream = await trio.open_tcp_stream(addr, self.port)
             try:
                 return await client_handshake(stream, self.secret, self.me)
-            except AuthenticationError:
+            except BaseException:
                 await stream.aclose()
                 raise
-            except HandshakeError as e:
-                await stream.aclose()
-                errors.append(f"{addr}: {e}")
-        raise RpcUnavailable(f"no control connection to {self.addrs}:{self.port}: {'; '.join(errors)}")
+
+        try:
+            return await dial(self.addrs, attempt, close=Channel.aclose)   # every NIC at once
+        except DialFailed as e:
+            raise RpcUnavailable(f"no control connection to {self.addrs}:{self.port}: {e}") from None
 
     async def request(self, msg: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         ch = self._idle.pop() if self._idle else await self._open()

@@ -58,8 +58,9 @@ import trio
 from ..api import (ConnInfo, Context, Device, PD, QPAttr, QPCap, QPInitAttr,
                    get_device_list)
 from ..enums import IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ, IBV_QPS_RESET
-from ..errors import (AuthenticationError, HandshakeError, PathClosed, PeerUnreachable,
+from ..errors import (HandshakeError, PathClosed, PeerUnreachable,
                       RdmaError, RdmaUserError)
+from .dial import DialFailed, dial
 from .handshake import Channel, client_handshake, qp_token, server_handshake
 from .heartbeat import HEARTBEAT_BYTES, HeartbeatConfig
 from .path import Path, Transition
@@ -388,24 +389,21 @@ class Endpoint:
         PeerUnreachable if none can be built within ``timeout``."""
         assert self._nursery is not None, "use `async with Endpoint(...)`"
         timeout = self.cfg.connect_timeout * 2 if timeout is None else timeout
-        info, errors = None, []
-        with trio.move_on_after(timeout):
-            for addr in addrs:          # any NIC of the peer will do; one dead NIC costs
-                try:                    # at most connect_timeout
-                    with trio.fail_after(self.cfg.connect_timeout):
-                        ch = await self._open_channel(addr, port, None)
-                        try:
-                            info = await ch.request({"op": "info"})
-                        finally:
-                            await ch.aclose()
-                    break
-                except (OSError, HandshakeError, trio.TooSlowError) as e:
-                    if isinstance(e, AuthenticationError):
-                        raise
-                    errors.append(f"{addr}: {type(e).__name__}: {e}")
-        if info is None:
-            raise PeerUnreachable(f"no control connection to {addrs}:{port}: "
-                                  f"{'; '.join(errors) or 'timed out'}", ",".join(addrs))
+
+        async def ask(addr: str) -> dict:
+            with trio.fail_after(self.cfg.connect_timeout):
+                ch = await self._open_channel(addr, port, None)
+                try:
+                    return await ch.request({"op": "info"})
+                finally:
+                    await ch.aclose()
+
+        try:
+            with trio.fail_after(timeout):
+                info = await dial(addrs, ask)     # every NIC of the peer at once
+        except (DialFailed, trio.TooSlowError) as e:
+            raise PeerUnreachable(f"no control connection to {addrs}:{port}: {str(e) or 'timed out'}",
+                                  ",".join(addrs)) from None
         local = list(self.nics)
         remote = [str(n) for n in info["nics"]]
         chosen = routed_pairs(local, remote) if pairs == "routed" else \
