@@ -55,7 +55,10 @@
  * SO_RCVLOWAT is raised to it: one wake-up per KS_LOWAT bytes instead of one per skb.
  * (The transport timer counts bytes we have read, so a path slower than
  * KS_LOWAT per timeout could time out early; 256 KiB per ~0.5 s is far below any NIC.) */
+#ifndef KS_LOWAT
 #define KS_LOWAT (256u << 10)
+#endif
+#define KS_LOWAT_MIN (16u << 10)  /* below this the setsockopt costs more than it saves */
 
 /* ------------------------------------------------------------------------- objects */
 
@@ -82,6 +85,7 @@ struct ks_cq {
     uint64_t mod_period_ns, first_unsignaled;
     int signaled;
     int refs;               /* QPs using this CQ; protected by eng->lock */
+    ks_cq **defer;          /* &eng->defer_sig */
 };
 
 struct ks_pending {
@@ -168,6 +172,11 @@ struct ks_engine {
     ks_conn *dead;                     /* protected by lock */
     int n_hello;                       /* protected by lock */
     uint64_t last_timer;               /* engine thread only */
+    /* A CQ whose eventfd the engine thread still owes a write: cq_push on the engine
+     * thread defers the wake-up of the poller until just before the engine releases
+     * `lock`, so the woken thread's post_send does not find the lock taken (and sleep
+     * on it) while the engine finishes the event.  Protected by lock. */
+    ks_cq *defer_sig;
     /* counters, protected by lock */
     uint64_t n_dropped_conns, n_rx_bytes, n_tx_bytes;
 };
@@ -180,6 +189,17 @@ static void quiesce(ks_engine *e)
 {
     while (e->rx_busy)
         pthread_cond_wait(&e->rx_cond, &e->lock);
+}
+
+/* The engine and the posting/polling thread hold these locks for microseconds at a time:
+ * spin a little before sleeping in the kernel (each futex sleep is a context switch). */
+static void mutex_init_adaptive(pthread_mutex_t *m)
+{
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_settype(&a, PTHREAD_MUTEX_ADAPTIVE_NP);
+    pthread_mutex_init(m, &a);
+    pthread_mutexattr_destroy(&a);
 }
 
 static uint64_t now_ns(void)
@@ -302,11 +322,10 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
     }
     cq->ring[(cq->head + cq->count) % cq->cap] = *wc;
     cq->count++;
+    int signal = 0;
     if (!cq->signaled) {
         if (cq->mod_count <= 1 || cq->count >= cq->mod_count) {
-            uint64_t one = 1;
-            ssize_t r = write(cq->efd, &one, sizeof one);
-            (void)r;
+            signal = 1;         /* written below, after cq->lock: see poll_cq */
             cq->signaled = 1;
         } else if (!cq->first_unsignaled) {
             cq->first_unsignaled = now_ns();  /* run_timers signals it after the period */
@@ -318,6 +337,34 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
         }
     }
     pthread_mutex_unlock(&cq->lock);
+    if (signal) {
+        /* outside cq->lock, so the poller this wakes does not sleep on it; the CQ cannot
+         * go away meanwhile (callers hold eng->lock, which destroy_cq takes).  On the
+         * engine thread: just before it drops eng->lock (signal_flush). */
+        if (pthread_equal(pthread_self(), cq->engine_thread)) {
+            ks_cq *prev = *cq->defer;
+            *cq->defer = cq;
+            if (!prev || prev == cq)
+                return;
+            cq = prev;           /* one slot: the older CQ is woken now */
+        }
+        uint64_t one = 1;
+        ssize_t r = write(cq->efd, &one, sizeof one);
+        (void)r;
+    }
+}
+
+/* The engine thread, holding eng->lock, about to release it: deliver the deferred
+ * wake-up (see ks_engine.defer_sig). */
+static void signal_flush(ks_engine *e)
+{
+    ks_cq *cq = e->defer_sig;
+    if (cq) {
+        e->defer_sig = NULL;
+        uint64_t one = 1;
+        ssize_t r = write(cq->efd, &one, sizeof one);
+        (void)r;
+    }
 }
 
 static void push_wc(ks_cq *cq, uint64_t wr_id, uint32_t status, uint32_t opcode,
@@ -688,9 +735,15 @@ static void stage_compact(ks_conn *c)
 
 static void req_set_lowat(ks_conn *c)
 {
+    /* payload that is certain to come (its length is known): wake once it is all here,
+     * up to KS_LOWAT at a time.  Never above 1 while a header is due: a NAK is a bare
+     * header and must wake us. */
     int want = 1;
-    if (c->in_payload && c->cur.length - c->pay_off >= KS_LOWAT)
-        want = KS_LOWAT;
+    if (c->in_payload) {
+        uint64_t left = c->cur.length - c->pay_off;
+        if (left >= KS_LOWAT_MIN)
+            want = left < KS_LOWAT ? (int)left : (int)KS_LOWAT;
+    }
     if (want != c->lowat && !c->dead) {
         setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want);
         c->lowat = want;
@@ -721,12 +774,22 @@ static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c)
         if (c->in_payload) {
             /* the bulk: straight from the socket into registered memory */
             ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
-            struct iovec iov[KS_MAX_SGE];
+            struct iovec iov[KS_MAX_SGE + 1];
             int cnt = sge_iov(w->sge, w->nsge, c->pay_off, c->cur.length - c->pay_off, iov,
                               KS_MAX_SGE);
-            e->rx_busy = 1;
-            pthread_mutex_unlock(&e->lock);
             uint64_t asked = c->cur.length - c->pay_off;
+            /* the next response's header rides along in the same readv (into the stage,
+             * which req_consume has emptied): one syscall per READ, not two */
+            stage_compact(c);
+            uint32_t extra = c->slen < KS_HDR_LEN ? KS_HDR_LEN - c->slen : 0;
+            if (extra) {
+                iov[cnt].iov_base = c->stage + c->slen;
+                iov[cnt].iov_len = extra;
+                cnt++;
+            }
+            e->rx_busy = 1;
+            signal_flush(e);
+            pthread_mutex_unlock(&e->lock);
             n = readv(c->fd, iov, cnt);
             int saved = errno;
             pthread_mutex_lock(&e->lock);
@@ -734,14 +797,16 @@ static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c)
             pthread_cond_broadcast(&e->rx_cond);
             errno = saved;
             if (n > 0) {
-                c->pay_off += n;
+                uint64_t pay = (uint64_t)n < asked ? (uint64_t)n : asked;
+                c->pay_off += pay;
+                c->slen += (uint32_t)((uint64_t)n - pay);
                 if (c->pay_off == c->cur.length) {
                     c->in_payload = 0;
                     req_complete_head(qp);
                 }
-                if ((uint64_t)n < asked) {
+                if ((uint64_t)n < asked + extra) {
                     /* drained the socket: back to epoll (level-triggered) rather than
-                     * a readv that would only say EAGAIN */
+                     * a readv that would only say EAGAIN; a partial header waits staged */
                     qp->last_progress = now_ns();
                     e->n_rx_bytes += n;
                     return 0;
@@ -938,29 +1003,36 @@ static int resp_consume(ks_engine *e, ks_qp *qp, ks_conn *c)
 static int resp_rx(ks_engine *e, ks_qp *qp, ks_conn *c)
 {
     uint64_t budget = KS_RX_BUDGET;
+    int drained = 0;
     for (;;) {
         int rc = resp_consume(e, qp, c);
         if (rc != 0)
             return rc;
-        if (c->dead || !budget)
+        /* a short read emptied the socket: epoll (level-triggered) says when more comes,
+         * no recv just to hear EAGAIN */
+        if (c->dead || !budget || drained)
             return 0;
         if (!c->in_payload && !resp_rx_enabled(c))
             return 0;
         ssize_t n;
         if (c->in_payload && c->spos == c->slen) {
-            n = recv(c->fd, c->sendbuf + c->pay_off, c->cur.length - c->pay_off, 0);
-            if (n > 0)
+            uint64_t want = c->cur.length - c->pay_off;
+            n = recv(c->fd, c->sendbuf + c->pay_off, want, 0);
+            if (n > 0) {
                 c->pay_off += n;
-            if (n > 0 && c->pay_off == c->cur.length) {
-                /* let resp_consume finish it: nothing staged, payload complete */
+                drained = (uint64_t)n < want;
             }
+            /* a complete payload: resp_consume finishes it (nothing staged) */
         } else {
             stage_compact(c);
             if (c->slen == KS_STAGE)
                 return 0;
-            n = recv(c->fd, c->stage + c->slen, KS_STAGE - c->slen, 0);
-            if (n > 0)
+            uint32_t want = KS_STAGE - c->slen;
+            n = recv(c->fd, c->stage + c->slen, want, 0);
+            if (n > 0) {
                 c->slen += n;
+                drained = (uint32_t)n < want;
+            }
         }
         if (n == 0)
             return -ECONNRESET;
@@ -1300,6 +1372,7 @@ static void *engine_main(void *arg)
                 if (!c->dead)
                     handle_conn(e, c, evs[i].events);
             }
+            signal_flush(e);
             pthread_mutex_unlock(&e->lock);
         }
         pthread_mutex_lock(&e->lock);
@@ -1311,6 +1384,7 @@ static void *engine_main(void *arg)
             timeout = 1;  /* timers were skipped (busy): look again within 1 ms */
         }
         graveyard_free(e);
+        signal_flush(e);
         pthread_mutex_unlock(&e->lock);
     }
     return NULL;
@@ -1426,8 +1500,8 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
         return -1;
     }
     e->epfd = e->lfd = e->kickfd = -1;
-    pthread_mutex_init(&e->lock, NULL);
-    pthread_mutex_init(&e->cq_tab_lock, NULL);
+    mutex_init_adaptive(&e->lock);
+    mutex_init_adaptive(&e->cq_tab_lock);
     pthread_cond_init(&e->rx_cond, NULL);
     uint32_t r;
     if (getrandom(&r, sizeof r, 0) != sizeof r)
@@ -1624,7 +1698,7 @@ static PyObject *Engine_create_cq(EngineObject *self, PyObject *args)
         free(cq);
         return raise_errno(err ? err : ENOMEM, "create_cq");
     }
-    pthread_mutex_init(&cq->lock, NULL);
+    mutex_init_adaptive(&cq->lock);
     lock_nogil(e);
     pthread_mutex_lock(&e->cq_tab_lock);
     int slot = -1;
@@ -1638,6 +1712,7 @@ static PyObject *Engine_create_cq(EngineObject *self, PyObject *args)
         cq->id = slot;
         cq->kickfd = e->kickfd;
         cq->engine_thread = e->thread;
+        cq->defer = &e->defer_sig;
         e->cqs[slot] = cq;
     }
     pthread_mutex_unlock(&e->cq_tab_lock);
@@ -1669,6 +1744,8 @@ static PyObject *Engine_destroy_cq(EngineObject *self, PyObject *args)
         pthread_mutex_unlock(&e->lock);
         return raise_errno(EBUSY, "destroy_cq: QPs still use this CQ");
     }
+    if (e->defer_sig == cq)
+        e->defer_sig = NULL;   /* nobody may wait on a CQ being destroyed */
     pthread_mutex_lock(&e->cq_tab_lock);
     e->cqs[id] = NULL;
     pthread_mutex_unlock(&e->cq_tab_lock);
@@ -1748,14 +1825,31 @@ static PyObject *Engine_poll_cq(EngineObject *self, PyObject *args)
             cq->head = (cq->head + 1) % cq->cap;
             cq->count--;
         }
+        int drain = 0;
         if (cq->count == 0) {
-            uint64_t v;
-            ssize_t r = read(cq->efd, &v, sizeof v);  /* re-arm: fd unreadable when empty */
-            (void)r;
-            cq->signaled = 0;
             cq->first_unsignaled = 0;
+            drain = cq->signaled;  /* only a signalled CQ has an eventfd count to drain */
         }
         pthread_mutex_unlock(&cq->lock);
+        /* Re-arm: the fd is unreadable while the ring is empty.  The read happens outside
+         * cq->lock (the engine pushing the next WC must not wait on our syscall).
+         * cq_push writes the eventfd after dropping cq->lock (engine thread: just before
+         * it drops eng->lock): if that write has not landed yet (EAGAIN) the CQ stays
+         * `signaled` and a later poll drains it.  If WCs arrived while we read, they
+         * found `signaled` set and did not write: write for them. */
+        uint64_t v;
+        if (drain && read(cq->efd, &v, sizeof v) == (ssize_t)sizeof v) {
+            pthread_mutex_lock(&cq->lock);
+            int again = cq->count != 0;
+            if (!again)
+                cq->signaled = 0;
+            pthread_mutex_unlock(&cq->lock);
+            if (again) {
+                uint64_t one = 1;
+                ssize_t r = write(cq->efd, &one, sizeof one);
+                (void)r;
+            }
+        }
     }
     pthread_mutex_unlock(&e->cq_tab_lock);
     if (missing) {
