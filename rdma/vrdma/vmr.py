@@ -14,11 +14,11 @@ Do not close a VMR that a posted READ still names (see the api cancellation cont
 """
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..api import SGE
+from ..buffer import anonymous
 from ..enums import IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ
 from ..errors import RdmaUserError
 
@@ -67,7 +67,7 @@ class VMR:
         self.name = name
         self.length = length
         self.access = access
-        self._map = mmap.mmap(-1, length)
+        self._map = anonymous(length)       # private; huge pages when large
         self.view = memoryview(self._map)
         self.mrs: dict[str, MR] = {}
         self._closed = False

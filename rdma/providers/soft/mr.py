@@ -8,18 +8,14 @@ and is never written into again.  Only then is the buffer export released.
 from __future__ import annotations
 
 import ctypes
-import mmap
 from typing import TYPE_CHECKING, Any
 
 from ...api import MR
+from ...buffer import anonymous
 from ...errors import RdmaUserError
 
 if TYPE_CHECKING:
     from .pd import SoftPD
-
-#: MRs the provider allocates itself (``reg_mr(length)``) of at least this size ask for
-#: transparent huge pages
-_HUGE = 2 << 20
 
 
 class SoftMR(MR):
@@ -29,15 +25,7 @@ class SoftMR(MR):
         if isinstance(buf, int):
             if buf <= 0:
                 raise RdmaUserError(f"MR length must be > 0, got {buf}")
-            # private anonymous memory (a shared one is shmem, which THP usually skips)
-            buf = mmap.mmap(-1, buf, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if len(buf) >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
-                # before first touch: the engine's socket copies walk fewer TLB entries
-                # (THP is often "madvise" only); best effort
-                try:
-                    buf.madvise(mmap.MADV_HUGEPAGE)
-                except OSError:
-                    pass
+            buf = anonymous(buf)           # private, huge pages if large (rdma/buffer.py)
         self._obj = buf
         view = memoryview(buf)
         if view.readonly:
