@@ -310,6 +310,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
                            rand_case(ds, ctx, "4k", 1, "IOPS")],
           "bdi read_ahead_kb, warm (chunk cache) reads"),
     _cache_sweep(),
+    sweep("sweep-push", "fuse.push_pages", ["False", "True"], False, _files,
+          lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4)],
+          "page-cache push of prefetched chunks (FUSE_NOTIFY_STORE), cold sequential readers"),
     Workload("transport", "soft RDMA READ vs plain TCP between two netns hosts (rdma.perf)",
              cluster.transport_dataset, cluster.transport_cases, cluster.transport_targets,
              ratios=cluster.TRANSPORT_RATIOS),
@@ -324,7 +327,7 @@ GROUPS = {
     "cluster-all": ["transport", "cluster", "cluster-flap"],
     "metadata": ["stat", "ls-l"],
     "sweep": ["sweep-chunk", "sweep-chunk-seq", "sweep-prefetch", "sweep-max_background",
-              "sweep-read_ahead_kb", "sweep-cache"],
+              "sweep-read_ahead_kb", "sweep-cache", "sweep-push"],
 }
 DEFAULT_QUICK = ["seq-1m", "rand-4k", "imagenet", "shards", "stat", "ls-l"]
 DEFAULT_FULL = ["seq-1m", "rand-4k", "rand-128k", "imagenet", "dataloader", "shards", "stat", "ls-l",
