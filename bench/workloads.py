@@ -331,6 +331,7 @@ GROUPS = {
 }
 DEFAULT_QUICK = ["seq-1m", "rand-4k", "imagenet", "shards", "stat", "ls-l"]
 DEFAULT_FULL = ["seq-1m", "rand-4k", "rand-128k", "imagenet", "dataloader", "shards", "stat", "ls-l",
+                *GROUPS["cluster-all"],
                 *GROUPS["sweep"]]
 
 
