@@ -110,7 +110,8 @@ async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | 
                  ", ".join(sorted(membership.nodes)), local, cfg.cluster.replicas)
         peers = Peers(ep, membership, secret, cfg.cluster.replicas,
                       max(cfg.cluster.slot_size, index.chunk_size), local_node=local,
-                      nbuf=max(8, cfg.fuse.prefetch_chunks * 2))
+                      nbuf=max(8, cfg.fuse.prefetch_chunks * 2),
+                      landing_slots=cfg.cache.memory // max(cfg.cluster.slot_size, index.chunk_size))
         try:
             yield peers
         finally:

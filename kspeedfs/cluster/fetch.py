@@ -17,9 +17,10 @@ READ on another path); a whole peer dying surfaces as ``PeerUnreachable`` after
 that was unreachable is skipped for ``SKIP`` seconds, then tried again (it may be back,
 or its lease has expired and placement no longer names it).
 
-Buffers: ``nbuf`` slots of ``slot_size`` bytes in one local vMR; a READ lands in a slot,
-is verified and copied out as immutable ``bytes`` (the memory tier keeps those), then
-the slot is reused. Cancellation: a cancelled read keeps its slot until the READ has
+Buffers: a whole chunk lands in a slot of :class:`~.landing.Landing`, and once verified
+that slot *is* the chunk the memory tier keeps (no copy; the slot is reused when the
+last view of it is gone). A small file's extent (and a chunk when every landing slot
+is held) lands in one of ``nbuf`` staging slots and is copied out as ``bytes``. Cancellation: a cancelled read keeps its slot until the READ has
 completed (vRDMA owns the buffer until its completion), which ``VQP.read`` guarantees
 by shielding the wait for the completion.
 """
@@ -38,6 +39,7 @@ from rdma.errors import PathClosed, PeerUnreachable, RdmaError
 from rdma.vrdma import VMR, VQP, Endpoint
 
 from .arena import BUCKET_BYTES, bucket_of, find_in_bucket
+from .landing import Landing
 from .membership import Membership, NodeRecord
 from .placement import reader_order
 from .rpc import RpcClient, RpcUnavailable
@@ -74,7 +76,9 @@ class Peers:
 
     def __init__(self, endpoint: Endpoint, membership: Membership, secret: bytes, replicas: int,
                  slot_size: int, *, me: str | None = None, local_node: str | None = None,
-                 nbuf: int = 8, rpc_timeout: float = 30.0) -> None:
+                 nbuf: int = 8, landing_slots: int = 0, rpc_timeout: float = 30.0) -> None:
+        """``landing_slots``: chunks that may stay in landing slots at once (the memory
+        tier's capacity in chunks, for a mount); ``nbuf`` READs are in flight at most."""
         self.ep = endpoint
         self.membership = membership
         self.secret = secret
@@ -84,6 +88,7 @@ class Peers:
         self.local_node = local_node           # the node on this host, tried first
         self.rpc_timeout = rpc_timeout
         self.buf: VMR = endpoint.alloc(nbuf * slot_size, name="fetch-buffers")
+        self.landing = Landing(endpoint, slot_size, landing_slots + nbuf)
         self._free = list(range(nbuf))
         self._slot_free = trio.Semaphore(nbuf)
         self._vqps: dict[str, tuple[float, VQP]] = {}   # node → (started, vqp)
@@ -137,7 +142,7 @@ class Peers:
 
     async def read_chunk(self, dataset: str, version: int, chunk: int, key: bytes, length: int,
                          *, ask_owner: bool = True, exclude: str | None = None,
-                         part: tuple[int, int, bytes] | None = None) -> bytes | None:
+                         part: tuple[int, int, bytes] | None = None) -> bytes | memoryview | None:
         """Verified bytes of the chunk from some replica, or None (go to the source).
 
         ``part = (offset, length, digest)`` READs only that extent of the chunk and
@@ -181,34 +186,41 @@ class Peers:
         return None
 
     async def _read_from(self, rec: NodeRecord, key: bytes, length: int,
-                         part: tuple[int, int, bytes] | None = None) -> bytes | None:
+                         part: tuple[int, int, bytes] | None = None) -> bytes | memoryview | None:
         """Index bucket READ, then slot READ, then verify; None if the node lacks the chunk."""
         off, want, digest = part if part is not None else (0, length, key)
         vqp = await self._vqp(rec)
         await self._slot_free.acquire()
         slot = self._free.pop()
+        landing = self.landing.take() if part is None else None
         try:
             base = slot * self.slot_size
+            dst, at = landing if landing is not None else (self.buf, base)
             for attempt in (0, 1):
                 b = bucket_of(key, rec.nbuckets)
                 await vqp.read(self.buf, base, "index", BUCKET_BYTES, b * BUCKET_BYTES)
-                found = find_in_bucket(self.buf.read(BUCKET_BYTES, base), key)
+                found = find_in_bucket(self.buf.view[base:base + BUCKET_BYTES], key)
                 if found is None or found[1] != length:
                     return None
                 rslot, _ = found
-                await vqp.read(self.buf, base, "arena", want, rslot * rec.slot_size + off)
-                data = self.buf.read(want, base)
-                if xxhash.xxh3_128_digest(data) == digest:
+                await vqp.read(dst, at, "arena", want, rslot * rec.slot_size + off)
+                if xxhash.xxh3_128_digest(dst.view[at:at + want]) == digest:
+                    if landing is None:
+                        return self.buf.read(want, base)
+                    data, landing = self.landing.keep(landing, want), None
                     return data
                 self.counters.checksum_retries += 1    # raced an eviction: look again
                 log.info("chunk %s from %s failed its checksum (attempt %d)", key.hex()[:12],
                          rec.node, attempt + 1)
             return None
         finally:
+            if landing is not None:
+                self.landing.give(landing)
             self._free.append(slot)
             self._slot_free.release()
 
     def statistics(self) -> dict[str, Any]:
         out = self.counters.snapshot()
+        out.update(self.landing.statistics())
         out["vqps"] = {n: v.statistics().state for n, (_, v) in self._vqps.items()}
         return out

@@ -14,6 +14,7 @@ Do not close a VMR that a posted READ still names (see the api cancellation cont
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +82,12 @@ class VMR:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def memory(self) -> "mmap.mmap":
+        """The registered memory itself, for zero-copy consumers that must own a part of
+        it beyond :meth:`close` (``ctypes.c_char.from_buffer``); ``view`` is for access."""
+        return self._map
 
     @property
     def nics(self) -> list[str]:

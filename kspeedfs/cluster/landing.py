@@ -1,0 +1,80 @@
+"""Landing: registered buffers a chunk READ lands in, which the memory tier then keeps.
+
+Why: copying each 4 MiB chunk out of a shared landing buffer into fresh ``bytes`` took
+38 % of the mount daemon's samples while it read from peers (the copy holds the GIL,
+and a fresh 4 MiB allocation faults its pages in). Registering a new buffer for every
+READ and keeping it moved the cost to page faults, zeroing and unmapping, and was no
+faster (measured). So slots are reused, but only once nothing refers to the chunk
+any more: :meth:`Landing.keep` hands the slot's bytes out as a read-only memoryview
+over a ctypes array that owns the slot; when the last view of it is gone (the memory
+tier's entry, a reply being written, a slice), a finalizer puts the slot back.
+
+Slots are registered in segments, added on demand up to ``limit`` slots (the memory
+tier's capacity in chunks plus the READs in flight), so a mount that reads little from
+peers registers little. When every slot is held, :meth:`take` says so and the caller
+lands the READ in its staging buffer and copies.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import weakref
+
+from rdma.vrdma import VMR, Endpoint
+
+log = logging.getLogger(__name__)
+
+#: slots registered at a time (16 × 4 MiB = one 64 MiB vMR)
+SEGMENT = 16
+
+#: a slot: the vMR it lives in and its offset there
+Slot = tuple[VMR, int]
+
+
+class Landing:
+    def __init__(self, endpoint: Endpoint, slot_size: int, limit: int) -> None:
+        self.ep = endpoint
+        self.slot_size = slot_size
+        self.limit = max(1, limit)
+        self.segments: list[VMR] = []
+        self._free: list[Slot] = []     # appended to by finalizers, from any thread (GIL)
+        self.kept = 0                   # chunks handed out (lifetime)
+        self.exhausted = 0              # take() found every slot held
+
+    @property
+    def slots(self) -> int:
+        return sum(v.length // self.slot_size for v in self.segments)
+
+    def take(self) -> Slot | None:
+        """A free slot (registering another segment if allowed), or None."""
+        if not self._free and self.slots < self.limit:
+            n = min(SEGMENT, self.limit - self.slots)
+            vmr = self.ep.alloc(n * self.slot_size, name=f"landing{len(self.segments)}")
+            self.segments.append(vmr)
+            self._free.extend((vmr, i * self.slot_size) for i in range(n))
+        if not self._free:
+            self.exhausted += 1
+            return None
+        return self._free.pop()
+
+    def give(self, slot: Slot) -> None:
+        """Back to the pool (the READ failed, or its bytes were not kept)."""
+        self._free.append(slot)
+
+    def view(self, slot: Slot, length: int) -> memoryview:
+        """The slot's first ``length`` bytes, to verify before :meth:`keep`."""
+        vmr, at = slot
+        return vmr.view[at:at + length]
+
+    def keep(self, slot: Slot, length: int) -> memoryview:
+        """The slot's verified bytes as a read-only view that owns the slot: it returns to
+        the pool when the last view derived from this one is gone."""
+        vmr, at = slot
+        owner = (ctypes.c_char * length).from_buffer(vmr.memory, at)
+        weakref.finalize(owner, self._free.append, slot)
+        self.kept += 1
+        return memoryview(owner).cast("B").toreadonly()
+
+    def statistics(self) -> dict[str, int]:
+        return {"landing_slots": self.slots, "landing_free": len(self._free),
+                "landing_kept": self.kept, "landing_exhausted": self.exhausted}
