@@ -139,7 +139,8 @@ def standard_targets(ds: Dataset, ctx: Context) -> list[Target]:
 
 def metadata_targets(ds: Dataset, ctx: Context) -> list[Target]:
     store = KspeedfsStore(ctx.work, ds)
-    ks = Kspeedfs(ds, store, warm=True, label="kspeedfs")
+    # as a user mounts it: no xattrs (ls -l would send 2 GETXATTRs per entry), no counters
+    ks = Kspeedfs(ds, store, warm=True, label="kspeedfs", settings={"fuse.xattrs": "false"})
     ks.preload = False
     out: list[Target] = [SourceCold(ds), SourceWarm(ds), ks, RamFS(ds, "py")]
     if ctx.ramfs_c:

@@ -123,6 +123,8 @@ class FuseConfig:
     entry_timeout: float = _opt(86400.0, "kernel dentry cache lifetime, s (the snapshot is immutable)")
     attr_timeout: float = _opt(86400.0, "kernel attribute cache lifetime, s")
     prefetch_chunks: int = _opt(4, "chunks fetched ahead of a sequential reader")
+    xattrs: bool = _opt(False, "serve user.kspeedfs.* xattrs (stats, checksums); off: the kernel "
+                               "stops asking, and ls -l sends no 2 GETXATTRs per entry")
     push_pages: bool = _opt(False, "store prefetched chunks in the kernel page cache (FUSE_NOTIFY_STORE) "
                                   "so sequential readers skip the READ round trip")
     max_background: int = _opt(64, "FUSE max_background, set via sysfs after mount (kernel default 12)")

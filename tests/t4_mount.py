@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,21 @@ def test_xattrs(node) -> None:
     with pytest.raises(OSError) as e:
         os.getxattr(mnt / "one", "user.nope")
     assert e.value.errno == errno.ENODATA
+
+
+def test_xattrs_off_by_default_so_ls_l_asks_nothing(node) -> None:
+    """Without ``fuse.xattrs`` the daemon answers ENOSYS once and the kernel stops asking:
+    a user's ``ls -l`` (which reads two xattrs of every entry) costs no GETXATTR."""
+    c, src, _ = node
+    mnt = c.mount("edge", None, "--set", "fuse.xattrs=false", "--set", "log.level=DEBUG")
+    with pytest.raises(OSError) as e:
+        os.getxattr(mnt, "user.kspeedfs.stats")
+    assert e.value.errno == errno.EOPNOTSUPP
+    out = subprocess.run(["ls", "-l", str(mnt / "small" / "d0")], capture_output=True, text=True)
+    assert out.returncode == 0 and len(out.stdout.splitlines()) > 100
+    asked = [line for line in c.log_text().splitlines() if "kspeedfs.access" in line
+             and ": getxattr(" in line]
+    assert len(asked) == 1, asked              # ours, answered ENOSYS; none from ls -l
 
 
 def test_statfs(node) -> None:

@@ -95,7 +95,8 @@ def main(args: argparse.Namespace) -> int:
         subprocess.run([*ks, "ls", *common], check=True)
         mnt.mkdir(exist_ok=True)
         t0 = time.perf_counter()
-        subprocess.run([*ks, "mount", "demo", str(mnt), *common], check=True)
+        subprocess.run([*ks, "mount", "demo", str(mnt), "--set", "fuse.xattrs=true", *common],
+                       check=True)
         mounted = True
         _say(f"3. kspeedfs mount demo {mnt}: live after {time.perf_counter() - t0:.2f}s")
         rels = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
