@@ -311,6 +311,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
                            rand_case(ds, ctx, "4k", 1, "IOPS")],
           "bdi read_ahead_kb, warm (chunk cache) reads"),
     _cache_sweep(),
+    sweep("sweep-blksize", "fuse.blksize", ["0", "4KiB"], True, _files,
+          lambda ds, ctx: [rand_case(ds, ctx, "4k", 1, "IOPS"), rand_case(ds, ctx, "4k", 4, "IOPS"),
+                           seq_case(ds, "psync", 1)],
+          "st_blksize reported (0 = chunk size), warm reads"),
     sweep("sweep-push", "fuse.push_pages", ["False", "True"], False, _files,
           lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4)],
           "page-cache push of prefetched chunks (FUSE_NOTIFY_STORE), cold sequential readers"),
@@ -328,7 +332,8 @@ GROUPS = {
     "cluster-all": ["transport", "cluster", "cluster-flap"],
     "metadata": ["stat", "ls-l"],
     "sweep": ["sweep-chunk", "sweep-chunk-seq", "sweep-prefetch", "sweep-max_background",
-              "sweep-read_ahead_kb", "sweep-cache", "sweep-push"],
+              "sweep-read_ahead_kb", "sweep-cache", "sweep-push",
+              "sweep-blksize"],
 }
 DEFAULT_QUICK = ["seq-1m", "rand-4k", "imagenet", "shards", "stat", "ls-l"]
 DEFAULT_FULL = ["seq-1m", "rand-4k", "rand-128k", "imagenet", "dataloader", "shards", "stat", "ls-l",

@@ -123,6 +123,9 @@ class FuseConfig:
     entry_timeout: float = _opt(86400.0, "kernel dentry cache lifetime, s (the snapshot is immutable)")
     attr_timeout: float = _opt(86400.0, "kernel attribute cache lifetime, s")
     prefetch_chunks: int = _opt(4, "chunks fetched ahead of a sequential reader")
+    blksize: int = _size("0", "st_blksize reported for files; 0 = the chunk size. 4KiB measured "
+                               "1.22x warm / 1.83x cold on 1-job random 4 KiB reads but 0.82-0.85x "
+                               "on warm small whole files (sweep-blksize)")
     xattrs: bool = _opt(False, "serve user.kspeedfs.* xattrs (stats, checksums); off: the kernel "
                                "stops asking, and ls -l sends no 2 GETXATTRs per entry")
     push_pages: bool = _opt(False, "store prefetched chunks in the kernel page cache (FUSE_NOTIFY_STORE) "
@@ -133,6 +136,8 @@ class FuseConfig:
     workers: int = _opt(16, "threads for blocking source/disk I/O")
 
     def validate(self) -> None:
+        if self.blksize and (self.blksize < 512 or self.blksize & (self.blksize - 1)):
+            raise ConfigError(f"fuse.blksize: {self.blksize} must be 0 or a power of two >= 512")
         _positive("fuse.entry_timeout", self.entry_timeout)
         _positive("fuse.attr_timeout", self.attr_timeout)
         if self.prefetch_chunks < 0:

@@ -139,7 +139,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
         pages = PageCache(index, reader.counters) if cfg.fuse.push_pages else None
         reader.push = pages.push if pages else None
         ops = Operations(index, reader, info, cfg.fuse.entry_timeout, cfg.fuse.attr_timeout,
-                         cfg.fuse.xattrs)
+                         cfg.fuse.xattrs, cfg.fuse.blksize)
         options = set(pyfuse3.default_options) | {"ro", f"fsname=kspeedfs:{info.name}", "subtype=kspeedfs"}
         if cfg.fuse.allow_other:
             options.add("allow_other")

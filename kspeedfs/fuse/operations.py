@@ -37,7 +37,8 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, index: ManifestIndex, reader: Reader, info: DatasetInfo,
-                 entry_timeout: float, attr_timeout: float, xattrs: bool = True) -> None:
+                 entry_timeout: float, attr_timeout: float, xattrs: bool = True,
+                 blksize: int = 0) -> None:
         super().__init__()
         self.index = index
         self.reader = reader
@@ -45,6 +46,7 @@ class Operations(pyfuse3.Operations):
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
         self.xattrs = xattrs
+        self.blksize = blksize
         self._streams: dict[int, tuple[int, Stream]] = {}   # fh -> (entry, sequential state)
         self._next_fh = 1
 
@@ -62,7 +64,7 @@ class Operations(pyfuse3.Operations):
         a.st_uid = ix.uid[entry]
         a.st_gid = ix.gid[entry]
         a.st_size = ix.size[entry] if not ix.is_dir(entry) else 4096
-        a.st_blksize = ix.chunk_size
+        a.st_blksize = self.blksize or ix.chunk_size     # fuse.blksize: see config.py
         a.st_blocks = (a.st_size + 511) // 512
         a.st_mtime_ns = a.st_ctime_ns = a.st_atime_ns = ix.mtime_ns[entry]
         return a
