@@ -209,6 +209,16 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Post one event to an eventfd (a CQ's completion fd, or the engine's kick fd). The
+ * result is ignored on purpose: the only failure is EAGAIN on a counter already at its
+ * maximum, and then the reader is woken anyway. */
+static void efd_post(int fd)
+{
+    uint64_t one = 1;
+    ssize_t r = write(fd, &one, sizeof one);
+    (void)r;
+}
+
 /* --------------------------------------------------------------------------- wire */
 
 static uint32_t rd32(const uint8_t *p) { return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24; }
@@ -330,9 +340,7 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
         } else if (!cq->first_unsignaled) {
             cq->first_unsignaled = now_ns();  /* run_timers signals it after the period */
             if (!pthread_equal(pthread_self(), cq->engine_thread)) {
-                uint64_t one = 1;  /* an app thread pushed (a flush): engine may be asleep */
-                ssize_t r = write(cq->kickfd, &one, sizeof one);
-                (void)r;
+                efd_post(cq->kickfd);  /* an app thread pushed (a flush): engine may be asleep */
             }
         }
     }
@@ -348,9 +356,7 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
                 return;
             cq = prev;           /* one slot: the older CQ is woken now */
         }
-        uint64_t one = 1;
-        ssize_t r = write(cq->efd, &one, sizeof one);
-        (void)r;
+        efd_post(cq->efd);
     }
 }
 
@@ -361,9 +367,7 @@ static void signal_flush(ks_engine *e)
     ks_cq *cq = e->defer_sig;
     if (cq) {
         e->defer_sig = NULL;
-        uint64_t one = 1;
-        ssize_t r = write(cq->efd, &one, sizeof one);
-        (void)r;
+        efd_post(cq->efd);
     }
 }
 
@@ -1324,9 +1328,7 @@ static int run_timers(ks_engine *e)
         if (!cq->signaled && cq->count && cq->first_unsignaled) {
             uint64_t dl = cq->first_unsignaled + cq->mod_period_ns;
             if (dl <= now) {
-                uint64_t one = 1;
-                ssize_t r = write(cq->efd, &one, sizeof one);
-                (void)r;
+                efd_post(cq->efd);
                 cq->signaled = 1;
             } else if (dl < next) {
                 next = dl;
@@ -1426,9 +1428,7 @@ static void engine_shutdown(ks_engine *e)
         pthread_mutex_lock(&e->lock);
         e->stop = 1;
         pthread_mutex_unlock(&e->lock);
-        uint64_t one = 1;
-        ssize_t r = write(e->kickfd, &one, sizeof one);
-        (void)r;
+        efd_post(e->kickfd);
         pthread_join(e->thread, NULL);
         e->thread_started = 0;
     }
@@ -1780,9 +1780,7 @@ static PyObject *Engine_modify_cq(EngineObject *self, PyObject *args)
         cq->mod_count = count;
         cq->mod_period_ns = (uint64_t)period_us * 1000ull;
         if (!cq->signaled && cq->count) {  /* signal what already waits */
-            uint64_t one = 1;
-            ssize_t r = write(cq->efd, &one, sizeof one);
-            (void)r;
+            efd_post(cq->efd);
             cq->signaled = 1;
         }
         pthread_mutex_unlock(&cq->lock);
@@ -1791,9 +1789,7 @@ static PyObject *Engine_modify_cq(EngineObject *self, PyObject *args)
     if (missing)
         return raise_errno(EBADF, "modify_cq: CQ destroyed");
     /* the engine plans its sleep around CQ periods too */
-    uint64_t one = 1;
-    ssize_t r = write(e->kickfd, &one, sizeof one);
-    (void)r;
+    efd_post(e->kickfd);
     Py_RETURN_NONE;
 }
 
@@ -1845,9 +1841,7 @@ static PyObject *Engine_poll_cq(EngineObject *self, PyObject *args)
                 cq->signaled = 0;
             pthread_mutex_unlock(&cq->lock);
             if (again) {
-                uint64_t one = 1;
-                ssize_t r = write(cq->efd, &one, sizeof one);
-                (void)r;
+                efd_post(cq->efd);
             }
         }
     }
@@ -2114,9 +2108,7 @@ static PyObject *Engine_qp_rts(EngineObject *self, PyObject *args)
     qp->state = KS_QPS_RTS;
     pthread_mutex_unlock(&e->lock);
     /* the engine may be sleeping up to 1 s with no timer to run: make it re-plan */
-    uint64_t one = 1;
-    ssize_t r = write(e->kickfd, &one, sizeof one);
-    (void)r;
+    efd_post(e->kickfd);
     Py_RETURN_NONE;
 }
 
