@@ -134,12 +134,10 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     disk = DiskCache(cfg.cache.disk_dir, cfg.cache.disk) if cfg.cache.disk else None
 
     async with _cluster(cfg, index) as peers, trio.open_nursery() as nursery:
+        pages = PageCache(index) if cfg.fuse.push_pages else None
         reader = Reader(index, origin, memory, disk, nursery, cfg.fuse.workers, cfg.fuse.prefetch_chunks,
-                        peers, (info.name, info.version))
-        pages = PageCache(index, reader.counters) if cfg.fuse.push_pages else None
-        reader.push = pages.push if pages else None
-        ops = Operations(index, reader, info, cfg.fuse.entry_timeout, cfg.fuse.attr_timeout,
-                         cfg.fuse.xattrs, cfg.fuse.blksize)
+                        peers, (info.name, info.version), push=pages.push if pages else None)
+        ops = Operations(index, reader, info, cfg.fuse)
         options = set(pyfuse3.default_options) | {"ro", f"fsname=kspeedfs:{info.name}", "subtype=kspeedfs"}
         if cfg.fuse.allow_other:
             options.add("allow_other")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
 
 import trio
 
@@ -43,8 +43,12 @@ log = logging.getLogger(__name__)
 Data = bytes | memoryview
 
 #: ``push(entry, chunk, data)``: hand a prefetched, verified chunk of an open file to the
-#: kernel page cache (fuse/pagecache.py) so the reader finds it there
-Push = Callable[[int, int, Data], Awaitable[None]]
+#: kernel page cache (fuse/pagecache.py) so the reader finds it there; returns the bytes
+#: stored, or None if the kernel refused
+Push = Callable[[int, int, Data], Awaitable["int | None"]]
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 #: files up to chunk_size / this are fetched alone from peers (one extent READ)
 SMALL_FILE_DIVISOR = 8
@@ -164,13 +168,7 @@ class Reader:
         if self.chunks_fit:                      # no replica: the whole chunk, any tier
             chunk = await self._chunk_for(entry, k)
             return chunk[ext.chunk_offset:ext.chunk_offset + ext.length]
-        try:
-            data = await trio.to_thread.run_sync(self.origin.load_extent, ext, limiter=self._limiter)
-        except SourceChanged:
-            self.counters.add("source_changed")
-            raise
-        except OSError as e:
-            raise ChunkUnavailable(f"chunk {k}: source read failed: {e}") from e
+        data = await self._from_origin(k, self.origin.load_extent, ext)
         self.counters.add("source_extents")
         self.counters.add("source_bytes", len(data))
         self.memory.put(ext.digest, data)
@@ -219,7 +217,11 @@ class Reader:
         except KspeedfsError as e:      # the demand read of this chunk reports it
             log.debug("prefetch of chunk %d: %s", k, e)
             return
-        await self.push(entry, k, data)
+        stored = await self.push(entry, k, data)
+        if stored is None:
+            self.counters.add("push_failures")
+        else:
+            self.counters.add("pushed_bytes", stored)
 
     async def _load(self, k: int, key: bytes) -> Data:
         if self.disk is not None:
@@ -236,14 +238,7 @@ class Reader:
                 self.counters.add("peer_bytes", len(data))
                 self.memory.put(key, data)
                 return data
-        try:
-            data, mismatches = await trio.to_thread.run_sync(self.origin.load, k, limiter=self._limiter)
-        except SourceChanged as e:
-            self.counters.add("source_changed")
-            log.error("%s", e)
-            raise
-        except OSError as e:
-            raise ChunkUnavailable(f"chunk {k}: source read failed: {e}") from e
+        data, mismatches = await self._from_origin(k, self.origin.load, k)
         if mismatches:
             self.counters.add("source_mismatches", mismatches)
         self.counters.add("source_loads")
@@ -253,6 +248,18 @@ class Reader:
             self.nursery.start_soon(
                 partial(trio.to_thread.run_sync, self.disk.put, key, data, limiter=self._limiter))
         return data
+
+    async def _from_origin(self, k: int, load: Callable[[T], R], arg: T) -> R:
+        """``load(arg)`` (an Origin method) in a worker thread: a changed source file is
+        counted and logged, any other OSError is ChunkUnavailable for chunk ``k``."""
+        try:
+            return await trio.to_thread.run_sync(load, arg, limiter=self._limiter)
+        except SourceChanged as e:
+            self.counters.add("source_changed")
+            log.error("%s", e)
+            raise
+        except OSError as e:
+            raise ChunkUnavailable(f"chunk {k}: source read failed: {e}") from e
 
     def _from_disk(self, key: bytes) -> bytes | None:
         """Worker thread: a disk-tier chunk, or None if absent or failing its checksum."""

@@ -21,7 +21,8 @@ async def test_a_kept_chunk_owns_its_slot_until_its_last_view_is_gone() -> None:
         pool = Landing(ep, SLOT, limit=3)
         slot = pool.take()
         assert slot is not None and pool.slots == 3          # one segment, capped by the limit
-        pool.view(slot, 5)[:] = b"chunk"
+        vmr, at = slot
+        vmr.view[at:at + 5] = b"chunk"                       # as a READ would land it
         data = pool.keep(slot, 5)
         tail = data[1:]                                      # a slice keeps it too
         assert bytes(data) == b"chunk" and data.readonly

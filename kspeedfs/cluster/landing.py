@@ -61,11 +61,6 @@ class Landing:
         """Back to the pool (the READ failed, or its bytes were not kept)."""
         self._free.append(slot)
 
-    def view(self, slot: Slot, length: int) -> memoryview:
-        """The slot's first ``length`` bytes, to verify before :meth:`keep`."""
-        vmr, at = slot
-        return vmr.view[at:at + length]
-
     def keep(self, slot: Slot, length: int) -> memoryview:
         """The slot's verified bytes as a read-only view that owns the slot: it returns to
         the pool when the last view derived from this one is gone."""

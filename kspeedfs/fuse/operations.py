@@ -21,6 +21,7 @@ from typing import Sequence
 import pyfuse3
 
 from ..cache.prefetch import Stream
+from ..config import FuseConfig
 from ..errors import ReadOnly
 from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
@@ -37,16 +38,15 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, index: ManifestIndex, reader: Reader, info: DatasetInfo,
-                 entry_timeout: float, attr_timeout: float, xattrs: bool = True,
-                 blksize: int = 0) -> None:
+                 cfg: FuseConfig) -> None:
         super().__init__()
         self.index = index
         self.reader = reader
         self.info = info
-        self.entry_timeout = entry_timeout
-        self.attr_timeout = attr_timeout
-        self.xattrs = xattrs
-        self.blksize = blksize
+        self.entry_timeout = cfg.entry_timeout
+        self.attr_timeout = cfg.attr_timeout
+        self.xattrs = cfg.xattrs
+        self.blksize = cfg.blksize
         self._streams: dict[int, tuple[int, Stream]] = {}   # fh -> (entry, sequential state)
         self._next_fh = 1
 

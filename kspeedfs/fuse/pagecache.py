@@ -35,7 +35,6 @@ from ..manifest.index import ManifestIndex
 
 if TYPE_CHECKING:
     from ..reader import Data
-    from ..stats import Counters
 
 log = logging.getLogger(__name__)
 
@@ -57,27 +56,24 @@ def page_span(index: ManifestIndex, entry: int, chunk: int) -> tuple[int, int]:
 class PageCache:
     """Pushes chunks of open files into the kernel page cache (one instance per mount)."""
 
-    def __init__(self, index: ManifestIndex, counters: "Counters", threads: int = 2) -> None:
+    def __init__(self, index: ManifestIndex, threads: int = 2) -> None:
         self.index = index
-        self.counters = counters
         self._limiter = trio.CapacityLimiter(threads)
         self._active = 0
         self._idle = threading.Condition()
         self._closed = False
 
-    async def push(self, entry: int, chunk: int, data: "Data") -> None:
-        """Store the part of verified chunk ``chunk`` that belongs to file ``entry``."""
+    async def push(self, entry: int, chunk: int, data: "Data") -> int | None:
+        """Store the part of verified chunk ``chunk`` that belongs to file ``entry``; the
+        bytes stored (0: no whole page to store), or None if the kernel refused."""
         lo, hi = page_span(self.index, entry, chunk)
         if hi <= lo or self._closed:
-            return
+            return 0
         at = self.index.data[entry] + lo - chunk * self.index.chunk_size
         view = memoryview(data)[at:at + hi - lo]
         ok = await trio.to_thread.run_sync(self._store, entry + 1, lo, view,
                                            limiter=self._limiter, abandon_on_cancel=True)
-        if ok:
-            self.counters.add("pushed_bytes", hi - lo)
-        else:
-            self.counters.add("push_failures")
+        return hi - lo if ok else None
 
     def _store(self, inode: int, offset: int, view: memoryview) -> bool:
         with self._idle:
