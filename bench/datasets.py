@@ -105,18 +105,24 @@ def _load(kind: str, root: Path, params: dict) -> Dataset:
     return Dataset(kind, root, st["_files"], st["_bytes"])
 
 
-def big_files(workdir: Path, count: int, size: int, seed: int = 1) -> Dataset:
-    root = workdir / f"files-{count}x{size >> 20}M"
-    params = {"kind": "files", "count": count, "size": size, "seed": seed}
+def _same_size(root: Path, kind: str, name: str, count: int, size: int, seed: int,
+               tag: int) -> Dataset:
+    """``count`` files of ``size`` bytes named ``name.format(i)``, made once under ``root``."""
+    params = {"kind": kind, "count": count, "size": size, "seed": seed}
     full = {**params, "_files": count, "_bytes": count * size}
     if _ready(root, full):
-        return _load("files", root, full)
+        return _load(kind, root, full)
     _fresh(root)
-    w = _Writer(seed, 1)
+    w = _Writer(seed, tag)
     rnd = random.Random(seed)
     for i in range(count):
-        w.write(root / f"seq.{i}", i, size, rnd)
-    return _finish(root, full, count, count * size, "files")
+        w.write(root / name.format(i), i, size, rnd)
+    return _finish(root, full, count, count * size, kind)
+
+
+def big_files(workdir: Path, count: int, size: int, seed: int = 1) -> Dataset:
+    return _same_size(workdir / f"files-{count}x{size >> 20}M", "files", "seq.{}", count, size,
+                      seed, 1)
 
 
 def imagenet(workdir: Path, files: int, dirs: int = 16, mean: int = 110_000, seed: int = 2) -> Dataset:
@@ -144,17 +150,8 @@ def imagenet(workdir: Path, files: int, dirs: int = 16, mean: int = 110_000, see
 
 
 def shards(workdir: Path, count: int, size: int, seed: int = 3) -> Dataset:
-    root = workdir / f"shards-{count}x{size >> 20}M"
-    params = {"kind": "shards", "count": count, "size": size, "seed": seed}
-    full = {**params, "_files": count, "_bytes": count * size}
-    if _ready(root, full):
-        return _load("shards", root, full)
-    _fresh(root)
-    w = _Writer(seed, 3)
-    rnd = random.Random(seed)
-    for i in range(count):
-        w.write(root / f"shard-{i}.tar", i, size, rnd)
-    return _finish(root, full, count, count * size, "shards")
+    return _same_size(workdir / f"shards-{count}x{size >> 20}M", "shards", "shard-{}.tar", count,
+                      size, seed, 3)
 
 
 def bigdir(workdir: Path, entries: int) -> Dataset:
