@@ -20,9 +20,10 @@ or its lease has expired and placement no longer names it).
 Buffers: a whole chunk lands in a slot of :class:`~.landing.Landing`, and once verified
 that slot *is* the chunk the memory tier keeps (no copy; the slot is reused when the
 last view of it is gone). A small file's extent (and a chunk when every landing slot
-is held) lands in one of ``nbuf`` staging slots and is copied out as ``bytes``. Cancellation: a cancelled read keeps its slot until the READ has
-completed (vRDMA owns the buffer until its completion), which ``VQP.read`` guarantees
-by shielding the wait for the completion.
+is held) lands in one of ``nbuf`` staging slots and is copied out as ``bytes``.
+Cancellation: a cancelled read keeps its slot until the READ has completed (vRDMA owns
+the buffer until its completion), which ``VQP.read`` guarantees by shielding the wait
+for the completion.
 """
 from __future__ import annotations
 
@@ -207,8 +208,8 @@ class Peers:
                 if xxhash.xxh3_128_digest(dst.view[at:at + want]) == digest:
                     if landing is None:
                         return self.buf.read(want, base)
-                    data, landing = self.landing.keep(landing, want), None
-                    return data
+                    kept, landing = landing, None      # owned by the view now: not given back
+                    return self.landing.keep(kept, want)
                 self.counters.checksum_retries += 1    # raced an eviction: look again
                 log.info("chunk %s from %s failed its checksum (attempt %d)", key.hex()[:12],
                          rec.node, attempt + 1)
