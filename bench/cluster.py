@@ -335,9 +335,9 @@ def seq_read(root: Path, paths: Sequence[str], workers: int = 4, seconds: float 
     """``workers`` threads, each reading its share of ``paths`` whole and in order with
     ``block``-sized reads (the GIL is released in every read). With ``seconds`` they
     go round again until that long has passed, dropping each file's cached pages before
-    every later pass, so a NIC flap falls inside the run. A failed read is counted, not raised: the
-    error count and the longest gap between two read completions (any reader) are
-    figures of the run."""
+    every later pass, so a NIC flap falls inside the run. A failed read is counted, not
+    raised: the error count and the longest gap between two read completions (any
+    reader) are figures of the run."""
     lock = threading.Lock()
     state = {"bytes": 0, "errors": 0, "last": 0.0, "gap": 0.0, "passes": 0}
     deadline = time.perf_counter() + seconds
