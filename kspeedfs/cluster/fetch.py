@@ -2,7 +2,8 @@
 
     read_chunk(k):
       for node in placement.reader_order(key):     local node first, then score order
-          READ its index bucket (256 B)            arena.find_in_bucket → (slot, length)
+          READ its index bucket (256 B)            arena.find_in_bucket → (slot, length);
+                                                   skipped when a hint remembers the slot
           READ the slot                            one READ of up to slot_size bytes
           xxh3-128 == key?  → done                 the checksum (key = content digest)
           missing?          → RPC "load" to the owner (it fetches from another replica
@@ -16,6 +17,13 @@ READ on another path); a whole peer dying surfaces as ``PeerUnreachable`` after
 ``cluster.peer_timeout`` with all paths dead, and we move to the next replica. A node
 that was unreachable is skipped for ``SKIP`` seconds, then tried again (it may be back,
 or its lease has expired and placement no longer names it).
+
+Slot hints: where a chunk sat in a node's arena (found by an earlier bucket READ and
+verified) is remembered, so the next READ of that chunk, or of another small file
+packed in it, goes straight to the slot: one round trip instead of two. A hint can go
+stale (the node evicted the chunk and reused the slot); the checksum catches that,
+the hint is dropped and the bucket is READ as before. Hints are keyed by the node's
+incarnation, so a restarted node's arena is never addressed through old hints.
 
 Buffers: a whole chunk lands in a slot of :class:`~.landing.Landing`, and once verified
 that slot *is* the chunk the memory tier keeps (no copy; the slot is reused when the
@@ -48,6 +56,7 @@ from .rpc import RpcClient, RpcUnavailable
 log = logging.getLogger(__name__)
 
 SKIP = 2.0      # seconds an unreachable node is skipped before it is tried again
+HINTS = 1 << 16  # slot hints kept (a few MB; 256 GiB of 4 MiB chunks)
 
 
 @dataclass
@@ -59,6 +68,8 @@ class PeerCounters:
     loads_requested: int = 0         # misses the owner was asked to fill
     misses: int = 0                  # no replica could provide the chunk → source
     checksum_retries: int = 0        # bytes that failed verification (raced an eviction)
+    hinted: int = 0                  # READs that went straight to a remembered slot
+    stale_hints: int = 0             # ... and found another chunk there (then the bucket)
     unreachable: int = 0             # PeerUnreachable / RpcUnavailable seen
     longest_stall: float = 0.0       # longest time one chunk spent on failed replicas, s
     per_peer: Counter[str] = field(default_factory=Counter)   # node → bytes served
@@ -67,6 +78,7 @@ class PeerCounters:
         return {"peer_hits": self.hits, "peer_bytes": self.bytes,
                 "peer_loads_requested": self.loads_requested, "peer_misses": self.misses,
                 "peer_checksum_retries": self.checksum_retries,
+                "peer_hinted_reads": self.hinted, "peer_stale_hints": self.stale_hints,
                 "peer_unreachable": self.unreachable,
                 "peer_longest_stall_ms": round(self.longest_stall * 1e3, 1),
                 "per_peer_bytes": dict(self.per_peer)}
@@ -96,6 +108,7 @@ class Peers:
         self._connecting: dict[str, trio.Event] = {}
         self._rpc: dict[str, RpcClient] = {}
         self._skip_until: dict[str, float] = {}
+        self._hints: dict[tuple[str, float, bytes], int] = {}   # (node, started, key) → slot
         self.counters = PeerCounters()
 
     # -- connections ----------------------------------------------------------------------
@@ -194,31 +207,49 @@ class Peers:
         await self._slot_free.acquire()
         slot = self._free.pop()
         landing = self.landing.take() if part is None else None
+        hint_key = (rec.node, rec.started, key)
         try:
             base = slot * self.slot_size
             dst, at = landing if landing is not None else (self.buf, base)
-            for attempt in (0, 1):
-                b = bucket_of(key, rec.nbuckets)
-                await vqp.read(self.buf, base, "index", BUCKET_BYTES, b * BUCKET_BYTES)
-                found = find_in_bucket(self.buf.view[base:base + BUCKET_BYTES], key)
-                if found is None or found[1] != length:
-                    return None
-                rslot, _ = found
+            rslot = self._hints.get(hint_key)
+            for _ in range(2 + (rslot is not None)):   # a stale hint, then twice the bucket
+                hinted = rslot is not None
+                if hinted:
+                    self.counters.hinted += 1
+                else:
+                    b = bucket_of(key, rec.nbuckets)
+                    await vqp.read(self.buf, base, "index", BUCKET_BYTES, b * BUCKET_BYTES)
+                    found = find_in_bucket(self.buf.view[base:base + BUCKET_BYTES], key)
+                    if found is None or found[1] != length:
+                        return None
+                    rslot = found[0]
                 await vqp.read(dst, at, "arena", want, rslot * rec.slot_size + off)
                 if xxhash.xxh3_128_digest(dst.view[at:at + want]) == digest:
+                    self._hint(hint_key, rslot)
                     if landing is None:
                         return self.buf.read(want, base)
                     kept, landing = landing, None      # owned by the view now: not given back
                     return self.landing.keep(kept, want)
-                self.counters.checksum_retries += 1    # raced an eviction: look again
-                log.info("chunk %s from %s failed its checksum (attempt %d)", key.hex()[:12],
-                         rec.node, attempt + 1)
+                if hinted:                             # the slot holds another chunk now
+                    self.counters.stale_hints += 1
+                    self._hints.pop(hint_key, None)
+                else:
+                    self.counters.checksum_retries += 1    # raced an eviction: look again
+                    log.info("chunk %s from %s failed its checksum; looking again",
+                             key.hex()[:12], rec.node)
+                rslot = None
             return None
         finally:
             if landing is not None:
                 self.landing.give(landing)
             self._free.append(slot)
             self._slot_free.release()
+
+    def _hint(self, hint_key: tuple[str, float, bytes], rslot: int) -> None:
+        """Remember a verified slot; the oldest hint goes when the table is full."""
+        if len(self._hints) >= HINTS:
+            del self._hints[next(iter(self._hints))]
+        self._hints[hint_key] = rslot
 
     def statistics(self) -> dict[str, Any]:
         out = self.counters.snapshot()
