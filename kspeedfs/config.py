@@ -174,6 +174,8 @@ class ClusterConfig:
     preload_workers: int = _opt(4, "node: chunks loaded concurrently by preload/re-replication")
     hb_interval: float = _opt(0.010, "vRDMA heartbeat interval per path, s")
     hb_miss: int = _opt(5, "heartbeats missed before a path is DOWN (detection ~ miss x interval)")
+    hb_idle_interval: float = _opt(0.100, "heartbeat interval of a peer connection with no READ "
+                                   "for 1 s, s (the next READ restores hb_interval at once)")
     peer_timeout: float = _opt(0.5, "all paths to a peer dead this long -> try the next replica, s")
 
     def validate(self) -> None:
@@ -187,6 +189,9 @@ class ClusterConfig:
         if self.lease_ttl < 1:
             raise ConfigError(f"cluster.lease_ttl: {self.lease_ttl} must be >= 1")
         _positive("cluster.hb_interval", self.hb_interval)
+        if self.hb_idle_interval < self.hb_interval:
+            raise ConfigError(f"cluster.hb_idle_interval: {self.hb_idle_interval} must be >= "
+                              f"cluster.hb_interval ({self.hb_interval})")
         _positive("cluster.peer_timeout", self.peer_timeout)
         if self.hb_miss < 2:
             raise ConfigError(f"cluster.hb_miss: {self.hb_miss} must be >= 2")

@@ -79,7 +79,8 @@ class NodeCounters:
 def heartbeat_config(cfg: Config) -> HeartbeatConfig:
     c = cfg.cluster
     return HeartbeatConfig(interval=c.hb_interval, miss_threshold=c.hb_miss,
-                           suspect_after=min(2, c.hb_miss), unreachable_grace=c.peer_timeout)
+                           suspect_after=min(2, c.hb_miss), unreachable_grace=c.peer_timeout,
+                           idle_interval=c.hb_idle_interval)
 
 
 class Node:

@@ -57,6 +57,17 @@ path is not declared dead by a late tick (a false DOWN costs a rebuild, not data
 costs it on every path at once).  Cost: 100 probes/s per path of 8 bytes -- negligible for
 a handful of peers; for hundreds of peers raise ``I`` (detection scales linearly).
 
+Idle virtual QPs probe slowly.  A vQP with no data READ for ``idle_after`` (and none in
+flight or waiting) ticks and probes every ``idle_interval`` (default 100 ms) instead of
+every ``I``.  Measured before this: three idle nodes of the netns test-bed, each holding
+vQPs to the other two, spent 8–11 % of a core apiece on probes and monitor ticks, a
+third of a 2-vCPU machine doing nothing.  Detection on an idle vQP is the same verdict
+(silence *and* an overdue probe), reached at the first idle tick after the probe is
+overdue: ≤ ``2·idle_interval``.  Nobody waits on it: the first READ after an idle spell
+wakes the monitor at once, which probes every path then and ticks every ``I`` from
+there on, so a path that died while idle is DOWN within ``(M-1)·I`` + a tick of that
+READ being posted, and the READ is re-posted as usual (its stall is bounded as above).
+
 The transport timeout of the QPs (``qp_timeout_ms`` × (``retry_cnt``+1), default 250 ms ×
 4 on soft; verbs exponent 16 ≈ 268 ms × 4) is only the backstop: heartbeats (or a reset TCP
 connection on soft, or an error WC) decide first.  It is deliberately loose (~1 s): the
@@ -80,6 +91,9 @@ class HeartbeatConfig:
     interval: float = 0.010
     miss_threshold: int = 5
     suspect_after: int = 2
+    #: a vQP with no data READ for ``idle_after`` s ticks and probes every ``idle_interval``
+    idle_interval: float = 0.100
+    idle_after: float = 1.0
     #: all paths dead for this long → pending and new READs get PeerUnreachable
     unreachable_grace: float = 0.25
     #: a READ parked because no path is UP (paths flapping, rebuilding) fails with
@@ -105,6 +119,9 @@ class HeartbeatConfig:
     def __post_init__(self) -> None:
         if self.interval <= 0:
             raise ValueError(f"interval={self.interval}: must be > 0")
+        if self.idle_interval < self.interval:
+            raise ValueError(f"idle_interval={self.idle_interval}: must be >= interval "
+                             f"({self.interval})")
         if not 1 <= self.suspect_after <= self.miss_threshold:
             raise ValueError(f"need 1 <= suspect_after ({self.suspect_after}) <= "
                              f"miss_threshold ({self.miss_threshold})")

@@ -12,7 +12,7 @@ The request path, top to bottom::
     _consume(path)  (one task per CQ, dispatch by wr_id)
         SUCCESS      ─► op done; the path is alive (traffic is a heartbeat)
         error / flush ─► path DOWN (QP → ERR, every other WR flushes), op ─► _dispatch again
-    _monitor()  (every heartbeat interval)
+    _monitor()  (every heartbeat interval; every idle_interval on an idle vQP)
         probes, SUSPECT/DOWN verdicts, starts rebuilds, fails waiters with PeerUnreachable
     _rebuild(path)  (background, per path) RESET → INIT → RTR → RTS against a fresh peer QP
 
@@ -136,6 +136,8 @@ class VQP:
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
         self._finished = trio.Event()
+        self._last_read = now                 # last data READ posted (idle heartbeats)
+        self._wake = trio.Event()             # set by the first READ after an idle spell
         self.reads_ok = self.failed_over = self.unreachable = 0
 
     # ------------------------------------------------------------------ peer info
@@ -261,6 +263,9 @@ class VQP:
                 and now - self._all_dead_since >= self.cfg.unreachable_grace):
             self.unreachable += 1
             raise self._unreachable(now)
+        if now - self._last_read >= self.cfg.idle_after:
+            self._wake.set()                  # the monitor back to every interval, now
+        self._last_read = now
         op = _Read(local_vmr, local_off, rm, off, length, now)
         self._dispatch(op)
         try:
@@ -464,7 +469,17 @@ class VQP:
                                              name=f"vqp{self.id}-rebuild{p.id}")
             self._update_reachability(now)
             self._expire(now)
-            await trio.sleep(iv)
+            if self._idle(now):
+                with trio.move_on_after(self.cfg.idle_interval):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+            else:
+                await trio.sleep(iv)
+
+    def _idle(self, now: float) -> bool:
+        """No data READ for ``idle_after``, none in flight or waiting: probe slowly."""
+        return (now - self._last_read >= self.cfg.idle_after and not self._waiting
+                and not any(p.data_inflight for p in self.paths))
 
     def _probe(self, path: Path, now: float) -> None:
         rc = self.remote_control.get(path.remote_nic)

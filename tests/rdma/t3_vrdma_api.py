@@ -246,6 +246,34 @@ async def test_more_reads_than_queue_slots_all_complete(server: Any, client: End
     assert vqp.statistics().reads_ok == n
 
 
+async def test_an_idle_vqp_probes_slowly_until_the_next_read(server: Any) -> None:
+    """No READ for ``idle_after``: probes every ``idle_interval`` (10/s, not 100/s); the
+    next READ wakes the monitor at once and probing is back to every ``interval``."""
+    srv, port = server
+    cfg = HeartbeatConfig(connect_timeout=5.0, unreachable_grace=3.0, interval=0.01,
+                          idle_interval=0.1, idle_after=0.3)
+    async with Endpoint(SECRET, node="A", addrs=[LO], cfg=cfg) as ep:
+        vqp = await ep.connect([LO], port)
+        buf = ep.alloc(4096)
+        rm = vqp.remote_mr("data")
+
+        def beats() -> int:
+            return sum(p.heartbeats_ok for p in vqp.statistics().paths)
+
+        await vqp.read(buf, 0, rm, 4096)
+        await trio.sleep(0.5)                              # idle from 0.3 s on
+        h0 = beats()
+        await trio.sleep(1.0)
+        idle = beats() - h0
+        assert 3 <= idle <= 15, f"{idle} probes in 1 s idle (every 100 ms: ~10)"
+        h1 = beats()
+        await vqp.read(buf, 0, rm, 4096)
+        await trio.sleep(0.25)
+        busy = beats() - h1
+        assert busy >= 8, f"{busy} probes in 0.25 s after a READ (every 10 ms: ~25)"
+        assert buf.read(4096) == srv.exports["data"].read(4096)
+
+
 async def test_hostile_connection_racing_the_client_reads_nothing(
         server: Any, client: Endpoint) -> None:
     """Soft wire level: an attacker who learned a served QP's number, the client's QPN and
