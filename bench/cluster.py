@@ -291,6 +291,9 @@ class PeersTarget(Target):
         if self.flapper:
             self.flapper.start()
 
+    def daemon(self) -> int | None:
+        return daemon_pid(self.mp) if self.mp is not None else None
+
     def finish(self) -> None:
         if self.flapper:
             self.flapper.stop()

@@ -61,7 +61,7 @@ class Results:
                 if v:
                     row["targets"][t] = {"median": statistics.median(v), "min": min(v), "max": max(v),
                                          "n": len(v)}
-                    for k in ("daemon_cpu_%", "daemon_cpu_s_per_GB"):
+                    for k in ("daemon_cpu_%", "daemon_cpu_s_per_GB", "host_cpu_s_per_GB"):
                         cpu = [r.figures[k] for r in self.runs if r.workload == wl
                                and r.case == case and r.target == t and k in r.figures]
                         if cpu:
@@ -87,6 +87,8 @@ class Results:
                 cpu = f"   daemon CPU {s['daemon_cpu_%']:.0f}%" if "daemon_cpu_%" in s else ""
                 if "daemon_cpu_s_per_GB" in s:
                     cpu += f", {s['daemon_cpu_s_per_GB']:.2f} s/GB"
+                if "host_cpu_s_per_GB" in s:
+                    cpu += f"   machine {s['host_cpu_s_per_GB']:.2f} CPU-s/GB"
                 lines.append(f"    {t:<34} {_fmt(s['median']):>10}   [{_fmt(s['min'])} .. {_fmt(s['max'])}]{cpu}")
             for name, s in row["ratios"].items():
                 lines.append(f"    ratio {name:<40} {s['median']:6.2f}   [{s['min']:.2f} .. {s['max']:.2f}]")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import workloads as W
 from .results import Results, Run
-from .system import Mounts, REPO, process_cpu
+from .system import Mounts, REPO, machine_cpu, process_cpu
 from .targets import build_ramfs_c, fuse_knobs
 
 log = logging.getLogger("bench")
@@ -116,9 +116,13 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                         t.prepare()
                         before = t.stats()
                         pid = t.daemon()
-                        cpu0, wall0 = process_cpu(pid), time.monotonic()
+                        cpu0, host0, wall0 = process_cpu(pid), machine_cpu(), time.monotonic()
                         figures = case.run(t.path)
-                        cpu1, wall = process_cpu(pid), time.monotonic() - wall0
+                        cpu1, host1, wall = process_cpu(pid), machine_cpu(), time.monotonic() - wall0
+                        # the whole machine: what a target costs beyond its own daemon
+                        # (peers, the network stack, the readers) shows up here
+                        if figures.get("bytes"):
+                            figures["host_cpu_s_per_GB"] = (host1 - host0) / (figures["bytes"] / 1e9)
                         if cpu0 is not None and cpu1 is not None:
                             # the daemon's share of the machine while the case ran (on 2
                             # vCPUs its cost is what the readers compete with); 10 ms ticks,

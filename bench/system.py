@@ -131,6 +131,16 @@ def process_cpu(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
 
 
+def machine_cpu() -> float:
+    """CPU seconds every CPU of the machine has spent busy (not idle or iowait) since
+    boot: the delta over a case is the whole cost of serving it, readers, daemons,
+    peers and the kernel's network stack included."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    ticks = [int(x) for x in fields[:8]]          # user nice system idle iowait irq softirq steal
+    busy = sum(ticks) - ticks[3] - ticks[4] - ticks[7]
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 def run_fio(job: str, env: dict[str, str], extra: Sequence[str] = ()) -> dict:
     """Run ``bench/fio/<job>`` read-only; the summed read figures of all jobs."""
     cmd = ["fio", "--readonly", "--output-format=json", *extra, str(FIO_DIR / job)]
