@@ -65,7 +65,7 @@ _PERF_CLIENT = (
     "from rdma import perf\n"
     "mode, addr, port, size, qd, secs = sys.argv[1:]\n"
     "if mode == 'tcp':\n"
-    "    r = perf.run_tcp(addr, int(port), int(size), float(secs))\n"
+    "    r = perf.run_tcp(addr, int(port), int(size), float(secs), int(qd))\n"
     "else:\n"
     "    r = perf.run_rdma('soft', addr, int(port), perf.local_addr_for(addr), int(size),"
     " int(qd), float(secs))\n"

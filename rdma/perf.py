@@ -10,9 +10,14 @@ addresses, measured back to back so both see the same machine load::
 
 The server owns one MR (``--mr-size``) and, per client, one QP; a small JSON-lines control
 connection swaps ConnInfo and the MR's (addr, rkey, length).  On that same control
-connection a ``tcp`` request makes the server stream ``--duration`` seconds of data from
-a buffer with ``sendall`` while the client ``recv_into``s a buffer of ``--size`` bytes: one
-TCP stream, one copy per side, the same work a soft READ does minus the protocol.
+connection a ``tcp`` request makes the server stream ``--duration`` seconds of data with
+``sendall`` while the client ``recv_into``s buffers of ``--size`` bytes: one TCP stream,
+one copy per side, the same work a soft READ does minus the protocol.  The two sides
+touch the same memory as the READs do: the server sends ``--size`` pieces from rotating
+offsets of a buffer as long as its MR, and the client fills ``--qd`` buffers in turn, as
+READs land in ``--qd`` slots.  (Recycling one buffer per side kept a 1 MiB stream in
+the L2 cache, while 8 READ slots of 1 MiB are not: that baseline ran 1.5× faster at
+1 MiB than at 4 MiB or 128 KiB, for reasons that had nothing to do with the protocol.)
 
 ``--cq-mod N`` moderates the client's CQ (one wake-up per N completions, 100 µs cap) and
 freed slots are reposted with one ``post_send`` (one request packet), as perftest's
@@ -104,7 +109,7 @@ class Server:
             if req is None:
                 return
             if req["mode"] == "tcp":
-                self._stream(conn, req["size"], req["duration"], cpu0)
+                self._stream(conn, req["size"], req["duration"], self.mr.length)
                 return
             if req["mode"] == "cpu":  # process CPU so far: the client diffs two readings
                 _send_json(conn, {"cpu_s": cpu_seconds()})
@@ -134,12 +139,18 @@ class Server:
             conn.close()
 
     @staticmethod
-    def _stream(conn: socket.socket, size: int, duration: float, cpu0: float) -> None:
-        buf = memoryview(bytearray(os.urandom(min(size, 1 << 16)) * (size // (1 << 16) + 1))[:size])
+    def _stream(conn: socket.socket, size: int, duration: float, span: int) -> None:
+        """``size`` pieces from rotating offsets of a ``span``-long buffer (as READs
+        rotate over the MR) until ``duration`` has passed."""
+        pieces = max(1, span // size)
+        buf = memoryview(bytearray(os.urandom(1 << 16)) * (pieces * size // (1 << 16) + 1))
         end = time.monotonic() + duration
+        n = 0
         try:
             while time.monotonic() < end:
-                conn.sendall(buf)
+                off = (n % pieces) * size
+                conn.sendall(buf[off:off + size])
+                n += 1
         except OSError:
             return
         conn.shutdown(socket.SHUT_WR)
@@ -312,27 +323,32 @@ def run_rdma(provider: str, server: str, port: int, local: str, size: int, qd: i
         ctx.close()
 
 
-def run_tcp(server: str, port: int, size: int, duration: float) -> Result:
+def run_tcp(server: str, port: int, size: int, duration: float, qd: int = 1) -> Result:
+    """One TCP stream from the server, received into ``qd`` buffers of ``size`` in turn
+    (each filled before the next, as READs fill their slots)."""
     scpu0 = server_cpu(server, port)
     ctl = socket.create_connection((server, port), timeout=30)
     try:
         _send_json(ctl, {"mode": "tcp", "size": size, "duration": duration})
-        buf = memoryview(bytearray(size))
-        total = 0
+        bufs = [memoryview(bytearray(size)) for _ in range(max(1, qd))]
+        total = at = slot = 0
         cpu0 = cpu_seconds()
         t0 = time.perf_counter()
         while True:
-            n = ctl.recv_into(buf)
+            n = ctl.recv_into(bufs[slot][at:])
             if n == 0:
                 break
             total += n
+            at += n
+            if at == size:
+                at, slot = 0, (slot + 1) % len(bufs)
         elapsed = time.perf_counter() - t0
         cpu = cpu_seconds() - cpu0
     finally:
         ctl.close()
     scpu = server_cpu(server, port) - scpu0
     gb = total / 1e9
-    return Result("tcp", size, 1, elapsed, total // size, total, gb / elapsed,
+    return Result("tcp", size, len(bufs), elapsed, total // size, total, gb / elapsed,
                   total / size / elapsed, client_cpu_s_per_gb=cpu / gb if gb else None,
                   server_cpu_s_per_gb=scpu / gb if gb else None)
 
@@ -350,7 +366,7 @@ def run_client(args: argparse.Namespace) -> int:
             return 3
         print(results[-1].line(), flush=True)
         if args.tcp_baseline:
-            results.append(run_tcp(args.addr, args.port, args.size, args.duration))
+            results.append(run_tcp(args.addr, args.port, args.size, args.duration, args.qd))
             print(results[-1].line(), flush=True)
     if args.tcp_baseline:
         rd = sum(r.gbytes_per_s for r in results if r.mode == "rdma")
