@@ -254,5 +254,7 @@ class Peers:
     def statistics(self) -> dict[str, Any]:
         out = self.counters.snapshot()
         out.update(self.landing.statistics())
-        out["vqps"] = {n: v.statistics().state for n, (_, v) in self._vqps.items()}
+        vqps = {n: v.statistics() for n, (_, v) in self._vqps.items()}
+        out["vqps"] = {n: st.state for n, st in vqps.items()}
+        out["peer_heartbeats"] = sum(p.heartbeats_ok for st in vqps.values() for p in st.paths)
         return out

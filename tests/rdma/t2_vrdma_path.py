@@ -83,6 +83,40 @@ def test_detection_within_computed_bounds(fail_at: float, rtt: float, interval: 
     assert lo - 1e-9 <= declared - fail_at <= hi + interval + 1e-9
 
 
+@given(fail_at=st.floats(0.05, 2.0), rtt=st.floats(0.0001, 0.004),
+       interval=st.sampled_from([0.005, 0.010, 0.020]), misses=st.integers(2, 8),
+       gap=st.floats(0.0002, 0.002))
+def test_a_busy_path_is_not_probed_and_detection_keeps_its_bounds(
+        fail_at: float, rtt: float, interval: float, misses: int, gap: float) -> None:
+    """Data READs complete every ``gap`` (< interval/2) until the path dies: no probe
+    goes out while they do, and DOWN still comes within the computed bounds."""
+    cfg = HeartbeatConfig(interval=interval, miss_threshold=misses, suspect_after=1)
+    m = PathMachine(0, cfg, 0.0)
+    _up(m, 0.0)
+    now, probe_done_at, probes_before_failure = 0.0, None, 0
+    data_t = gap
+    while True:
+        now += cfg.interval
+        while data_t <= now and data_t < fail_at:       # traffic since the last tick
+            m.live.data_ok(data_t)
+            m.ok(data_t)
+            data_t += gap
+        if probe_done_at is not None and probe_done_at <= now:
+            m.ok(probe_done_at)
+            m.live.probe_done()
+            probe_done_at = None
+        t = m.tick(now)
+        if t is not None and t.new is PathState.DOWN:
+            break
+        if m.live.want_probe(now):
+            probes_before_failure += now < fail_at - cfg.interval
+            m.live.probe_posted(now)
+            probe_done_at = now + rtt if now + rtt < fail_at else None
+    assert probes_before_failure == 0
+    lo, hi = cfg.detection_bounds(rtt)
+    assert lo - 1e-9 <= now - fail_at <= hi + interval + 1e-9
+
+
 def test_error_wc_is_immediate_and_rebuild_rejoins_on_heartbeat() -> None:
     m = PathMachine(0, CFG, 0.0)
     _up(m, 0.0)
