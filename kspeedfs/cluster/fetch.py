@@ -56,7 +56,7 @@ from .rpc import RpcClient, RpcUnavailable
 log = logging.getLogger(__name__)
 
 SKIP = 2.0      # seconds an unreachable node is skipped before it is tried again
-HINTS = 1 << 16  # slot hints kept (a few MB; 256 GiB of 4 MiB chunks)
+HINTS = 1 << 14  # slot hints kept (~180 B each, 3 MB: 64 GiB of 4 MiB chunks)
 
 
 @dataclass
