@@ -51,7 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "B:kspeedfs-cold/-warm, interleaved with the others; ratios B / A")
     p.add_argument("--kspeedfs-rev", metavar="REV",
                    help="benchmark kspeedfs as committed at REV (git archive into WORKDIR), "
-                        "not the working tree: a stable subject while others edit the checkout")
+                        "not the working tree: a stable subject while others edit the checkout "
+                        "(single-node targets only: the transport and cluster workloads run "
+                        "the checkout's nodes and mounts; results.json says so)")
     p.add_argument("--kspeedfs-tree", metavar="DIR",
                    help="benchmark the kspeedfs package found in DIR (DIR/kspeedfs/...), e.g. a "
                         "patched copy, to measure a proposed fix against the same baselines")
@@ -73,6 +75,8 @@ def _meta(args: argparse.Namespace, scale: W.Scale, names: list[str]) -> dict:
         "scale": scale.name, "reps": scale.reps, "sizes": scale.__dict__, "workloads": names,
         "git": sh("git", "rev-parse", "--short", "HEAD"), "kernel": platform.release(),
         "kspeedfs": args.kspeedfs_tree or args.kspeedfs_rev or "working tree", "ab_tree": args.ab_tree,
+        # netns nodes and mounts run `python -m kspeedfs.cli.app` from the checkout
+        "cluster_kspeedfs": "working tree " + sh("git", "describe", "--always", "--dirty"),
         "cpus": os.cpu_count(),
         "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "fio": sh("fio", "--version"), "fuse_knobs": knobs.__dict__,
@@ -188,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                          runtime=args.runtime or 0,
                          seq_size=parse_size(args.seq_size) if args.seq_size else 0)
     names = W.expand(args.workload or (W.DEFAULT_QUICK if scale.name == "quick" else W.DEFAULT_FULL))
+    if (args.kspeedfs_rev or args.kspeedfs_tree) and set(names) & set(W.GROUPS["cluster-all"]):
+        log.warning("--kspeedfs-rev/--kspeedfs-tree apply to the single-node targets only: the "
+                    "transport and cluster workloads run the checkout's kspeedfs and rdma")
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
