@@ -6,6 +6,14 @@ read is retried once (a torn read from NFS, a flaky disk); if the source still d
 not match, the file changed after import and only a re-import can fix it:
 :class:`SourceChanged`, which the reader turns into EIO with that message.
 
+The source's pages are dropped from the page cache once read (``POSIX_FADV_DONTNEED``):
+the bytes now live in the memory tier (and the mount's own page cache), so keeping the
+source's copy too would hold every cold byte three times. Measured with 13 GB of the
+machine's 23 GiB held elsewhere, a cold 4 GiB read by 4 readers: 161–355 MB/s with the
+daemon's CPU going to reclaim (10–22 CPU-s) when the source's pages stayed, 842–1,386
+MB/s (2–4 CPU-s) when dropped; 1.7 GB/s with memory to spare. (The kernel drops whole
+folios only: a range inside a large folio stays, which 4 MiB chunks rarely are.)
+
 Blocking: ``load`` runs in a worker thread.
 """
 from __future__ import annotations
@@ -45,6 +53,7 @@ class Origin:
             return f"cannot be opened ({err.strerror})"
         try:
             got = os.preadv(fd, [part], e.file_offset)
+            os.posix_fadvise(fd, e.file_offset, e.length, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
         if got != e.length:

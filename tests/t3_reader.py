@@ -3,6 +3,8 @@ prefetch, bounded memory."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,31 @@ async def test_changed_source_raises_with_the_file_name(dataset) -> None:
             await r.read(entry, 0, 10)
         ok = ix.lookup(0, b"s04")
         assert await r.read(ok, 0, 3004) == (src / "s04").read_bytes()
+
+
+def _resident(path: Path) -> int:
+    out = subprocess.run(["fincore", "-b", "-n", "-o", "RES", str(path)], capture_output=True,
+                         text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+def test_source_pages_are_dropped_once_read(dataset) -> None:
+    """A chunk read from the source leaves no copy in the page cache: the memory tier
+    holds it now (a third copy next to the mount's own pages is what made cold reads
+    crawl under memory pressure). Checked on the small files, each one extent: the
+    kernel drops whole folios only, and this test's 64 KiB chunks of ``big`` lie inside
+    the large folios its one big write made (kspeedfs's 4 MiB chunks cover them)."""
+    src, ix, _ = dataset
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(src)], capture_output=True, text=True).stdout
+    if shutil.which("fincore") is None or fs.strip() == "tmpfs":
+        pytest.skip("needs fincore and a source on a disk filesystem (tmpfs pages stay)")
+    small = sorted(src.glob("s*"))
+    os.sync()                                          # written pages are clean, still cached
+    assert sum(_resident(p) for p in small) > 0
+    origin = Origin(src, ix, "ds")
+    for k in range(ix.chunks):
+        origin.load(k)
+    assert sum(_resident(p) for p in small) == 0
 
 
 def test_missing_source_is_refused_up_front(dataset, tmp_path: Path) -> None:
