@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 
 from . import workloads as W
+from .datasets import Dataset
 from .results import Results, Run
-from .system import Mounts, REPO, machine_cpu, process_cpu
-from .targets import build_ramfs_c, fuse_knobs
+from .system import Mounts, REPO, machine_cpu, mem_available, process_cpu
+from .targets import Target, build_ramfs_c, fuse_knobs
 
 log = logging.getLogger("bench")
 
@@ -95,6 +96,24 @@ def snapshot(rev: str, work: Path) -> Path:
     return dest
 
 
+def _check_memory(name: str, ds: Dataset, targets: list[Target], results: Results) -> None:
+    """Warn when the targets' RAM copies of the dataset plus the page cache a run fills
+    do not fit: reclaim then costs the FUSE daemons CPU and evicts what the cold
+    targets just read, and the figures measure the machine's memory, not the targets
+    (the first full-scale run: 4 GiB datasets held by ramfs-py, ramfs-c and two
+    kspeedfs mounts on 23 GiB; kspeedfs-cold j4 read 147 MB/s there, 1.7 GB/s alone)."""
+    copies = sum(1 for t in targets if t.holds_dataset) + 2    # + source and mount page cache
+    need, have = copies * ds.bytes, mem_available()
+    if have and need > 0.9 * have:
+        msg = (f"{name}: {copies} copies of the {ds.bytes / 1e9:.1f} GB dataset ({need / 1e9:.1f} GB: "
+               f"RAM-held targets and the page cache) against {have / 1e9:.1f} GB available: "
+               f"reclaim will distort the figures, cold ones most (smaller --scale or --seq-size, "
+               f"or --no-c)")
+        log.warning(msg)
+        print(f"   WARNING {msg}", flush=True)
+        results.meta.setdefault("warnings", []).append(msg)
+
+
 def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
     t0 = time.monotonic()
     if wl.needs:
@@ -104,6 +123,7 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
           flush=True)
     targets = wl.targets(ds, ctx)
     names = [t.name for t in targets]
+    _check_memory(wl.name, ds, targets, results)
     sweep_ratios = getattr(wl, "sweep_ratios", None)
     results.ratio_pairs[wl.name] = sweep_ratios(names) if sweep_ratios else \
         [(a, b) for a, b in wl.ratios if a in names and b in names]

@@ -131,6 +131,14 @@ def process_cpu(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
 
 
+def mem_available() -> int:
+    """Bytes the kernel says can be had without swapping (MemAvailable)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def machine_cpu() -> float:
     """CPU seconds every CPU of the machine has spent busy (not idle or iowait) since
     boot: the delta over a case is the whole cost of serving it, readers, daemons,

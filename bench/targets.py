@@ -60,6 +60,8 @@ def fuse_knobs(overrides: dict[str, str] | None = None) -> "object":
 class Target:
     name = "?"
     fuse = False
+    #: keeps a copy of the dataset in RAM while its workload runs (the memory check)
+    holds_dataset = False
 
     def __init__(self, ds: Dataset) -> None:
         self.ds = ds
@@ -133,6 +135,7 @@ class Kspeedfs(Target):
     """kspeedfs through its own CLI, exactly as a user mounts it."""
 
     preload = True      # warm: read the whole dataset through the mount at setup
+    holds_dataset = True    # its memory tier (cold: by the end of a run)
 
     def __init__(self, ds: Dataset, store: KspeedfsStore, warm: bool,
                  settings: dict[str, str] | None = None, label: str = "",
@@ -212,6 +215,8 @@ class Kspeedfs(Target):
 
 class RamFS(Target):
     """bench/ramfs_py.py or bench/ramfs_c.c, run in the foreground as our child."""
+
+    holds_dataset = True
 
     def __init__(self, ds: Dataset, kind: str, binary: Path | None = None,
                  knobs: dict[str, str] | None = None) -> None:
