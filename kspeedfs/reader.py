@@ -86,6 +86,12 @@ class Reader:
         self.chunks_fit = index.chunks * index.chunk_size <= tiers
         self._flights: SingleFlight[Data] = SingleFlight(nursery)
         self._limiter = trio.CapacityLimiter(workers)
+        # Prefetched chunks not read yet, all streams together, are held to half the
+        # memory tier: many sequential readers' windows in a small tier would evict one
+        # another's chunks unread and fetch them again (1.7-2.0x the bytes read, measured
+        # with 4 readers from peers and a 64 MiB tier)
+        self._ahead: set[bytes] = set()
+        self._ahead_max = max(1, memory.capacity // 2 // index.chunk_size)
 
     def statistics(self) -> ReadStatistics:
         return self.counters.snapshot(
@@ -189,6 +195,7 @@ class Reader:
     async def chunk(self, k: int) -> Data:
         """Verified bytes of chunk ``k`` from the nearest tier that has them."""
         key = self.index.chunk_digest(k)
+        self._ahead.discard(key)
         data = self.memory.get(key)
         if data is not None:
             self.counters.add("memory_hits")
@@ -203,12 +210,24 @@ class Reader:
         page-cache push, hand it to the kernel once it is here."""
         key = self.index.chunk_digest(k)
         loading = key not in self.memory and not self._flights.in_flight(key)
+        if loading and not self._room_ahead():
+            self.counters.add("prefetch_skipped")
+            return
         if loading:
             self.counters.add("prefetched")
+            self._ahead.add(key)
         if self.push is not None:
             self.nursery.start_soon(self._push_ahead, entry, k)
         elif loading:
             self._flights.start(key, self._load, k, key)
+
+    def _room_ahead(self) -> bool:
+        """Whether one more chunk may be prefetched: forget the ones evicted unread (or
+        failed) first, so they do not hold the budget."""
+        if len(self._ahead) >= self._ahead_max:
+            self._ahead = {key for key in self._ahead
+                           if key in self.memory or self._flights.in_flight(key)}
+        return len(self._ahead) < self._ahead_max
 
     async def _push_ahead(self, entry: int, k: int) -> None:
         assert self.push is not None

@@ -22,6 +22,7 @@ class ReadStatistics:
     source_bytes: int = 0
     source_extents: int = 0        # small files read alone from the source (dataset > tiers)
     prefetched: int = 0            # chunk loads started by the prefetcher
+    prefetch_skipped: int = 0      # ... not started: half the memory tier already ahead
     pushed_bytes: int = 0          # bytes stored into the kernel page cache ahead of readers
     push_failures: int = 0         # page-cache stores the kernel refused (reader used READ)
     waited_in_flight: int = 0      # requests that joined an in-flight load (single-flight)

@@ -75,6 +75,28 @@ async def test_sequential_reader_gets_prefetch(dataset) -> None:
     assert s.source_loads == 21                      # every chunk loaded exactly once
 
 
+async def test_prefetch_of_all_streams_is_held_to_half_the_memory_tier(dataset) -> None:
+    """Four sequential readers, a tier of 4 chunks, depth 4: without a shared budget
+    their windows (16 chunks) evict one another's chunks unread, and those are loaded
+    again when the reader gets there."""
+    src, ix, big = dataset
+    entry = ix.lookup(0, b"big")
+    quarter = 5 * C
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, memory=4 * C, prefetch=4)
+        streams = [Stream() for _ in range(4)]
+        for step in range(0, quarter, 16 << 10):
+            for i, stream in enumerate(streams):
+                off = i * quarter + step
+                assert await r.read(entry, off, 16 << 10, stream) == big[off:off + (16 << 10)]
+                assert len(r._ahead) <= r._ahead_max == 2
+            await trio.sleep(0)
+        n.cancel_scope.cancel()
+    s = r.statistics()
+    assert s.prefetch_skipped > 0
+    assert s.source_loads <= 30, s                   # 20 chunks read: 22-25; no budget: 39
+
+
 async def test_memory_tier_is_bounded(dataset) -> None:
     src, ix, big = dataset
     entry = ix.lookup(0, b"big")
