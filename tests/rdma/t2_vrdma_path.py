@@ -53,22 +53,31 @@ def _up(m: PathMachine, now: float) -> None:
     assert m.state is PathState.UP
 
 
-def simulate_failure(cfg: HeartbeatConfig, fail_at: float, rtt: float) -> float:
-    """Drive a path with the monitor's schedule (tick + one probe every interval) until it
-    dies at ``fail_at``; return the time DOWN is declared."""
+def simulate_failure(cfg: HeartbeatConfig, fail_at: float, rtt: float,
+                     gap: float | None = None) -> tuple[float, int]:
+    """Drive a path with the monitor's schedule (a tick every interval, a probe when the
+    path wants one) until it dies at ``fail_at``; with ``gap``, data READs complete
+    every ``gap`` until then. Returns the time DOWN is declared and the probes posted
+    more than an interval before the failure."""
     m = PathMachine(0, cfg, 0.0)
     _up(m, 0.0)
-    now, probe_done_at = 0.0, None
+    now, probe_done_at, probes_before_failure = 0.0, None, 0
+    data_t = gap
     while True:
         now += cfg.interval
+        while data_t is not None and data_t <= now and data_t < fail_at:   # traffic since
+            m.live.data_ok(data_t)                                         # the last tick
+            m.ok(data_t)
+            data_t += gap
         if probe_done_at is not None and probe_done_at <= now:
             m.ok(probe_done_at)
             m.live.probe_done()
             probe_done_at = None
         t = m.tick(now)
         if t is not None and t.new is PathState.DOWN:
-            return now
+            return now, probes_before_failure
         if m.live.want_probe(now):
+            probes_before_failure += now < fail_at - cfg.interval
             m.live.probe_posted(now)
             probe_done_at = now + rtt if now + rtt < fail_at else None
 
@@ -78,7 +87,7 @@ def simulate_failure(cfg: HeartbeatConfig, fail_at: float, rtt: float) -> float:
 def test_detection_within_computed_bounds(fail_at: float, rtt: float, interval: float,
                                           misses: int) -> None:
     cfg = HeartbeatConfig(interval=interval, miss_threshold=misses, suspect_after=1)
-    declared = simulate_failure(cfg, fail_at, rtt)
+    declared, _ = simulate_failure(cfg, fail_at, rtt)
     lo, hi = cfg.detection_bounds(rtt)
     assert lo - 1e-9 <= declared - fail_at <= hi + interval + 1e-9
 
@@ -91,30 +100,10 @@ def test_a_busy_path_is_not_probed_and_detection_keeps_its_bounds(
     """Data READs complete every ``gap`` (< interval/2) until the path dies: no probe
     goes out while they do, and DOWN still comes within the computed bounds."""
     cfg = HeartbeatConfig(interval=interval, miss_threshold=misses, suspect_after=1)
-    m = PathMachine(0, cfg, 0.0)
-    _up(m, 0.0)
-    now, probe_done_at, probes_before_failure = 0.0, None, 0
-    data_t = gap
-    while True:
-        now += cfg.interval
-        while data_t <= now and data_t < fail_at:       # traffic since the last tick
-            m.live.data_ok(data_t)
-            m.ok(data_t)
-            data_t += gap
-        if probe_done_at is not None and probe_done_at <= now:
-            m.ok(probe_done_at)
-            m.live.probe_done()
-            probe_done_at = None
-        t = m.tick(now)
-        if t is not None and t.new is PathState.DOWN:
-            break
-        if m.live.want_probe(now):
-            probes_before_failure += now < fail_at - cfg.interval
-            m.live.probe_posted(now)
-            probe_done_at = now + rtt if now + rtt < fail_at else None
+    declared, probes_before_failure = simulate_failure(cfg, fail_at, rtt, gap)
     assert probes_before_failure == 0
     lo, hi = cfg.detection_bounds(rtt)
-    assert lo - 1e-9 <= now - fail_at <= hi + interval + 1e-9
+    assert lo - 1e-9 <= declared - fail_at <= hi + interval + 1e-9
 
 
 def test_error_wc_is_immediate_and_rebuild_rejoins_on_heartbeat() -> None:
