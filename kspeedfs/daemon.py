@@ -108,10 +108,10 @@ async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | 
         local = next((r.node for r in membership.nodes.values() if set(r.nics) & set(ep.nics)), None)
         log.info("cluster: %d nodes (%s), local node %s, R=%d", len(membership.nodes),
                  ", ".join(sorted(membership.nodes)), local, cfg.cluster.replicas)
-        peers = Peers(ep, membership, secret, cfg.cluster.replicas,
-                      max(cfg.cluster.slot_size, index.chunk_size), local_node=local,
+        slot = max(cfg.cluster.slot_size, index.chunk_size)
+        peers = Peers(ep, membership, secret, cfg.cluster.replicas, slot, local_node=local,
                       nbuf=max(8, cfg.fuse.prefetch_chunks * 2),
-                      landing_slots=cfg.cache.memory // max(cfg.cluster.slot_size, index.chunk_size))
+                      landing_slots=cfg.cache.memory // slot)
         try:
             yield peers
         finally:
