@@ -89,6 +89,7 @@ class ImportConfig:
     """How ``kspeedfs import`` lays data out (``manifest/importer.py``)."""
 
     chunk_size: int = _size("4MiB", "fixed chunk size; files smaller than this are packed")
+    block_size: int = _size("128KiB", "unit a random read loads and verifies (manifest/model.py)")
     threads: int = _opt(0, "reader/hasher threads; 0 = 2 x CPUs (hashing releases the GIL)")
 
     def validate(self) -> None:
@@ -96,6 +97,9 @@ class ImportConfig:
             raise ConfigError(
                 f"import.chunk_size: {self.chunk_size} must be a multiple of 4 KiB in 64 KiB..256 MiB"
             )
+        if not 4096 <= self.block_size <= self.chunk_size or self.block_size % 4096:
+            raise ConfigError(f"import.block_size: {self.block_size} must be a multiple of 4 KiB "
+                              f"in 4 KiB..import.chunk_size ({self.chunk_size})")
         if self.threads < 0:
             raise ConfigError(f"import.threads: {self.threads} must be >= 0")
 

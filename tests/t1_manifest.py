@@ -119,6 +119,25 @@ def test_special_files_are_skipped(tmp_path: Path) -> None:
     assert ix.lookup(0, b"fifo") is None and ix.lookup(0, b"real") is not None
 
 
+def test_format_1_manifests_still_load_without_blocks(tmp_path: Path) -> None:
+    """A manifest published before block digests (format 1: no block array, block_size
+    0 in the header) loads, and says it has no blocks."""
+    import zlib
+
+    from kspeedfs.manifest.model import BLOCK_DIGEST_SIZE, HEADER, align8, blocks_per_chunk
+
+    src = make_tree(tmp_path / "src", small_files=20)
+    ix, store = _imported(tmp_path, src)
+    assert ix.block_size == 128 << 10
+    raw = zlib.decompress(store.manifest("ds", 1))
+    fields = list(HEADER.unpack_from(raw, 0))
+    fields[1], fields[-1] = 1, 0
+    blocks = align8(blocks_per_chunk(ix.chunk_size, ix.block_size) * BLOCK_DIGEST_SIZE * ix.chunks)
+    old = ManifestIndex(HEADER.pack(*fields) + raw[HEADER.size:len(raw) - blocks])
+    assert old.block_size == 0 and old.chunks == ix.chunks
+    assert old.chunk_digest(ix.chunks - 1) == ix.chunk_digest(ix.chunks - 1)
+
+
 def test_corrupt_blob_is_refused() -> None:
     with pytest.raises(ManifestCorrupt):
         ManifestIndex.from_blob(b"definitely not zlib")

@@ -14,6 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="directory to import (NFS, Lustre, a local disk, ...)")
     p.add_argument("--name", required=True, help="dataset name")
     p.add_argument("--chunk-size", metavar="SIZE", help="chunk size, e.g. 4MiB (import.chunk_size)")
+    p.add_argument("--block-size", metavar="SIZE",
+                   help="random-read block size, e.g. 128KiB (import.block_size)")
     p.add_argument("--threads", type=int, help="reader/hasher threads (import.threads)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
@@ -56,11 +58,14 @@ def run(args: argparse.Namespace) -> int:
     from ..manifest.store import open_store
 
     cli_logging(args)
-    cfg = load_config(args, **{"import.chunk_size": args.chunk_size, "import.threads": args.threads})
+    cfg = load_config(args, **{"import.chunk_size": args.chunk_size,
+                                 "import.block_size": args.block_size,
+                                 "import.threads": args.threads})
     t0 = time.monotonic()
     with open_store(cfg.store) as store:
         info = import_tree(args.source, args.name, store, cfg.import_.chunk_size, cfg.import_.threads,
-                           progress=None if args.quiet else ProgressLine())
+                           progress=None if args.quiet else ProgressLine(),
+                           block_size=cfg.import_.block_size)
     dt = time.monotonic() - t0
     print(f"imported {info.name} v{info.version}: {info.files:,} files, {info.bytes / 1e6:,.1f} MB, "
           f"{info.chunks:,} chunks of {info.chunk_size >> 20} MiB in {dt:.1f}s "

@@ -9,7 +9,8 @@ Three phases, each over flat arrays so a 10^7-file tree fits comfortably:
 2. **layout**: every regular file gets an offset in the chunked address space
    (``model.Layout.place``); extents and chunk boundaries follow from it.
 3. **hash** (N threads): each task reads one chunk's worth of files with
-   ``preadv`` straight into one buffer and computes the extent and chunk digests.
+   ``preadv`` straight into one buffer and computes the extent, chunk and block
+   digests.
    xxhash releases the GIL on large buffers and file reads do too, so the threads
    overlap source I/O (NFS/Lustre latency) with hashing on every core. A file whose
    size changed since the scan fails the import with its name.
@@ -34,8 +35,8 @@ import xxhash
 
 from ..errors import SourceChanged, SourceError
 from .model import (
-    CHUNK_ARRAYS, DIGEST_SIZE, ENTRY_ARRAYS, FORMAT_VERSION, HEADER, MAGIC, NAME_MAX, Layout,
-    align8,
+    BLOCK_DIGEST_SIZE, CHUNK_ARRAYS, DIGEST_SIZE, ENTRY_ARRAYS, FORMAT_VERSION, HEADER, MAGIC,
+    NAME_MAX, Layout, align8, blocks_per_chunk,
 )
 from .store.base import DatasetInfo, MetadataStore, check_name
 
@@ -136,13 +137,14 @@ def scan(source: bytes, progress: Callable[[int, int], None] | None = None) -> _
 @dataclass
 class _Plan:
     layout: Layout
+    block_size: int
     files: array            # entry index of every non-empty regular file, in layout order
     chunk_len: array
     chunk_first_file: array
     extents: int
 
 
-def plan(tree: _Tree, chunk_size: int) -> _Plan:
+def plan(tree: _Tree, chunk_size: int, block_size: int) -> _Plan:
     """Assign layout offsets, extent indexes and chunk boundaries."""
     layout = Layout(chunk_size)
     files = array("I")
@@ -169,7 +171,7 @@ def plan(tree: _Tree, chunk_size: int) -> _Plan:
                 chunk_first_file[k] = len(files)
             chunk_len[k] = max(chunk_len[k], end)
         files.append(idx)
-    return _Plan(layout, files, chunk_len, chunk_first_file, ext)
+    return _Plan(layout, block_size, files, chunk_len, chunk_first_file, ext)
 
 
 def chunk_extents(tree: _Tree, p: _Plan, k: int) -> Iterator[tuple[int, int, int, int, int]]:
@@ -189,7 +191,8 @@ def chunk_extents(tree: _Tree, p: _Plan, k: int) -> Iterator[tuple[int, int, int
         i += 1
 
 
-def _hash_chunk(source: bytes, tree: _Tree, p: _Plan, k: int) -> tuple[int, bytes, list[tuple[int, bytes]], int]:
+def _hash_chunk(source: bytes, tree: _Tree, p: _Plan, k: int) -> tuple[int, bytes, list[tuple[int, bytes]], bytes, int]:
+    """(k, chunk digest, [(extent index, digest)], block digests, files starting here)."""
     buf = bytearray(p.chunk_len[k])
     view = memoryview(buf)
     digests = []
@@ -209,11 +212,13 @@ def _hash_chunk(source: bytes, tree: _Tree, p: _Plan, k: int) -> tuple[int, byte
         digests.append((ext, xxhash.xxh3_128_digest(view[coff:coff + length])))
         if foff == 0:
             nfiles += 1
-    return k, xxhash.xxh3_128_digest(buf), digests, nfiles
+    B = p.block_size
+    blocks = b"".join(xxhash.xxh3_64_digest(view[o:o + B]) for o in range(0, len(buf), B))
+    return k, xxhash.xxh3_128_digest(buf), digests, blocks, nfiles
 
 
 def encode(tree: _Tree, p: _Plan, ext_digests: bytearray, chunk_digests: bytearray,
-           level: int = 1) -> bytes:
+           block_digests: bytearray, level: int = 1) -> bytes:
     """Serialise to the blob format read by ``index.ManifestIndex.from_blob``."""
     parts: list[bytes] = []
 
@@ -224,7 +229,7 @@ def encode(tree: _Tree, p: _Plan, ext_digests: bytearray, chunk_digests: bytearr
             parts.append(b"\0" * pad)
 
     header = HEADER.pack(MAGIC, FORMAT_VERSION, p.layout.chunk_size, len(tree.mode), len(p.files),
-                         len(p.chunk_len), p.extents, len(tree.names), 0, 0)
+                         len(p.chunk_len), p.extents, len(tree.names), 0, p.block_size)
     put(header)
     for name, _, _ in ENTRY_ARRAYS:
         put(getattr(tree, name).tobytes())
@@ -234,6 +239,7 @@ def encode(tree: _Tree, p: _Plan, ext_digests: bytearray, chunk_digests: bytearr
     put(p.chunk_first_file.tobytes())
     put(ext_digests)
     put(chunk_digests)
+    put(block_digests)
     assert [n for n, _, _ in CHUNK_ARRAYS] == ["chunk_len", "chunk_first_file"]
     return zlib.compress(b"".join(parts), level)
 
@@ -245,6 +251,7 @@ def import_tree(
     chunk_size: int,
     threads: int = 0,
     progress: ProgressFn | None = None,
+    block_size: int = 128 << 10,
 ) -> DatasetInfo:
     """Import ``source`` as the next version of dataset ``name``; returns its info."""
     check_name(name)
@@ -256,7 +263,7 @@ def import_tree(
             progress(ImportProgress(phase, fd, ft, bd, bt, time.monotonic() - t0))
 
     tree = scan(src, lambda n, b: report("scan", n, 0, b, 0))
-    p = plan(tree, chunk_size)
+    p = plan(tree, chunk_size, min(block_size, chunk_size))
     nfiles = sum(1 for m in tree.mode if stat.S_ISREG(m))
     total_bytes = sum(tree.size[i] for i in p.files)
     log.info("scanned %s: %d entries, %d files, %d bytes, %d chunks", os.fsdecode(src),
@@ -264,6 +271,8 @@ def import_tree(
 
     ext_digests = bytearray(DIGEST_SIZE * p.extents)
     chunk_digests = bytearray(DIGEST_SIZE * len(p.chunk_len))
+    stride = blocks_per_chunk(chunk_size, p.block_size) * BLOCK_DIGEST_SIZE
+    block_digests = bytearray(stride * len(p.chunk_len))
     threads = threads or 2 * (os.cpu_count() or 1)
     done_files = nfiles - len(p.files)   # empty files need no reading
     done_bytes = 0
@@ -276,8 +285,9 @@ def import_tree(
             if len(pending) >= window:
                 break
         while pending:
-            k, cd, eds, nf = pending.popleft().result()
+            k, cd, eds, bds, nf = pending.popleft().result()
             chunk_digests[k * DIGEST_SIZE:(k + 1) * DIGEST_SIZE] = cd
+            block_digests[k * stride:k * stride + len(bds)] = bds
             for e, d in eds:
                 ext_digests[e * DIGEST_SIZE:(e + 1) * DIGEST_SIZE] = d
             done_files += nf
@@ -288,7 +298,7 @@ def import_tree(
                 pending.append(pool.submit(_hash_chunk, src, tree, p, nxt))
 
     report("publish", nfiles, nfiles, total_bytes, total_bytes)
-    blob = encode(tree, p, ext_digests, chunk_digests)
+    blob = encode(tree, p, ext_digests, chunk_digests, block_digests)
     info = DatasetInfo(
         name=name, version=0, files=nfiles, entries=len(tree.mode), bytes=total_bytes,
         chunks=len(p.chunk_len), chunk_size=chunk_size, imported_at=0.0,

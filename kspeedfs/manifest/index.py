@@ -17,8 +17,8 @@ from typing import Iterator
 
 from ..errors import ManifestCorrupt
 from .model import (
-    CHUNK_ARRAYS, DIGEST_SIZE, ENTRY_ARRAYS, FORMAT_VERSION, HEADER, MAGIC, Extent, align8,
-    is_dir, is_file, is_symlink,
+    BLOCK_DIGEST_SIZE, CHUNK_ARRAYS, DIGEST_SIZE, ENTRY_ARRAYS, FORMATS, HEADER, MAGIC, Extent,
+    align8, blocks_per_chunk, is_dir, is_file, is_symlink,
 )
 
 
@@ -29,10 +29,10 @@ class ManifestIndex:
         self._raw = raw
         try:
             (magic, fmt, self.chunk_size, self.entries, self.nfiles, self.chunks, self.extents,
-             names_len, _, _) = HEADER.unpack_from(raw, 0)
+             names_len, _, block_size) = HEADER.unpack_from(raw, 0)
         except Exception as e:
             raise ManifestCorrupt(f"manifest header unreadable: {e}") from e
-        if magic != MAGIC or fmt != FORMAT_VERSION:
+        if magic != MAGIC or fmt not in FORMATS:
             raise ManifestCorrupt(f"not a kspeedfs manifest (magic {magic!r}, format {fmt})")
         mv = memoryview(raw)
         pos = align8(HEADER.size)
@@ -53,6 +53,10 @@ class ManifestIndex:
             setattr(self, name, take(width * self.chunks, code))
         self.ext_digests = take(DIGEST_SIZE * self.extents, None)
         self.chunk_digests = take(DIGEST_SIZE * self.chunks, None)
+        #: random-read unit (model.py, "Blocks"); 0: a format 1 manifest, chunks only
+        self.block_size: int = block_size if fmt >= 2 else 0
+        self._block_stride = blocks_per_chunk(self.chunk_size, self.block_size) * BLOCK_DIGEST_SIZE
+        self.block_digests = take(self._block_stride * self.chunks, None)
         # typed aliases for the attributes set above (for readers and type checkers)
         self.parent: memoryview
         self.mode: memoryview
@@ -185,6 +189,15 @@ class ManifestIndex:
 
     def chunk_digest(self, chunk: int) -> bytes:
         return bytes(self.chunk_digests[chunk * DIGEST_SIZE:(chunk + 1) * DIGEST_SIZE])
+
+    def block_digest(self, chunk: int, block: int) -> bytes:
+        """xxh3-64 of block ``block`` of ``chunk`` (bytes [block*B, (block+1)*B) ∩ the chunk)."""
+        at = chunk * self._block_stride + block * BLOCK_DIGEST_SIZE
+        return bytes(self.block_digests[at:at + BLOCK_DIGEST_SIZE])
+
+    def block_len(self, chunk: int, block: int) -> int:
+        B = self.block_size
+        return min(B, self.chunk_len[chunk] - block * B)
 
     def file_offset_in_chunk(self, entry: int, chunk: int) -> int:
         """Where file ``entry``'s byte 0 sits relative to the start of ``chunk`` (may be < 0)."""
