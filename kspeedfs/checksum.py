@@ -6,6 +6,8 @@ Where verification happens (the trust boundaries):
   so a mismatch names the file that changed since import;
 - bytes read from the **disk tier** (and, in the cluster, from a **peer**) are
   checked against the chunk digest in one pass (``chunk_matches``);
+- a **block** (the unit of a random read, manifest/model.py) is checked against its
+  xxh3-64 wherever it came from (``matches`` picks the hash by the digest's length);
 - the **memory tier** holds only bytes that passed one of the above and are never
   written again (immutable ``bytes``), so a memory hit is served as is.
 
@@ -27,6 +29,14 @@ def digest(data: bytes | bytearray | memoryview) -> bytes:
 
 
 def chunk_matches(data: bytes | bytearray | memoryview, expected: bytes) -> bool:
+    return xxhash.xxh3_128_digest(data) == expected
+
+
+def matches(data: bytes | bytearray | memoryview, expected: bytes) -> bool:
+    """Whether ``data`` has digest ``expected``: xxh3-128 (a chunk or extent, 16 bytes)
+    or xxh3-64 (a block, 8 bytes)."""
+    if len(expected) == 8:
+        return xxhash.xxh3_64_digest(data) == expected
     return xxhash.xxh3_128_digest(data) == expected
 
 

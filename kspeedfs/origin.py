@@ -14,7 +14,10 @@ daemon's CPU going to reclaim (10–22 CPU-s) when the source's pages stayed, 84
 MB/s (2–4 CPU-s) when dropped; 1.7 GB/s with memory to spare. (The kernel drops whole
 folios only: a range inside a large folio stays, which 4 MiB chunks rarely are.)
 
-Blocking: ``load`` runs in a worker thread.
+A random read that misses loads one block instead (``load_block``: the 128 KiB around
+it, verified against the block's xxh3-64), not the whole chunk.
+
+Blocking: every ``load*`` runs in a worker thread.
 """
 from __future__ import annotations
 
@@ -44,23 +47,28 @@ class Origin:
                 raise SourceError(msg)
             log.warning("%s: chunks no replica holds cannot be read", msg)
 
-    def _read_extent(self, e: Extent, part: memoryview) -> str | None:
-        """Fill ``part`` with extent ``e`` from its source file; why it failed, or None."""
-        path = os.path.join(self.root, self.index.path(e.entry))
+    def _pread(self, entry: int, offset: int, part: memoryview) -> str | None:
+        """Fill ``part`` from file ``entry`` at ``offset``; why it failed, or None."""
+        path = os.path.join(self.root, self.index.path(entry))
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as err:
             return f"cannot be opened ({err.strerror})"
         try:
-            got = os.preadv(fd, [part], e.file_offset)
-            os.posix_fadvise(fd, e.file_offset, e.length, os.POSIX_FADV_DONTNEED)
+            got = os.preadv(fd, [part], offset)
+            os.posix_fadvise(fd, offset, len(part), os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        if got != e.length:
-            return f"is shorter than at import ({e.file_offset + got} bytes)"
-        if xxhash.xxh3_128_digest(part) != e.digest:
-            return f"bytes {e.file_offset}..{e.file_offset + e.length} differ from the snapshot"
+        if got != len(part):
+            return f"is shorter than at import ({offset + got} bytes)"
         return None
+
+    def _read_extent(self, e: Extent, part: memoryview) -> str | None:
+        """Fill ``part`` with extent ``e`` from its source file; why it failed, or None."""
+        why = self._pread(e.entry, e.file_offset, part)
+        if why is None and xxhash.xxh3_128_digest(part) != e.digest:
+            return f"bytes {e.file_offset}..{e.file_offset + e.length} differ from the snapshot"
+        return why
 
     def _read_once(self, chunk: int) -> tuple[bytearray, list[tuple[int, bytes, str]]]:
         ix = self.index
@@ -98,6 +106,31 @@ class Origin:
             raise self._changed(os.path.join(self.root, self.index.path(e.entry)), why,
                                 frozenset((e.entry,)), None)
         return memoryview(buf).toreadonly()
+
+    def load_block(self, chunk: int, block: int) -> memoryview | None:
+        """Verified bytes of one block of ``chunk`` (a random read's miss), read from the
+        files it overlaps; None if they do not match even on a retry: then the caller
+        loads the whole chunk, whose per-extent check names the file that changed."""
+        ix = self.index
+        self._check_root(f"chunk {chunk}")
+        lo = block * ix.block_size
+        hi = lo + ix.block_len(chunk, block)
+        expected = ix.block_digest(chunk, block)
+        for attempt in range(2):
+            buf = bytearray(hi - lo)       # gaps between files are zeros
+            view = memoryview(buf)
+            failed = False
+            for e in ix.chunk_extents(chunk):
+                a, b = max(lo, e.chunk_offset), min(hi, e.chunk_offset + e.length)
+                if a < b and self._pread(e.entry, e.file_offset + a - e.chunk_offset,
+                                         view[a - lo:b - lo]) is not None:
+                    failed = True
+                    break
+            if not failed and xxhash.xxh3_64_digest(buf) == expected:
+                return view.toreadonly()
+            log.warning("block %d of chunk %d of %s failed its checksum%s", block, chunk,
+                        self.dataset, ", retrying" if attempt == 0 else "")
+        return None
 
     def load(self, chunk: int) -> tuple[memoryview, int]:
         """Verified bytes of ``chunk`` and the number of mismatching extents seen (retried)."""

@@ -2,7 +2,8 @@
 
     read(entry, offset, size)
       → index.chunk_range()                 ② manifest lookup: which chunks
-      → chunk(k) for each, concurrently:
+      → chunk(k) for each, concurrently     (a random read that misses: block(k, b),
+                                             the same tiers for 128 KiB, not 4 MiB)
           memory tier hit?                  ③ local cache (verified, immutable)
           else single-flight load:
             disk tier, verified             ③ (chunk digest; discard on mismatch)
@@ -47,7 +48,6 @@ Data = bytes | memoryview
 #: stored, or None if the kernel refused
 Push = Callable[[int, int, Data], Awaitable["int | None"]]
 
-T = TypeVar("T")
 R = TypeVar("R")
 
 #: files up to chunk_size / this are fetched alone from peers (one extent READ)
@@ -117,6 +117,8 @@ class Reader:
         if len(chunks) == 1 and self._small(entry, chunks[0]):
             data = await self._small_file(entry, chunks[0])
             out = data[offset:offset + (end - start)]
+        elif len(chunks) == 1 and stream is not None and stream.run == 0 and self._by_block(chunks[0]):
+            out = await self._blocks(entry, chunks[0], start - chunks[0] * c, end - chunks[0] * c)
         elif len(chunks) == 1:
             data = memoryview(await self._chunk_for(entry, chunks[0]))
             lo = start - chunks[0] * c
@@ -178,6 +180,70 @@ class Reader:
         self.counters.add("source_extents")
         self.counters.add("source_bytes", len(data))
         self.memory.put(ext.digest, data)
+        return data
+
+    def _by_block(self, k: int) -> bool:
+        """Whether a random read in chunk ``k`` loads blocks rather than the chunk: the
+        manifest has blocks, and the chunk is in no local tier and not loading already
+        (a sequential reader fetches it, or it is cheap to get whole)."""
+        if not 0 < self.index.block_size < self.index.chunk_size:
+            return False
+        key = self.index.chunk_digest(k)
+        return (key not in self.memory and not self._flights.in_flight(key)
+                and (self.disk is None or key not in self.disk))
+
+    async def _blocks(self, entry: int, k: int, lo: int, hi: int) -> Data:
+        """Bytes [lo, hi) of chunk ``k`` from the blocks that hold them."""
+        B = self.index.block_size
+        first, last = lo // B, (hi - 1) // B
+        self.counters.add("block_reads")
+        if first == last:
+            data = await self._block(entry, k, first)
+            return memoryview(data)[lo - first * B:hi - first * B]
+        parts: list[Data] = [b""] * (last - first + 1)
+
+        async def one(b: int) -> None:
+            data = await self._block(entry, k, b)
+            parts[b - first] = memoryview(data)[max(lo, b * B) - b * B:min(hi, (b + 1) * B) - b * B]
+
+        async with trio.open_nursery() as n:
+            for b in range(first, last + 1):
+                n.start_soon(one, b)
+        return b"".join(parts)
+
+    async def _block(self, entry: int, k: int, b: int) -> Data:
+        """Verified block ``b`` of chunk ``k``, kept in the memory tier under the chunk's
+        key plus the block number (a chunk key is 16 bytes, so the two never meet)."""
+        key = self.index.chunk_digest(k) + b.to_bytes(4, "little")
+        data = self.memory.get(key)
+        if data is not None:
+            self.counters.add("memory_hits")
+            return data
+        data, joined = await self._flights.run(key, self._load_block, entry, k, b, key)
+        if joined:
+            self.counters.add("waited_in_flight")
+        return data
+
+    async def _load_block(self, entry: int, k: int, b: int, key: bytes) -> Data:
+        ix = self.index
+        B, length, digest = ix.block_size, ix.block_len(k, b), ix.block_digest(k, b)
+        data: Data | None = None
+        if self.peers is not None:
+            data = await self.peers.read_chunk(self.dataset[0], self.dataset[1], k,
+                                               ix.chunk_digest(k), ix.chunk_len[k],
+                                               part=(b * B, length, digest))
+            if data is not None:
+                self.counters.add("peer_hits")
+                self.counters.add("peer_bytes", len(data))
+        if data is None:
+            data = await self._from_origin(k, self.origin.load_block, k, b)
+            if data is None:                   # the source changed: the chunk load says where
+                self.counters.add("block_fallbacks")
+                chunk = await self._chunk_for(entry, k)
+                return chunk[b * B:b * B + length]
+            self.counters.add("source_blocks")
+            self.counters.add("source_bytes", len(data))
+        self.memory.put(key, data)
         return data
 
     async def _chunk_for(self, entry: int, k: int) -> Data:
@@ -268,11 +334,11 @@ class Reader:
                 partial(trio.to_thread.run_sync, self.disk.put, key, data, limiter=self._limiter))
         return data
 
-    async def _from_origin(self, k: int, load: Callable[[T], R], arg: T) -> R:
-        """``load(arg)`` (an Origin method) in a worker thread: a changed source file is
+    async def _from_origin(self, k: int, load: Callable[..., R], *args: object) -> R:
+        """``load(*args)`` (an Origin method) in a worker thread: a changed source file is
         counted and logged, any other OSError is ChunkUnavailable for chunk ``k``."""
         try:
-            return await trio.to_thread.run_sync(load, arg, limiter=self._limiter)
+            return await trio.to_thread.run_sync(load, *args, limiter=self._limiter)
         except SourceChanged as e:
             self.counters.add("source_changed")
             log.error("%s", e)

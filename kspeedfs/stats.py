@@ -21,6 +21,9 @@ class ReadStatistics:
     source_loads: int = 0          # chunks assembled from the source
     source_bytes: int = 0
     source_extents: int = 0        # small files read alone from the source (dataset > tiers)
+    block_reads: int = 0           # random reads served by blocks, not their whole chunk
+    source_blocks: int = 0         # blocks read alone from the source (random-read misses)
+    block_fallbacks: int = 0       # blocks that failed their checksum: the chunk was loaded
     prefetched: int = 0            # chunk loads started by the prefetcher
     prefetch_skipped: int = 0      # ... not started: half the memory tier already ahead
     pushed_bytes: int = 0          # bytes stored into the kernel page cache ahead of readers

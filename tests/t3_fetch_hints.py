@@ -53,6 +53,9 @@ async def test_a_stale_hint_falls_back_to_the_bucket_and_never_returns_wrong_byt
         part = (1000, 5000, xxhash.xxh3_128_digest(a[1000:6000]))
         assert bytes(await peers._read_from(rec, ka, len(a), part)) == a[1000:6000]
         assert peers.counters.hinted == 2
+        # and so does a random read's block, verified against its xxh3-64
+        block = (16 << 10, 16 << 10, xxhash.xxh3_64_digest(a[16 << 10:32 << 10]))
+        assert bytes(await peers._read_from(rec, ka, len(a), block)) == a[16 << 10:32 << 10]
 
         arena.evict(ka)
         arena.put(kc, c)                                 # c now sits in a's old slot
@@ -67,5 +70,7 @@ async def test_a_stale_hint_falls_back_to_the_bucket_and_never_returns_wrong_byt
         assert bytes(await peers._read_from(rec, kb, len(b)) or b"") == b""
         stats = peers.statistics()
         assert stats["peer_stale_hints"] == 2 and stats["peer_checksum_retries"] == 0
+        wrong = (16 << 10, 16 << 10, xxhash.xxh3_64_digest(a[:16 << 10]))
+        assert await peers._read_from(rec, ka, len(a), wrong) is None   # never unverified bytes
         await peers.aclose()
         await trio.sleep(0)

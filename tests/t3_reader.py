@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import xxhash
 
 from kspeedfs.cache.disk import DiskCache
 from kspeedfs.cache.memory import MemoryCache
@@ -198,3 +199,76 @@ async def test_whole_chunks_when_the_dataset_fits(dataset) -> None:
             assert await r.read(ix.lookup(0, f"s{i:02d}".encode()), 0, 1 << 20) == (src / f"s{i:02d}").read_bytes()
         s = r.statistics()
         assert s.source_extents == 0 and s.source_loads <= 3
+
+
+@pytest.fixture
+def blocked(tmp_path: Path):
+    """A 1 MiB-chunk dataset with 16 KiB blocks: one big file and a few packed small ones."""
+    src = tmp_path / "bsrc"
+    src.mkdir()
+    big = os.urandom(3 * (1 << 20) + 5000)
+    (src / "big").write_bytes(big)
+    for i in range(4):
+        (src / f"t{i}").write_bytes(os.urandom(40_000 + i))
+    store = EmbeddedStore(tmp_path / "bstore")
+    info = import_tree(src, "ds", store, 1 << 20, block_size=16 << 10)
+    ix = ManifestIndex.from_blob(store.manifest("ds", info.version))
+    assert ix.block_size == 16 << 10
+    return src, ix, big
+
+
+async def test_random_reads_load_blocks_not_chunks(blocked) -> None:
+    """A random 4 KiB read that misses loads its 16 KiB block, not its 1 MiB chunk; a
+    read across a block boundary loads both blocks; a sequential reader still gets
+    whole chunks (and prefetch)."""
+    src, ix, big = blocked
+    entry = ix.lookup(0, b"big")
+    B = 16 << 10
+    offsets = [5 * B + 100, 70 * B, 3 * (1 << 20) + 100, 9 * B - 2048, 5 * B + 3000]
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, prefetch=2)
+        stream = Stream(next_offset=-1)
+        for off in offsets:
+            assert await r.read(entry, off, 4096, stream) == big[off:off + 4096]
+        s = r.statistics()
+        touched = {(off // B, (off + 4095) // B) for off in offsets}
+        blocks = {b for pair in touched for b in pair}
+        assert s.source_loads == 0 and s.block_reads == len(offsets)
+        assert s.source_blocks == len(blocks) == 5          # the last read hit a cached block
+        assert s.source_bytes == 5 * B       # (big's tail shares its block with t0: full too)
+        seq = Stream()
+        got = bytearray()
+        for off in range(0, 2 << 20, 128 << 10):
+            got += await r.read(entry, off, 128 << 10, seq)
+        assert bytes(got) == big[:2 << 20]
+        assert r.statistics().source_loads >= 2 and r.statistics().block_reads == len(offsets)
+        n.cancel_scope.cancel()
+
+
+async def test_a_changed_block_falls_back_to_the_chunk_which_names_the_file(blocked) -> None:
+    src, ix, big = blocked
+    with open(src / "big", "r+b") as f:
+        f.seek(40_000)
+        f.write(b"changed")
+    entry = ix.lookup(0, b"big")
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, prefetch=0)
+        stream = Stream(next_offset=-1)
+        with pytest.raises(SourceChanged, match="big.*re-import"):
+            await r.read(entry, 40_000, 4096, stream)
+        assert r.statistics().block_fallbacks == 1
+        small = ix.lookup(0, b"t2")                        # other files are unaffected
+        assert await r.read(small, 100, 4096, stream) == (src / "t2").read_bytes()[100:4196]
+
+
+def test_block_digests_cover_every_chunk(blocked) -> None:
+    src, ix, big = blocked
+    origin = Origin(src, ix, "ds")
+    for k in range(ix.chunks):
+        chunk = bytes(origin.load(k)[0])
+        nblocks = -(-ix.chunk_len[k] // ix.block_size)
+        for b in range(nblocks):
+            part = chunk[b * ix.block_size:(b + 1) * ix.block_size]
+            assert ix.block_len(k, b) == len(part)
+            assert ix.block_digest(k, b) == xxhash.xxh3_64_digest(part)
+            assert bytes(origin.load_block(k, b)) == part

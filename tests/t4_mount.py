@@ -136,6 +136,23 @@ def test_xattrs(node) -> None:
     assert e.value.errno == errno.ENODATA
 
 
+def test_random_reads_load_blocks_not_chunks(node) -> None:
+    """A fresh mount, a reader that says it reads at random (as fio does): each 4 KiB
+    read that misses loads its 128 KiB block from the source, never a whole chunk."""
+    c, src, _ = node
+    mnt = c.mount("edge")
+    data = (src / "many-chunks.bin").read_bytes()
+    offsets = [3 * CHUNK + 5000, 7 * CHUNK + 200_000, 1000, 5 * CHUNK + (128 << 10) - 2048]
+    with open(mnt / "many-chunks.bin", "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        for off in offsets:
+            assert os.pread(f.fileno(), 4096, off) == data[off:off + 4096]
+    stats = json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
+    assert stats["source_loads"] == 0 and stats["block_reads"] >= len(offsets), stats
+    assert stats["source_blocks"] == 5, stats             # the last read spans two blocks
+    assert stats["source_bytes"] == stats["source_blocks"] * (128 << 10)
+
+
 def test_xattrs_off_by_default_so_ls_l_asks_nothing(node) -> None:
     """Without ``fuse.xattrs`` the daemon answers ENOSYS once and the kernel stops asking:
     a user's ``ls -l`` (which reads two xattrs of every entry) costs no GETXATTR."""

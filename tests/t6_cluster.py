@@ -115,6 +115,16 @@ def test_preload_then_reads_come_from_peers(world) -> None:
         s = _stats(mnt)
         assert s["source_loads"] == 0 and s["peer_bytes"] >= total * 0.9
         assert s["peer_hits"] > 0 and len(s["per_peer_bytes"]) == 3, s["per_peer_bytes"]
+        # random 4 KiB reads on a fresh mount: one block READ each, not a chunk
+        fresh = c.mount("imgs", "--source", str(src))
+        shard = files["shards/s0.bin"]
+        with open(fresh / "shards/s0.bin", "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+            for off in (5 << 20, 3 << 20 | 77_000, 1 << 20 | 200_000):
+                assert os.pread(f.fileno(), 4096, off) == shard[off:off + 4096]
+        s = _stats(fresh)
+        assert s["block_reads"] == 3 and s["source_blocks"] == 0 and s["source_loads"] == 0, s
+        assert s["peer_bytes"] <= 3 * (128 << 10), s
     finally:
         hidden.rename(src)
     status = c.ks(["status"]).stdout
@@ -134,6 +144,7 @@ def test_nic_down_during_reads_is_invisible(world) -> None:
     assert rd.errors == [] and rd.reads > 50
     after = _stats(mnt)
     assert after["source_loads"] == before["source_loads"]
+    assert after["source_blocks"] == before["source_blocks"]
     print(f"NIC down: {rd.reads} reads, longest gap between reads {rd.max_gap * 1e3:.0f} ms")
 
 

@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
-import xxhash
 
 from rdma.errors import PathClosed, PeerUnreachable, RdmaError
 from rdma.vrdma import VMR, VQP, Endpoint
 
+from .. import checksum
 from .arena import BUCKET_BYTES, bucket_of, find_in_bucket
 from .landing import Landing
 from .membership import Membership, NodeRecord
@@ -159,9 +159,9 @@ class Peers:
                          part: tuple[int, int, bytes] | None = None) -> bytes | memoryview | None:
         """Verified bytes of the chunk from some replica, or None (go to the source).
 
-        ``part = (offset, length, digest)`` READs only that extent of the chunk and
-        verifies it against the extent's own digest: a small file costs a READ of its
-        bytes, not of the 4 MiB chunk that packs it."""
+        ``part = (offset, length, digest)`` READs only that extent (or block) of the
+        chunk and verifies it against its own digest: a small file, or a random read's
+        block, costs a READ of its bytes, not of the 4 MiB chunk that holds it."""
         if length > self.slot_size:
             return None
         t0 = time.monotonic()
@@ -224,7 +224,7 @@ class Peers:
                         return None
                     rslot = found[0]
                 await vqp.read(dst, at, "arena", want, rslot * rec.slot_size + off)
-                if xxhash.xxh3_128_digest(dst.view[at:at + want]) == digest:
+                if checksum.matches(dst.view[at:at + want], digest):
                     self._hint(hint_key, rslot)
                     if landing is None:
                         return self.buf.read(want, base)
