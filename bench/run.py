@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-c", action="store_true", help="skip the C libfuse ceiling")
     p.add_argument("--ab-tree", metavar="DIR",
                    help="A/B: also mount kspeedfs from the tree in DIR (DIR/kspeedfs/...) as targets "
-                        "B:kspeedfs-cold/-warm, interleaved with the others; ratios B / A")
+                        "B:kspeedfs-cold/-warm, interleaved with the others; ratios B / A (both trees "
+                        "mount one store: they must read the same manifest format)")
     p.add_argument("--kspeedfs-rev", metavar="REV",
                    help="benchmark kspeedfs as committed at REV (git archive into WORKDIR), "
                         "not the working tree: a stable subject while others edit the checkout "

@@ -97,11 +97,17 @@ class SourceWarm(Target):
 
 
 class KspeedfsStore:
-    """One embedded store per (dataset, chunk size), imported once and reused."""
+    """One embedded store per (dataset, chunk size, manifest format), imported once and
+    reused."""
 
     def __init__(self, work: Path, ds: Dataset, chunk: str = "") -> None:
+        # the manifest format of the kspeedfs under test (first on sys.path): a revision
+        # from before format 2 (block digests) cannot mount a newer store, so formats
+        # after 1 get a store of their own
+        from kspeedfs.manifest.model import FORMAT_VERSION
+
         self.chunk = chunk
-        tag = f"-{chunk}" if chunk else ""
+        tag = (f"-{chunk}" if chunk else "") + (f"-f{FORMAT_VERSION}" if FORMAT_VERSION > 1 else "")
         self.dir = work / "stores" / f"{ds.root.name}{tag}"
         self.name = "ds"
         self.logs = work / "log"
