@@ -52,6 +52,11 @@ R = TypeVar("R")
 
 #: files up to chunk_size / this are fetched alone from peers (one extent READ)
 SMALL_FILE_DIVISOR = 8
+#: blocks of one chunk loaded for random reads before the next miss loads it whole
+#: (when the dataset fits the tiers; see _by_block)
+PROMOTE_AFTER = 1
+#: chunks whose block loads are counted at once (the oldest count is dropped)
+PROMOTE_TRACKED = 1 << 16
 
 
 class Reader:
@@ -92,6 +97,7 @@ class Reader:
         # with 4 readers from peers and a 64 MiB tier)
         self._ahead: set[bytes] = set()
         self._ahead_max = max(1, memory.capacity // 2 // index.chunk_size)
+        self._block_loads: dict[int, int] = {}     # chunk → blocks loaded (_by_block)
 
     def statistics(self) -> ReadStatistics:
         return self.counters.snapshot(
@@ -185,8 +191,19 @@ class Reader:
     def _by_block(self, k: int) -> bool:
         """Whether a random read in chunk ``k`` loads blocks rather than the chunk: the
         manifest has blocks, and the chunk is in no local tier and not loading already
-        (a sequential reader fetches it, or it is cheap to get whole)."""
+        (a sequential reader fetches it, or it is cheap to get whole).
+
+        Promotion: when the dataset fits the tiers, a chunk that random reads have
+        already loaded ``PROMOTE_AFTER`` block(s) of is loaded whole on its next miss.
+        Blocks answer sparse reads fast, but they warm a cache slowly: 128 KiB per
+        ~0.6 ms against 4 MiB per ~6 ms. Measured on 4 GiB of files with room to hold
+        them, 4 KiB random reads at j1 for 30 s: blocks alone 1,856-2,094 IOPS, whole
+        chunks 3,249-5,462, promotion after one block 3,503-6,359 (after two 1,771-2,689,
+        after four 2,094-2,758). Sparse readers, and datasets larger than the tiers, keep
+        blocks."""
         if not 0 < self.index.block_size < self.index.chunk_size:
+            return False
+        if self.chunks_fit and self._block_loads.get(k, 0) >= PROMOTE_AFTER:
             return False
         key = self.index.chunk_digest(k)
         return (key not in self.memory and not self._flights.in_flight(key)
@@ -244,6 +261,9 @@ class Reader:
             self.counters.add("source_blocks")
             self.counters.add("source_bytes", len(data))
         self.memory.put(key, data)
+        if len(self._block_loads) >= PROMOTE_TRACKED and k not in self._block_loads:
+            del self._block_loads[next(iter(self._block_loads))]
+        self._block_loads[k] = self._block_loads.get(k, 0) + 1
         return data
 
     async def _chunk_for(self, entry: int, k: int) -> Data:

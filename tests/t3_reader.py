@@ -220,13 +220,15 @@ def blocked(tmp_path: Path):
 async def test_random_reads_load_blocks_not_chunks(blocked) -> None:
     """A random 4 KiB read that misses loads its 16 KiB block, not its 1 MiB chunk; a
     read across a block boundary loads both blocks; a sequential reader still gets
-    whole chunks (and prefetch)."""
+    whole chunks (and prefetch). The tier (2 MiB) is smaller than the dataset, so no
+    chunk is promoted to a whole load."""
     src, ix, big = blocked
     entry = ix.lookup(0, b"big")
     B = 16 << 10
     offsets = [5 * B + 100, 70 * B, 3 * (1 << 20) + 100, 9 * B - 2048, 5 * B + 3000]
     async with trio.open_nursery() as n:
-        r = _reader(ix, src, n, prefetch=2)
+        r = _reader(ix, src, n, memory=2 << 20, prefetch=2)
+        assert not r.chunks_fit
         stream = Stream(next_offset=-1)
         for off in offsets:
             assert await r.read(entry, off, 4096, stream) == big[off:off + 4096]
@@ -243,6 +245,24 @@ async def test_random_reads_load_blocks_not_chunks(blocked) -> None:
         assert bytes(got) == big[:2 << 20]
         assert r.statistics().source_loads >= 2 and r.statistics().block_reads == len(offsets)
         n.cancel_scope.cancel()
+
+
+async def test_a_second_miss_in_a_chunk_loads_it_whole_when_the_dataset_fits(blocked) -> None:
+    src, ix, big = blocked
+    entry = ix.lookup(0, b"big")
+    B = 16 << 10
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, prefetch=0)
+        assert r.chunks_fit
+        stream = Stream(next_offset=-1)
+        for off in (5 * B, 40 * B, 70 * B):          # chunks 0, 0, 1
+            assert await r.read(entry, off, 4096, stream) == big[off:off + 4096]
+        s = r.statistics()
+        assert (s.source_blocks, s.source_loads) == (2, 1)
+        for off in (7 * B, 50 * B):                  # chunk 0 is held whole now
+            assert await r.read(entry, off, 4096, stream) == big[off:off + 4096]
+        s = r.statistics()
+        assert (s.source_blocks, s.source_loads) == (2, 1)
 
 
 async def test_a_changed_block_falls_back_to_the_chunk_which_names_the_file(blocked) -> None:
