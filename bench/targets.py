@@ -97,17 +97,18 @@ class SourceWarm(Target):
 
 
 class KspeedfsStore:
-    """One embedded store per (dataset, chunk size, manifest format), imported once and
-    reused."""
+    """One embedded store per (dataset, chunk size, block size, manifest format),
+    imported once and reused."""
 
-    def __init__(self, work: Path, ds: Dataset, chunk: str = "") -> None:
+    def __init__(self, work: Path, ds: Dataset, chunk: str = "", block: str = "") -> None:
         # the manifest format of the kspeedfs under test (first on sys.path): a revision
         # from before format 2 (block digests) cannot mount a newer store, so formats
         # after 1 get a store of their own
         from kspeedfs.manifest.model import FORMAT_VERSION
 
-        self.chunk = chunk
-        tag = (f"-{chunk}" if chunk else "") + (f"-f{FORMAT_VERSION}" if FORMAT_VERSION > 1 else "")
+        self.chunk, self.block = chunk, block
+        tag = ((f"-{chunk}" if chunk else "") + (f"-b{block}" if block else "")
+               + (f"-f{FORMAT_VERSION}" if FORMAT_VERSION > 1 else ""))
         self.dir = work / "stores" / f"{ds.root.name}{tag}"
         self.name = "ds"
         self.logs = work / "log"
@@ -118,7 +119,7 @@ class KspeedfsStore:
 
     def ensure(self) -> None:
         marker = self.dir / ".imported"
-        want = json.dumps({"root": str(self.ds.root), "chunk": self.chunk,
+        want = json.dumps({"root": str(self.ds.root), "chunk": self.chunk, "block": self.block,
                            "mtime": os.stat(self.ds.root / ".complete").st_mtime_ns})
         if marker.exists() and marker.read_text() == want:
             return
@@ -130,6 +131,8 @@ class KspeedfsStore:
         cmd = [*KSPEEDFS, "import", str(self.ds.root), "--name", self.name, "-q", *self.common()]
         if self.chunk:
             cmd += ["--chunk-size", self.chunk]
+        if self.block:
+            cmd += ["--block-size", self.block]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"kspeedfs import failed: {r.stderr.strip()}")

@@ -225,14 +225,17 @@ def _default(key: str) -> str:
     cfg = config.Config()
     section, _, name = key.partition(".")
     v = getattr(getattr(cfg, "import_" if section == "import" else section), name)
-    return config.format_size(v) if key in ("import.chunk_size", "cache.memory") else str(v)
+    sizes = ("import.chunk_size", "import.block_size", "cache.memory")
+    return config.format_size(v) if key in sizes else str(v)
 
 
 def sweep(name: str, key: str, values: list[str], warm: bool, dataset: Callable[[Context], Dataset],
           cases: Callable[[Dataset, Context], list[Case]], doc: str,
-          also: Callable[[str], dict[str, str]] = lambda v: {}) -> Workload:
+          also: Callable[[str], dict[str, str]] = lambda v: {},
+          fixed: Callable[[Dataset], dict[str, str]] = lambda ds: {}) -> Workload:
     """``also(value)``: settings that must move with the knob (congestion_threshold
-    with max_background, as kspeedfs's own default keeps it at 3/4)."""
+    with max_background, as kspeedfs's own default keeps it at 3/4); ``fixed(ds)``:
+    settings every value runs with."""
     default = _default(key)
 
     def targets(ds: Dataset, ctx: Context) -> list[Target]:
@@ -241,10 +244,14 @@ def sweep(name: str, key: str, values: list[str], warm: bool, dataset: Callable[
         for v in vals:
             label = f"{key.split('.')[-1]}={v}" + (" (default)" if v == default else "")
             if key == "import.chunk_size":
-                t = Kspeedfs(ds, KspeedfsStore(ctx.work, ds, chunk=v), warm=warm, label=label)
+                t = Kspeedfs(ds, KspeedfsStore(ctx.work, ds, chunk=v), warm=warm,
+                             settings=fixed(ds), label=label)
+            elif key == "import.block_size":
+                t = Kspeedfs(ds, KspeedfsStore(ctx.work, ds, block=v), warm=warm,
+                             settings=fixed(ds), label=label)
             else:
-                t = Kspeedfs(ds, KspeedfsStore(ctx.work, ds), warm=warm, settings={key: v, **also(v)},
-                             label=label)
+                t = Kspeedfs(ds, KspeedfsStore(ctx.work, ds), warm=warm,
+                             settings={key: v, **also(v), **fixed(ds)}, label=label)
             out.append(t)
         return out
 
@@ -300,6 +307,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     sweep("sweep-chunk-seq", "import.chunk_size", ["1MiB", "4MiB", "16MiB"], False,
           _files, lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4)],
           "chunk size, cold: sequential"),
+    sweep("sweep-block", "import.block_size", ["32KiB", "128KiB", "4MiB"], False, _files,
+          lambda ds, ctx: [rand_case(ds, ctx, "4k", 1, "IOPS"), rand_case(ds, ctx, "4k", 4, "IOPS"),
+                           rand_case(ds, ctx, "128k", 4, "MB/s")],
+          "block size (4MiB = whole chunks only), cold random reads, memory tier half the dataset",
+          fixed=lambda ds: {"cache.memory": str(ds.bytes // 2)}),
     sweep("sweep-prefetch", "fuse.prefetch_chunks", ["0", "2", "4", "8", "16"], False, _files,
           lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4)],
           "prefetch depth, cold sequential readers"),
@@ -331,7 +343,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
 GROUPS = {
     "cluster-all": ["transport", "cluster", "cluster-flap"],
     "metadata": ["stat", "ls-l"],
-    "sweep": ["sweep-chunk", "sweep-chunk-seq", "sweep-prefetch", "sweep-max_background",
+    "sweep": ["sweep-chunk", "sweep-chunk-seq", "sweep-block", "sweep-prefetch", "sweep-max_background",
               "sweep-read_ahead_kb", "sweep-cache", "sweep-push",
               "sweep-blksize"],
 }
