@@ -8,7 +8,8 @@ rails, addresses in 198.18.0.0/15, no route out), so nothing leaves the machine:
   soft/tcp is the transport's own cost on this machine (issue 5), not the box's load.
 * ``cluster``: a client host reading, through its kspeedfs mount, a dataset preloaded
   into the memory of 3 peer nodes (``tests/fixtures/cluster.py``), next to the same
-  files read from the source directory cold and warm and from the pyfuse3 RAM ceiling.
+  files read from the source directory cold and warm and from the pyfuse3 RAM ceiling:
+  sequential readers, random 4 KiB reads (block READs), small files.
 * ``cluster-flap``: the same peer reads with one of the client's two NICs flapping in
   the background: the second rail must carry the reads (no read error) and the
   longest stall between two read completions says how long a failover takes.
@@ -399,10 +400,16 @@ def cluster_targets(ds: Dataset, ctx: Context) -> list[Target]:
 
 
 def cluster_cases(ds: Dataset, ctx: Context) -> list[Case]:
-    from .workloads import Case
+    from .workloads import Case, fio_random
 
     seq = _seq_paths(ds)
+    seq_bytes = sum(os.path.getsize(ds.root / p) for p in seq)
     out = [Case("seq-4-readers", lambda p: seq_read(p, seq), "MB/s", also=("max_gap_s", "errors"))]
+
+    # the client's tier (CLIENT_CACHE) is smaller than the data: each random miss is one
+    # 128 KiB block READ from a peer, not a 4 MiB chunk
+    out.append(Case("rand-4k-j4", lambda p: fio_random(p, seq, seq_bytes, "4k", 4, ctx.scale.runtime),
+                    "IOPS"))
     small = [p for p in ds.paths() if p.startswith("imagenet-")]
     if small:
         out.append(Case("imagenet-8-workers", lambda p: readers.whole_files(str(p), small, 8), "files/s"))

@@ -17,8 +17,9 @@ workload           dataset                    cases (primary figure)
 ``transport``      none (memory to memory)    rdma.perf READ, 4 MiB / 128 KiB / 1 MiB, QD 8, soft
                                               provider vs one TCP stream, two netns hosts (MB/s)
 ``cluster``        cluster: 4 large files     a client mount reading from 3 peers over the soft
-                   (+ ImageNet-like files)    transport: 4 sequential readers (MB/s); 8 workers
-                                              over the small files (files/s)
+                   (+ ImageNet-like files)    transport: 4 sequential readers (MB/s); random
+                                              4 KiB, 4 jobs (IOPS); 8 workers over the small
+                                              files (files/s)
 ``cluster-flap``   cluster: 4 large files     the same readers, time based, one client NIC
                                               flapping (MB/s; errors, longest stall)
 =================  =========================  =====================================================
@@ -160,12 +161,17 @@ def seq_case(ds: Dataset, engine: str, jobs: int) -> Case:
     return Case(f"{engine}-j{jobs}" + (f"-qd{depth}" if depth > 1 else ""), run, "MB/s")
 
 
+def fio_random(root: Path, rels: list[str], nbytes: int, bs: str, jobs: int, runtime: int) -> dict:
+    """rand-read.fio, psync, over the files ``rels`` below ``root`` (``nbytes`` in all)."""
+    files = ":".join(str(root / p).replace(":", "\\:") for p in rels)
+    return run_fio("rand-read.fio", {"FILES": files, "SIZE": str(nbytes), "BS": bs,
+                                     "JOBS": str(jobs), "RUNTIME": str(runtime),
+                                     "ENGINE": "psync", "IODEPTH": "1"})
+
+
 def rand_case(ds: Dataset, ctx: Context, bs: str, jobs: int, primary: str) -> Case:
     def run(path: Path) -> dict:
-        files = ":".join(str(path / p).replace(":", "\\:") for p in ds.paths())
-        return run_fio("rand-read.fio", {"FILES": files, "SIZE": str(ds.bytes), "BS": bs,
-                                         "JOBS": str(jobs), "RUNTIME": str(ctx.scale.runtime),
-                                         "ENGINE": "psync", "IODEPTH": "1"})
+        return fio_random(path, ds.paths(), ds.bytes, bs, jobs, ctx.scale.runtime)
     return Case(f"{bs}-psync-j{jobs}", run, primary)     # names unique within a sweep
 
 
