@@ -91,12 +91,12 @@ class Reader:
         self.chunks_fit = index.chunks * index.chunk_size <= tiers
         self._flights: SingleFlight[Data] = SingleFlight(nursery)
         self._limiter = trio.CapacityLimiter(workers)
-        # Prefetched chunks not read yet, all streams together, are held to half the
-        # memory tier: many sequential readers' windows in a small tier would evict one
-        # another's chunks unread and fetch them again (1.7-2.0x the bytes read, measured
-        # with 4 readers from peers and a 64 MiB tier)
+        # Prefetched chunks not read yet, all streams together, are held to half of what
+        # the memory tier can take without evicting them (its resident part's room plus
+        # its transient LRU): many sequential readers' windows in a small tier would evict one another's
+        # chunks unread and fetch them again (1.7-2.0x the bytes read, measured with 4
+        # readers from peers and a 64 MiB tier)
         self._ahead: set[bytes] = set()
-        self._ahead_max = max(1, memory.capacity // 2 // index.chunk_size)
         self._block_loads: dict[int, int] = {}     # chunk → blocks loaded (_by_block)
 
     def statistics(self) -> ReadStatistics:
@@ -307,13 +307,20 @@ class Reader:
         elif loading:
             self._flights.start(key, self._load, k, key)
 
+    @property
+    def ahead_max(self) -> int:
+        """Chunks that may be prefetched and not read yet (see ``_ahead``)."""
+        m = self.memory
+        return max(1, (m.resident_room + m.transient_capacity) // 2 // self.index.chunk_size)
+
     def _room_ahead(self) -> bool:
         """Whether one more chunk may be prefetched: forget the ones evicted unread (or
         failed) first, so they do not hold the budget."""
-        if len(self._ahead) >= self._ahead_max:
+        limit = self.ahead_max
+        if len(self._ahead) >= limit:
             self._ahead = {key for key in self._ahead
                            if key in self.memory or self._flights.in_flight(key)}
-        return len(self._ahead) < self._ahead_max
+        return len(self._ahead) < limit
 
     async def _push_ahead(self, entry: int, k: int) -> None:
         assert self.push is not None

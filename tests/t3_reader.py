@@ -79,7 +79,7 @@ async def test_sequential_reader_gets_prefetch(dataset) -> None:
 async def test_prefetch_of_all_streams_is_held_to_half_the_memory_tier(dataset) -> None:
     """Four sequential readers, a tier of 4 chunks, depth 4: without a shared budget
     their windows (16 chunks) evict one another's chunks unread, and those are loaded
-    again when the reader gets there."""
+    again when the reader gets there. (A tier this small is all transient LRU.)"""
     src, ix, big = dataset
     entry = ix.lookup(0, b"big")
     quarter = 5 * C
@@ -90,7 +90,7 @@ async def test_prefetch_of_all_streams_is_held_to_half_the_memory_tier(dataset) 
             for i, stream in enumerate(streams):
                 off = i * quarter + step
                 assert await r.read(entry, off, 16 << 10, stream) == big[off:off + (16 << 10)]
-                assert len(r._ahead) <= r._ahead_max == 2
+                assert len(r._ahead) <= r.ahead_max == 2
             await trio.sleep(0)
         n.cancel_scope.cancel()
     s = r.statistics()
@@ -108,6 +108,20 @@ async def test_memory_tier_is_bounded(dataset) -> None:
         assert r.memory.used <= 4 * C
         assert await r.read(entry, 0, 10) == big[:10]      # evicted, loaded again
     assert r.statistics().source_loads == 22
+
+
+async def test_an_epoch_larger_than_the_tier_keeps_its_resident_part(dataset) -> None:
+    """21 chunks through a tier of 4 (3 resident, 1 transient): a second pass finds the
+    first 3 chunks; an LRU of 4 would have found none of them."""
+    src, ix, big = dataset
+    entry = ix.lookup(0, b"big")
+    async with trio.open_nursery() as n:
+        r = Reader(ix, Origin(src, ix, "ds"), MemoryCache(4 * C, transient_min=C), None, n, 4, 0)
+        for _ in range(2):
+            for off in range(0, len(big), C):
+                assert await r.read(entry, off, C) == big[off:off + C]
+        assert r.memory.used <= 4 * C
+    assert r.statistics().source_loads == 21 + 18
 
 
 async def test_disk_tier_serves_after_memory_eviction(dataset, tmp_path: Path) -> None:

@@ -1,9 +1,27 @@
-"""The memory tier: a byte-bounded LRU of verified, immutable chunks.
+"""The memory tier: verified, immutable chunks (and blocks, and small files' extents),
+bounded in bytes. Used only from the trio thread: no lock.
 
-LRU rather than something cleverer because the workload (epochs over a dataset,
-shuffled within an epoch) has no reuse skew for frequency to exploit, and when the
-dataset does not fit, no policy beats the others by much; LRU is O(1) with an
-OrderedDict and easy to reason about. Used only from the trio thread: no lock.
+Two parts, because training reads a dataset in epochs:
+
+* **resident** (``capacity - transient``): filled while there is room, then kept until
+  the mount ends. A mount serves one dataset version, and an epoch reads every item
+  once, in shuffled or in the same order. When the dataset does not fit, any fixed
+  subset of it is hit at the rate capacity/dataset, the best a cache can do for reads
+  that are equally likely everywhere; LRU instead evicts each item shortly before the
+  next epoch wants it (the CoorDL "MinIO" cache argument, Mohan et al., VLDB 2021).
+  Simulated on 1,000 items with room for 500, 6 epochs: LRU hits 0 % of cyclic and
+  16 % of shuffled re-reads, a resident set 50 % of both.
+* **transient** (``transient_fraction`` of the capacity, at least ``transient_min``):
+  an LRU for everything the resident part has no room for, so a reader still finds the
+  chunk it is reading, or that was prefetched for it, a moment later. Concurrent
+  sequential readers each need their current chunk and their prefetch window here
+  (~20 MiB each at the defaults), so a small tier is all transient: a plain LRU.
+
+Measured: ImageNet-like, 20k files (2.2 GB), 1 GiB tier, a second shuffled epoch with
+8 workers: memory hits 3,432–3,445 files with an LRU, 7,837–7,852 with this (source
+bytes 1.80 → 1.34 GB; 896–1,186 → 1,340–1,465 files/s; alternating A/B, 2 rounds).
+
+When the dataset fits, everything is resident and nothing is ever evicted, as before.
 """
 from __future__ import annotations
 
@@ -12,38 +30,68 @@ from collections import OrderedDict
 
 log = logging.getLogger(__name__)
 
+#: default share of the tier kept as an LRU for what the resident part has no room for
+TRANSIENT_FRACTION = 0.25
+#: ... and its least size (the whole tier, when that is smaller)
+TRANSIENT_MIN = 128 << 20
+
 
 class MemoryCache:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, transient_fraction: float = TRANSIENT_FRACTION,
+                 transient_min: int = TRANSIENT_MIN) -> None:
         self.capacity = capacity
-        self.used = 0
-        self._chunks: OrderedDict[bytes, bytes] = OrderedDict()
+        self.transient_capacity = min(capacity, max(int(capacity * transient_fraction),
+                                                    transient_min))
+        self.resident_capacity = capacity - self.transient_capacity
+        self._resident: dict[bytes, bytes] = {}
+        self._resident_used = 0
+        self._transient: OrderedDict[bytes, bytes] = OrderedDict()
+        self._transient_used = 0
+
+    @property
+    def used(self) -> int:
+        return self._resident_used + self._transient_used
+
+    @property
+    def resident_room(self) -> int:
+        """Bytes the resident part can still take (then kept)."""
+        return self.resident_capacity - self._resident_used
 
     def __len__(self) -> int:
-        return len(self._chunks)
+        return len(self._resident) + len(self._transient)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._chunks
+        return key in self._resident or key in self._transient
 
     def get(self, key: bytes) -> bytes | None:
-        data = self._chunks.get(key)
+        data = self._resident.get(key)
         if data is not None:
-            self._chunks.move_to_end(key)
+            return data
+        data = self._transient.get(key)
+        if data is not None:
+            self._transient.move_to_end(key)
         return data
 
     def put(self, key: bytes, data: bytes) -> None:
-        if len(data) > self.capacity:
+        self.discard(key)
+        n = len(data)
+        if self._resident_used + n <= self.resident_capacity:
+            self._resident[key] = data
+            self._resident_used += n
             return
-        old = self._chunks.pop(key, None)
-        if old is not None:
-            self.used -= len(old)
-        self._chunks[key] = data
-        self.used += len(data)
-        while self.used > self.capacity:
-            _, evicted = self._chunks.popitem(last=False)
-            self.used -= len(evicted)
+        if n > self.transient_capacity:
+            return
+        self._transient[key] = data
+        self._transient_used += n
+        while self._transient_used > self.transient_capacity:
+            _, evicted = self._transient.popitem(last=False)
+            self._transient_used -= len(evicted)
 
     def discard(self, key: bytes) -> None:
-        old = self._chunks.pop(key, None)
+        old = self._resident.pop(key, None)
         if old is not None:
-            self.used -= len(old)
+            self._resident_used -= len(old)
+            return
+        old = self._transient.pop(key, None)
+        if old is not None:
+            self._transient_used -= len(old)
