@@ -59,6 +59,12 @@ PROMOTE_AFTER = 1
 PROMOTE_TRACKED = 1 << 16
 
 
+def block_key(chunk_key: bytes, block: int) -> bytes:
+    """Memory-tier key of a block: the chunk's key plus the block number (a chunk key is
+    16 bytes, so the two never meet)."""
+    return chunk_key + block.to_bytes(4, "little")
+
+
 class Reader:
     def __init__(
         self,
@@ -229,9 +235,8 @@ class Reader:
         return b"".join(parts)
 
     async def _block(self, entry: int, k: int, b: int) -> Data:
-        """Verified block ``b`` of chunk ``k``, kept in the memory tier under the chunk's
-        key plus the block number (a chunk key is 16 bytes, so the two never meet)."""
-        key = self.index.chunk_digest(k) + b.to_bytes(4, "little")
+        """Verified block ``b`` of chunk ``k``, kept in the memory tier (``block_key``)."""
+        key = block_key(self.index.chunk_digest(k), b)
         data = self.memory.get(key)
         if data is not None:
             self.counters.add("memory_hits")
@@ -335,12 +340,20 @@ class Reader:
         else:
             self.counters.add("pushed_bytes", stored)
 
+    def _keep(self, k: int, key: bytes, data: Data) -> None:
+        """Chunk ``k`` into the memory tier; blocks of it that random reads loaded go (the
+        chunk serves them now, and a resident block would hold room for good)."""
+        self.memory.put(key, data)
+        if self._block_loads.pop(k, 0):
+            for b in range(-(-self.index.chunk_len[k] // self.index.block_size)):
+                self.memory.discard(block_key(key, b))
+
     async def _load(self, k: int, key: bytes) -> Data:
         if self.disk is not None:
             data = await trio.to_thread.run_sync(self._from_disk, key, limiter=self._limiter)
             if data is not None:
                 self.counters.add("disk_hits")
-                self.memory.put(key, data)
+                self._keep(k, key, data)
                 return data
         if self.peers is not None:
             data = await self.peers.read_chunk(self.dataset[0], self.dataset[1], k, key,
@@ -348,14 +361,14 @@ class Reader:
             if data is not None:
                 self.counters.add("peer_hits")
                 self.counters.add("peer_bytes", len(data))
-                self.memory.put(key, data)
+                self._keep(k, key, data)
                 return data
         data, mismatches = await self._from_origin(k, self.origin.load, k)
         if mismatches:
             self.counters.add("source_mismatches", mismatches)
         self.counters.add("source_loads")
         self.counters.add("source_bytes", len(data))
-        self.memory.put(key, data)
+        self._keep(k, key, data)
         if self.disk is not None:
             self.nursery.start_soon(
                 partial(trio.to_thread.run_sync, self.disk.put, key, data, limiter=self._limiter))

@@ -19,7 +19,7 @@ from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.index import ManifestIndex
 from kspeedfs.manifest.store.embedded import EmbeddedStore
 from kspeedfs.origin import Origin
-from kspeedfs.reader import Reader
+from kspeedfs.reader import Reader, block_key
 
 C = 64 << 10
 
@@ -277,6 +277,9 @@ async def test_a_second_miss_in_a_chunk_loads_it_whole_when_the_dataset_fits(blo
             assert await r.read(entry, off, 4096, stream) == big[off:off + 4096]
         s = r.statistics()
         assert (s.source_blocks, s.source_loads) == (2, 1)
+        key0 = ix.chunk_digest(0)                    # and its block 5 went: one copy
+        assert key0 in r.memory and block_key(key0, 5) not in r.memory
+        assert block_key(ix.chunk_digest(1), 6) in r.memory
 
 
 async def test_a_changed_block_falls_back_to_the_chunk_which_names_the_file(blocked) -> None:
