@@ -261,6 +261,19 @@ async def test_random_reads_load_blocks_not_chunks(blocked) -> None:
         n.cancel_scope.cancel()
 
 
+async def test_a_large_random_read_loads_its_chunk(blocked) -> None:
+    """More than a block's worth (a shard reader's 1 MiB requests) is one chunk load,
+    not a block load per 16 KiB."""
+    src, ix, big = blocked
+    entry = ix.lookup(0, b"big")
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, memory=2 << 20, prefetch=0)
+        off = (1 << 20) + 5000
+        assert await r.read(entry, off, 64 << 10, Stream(next_offset=-1)) == big[off:off + (64 << 10)]
+        s = r.statistics()
+        assert (s.block_reads, s.source_blocks, s.source_loads) == (0, 0, 1)
+
+
 async def test_a_second_miss_in_a_chunk_loads_it_whole_when_the_dataset_fits(blocked) -> None:
     src, ix, big = blocked
     entry = ix.lookup(0, b"big")
