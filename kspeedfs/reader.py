@@ -107,7 +107,8 @@ class Reader:
 
     def statistics(self) -> ReadStatistics:
         return self.counters.snapshot(
-            memory_bytes=self.memory.used, disk_bytes=self.disk.used if self.disk else 0
+            memory_bytes=self.memory.used, memory_resident_bytes=self.memory.resident_used,
+            disk_bytes=self.disk.used if self.disk else 0
         )
 
     def peer_statistics(self) -> dict[str, object]:

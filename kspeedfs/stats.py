@@ -34,6 +34,7 @@ class ReadStatistics:
     source_changed: int = 0        # chunk loads that found a changed source file
     source_partial_reads: int = 0  # reads served from a chunk whose *neighbour* changed
     memory_bytes: int = 0          # memory tier occupancy
+    memory_resident_bytes: int = 0  # ... of which resident (kept for the mount's life)
     disk_bytes: int = 0            # disk tier occupancy
 
 

@@ -121,7 +121,9 @@ async def test_an_epoch_larger_than_the_tier_keeps_its_resident_part(dataset) ->
             for off in range(0, len(big), C):
                 assert await r.read(entry, off, C) == big[off:off + C]
         assert r.memory.used <= 4 * C
-    assert r.statistics().source_loads == 21 + 18
+    s = r.statistics()
+    assert s.source_loads == 21 + 18
+    assert s.memory_resident_bytes == 3 * C < s.memory_bytes <= 4 * C
 
 
 async def test_disk_tier_serves_after_memory_eviction(dataset, tmp_path: Path) -> None:

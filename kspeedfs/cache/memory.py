@@ -53,6 +53,10 @@ class MemoryCache:
         return self._resident_used + self._transient_used
 
     @property
+    def resident_used(self) -> int:
+        return self._resident_used
+
+    @property
     def resident_room(self) -> int:
         """Bytes the resident part can still take (then kept)."""
         return self.resident_capacity - self._resident_used
