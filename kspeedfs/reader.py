@@ -99,9 +99,9 @@ class Reader:
         self._limiter = trio.CapacityLimiter(workers)
         # Prefetched chunks not read yet, all streams together, are held to half of what
         # the memory tier can take without evicting them (its resident part's room plus
-        # its transient LRU): many sequential readers' windows in a small tier would evict one another's
-        # chunks unread and fetch them again (1.7-2.0x the bytes read, measured with 4
-        # readers from peers and a 64 MiB tier)
+        # its transient LRU): many sequential readers' windows in a small tier would evict
+        # one another's chunks unread and fetch them again (1.7-2.0x the bytes read,
+        # measured with 4 readers from peers and a 64 MiB tier)
         self._ahead: set[bytes] = set()
         self._block_loads: dict[int, int] = {}     # chunk → blocks loaded (_by_block)
 
@@ -167,14 +167,7 @@ class Reader:
         the source when the dataset outgrows the tiers — verified against the extent's
         digest and kept in the memory tier under it; else via its chunk."""
         (ext,) = self.index.file_extents(entry)
-        data = self.memory.get(ext.digest)
-        if data is not None:
-            self.counters.add("memory_hits")
-            return data
-        data, joined = await self._flights.run(ext.digest, self._load_extent, entry, k, ext)
-        if joined:
-            self.counters.add("waited_in_flight")
-        return data
+        return await self._held_or_load(ext.digest, self._load_extent, entry, k, ext)
 
     async def _load_extent(self, entry: int, k: int, ext: Extent) -> Data:
         if self.peers is not None:
@@ -242,14 +235,7 @@ class Reader:
     async def _block(self, entry: int, k: int, b: int) -> Data:
         """Verified block ``b`` of chunk ``k``, kept in the memory tier (``block_key``)."""
         key = block_key(self.index.chunk_digest(k), b)
-        data = self.memory.get(key)
-        if data is not None:
-            self.counters.add("memory_hits")
-            return data
-        data, joined = await self._flights.run(key, self._load_block, entry, k, b, key)
-        if joined:
-            self.counters.add("waited_in_flight")
-        return data
+        return await self._held_or_load(key, self._load_block, entry, k, b, key)
 
     async def _load_block(self, entry: int, k: int, b: int, key: bytes) -> Data:
         ix = self.index
@@ -292,11 +278,17 @@ class Reader:
         """Verified bytes of chunk ``k`` from the nearest tier that has them."""
         key = self.index.chunk_digest(k)
         self._ahead.discard(key)
+        return await self._held_or_load(key, self._load, k, key)
+
+    async def _held_or_load(self, key: bytes, load: Callable[..., Awaitable[Data]],
+                            *args: object) -> Data:
+        """``key``'s bytes from the memory tier, else from ``load(*args)`` through the
+        single-flight (one load however many readers wait for it)."""
         data = self.memory.get(key)
         if data is not None:
             self.counters.add("memory_hits")
             return data
-        data, joined = await self._flights.run(key, self._load, k, key)
+        data, joined = await self._flights.run(key, load, *args)
         if joined:
             self.counters.add("waited_in_flight")
         return data
@@ -350,7 +342,7 @@ class Reader:
         chunk serves them now, and a resident block would hold room for good)."""
         self.memory.put(key, data)
         if self._block_loads.pop(k, 0):
-            for b in range(-(-self.index.chunk_len[k] // self.index.block_size)):
+            for b in range(self.index.block_count(k)):
                 self.memory.discard(block_key(key, b))
 
     async def _load(self, k: int, key: bytes) -> Data:

@@ -319,6 +319,7 @@ def test_block_digests_cover_every_chunk(blocked) -> None:
     for k in range(ix.chunks):
         chunk = bytes(origin.load(k)[0])
         nblocks = -(-ix.chunk_len[k] // ix.block_size)
+        assert ix.block_count(k) == nblocks
         for b in range(nblocks):
             part = chunk[b * ix.block_size:(b + 1) * ix.block_size]
             assert ix.block_len(k, b) == len(part)

@@ -195,6 +195,10 @@ class ManifestIndex:
         at = chunk * self._block_stride + block * BLOCK_DIGEST_SIZE
         return bytes(self.block_digests[at:at + BLOCK_DIGEST_SIZE])
 
+    def block_count(self, chunk: int) -> int:
+        """Blocks of ``chunk`` (its last may be short; 0 in a format 1 manifest)."""
+        return -(-self.chunk_len[chunk] // self.block_size) if self.block_size else 0
+
     def block_len(self, chunk: int, block: int) -> int:
         B = self.block_size
         return min(B, self.chunk_len[chunk] - block * B)
