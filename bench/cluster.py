@@ -174,9 +174,10 @@ class ClusterBed:
 
     dataset = "bench"
 
-    def __init__(self, base: Path, ds: Dataset, nodes: int = 3) -> None:
+    def __init__(self, base: Path, ds: Dataset, nodes: int = 3, chunk: str = "4MiB") -> None:
         self.base = base
         self.ds = ds
+        self.chunk = chunk
         self.nodes = nodes
         self.cluster: Cluster | None = None
         self.flappers: list[Flapper] = []
@@ -191,7 +192,7 @@ class ClusterBed:
         shutil.rmtree(self.base, ignore_errors=True)      # etcd data of an earlier run
         # every node holds its share of R=2 replicas, with room to spare
         mem = (self.ds.bytes * 2 // self.nodes + (256 << 20)) >> 20
-        self.cluster = c = Cluster(self.base, nodes=self.nodes, chunk_size="4MiB",
+        self.cluster = c = Cluster(self.base, nodes=self.nodes, chunk_size=self.chunk,
                                    node_memory=f"{mem}MiB")
         c.start()
         c.ks(["import", str(self.ds.root), "--name", self.dataset, "-q"], timeout=1800)
@@ -395,7 +396,7 @@ def _seq_paths(ds: Dataset) -> list[str]:
 
 
 def cluster_targets(ds: Dataset, ctx: Context) -> list[Target]:
-    bed = ClusterBed(ctx.work / "cluster", ds)
+    bed = ClusterBed(ctx.work / "cluster", ds, chunk=ctx.cluster_chunk)
     return [SourceCold(ds), SourceWarm(ds), PeersTarget(ds, bed), RamFS(ds, "py")]
 
 
@@ -417,7 +418,7 @@ def cluster_cases(ds: Dataset, ctx: Context) -> list[Case]:
 
 
 def flap_targets(ds: Dataset, ctx: Context) -> list[Target]:
-    bed = ClusterBed(ctx.work / "cluster", ds)
+    bed = ClusterBed(ctx.work / "cluster", ds, chunk=ctx.cluster_chunk)
     return [PeersTarget(ds, bed), PeersTarget(ds, bed, flap_rail=1)]
 
 

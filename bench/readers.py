@@ -66,6 +66,31 @@ def whole_files(root: str, paths: Sequence[str], workers: int = 8, seed: int = 7
             "files": len(order)}
 
 
+def records(root: str, paths: Sequence[str], size: int, seconds: float, seed: int = 7) -> dict:
+    """Random ``size``-byte records read the way a Python map-style dataset over a record
+    file does: ``open(path, "rb")`` with Python's default buffering, then seek + read per
+    record, for ``seconds``, files in turn. The buffer Python picks is the file's
+    ``st_blksize``, so this measures what the filesystem's reported block size costs a
+    reader that never asked for one (fio's psync does not buffer)."""
+    rnd = random.Random(seed)
+    files = [open(os.path.join(root, rel), "rb") for rel in paths]
+    sizes = [os.fstat(f.fileno()).st_size for f in files]
+    n = total = 0
+    t0 = time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < seconds:
+            for f, fsize in zip(files, sizes):
+                f.seek(rnd.randrange(0, max(1, fsize - size)))     # records sit anywhere
+                total += len(f.read(size))
+            n += len(files)
+    finally:
+        for f in files:
+            f.close()
+    dt = time.perf_counter() - t0
+    return {"records/s": n / dt, "MB/s": total / dt / 1e6, "seconds": dt, "records": n,
+            "buffer": os.stat(os.path.join(root, paths[0])).st_blksize}
+
+
 def stat_all(root: str, paths: Sequence[str]) -> dict:
     """``stat`` of every file, one process, in listing order (a ``find -ls`` / a dataset
     index build): every path component a lookup when the dentry cache is cold."""

@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", default="/tmp/kspeedfs-bench", help="datasets, stores, mounts, logs")
     p.add_argument("--out", help="results directory (default WORKDIR/results/<timestamp>)")
     p.add_argument("--no-c", action="store_true", help="skip the C libfuse ceiling")
+    p.add_argument("--cluster-chunk-size", default="4MiB", metavar="SIZE",
+                   help="import.chunk_size (and node slot size) of the cluster workloads' dataset")
     p.add_argument("--ab-tree", metavar="DIR",
                    help="A/B: also mount kspeedfs from the tree in DIR (DIR/kspeedfs/...) as targets "
                         "B:kspeedfs-cold/-warm, interleaved with the others; ratios B / A (both trees "
@@ -79,6 +81,7 @@ def _meta(args: argparse.Namespace, scale: W.Scale, names: list[str]) -> dict:
         "kspeedfs": args.kspeedfs_tree or args.kspeedfs_rev or "working tree", "ab_tree": args.ab_tree,
         # netns nodes and mounts run `python -m kspeedfs.cli.app` from the checkout
         "cluster_kspeedfs": "working tree " + sh("git", "describe", "--always", "--dirty"),
+        "cluster_chunk_size": args.cluster_chunk_size,
         "cpus": os.cpu_count(),
         "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "fio": sh("fio", "--version"), "fuse_knobs": knobs.__dict__,
@@ -222,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
 
     ctx = W.Context(work, scale, None if args.no_c else build_ramfs_c(work),
-                    Path(args.ab_tree).resolve() if args.ab_tree else None)
+                    Path(args.ab_tree).resolve() if args.ab_tree else None,
+                    cluster_chunk=args.cluster_chunk_size)
     results = Results(_meta(args, scale, names))
     t0 = time.monotonic()
     try:

@@ -78,6 +78,7 @@ class Context:
     scale: Scale
     ramfs_c: Path | None = None
     ab_tree: Path | None = None     # --ab-tree: a second kspeedfs tree measured alongside
+    cluster_chunk: str = "4MiB"     # --cluster-chunk-size: the cluster dataset's chunk size
     # (numerator, denominator) target pairs reported as ratios of the primary figure
     ratios: list[tuple[str, str]] = field(default_factory=list)
 
@@ -177,6 +178,13 @@ def rand_case(ds: Dataset, ctx: Context, bs: str, jobs: int, primary: str) -> Ca
 
 def _seq_cases(ds: Dataset, ctx: Context) -> list[Case]:
     return [seq_case(ds, e, j) for e, j in (("psync", 1), ("io_uring", 4), ("psync", 4), ("io_uring", 1))]
+
+
+def _records_case(ds: Dataset, ctx: Context) -> Case:
+    """Python's buffered ``open()``, seek + read of 4 KiB records (readers.records)."""
+    paths = ds.paths()
+    return Case("py-records-4k", lambda p: readers.records(str(p), paths, 4096, ctx.scale.runtime),
+                "records/s")
 
 
 def _imagenet_cases(ds: Dataset, ctx: Context) -> list[Case]:
@@ -313,6 +321,12 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     sweep("sweep-chunk-seq", "import.chunk_size", ["1MiB", "4MiB", "16MiB"], False,
           _files, lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4)],
           "chunk size, cold: sequential"),
+    sweep("sweep-chunk-rand", "import.chunk_size", ["1MiB", "4MiB", "16MiB"], False, _files,
+          lambda ds, ctx: [rand_case(ds, ctx, "4k", 1, "IOPS"), rand_case(ds, ctx, "4k", 4, "IOPS"),
+                           rand_case(ds, ctx, "128k", 4, "MB/s")],
+          "chunk size, cold random reads (blocks, then whole chunks: the tier fits the data)"),
+    sweep("sweep-chunk-shards", "import.chunk_size", ["1MiB", "4MiB", "16MiB"], False, _shards,
+          _shards_cases, "chunk size, cold: 4 readers at random 1-8 MiB offsets of large shards"),
     sweep("sweep-block", "import.block_size", ["32KiB", "128KiB", "4MiB"], False, _files,
           lambda ds, ctx: [rand_case(ds, ctx, "4k", 1, "IOPS"), rand_case(ds, ctx, "4k", 4, "IOPS"),
                            rand_case(ds, ctx, "128k", 4, "MB/s")],
@@ -329,10 +343,14 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
                            rand_case(ds, ctx, "4k", 1, "IOPS")],
           "bdi read_ahead_kb, warm (chunk cache) reads"),
     _cache_sweep(),
-    sweep("sweep-blksize", "fuse.blksize", ["0", "4KiB"], True, _files,
+    sweep("sweep-blksize", "fuse.blksize", ["4KiB", "4MiB"], True, _files,
           lambda ds, ctx: [rand_case(ds, ctx, "4k", 1, "IOPS"), rand_case(ds, ctx, "4k", 4, "IOPS"),
-                           seq_case(ds, "psync", 1)],
-          "st_blksize reported (0 = chunk size), warm reads"),
+                           seq_case(ds, "psync", 1), _records_case(ds, ctx)],
+          "st_blksize reported (0 = block size; 4MiB = the chunk size), warm reads"),
+    sweep("sweep-blksize-cold", "fuse.blksize", ["4KiB", "4MiB"], False, _files,
+          lambda ds, ctx: [_records_case(ds, ctx), rand_case(ds, ctx, "4k", 1, "IOPS")],
+          "st_blksize reported, cold random reads, memory tier half the dataset",
+          fixed=lambda ds: {"cache.memory": str(ds.bytes // 2)}),
     sweep("sweep-push", "fuse.push_pages", ["False", "True"], False, _files,
           lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4)],
           "page-cache push of prefetched chunks (FUSE_NOTIFY_STORE), cold sequential readers"),
@@ -349,9 +367,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
 GROUPS = {
     "cluster-all": ["transport", "cluster", "cluster-flap"],
     "metadata": ["stat", "ls-l"],
-    "sweep": ["sweep-chunk", "sweep-chunk-seq", "sweep-block", "sweep-prefetch", "sweep-max_background",
+    "sweep": ["sweep-chunk", "sweep-chunk-seq", "sweep-chunk-rand", "sweep-chunk-shards",
+              "sweep-block", "sweep-prefetch", "sweep-max_background",
               "sweep-read_ahead_kb", "sweep-cache", "sweep-push",
-              "sweep-blksize"],
+              "sweep-blksize", "sweep-blksize-cold"],
 }
 DEFAULT_QUICK = ["seq-1m", "rand-4k", "imagenet", "shards", "stat", "ls-l"]
 DEFAULT_FULL = ["seq-1m", "rand-4k", "rand-128k", "imagenet", "dataloader", "shards", "stat", "ls-l",
