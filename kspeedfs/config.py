@@ -127,9 +127,10 @@ class FuseConfig:
     entry_timeout: float = _opt(86400.0, "kernel dentry cache lifetime, s (the snapshot is immutable)")
     attr_timeout: float = _opt(86400.0, "kernel attribute cache lifetime, s")
     prefetch_chunks: int = _opt(4, "chunks fetched ahead of a sequential reader")
-    blksize: int = _size("0", "st_blksize reported for files; 0 = the chunk size. 4KiB measured "
-                               "1.22x warm / 1.83x cold on 1-job random 4 KiB reads but 0.82-0.85x "
-                               "on warm small whole files (sweep-blksize)")
+    blksize: int = _size("0", "st_blksize reported for files; 0 = the manifest's block size "
+                               "(import.block_size; the chunk size for a manifest without blocks). "
+                               "Python's open() buffers st_blksize bytes per read: with the chunk "
+                               "size a 4 KiB record read loaded a whole chunk (sweep-blksize)")
     xattrs: bool = _opt(False, "serve user.kspeedfs.* xattrs (stats, checksums); off: the kernel "
                                "stops asking, and ls -l sends no 2 GETXATTRs per entry")
     push_pages: bool = _opt(False, "store prefetched chunks in the kernel page cache (FUSE_NOTIFY_STORE) "

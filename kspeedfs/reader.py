@@ -55,6 +55,11 @@ SMALL_FILE_DIVISOR = 8
 #: blocks of one chunk loaded for random reads before the next miss loads it whole
 #: (when the dataset fits the tiers; see _by_block)
 PROMOTE_AFTER = 1
+#: blocks a random read may load instead of its chunk: Python's buffered open() asks for
+#: st_blksize (one block) at any offset, which the kernel rounds to pages (two blocks) and
+#: sometimes merges with its readahead (150-250 KiB seen: three or four). A shard
+#: reader's 1 MiB requests (8-9 blocks) load the chunk (see _by_block)
+MAX_READ_BLOCKS = 4
 #: chunks whose block loads are counted at once (the oldest count is dropped)
 PROMOTE_TRACKED = 1 << 16
 
@@ -127,24 +132,19 @@ class Reader:
         start = ix.data[entry] + offset
         end = ix.data[entry] + min(offset + size, ix.size[entry])
         c = ix.chunk_size
+        random = stream is not None and stream.run == 0
         if len(chunks) == 1 and self._small(entry, chunks[0]):
             data = await self._small_file(entry, chunks[0])
             out = data[offset:offset + (end - start)]
-        elif (len(chunks) == 1 and end - start <= ix.block_size and stream is not None
-              and stream.run == 0 and self._by_block(chunks[0])):
-            out = await self._blocks(entry, chunks[0], start - chunks[0] * c, end - chunks[0] * c)
         elif len(chunks) == 1:
-            data = memoryview(await self._chunk_for(entry, chunks[0]))
-            lo = start - chunks[0] * c
-            out = data[lo:lo + (end - start)]         # a view: pyfuse3 replies from any buffer
+            out = await self._part(entry, chunks[0], start - chunks[0] * c,
+                                   end - chunks[0] * c, random)
         else:
             parts: list[Data] = [b""] * len(chunks)
 
             async def one(i: int, k: int) -> None:
-                data = await self._chunk_for(entry, k)
                 lo = max(start, k * c) - k * c
-                hi = min(end, (k + 1) * c) - k * c
-                parts[i] = data[lo:hi]
+                parts[i] = await self._part(entry, k, lo, min(end, (k + 1) * c) - k * c, random)
 
             async with trio.open_nursery() as n:
                 for i, k in enumerate(chunks):
@@ -152,6 +152,15 @@ class Reader:
             out = b"".join(parts)
         self.counters.add("read_bytes", len(out))
         return out
+
+    async def _part(self, entry: int, k: int, lo: int, hi: int, random: bool) -> Data:
+        """Bytes [lo, hi) of chunk ``k``: from its blocks for a small random read (a read
+        across a chunk boundary too: the two ends are two small parts), else from the
+        whole chunk."""
+        if random and self._by_block(k, lo, hi):
+            return await self._blocks(entry, k, lo, hi)
+        data = memoryview(await self._chunk_for(entry, k))
+        return data[lo:hi]                      # a view: pyfuse3 replies from any buffer
 
     def _small(self, entry: int, k: int) -> bool:
         """Whether to fetch this file alone rather than its whole chunk: a small file
@@ -189,13 +198,15 @@ class Reader:
         self.memory.put(ext.digest, data)
         return data
 
-    def _by_block(self, k: int) -> bool:
-        """Whether a small random read (one block's worth at most, so one or two blocks)
-        in chunk ``k`` loads blocks rather than the chunk: the manifest has blocks, and
-        the chunk is in no local tier and not loading already (a sequential reader
-        fetches it, or it is cheap to get whole). A larger request, like the 1 MiB ones
-        the kernel sends for a shard reader's 1-8 MiB reads, loads the chunk: as 8 block
-        loads it ran at 0.05x the cold source instead of 0.68x (medium ``shards``).
+    def _by_block(self, k: int, lo: int, hi: int) -> bool:
+        """Whether a small random read of bytes [lo, hi) of chunk ``k`` loads blocks
+        rather than the chunk: the read touches at most ``MAX_READ_BLOCKS`` blocks (a
+        4 KiB read, or the st_blksize-sized reads of Python's buffered ``open()``), the
+        manifest has blocks, and the chunk is in no local tier and not loading already
+        (a sequential reader fetches it, or it is cheap to get whole). A larger request,
+        like the 1 MiB ones the kernel sends for a shard reader's 1-8 MiB reads, loads the
+        chunk: as 8 block loads it ran at 0.05x the cold source instead of 0.68x (medium
+        ``shards``).
 
         Promotion: when the dataset fits the tiers, a chunk that random reads have
         already loaded ``PROMOTE_AFTER`` block(s) of is loaded whole on its next miss.
@@ -205,7 +216,8 @@ class Reader:
         chunks 3,249-5,462, promotion after one block 3,503-6,359 (after two 1,771-2,689,
         after four 2,094-2,758). Sparse readers, and datasets larger than the tiers, keep
         blocks."""
-        if not 0 < self.index.block_size < self.index.chunk_size:
+        B = self.index.block_size
+        if not 0 < B < self.index.chunk_size or (hi - 1) // B - lo // B >= MAX_READ_BLOCKS:
             return False
         if self.chunks_fit and self._block_loads.get(k, 0) >= PROMOTE_AFTER:
             return False

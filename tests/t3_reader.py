@@ -263,9 +263,26 @@ async def test_random_reads_load_blocks_not_chunks(blocked) -> None:
         n.cancel_scope.cancel()
 
 
+async def test_a_small_read_across_a_chunk_boundary_loads_two_blocks(blocked) -> None:
+    """4 KiB across chunks 0 and 1, and a page-rounded 132 KiB read inside one chunk
+    (Python's buffered open() with st_blksize = a 128 KiB block): blocks only."""
+    src, ix, big = blocked
+    entry = ix.lookup(0, b"big")
+    B = ix.block_size
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, memory=2 << 20, prefetch=0)
+        off = (1 << 20) - 2000
+        assert await r.read(entry, off, 4096, Stream(next_offset=-1)) == big[off:off + 4096]
+        assert (r.statistics().source_blocks, r.statistics().source_loads) == (2, 0)
+        off = (2 << 20) + 3 * B + 4096
+        size = B + 4096            # two blocks: the rest of block 3 and all of block 4
+        assert await r.read(entry, off, size, Stream(next_offset=-1)) == big[off:off + size]
+        assert (r.statistics().source_blocks, r.statistics().source_loads) == (4, 0)
+
+
 async def test_a_large_random_read_loads_its_chunk(blocked) -> None:
-    """More than a block's worth (a shard reader's 1 MiB requests) is one chunk load,
-    not a block load per 16 KiB."""
+    """A read over more than two blocks (a shard reader's 1 MiB requests) is one chunk
+    load, not a block load per 16 KiB."""
     src, ix, big = blocked
     entry = ix.lookup(0, b"big")
     async with trio.open_nursery() as n:

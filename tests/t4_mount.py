@@ -153,6 +153,25 @@ def test_random_reads_load_blocks_not_chunks(node) -> None:
     assert stats["source_bytes"] == stats["source_blocks"] * (128 << 10)
 
 
+def test_python_buffered_records_load_blocks(node) -> None:
+    """A map-style dataset's record reader: plain ``open()``, seek + read(4096). Python
+    buffers ``st_blksize`` bytes per read, so st_blksize is the block size: each record
+    costs one 128 KiB READ (two blocks at most), not a chunk (4 MiB when st_blksize was
+    the chunk size)."""
+    c, src, _ = node
+    mnt = c.mount("edge")
+    data = (src / "many-chunks.bin").read_bytes()
+    assert os.stat(mnt / "many-chunks.bin").st_blksize == 128 << 10
+    offsets = [3 * CHUNK + 8192, 8 * CHUNK + 100_000, 6 * CHUNK + 40_960]
+    with open(mnt / "many-chunks.bin", "rb") as f:
+        for off in offsets:
+            f.seek(off)
+            assert f.read(4096) == data[off:off + 4096]
+    stats = json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
+    assert stats["source_loads"] == 0, stats
+    assert len(offsets) <= stats["source_blocks"] <= 2 * len(offsets), stats
+
+
 def test_xattrs_off_by_default_so_ls_l_asks_nothing(node) -> None:
     """Without ``fuse.xattrs`` the daemon answers ENOSYS once and the kernel stops asking:
     a user's ``ls -l`` (which reads two xattrs of every entry) costs no GETXATTR."""

@@ -64,7 +64,7 @@ class Operations(pyfuse3.Operations):
         a.st_uid = ix.uid[entry]
         a.st_gid = ix.gid[entry]
         a.st_size = ix.size[entry] if not ix.is_dir(entry) else 4096
-        a.st_blksize = self.blksize or ix.chunk_size     # fuse.blksize: see config.py
+        a.st_blksize = self.blksize or ix.block_size or ix.chunk_size   # fuse.blksize: see config.py
         a.st_blocks = (a.st_size + 511) // 512
         a.st_mtime_ns = a.st_ctime_ns = a.st_atime_ns = ix.mtime_ns[entry]
         return a
