@@ -29,6 +29,7 @@ Sizes come from a :class:`Scale` (``--quick``, ``--scale medium``, full by defau
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
@@ -193,10 +194,16 @@ def _imagenet_cases(ds: Dataset, ctx: Context) -> list[Case]:
 
 
 def _shards_cases(ds: Dataset, ctx: Context) -> list[Case]:
+    paths = ds.paths()
+    jobs = 4
+    # each job's share of every file, whole MiBs (the tail of a file beyond jobs x PART
+    # is left unread, under 4 MiB per file)
+    part = min(os.path.getsize(ds.root / p) for p in paths) // jobs >> 20 << 20
+
     def run(path: Path) -> dict:
-        files = ":".join(str(path / p) for p in ds.paths())
-        return run_fio("shards.fio", {"FILES": files, "SIZE": str(ds.bytes), "JOBS": "4",
-                                      "RUNTIME": str(ctx.scale.runtime)})
+        files = ":".join(str(path / p) for p in paths)
+        return run_fio("shards.fio", {"FILES": files, "JOBS": str(jobs), "PART": str(part),
+                                      "JOBSIZE": str(part * len(paths))})
     return [Case("psync-j4-1to8m", run, "MB/s")]
 
 
