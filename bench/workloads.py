@@ -5,7 +5,7 @@ workload           dataset                    cases (primary figure)
 =================  =========================  =====================================================
 ``seq-1m``         files: seq.0..3            fio seq-read.fio, 1 MiB, psync and io_uring (QD 16),
                                               1 and 4 jobs, each job its own file (MB/s)
-``rand-4k``        files                      fio rand-read.fio, 4 KiB, 1 and 4 jobs (IOPS)
+``rand-4k``        files                      fio rand-read.fio, 4 KiB, 1 and 4 jobs (IOPS); Python records
 ``rand-128k``      files                      fio rand-read.fio, 128 KiB, 1 and 4 jobs (MB/s)
 ``imagenet``       imagenet: log-normal       every file read whole once, shuffled, 8 worker
                    ~110 KB files, 16 dirs     processes (files/s; MB/s alongside)
@@ -309,8 +309,9 @@ def _seq_and_rand(ds: Dataset, ctx: Context) -> list[Case]:
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     Workload("seq-1m", "sequential 1 MiB reads, one file per job", _files, _seq_cases, standard_targets),
-    Workload("rand-4k", "random 4 KiB reads over the large files", _files,
-             lambda ds, ctx: [rand_case(ds, ctx, "4k", j, "IOPS") for j in (4, 1)], standard_targets),
+    Workload("rand-4k", "random 4 KiB reads over the large files (fio; Python records)", _files,
+             lambda ds, ctx: [*(rand_case(ds, ctx, "4k", j, "IOPS") for j in (4, 1)),
+                              _records_case(ds, ctx)], standard_targets),
     Workload("rand-128k", "random 128 KiB reads over the large files", _files,
              lambda ds, ctx: [rand_case(ds, ctx, "128k", j, "MB/s") for j in (4, 1)], standard_targets),
     Workload("imagenet", "ImageNet-like: every small file read whole once, shuffled, 8 workers",
