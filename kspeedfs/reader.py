@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, TypeVar
 
 import trio
 
@@ -68,6 +68,24 @@ def block_key(chunk_key: bytes, block: int) -> bytes:
     """Memory-tier key of a block: the chunk's key plus the block number (a chunk key is
     16 bytes, so the two never meet)."""
     return chunk_key + block.to_bytes(4, "little")
+
+
+async def _each(fn: Callable[..., Awaitable[None]], args: Iterable[tuple[Any, ...]]) -> None:
+    """``fn(*a)`` for every ``a``, concurrently. A kspeedfs error is raised as itself,
+    not inside the nursery's ExceptionGroup, so the FUSE boundary maps it to its errno
+    (a changed source file is EIO with its name logged, not an "unexpected error")."""
+    try:
+        async with trio.open_nursery() as n:
+            for a in args:
+                n.start_soon(fn, *a)
+    except BaseExceptionGroup as group:
+        mine, rest = group.split(KspeedfsError)
+        if mine is not None and rest is None:
+            first = mine.exceptions[0]
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
+        raise
 
 
 class Reader:
@@ -146,9 +164,7 @@ class Reader:
                 lo = max(start, k * c) - k * c
                 parts[i] = await self._part(entry, k, lo, min(end, (k + 1) * c) - k * c, random)
 
-            async with trio.open_nursery() as n:
-                for i, k in enumerate(chunks):
-                    n.start_soon(one, i, k)
+            await _each(one, enumerate(chunks))
             out = b"".join(parts)
         self.counters.add("read_bytes", len(out))
         return out
@@ -239,9 +255,7 @@ class Reader:
             data = await self._block(entry, k, b)
             parts[b - first] = memoryview(data)[max(lo, b * B) - b * B:min(hi, (b + 1) * B) - b * B]
 
-        async with trio.open_nursery() as n:
-            for b in range(first, last + 1):
-                n.start_soon(one, b)
+        await _each(one, ((b,) for b in range(first, last + 1)))
         return b"".join(parts)
 
     async def _block(self, entry: int, k: int, b: int) -> Data:

@@ -330,6 +330,23 @@ async def test_a_changed_block_falls_back_to_the_chunk_which_names_the_file(bloc
         assert await r.read(small, 100, 4096, stream) == (src / "t2").read_bytes()[100:4196]
 
 
+async def test_a_changed_block_in_a_two_block_read_raises_source_changed(blocked) -> None:
+    """Not an ExceptionGroup from the concurrent block loads: the FUSE boundary maps
+    SourceChanged to EIO and logs the file; a group would be an "unexpected error"."""
+    src, ix, big = blocked
+    B = ix.block_size
+    with open(src / "big", "r+b") as f:
+        f.seek(9 * B + 100)
+        f.write(b"changed")
+    entry = ix.lookup(0, b"big")
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, prefetch=0)
+        with pytest.raises(SourceChanged, match="big.*re-import"):
+            await r.read(entry, 9 * B - 2048, 4096, Stream(next_offset=-1))
+        s = r.statistics()
+        assert s.block_fallbacks == 1                         # block 9 did not verify
+
+
 def test_block_digests_cover_every_chunk(blocked) -> None:
     src, ix, big = blocked
     origin = Origin(src, ix, "ds")
