@@ -163,11 +163,15 @@ def seq_case(ds: Dataset, engine: str, jobs: int) -> Case:
     return Case(f"{engine}-j{jobs}" + (f"-qd{depth}" if depth > 1 else ""), run, "MB/s")
 
 
+def fio_files(root: Path, rels: list[str]) -> str:
+    """fio's ``filename=`` list: colon-separated, a colon inside a path escaped."""
+    return ":".join(str(root / p).replace(":", "\\:") for p in rels)
+
+
 def fio_random(root: Path, rels: list[str], nbytes: int, bs: str, jobs: int, runtime: int) -> dict:
     """rand-read.fio, psync, over the files ``rels`` below ``root`` (``nbytes`` in all)."""
-    files = ":".join(str(root / p).replace(":", "\\:") for p in rels)
-    return run_fio("rand-read.fio", {"FILES": files, "SIZE": str(nbytes), "BS": bs,
-                                     "JOBS": str(jobs), "RUNTIME": str(runtime),
+    return run_fio("rand-read.fio", {"FILES": fio_files(root, rels), "SIZE": str(nbytes),
+                                     "BS": bs, "JOBS": str(jobs), "RUNTIME": str(runtime),
                                      "ENGINE": "psync", "IODEPTH": "1"})
 
 
@@ -188,6 +192,12 @@ def _records_case(ds: Dataset, ctx: Context) -> Case:
                 "records/s")
 
 
+def _cold_rand_cases(ds: Dataset, ctx: Context) -> list[Case]:
+    """The random-read cases of the chunk and block size sweeps."""
+    return [rand_case(ds, ctx, "4k", 1, "IOPS"), rand_case(ds, ctx, "4k", 4, "IOPS"),
+            rand_case(ds, ctx, "128k", 4, "MB/s")]
+
+
 def _imagenet_cases(ds: Dataset, ctx: Context) -> list[Case]:
     paths = ds.paths()
     return [Case("8-workers", lambda p: readers.whole_files(str(p), paths, 8), "files/s")]
@@ -201,9 +211,8 @@ def _shards_cases(ds: Dataset, ctx: Context) -> list[Case]:
     part = min(os.path.getsize(ds.root / p) for p in paths) // jobs >> 20 << 20
 
     def run(path: Path) -> dict:
-        files = ":".join(str(path / p) for p in paths)
-        return run_fio("shards.fio", {"FILES": files, "JOBS": str(jobs), "PART": str(part),
-                                      "JOBSIZE": str(part * len(paths))})
+        return run_fio("shards.fio", {"FILES": fio_files(path, paths), "JOBS": str(jobs),
+                                      "PART": str(part), "JOBSIZE": str(part * len(paths))})
     return [Case("psync-j4-1to8m", run, "MB/s")]
 
 
@@ -330,14 +339,12 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
           _files, lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4)],
           "chunk size, cold: sequential"),
     sweep("sweep-chunk-rand", "import.chunk_size", ["1MiB", "4MiB", "16MiB"], False, _files,
-          lambda ds, ctx: [rand_case(ds, ctx, "4k", 1, "IOPS"), rand_case(ds, ctx, "4k", 4, "IOPS"),
-                           rand_case(ds, ctx, "128k", 4, "MB/s")],
+          _cold_rand_cases,
           "chunk size, cold random reads (blocks, then whole chunks: the tier fits the data)"),
     sweep("sweep-chunk-shards", "import.chunk_size", ["1MiB", "4MiB", "16MiB"], False, _shards,
           _shards_cases, "chunk size, cold: 4 readers at random 1-8 MiB offsets of large shards"),
     sweep("sweep-block", "import.block_size", ["32KiB", "128KiB", "4MiB"], False, _files,
-          lambda ds, ctx: [rand_case(ds, ctx, "4k", 1, "IOPS"), rand_case(ds, ctx, "4k", 4, "IOPS"),
-                           rand_case(ds, ctx, "128k", 4, "MB/s")],
+          _cold_rand_cases,
           "block size (4MiB = whole chunks only), cold random reads, memory tier half the dataset",
           fixed=lambda ds: {"cache.memory": str(ds.bytes // 2)}),
     sweep("sweep-prefetch", "fuse.prefetch_chunks", ["0", "2", "4", "8", "16"], False, _files,
