@@ -281,8 +281,8 @@ async def test_a_small_read_across_a_chunk_boundary_loads_two_blocks(blocked) ->
 
 
 async def test_a_large_random_read_loads_its_chunk(blocked) -> None:
-    """A read over more than two blocks (a shard reader's 1 MiB requests) is one chunk
-    load, not a block load per 16 KiB."""
+    """A read over more than ``MAX_READ_BLOCKS`` blocks (five here; a shard reader's
+    1 MiB requests) is one chunk load, not a block load per 16 KiB."""
     src, ix, big = blocked
     entry = ix.lookup(0, b"big")
     async with trio.open_nursery() as n:
