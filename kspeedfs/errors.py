@@ -59,6 +59,12 @@ class ManifestCorrupt(StoreError):
     """A manifest blob does not decode or does not match its recorded digest."""
 
 
+class RecordUnverified(StoreError):
+    """An etcd record (dataset info, node record) has no valid signature with this
+    cluster's key: it was written without the cluster secret and is refused
+    (``manifest/store/signature.py``)."""
+
+
 # -- import ------------------------------------------------------------------------------
 
 class SourceError(KspeedfsError):

@@ -27,11 +27,19 @@ import pytest
 
 from kspeedfs.config import StoreConfig
 from kspeedfs.errors import ConfigError, DatasetNotFound, ManifestCorrupt, StoreError, StoreUnavailable
-from kspeedfs.manifest.store import DatasetInfo, MetadataStore, open_store
+from kspeedfs.manifest.store import DatasetInfo, MetadataStore
+from kspeedfs.manifest.store import open_store as _open_store
 from kspeedfs.manifest.store.embedded import EmbeddedStore
 from tests.fixtures.etcd import EtcdServer, TestCA, free_port
 
 MiB = 1 << 20
+SECRET = b"contract-test-cluster-secret"
+
+
+def open_store(cfg: StoreConfig) -> MetadataStore:
+    """Every store here is opened as a cluster member: etcd records are signed and
+    verified with ``SECRET`` (tests/t1_signature.py covers the refusals)."""
+    return _open_store(cfg, SECRET)
 
 
 def make_info(name: str = "imagenet", files: int = 3) -> DatasetInfo:

@@ -218,8 +218,9 @@ def _hash_chunk(source: bytes, tree: _Tree, p: _Plan, k: int) -> tuple[int, byte
 
 
 def encode(tree: _Tree, p: _Plan, ext_digests: bytearray, chunk_digests: bytearray,
-           block_digests: bytearray, level: int = 1) -> bytes:
-    """Serialise to the blob format read by ``index.ManifestIndex.from_blob``."""
+           block_digests: bytearray, level: int = 1) -> tuple[bytes, int]:
+    """Serialise to the blob format read by ``index.ManifestIndex.from_blob``; returns
+    the blob and its inflated size (which the dataset info declares: a loader's cap)."""
     parts: list[bytes] = []
 
     def put(b: bytes | bytearray) -> None:
@@ -241,7 +242,7 @@ def encode(tree: _Tree, p: _Plan, ext_digests: bytearray, chunk_digests: bytearr
     put(chunk_digests)
     put(block_digests)
     assert [n for n, _, _ in CHUNK_ARRAYS] == ["chunk_len", "chunk_first_file"]
-    return zlib.compress(b"".join(parts), level)
+    return zlib.compress(b"".join(parts), level), sum(len(b) for b in parts)
 
 
 def import_tree(
@@ -298,11 +299,11 @@ def import_tree(
                 pending.append(pool.submit(_hash_chunk, src, tree, p, nxt))
 
     report("publish", nfiles, nfiles, total_bytes, total_bytes)
-    blob = encode(tree, p, ext_digests, chunk_digests, block_digests)
+    blob, inflated_size = encode(tree, p, ext_digests, chunk_digests, block_digests)
     info = DatasetInfo(
         name=name, version=0, files=nfiles, entries=len(tree.mode), bytes=total_bytes,
         chunks=len(p.chunk_len), chunk_size=chunk_size, imported_at=0.0,
-        source=os.fsdecode(src),
+        source=os.fsdecode(src), inflated_size=inflated_size,
     )
     sealed = store.publish(info, blob)
     report("done", nfiles, nfiles, total_bytes, total_bytes)

@@ -1,18 +1,34 @@
-"""Metadata store backends behind one interface; see ``base.py``."""
+"""Metadata store backends behind one interface; see ``base.py``.
+
+Who needs the cluster secret: the etcd backend signs every dataset info record it
+publishes and refuses every one it reads that is not signed with the cluster's key
+(``signature.py``), so opening it takes the secret; the embedded backend is a local
+directory guarded by file permissions and stays unsigned (no secret needed).
+:func:`open_configured` reads the secret only when the configuration selects etcd.
+"""
 from __future__ import annotations
 
-from ...config import StoreConfig
+from ...config import Config, StoreConfig
 from .base import DatasetInfo, MetadataStore, check_name
 
-__all__ = ["DatasetInfo", "MetadataStore", "check_name", "open_store"]
+__all__ = ["DatasetInfo", "MetadataStore", "check_name", "open_configured", "open_store"]
 
 
-def open_store(cfg: StoreConfig) -> MetadataStore:
-    """The configured backend. etcd is imported only when selected."""
+def open_store(cfg: StoreConfig, secret: bytes | None = None) -> MetadataStore:
+    """The configured backend. etcd is imported only when selected; ``secret`` (the
+    cluster secret) is what it signs and verifies records with: without it, an etcd
+    store refuses to publish or read datasets (``ConfigError``)."""
     if cfg.backend == "etcd":
         from .etcd import EtcdStore
 
-        return EtcdStore(cfg)
+        return EtcdStore(cfg, secret)
     from .embedded import EmbeddedStore
 
     return EmbeddedStore(cfg.path)
+
+
+def open_configured(cfg: Config) -> MetadataStore:
+    """:func:`open_store` for a whole configuration: with ``cluster.secret()`` when the
+    backend is etcd (a missing or short secret is a ``ConfigError`` naming the file)."""
+    secret = cfg.cluster.secret() if cfg.store.backend == "etcd" else None
+    return open_store(cfg.store, secret)

@@ -14,12 +14,27 @@ embedded store, a compare-and-swap transaction in etcd), so two concurrent impor
 of one name get two versions, never one overwritten manifest. A version's blob is
 never modified after publish; ``remove`` deletes whole versions.
 
-Integrity. The blob's xxh3-128 digest is recorded in :class:`DatasetInfo` and checked
-by :meth:`MetadataStore.manifest` on every fetch (``ManifestCorrupt`` on mismatch).
+Integrity. The blob's size, xxh3-128 digest and SHA-256 are recorded in
+:class:`DatasetInfo` and checked by :meth:`MetadataStore.manifest` on every fetch
+(``ManifestCorrupt`` on mismatch). xxh3 catches accidents; SHA-256 is what makes the
+blob as trustworthy as the info record: in etcd the info record is signed with a key
+derived from the cluster secret (``signature.py``), so a writer without the secret can
+neither change a version's info nor, through a second preimage of a non-cryptographic
+hash, its blob. ``inflated_size`` declares the blob's size after zlib; the index
+loader (``manifest/index.py``) refuses to inflate past it, so a zlib bomb costs at most
+that. Records written before these fields existed (embedded store only: it is local
+and stays unsigned) have ``sha256 = ""`` and ``inflated_size = 0`` and are checked by
+xxh3 only and inflated without a cap.
+
+Parsing. :meth:`DatasetInfo.from_json` takes untrusted JSON: it returns a valid info
+or raises ``ValueError`` (wrong type, missing field, out of range), never ``TypeError``
+or ``KeyError``; the stores turn that into ``StoreError``.
 """
 from __future__ import annotations
 
 import abc
+import hashlib
+import math
 import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -41,8 +56,33 @@ def check_name(name: str) -> str:
     return name
 
 
+_HEX = re.compile(r"^[0-9a-f]*$")
+_INT_MAX = (1 << 63) - 1
+_INT_FIELDS = ("version", "files", "entries", "bytes", "chunks", "chunk_size", "manifest_size",
+               "inflated_size")
+
+
 def blob_digest(blob: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(blob)
+
+
+def blob_sha256(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _want_int(d: dict[str, Any], key: str) -> int:
+    v = d[key]
+    if type(v) is not int or not 0 <= v <= _INT_MAX:
+        raise ValueError(f"{key}: not an integer in 0..2^63-1 ({type(v).__name__})")
+    return v
+
+
+def _want_str(d: dict[str, Any], key: str, pattern: "re.Pattern[str] | None" = None,
+              max_len: int = 1 << 16) -> str:
+    v = d[key]
+    if not isinstance(v, str) or len(v) > max_len or (pattern is not None and not pattern.fullmatch(v)):
+        raise ValueError(f"{key}: not a valid string ({type(v).__name__})")
+    return v
 
 
 @dataclass(frozen=True)
@@ -60,24 +100,50 @@ class DatasetInfo:
     source: str           # source directory as given to import (surrogateescape for non-UTF-8)
     digest: str = ""      # xxh3-128 hex of the manifest blob
     manifest_size: int = 0
+    inflated_size: int = 0  # bytes after zlib (0: unknown, a record from before the field)
+    sha256: str = ""      # SHA-256 hex of the manifest blob ("" in records from before it)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "DatasetInfo":
+    def from_json(cls, d: Any) -> "DatasetInfo":
+        """Parse untrusted JSON; ``ValueError`` unless every field has its type and range.
+        Keys that are not fields (``parts``, ...) are ignored; ``digest``, ``sha256``,
+        ``manifest_size`` and ``inflated_size`` may be missing (older records)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a dataset info record must be a JSON object, not {type(d).__name__}")
         fields = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in d.items() if k in fields})
+        d = {k: v for k, v in d.items() if k in fields}
+        for key in ("digest", "sha256", "manifest_size", "inflated_size"):
+            d.setdefault(key, fields[key].default)
+        missing = sorted(set(fields) - set(d))
+        if missing:
+            raise ValueError(f"dataset info record lacks {', '.join(missing)}")
+        _want_str(d, "name", _NAME)
+        for key in _INT_FIELDS:
+            _want_int(d, key)
+        if d["chunk_size"] == 0 and d["chunks"]:
+            raise ValueError("chunk_size: 0 with chunks")
+        t = d["imported_at"]
+        if not ((type(t) is int and abs(t) <= _INT_MAX)
+                or (type(t) is float and math.isfinite(t))):
+            raise ValueError(f"imported_at: not a finite number ({type(t).__name__})")
+        _want_str(d, "source", max_len=1 << 14)
+        _want_str(d, "digest", _HEX, 32)
+        _want_str(d, "sha256", _HEX, 64)
+        return cls(**d)
 
     def sealed(self, version: int, blob: bytes, imported_at: float) -> "DatasetInfo":
         return replace(
             self, version=version, digest=blob_digest(blob), manifest_size=len(blob),
-            imported_at=imported_at,
+            imported_at=imported_at, sha256=blob_sha256(blob),
         )
 
 
 def verify_blob(info: DatasetInfo, blob: bytes) -> bytes:
-    if len(blob) != info.manifest_size or blob_digest(blob) != info.digest:
+    if (len(blob) != info.manifest_size or blob_digest(blob) != info.digest
+            or (info.sha256 and blob_sha256(blob) != info.sha256)):
         raise ManifestCorrupt(
             f"manifest of {info.name} v{info.version} is corrupt in the store "
             f"({len(blob)} bytes, expected {info.manifest_size}); re-import the dataset"
