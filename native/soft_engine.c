@@ -26,8 +26,10 @@
  *   ring goes non-empty and drained when poll empties it (level-triggered readability).
  */
 #define _GNU_SOURCE
+#ifndef KS_NO_PYTHON   /* native/fuzz builds the engine core without the binding */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#endif
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -59,6 +61,10 @@
 #define KS_LOWAT (256u << 10)
 #endif
 #define KS_LOWAT_MIN (16u << 10)  /* below this the setsockopt costs more than it saves */
+#define KS_QPN_TAB (2 * KS_MAX_QP)  /* open-addressing QPN -> QP table, load <= 1/2 */
+#define KS_ACCEPT_BATCH 16        /* accepts per listener event, so the HELLOs of the
+                                   * connections already accepted are read in between */
+#define KS_LISTEN_PAUSE_MS 100    /* out of fds (EMFILE...): stop accepting this long */
 
 /* ------------------------------------------------------------------------- objects */
 
@@ -106,6 +112,13 @@ struct ks_conn {
     ks_conn *next_dead;     /* graveyard: freed by the engine thread after its batch */
     uint32_t events;        /* current epoll mask */
     uint64_t hello_deadline;
+    ks_conn *hnext, *hprev; /* CONN_HELLO: eng->hello_head FIFO, oldest first */
+    uint32_t peer_ip;       /* accepted connections: source IPv4, network order */
+    /* the HELLO of an accepted connection, kept while it is a candidate of a QP in
+     * RESET/INIT (qp->cand) and copied to the QP when it attaches */
+    uint32_t src_qpn;
+    int pdata_len;
+    uint8_t pdata[KS_MAX_PDATA];
     /* rx */
     uint8_t *stage;
     uint32_t spos, slen;
@@ -125,6 +138,7 @@ struct ks_conn {
 /* All fields protected by eng->lock. */
 struct ks_qp {
     uint32_t qpn;
+    uint32_t slot;                     /* index in eng->qps */
     int pd;
     int state;
     int access;
@@ -140,6 +154,17 @@ struct ks_qp {
     uint64_t timeout_ns;               /* 0: infinite */
     uint64_t last_progress;
     ks_conn *req, *resp;
+    /* RESET/INIT: HELLO'd connections not yet checkable (the peer's QPN and address are
+     * only known at RTR); RTR keeps the one that matches, if any, as `resp` */
+    ks_conn *cand[KS_QP_CANDIDATES];
+    int ncand;
+    uint32_t peer_ip;                   /* RTR: the peer device's IPv4 (req's peer) */
+    /* expect_peer(): only a HELLO from this QPN (and address, and private data) may
+     * attach; set in RESET/INIT, cleared by RESET */
+    int expect;
+    uint32_t expect_qpn, expect_ip;     /* expect_ip 0: any address */
+    int expect_pdata_len;               /* -1: any private data */
+    uint8_t expect_pdata[KS_MAX_PDATA];
     uint8_t pdata[KS_MAX_PDATA];
     int pdata_len;                      /* -1: none received */
     uint32_t resp_src_qpn;
@@ -163,7 +188,7 @@ struct ks_engine {
     uint32_t ip;                       /* network order */
     int port;
     ks_qp *qps[KS_MAX_QP];             /* protected by lock */
-    uint32_t qp_gen;                   /* protected by lock */
+    ks_qp *qpn_tab[KS_QPN_TAB];        /* by QPN (linear probing); protected by lock */
     uint32_t qp_hi;                    /* highest used slot + 1; protected by lock */
     ks_mr *mrs[KS_MAX_MR];             /* protected by lock */
     pthread_mutex_t cq_tab_lock;
@@ -171,6 +196,8 @@ struct ks_engine {
     ks_conn *conns;                    /* protected by lock */
     ks_conn *dead;                     /* protected by lock */
     int n_hello;                       /* protected by lock */
+    ks_conn *hello_head, *hello_tail;  /* pending (CONN_HELLO) FIFO; protected by lock */
+    uint64_t listen_paused_until;      /* engine thread only; 0: accepting */
     uint64_t last_timer;               /* engine thread only */
     /* A CQ whose eventfd the engine thread still owes a write: cq_push on the engine
      * thread defers the wake-up of the poller until just before the engine releases
@@ -179,6 +206,7 @@ struct ks_engine {
     ks_cq *defer_sig;
     /* counters, protected by lock */
     uint64_t n_dropped_conns, n_rx_bytes, n_tx_bytes;
+    uint64_t n_hello_evicted, n_hello_timeouts, n_hello_refused;
 };
 
 static char TAG_LISTEN, TAG_KICK;
@@ -258,6 +286,10 @@ int ks_hdr_parse(const uint8_t *buf, struct ks_hdr *h, int role)
     case KS_OP_HELLO:
         if (role != KS_ROLE_HELLO && role != KS_ROLE_ANY)
             return -EPROTO;
+        if (h->psn != 0 || h->rkey != 0 || h->rlen != 0 || h->raddr != 0)
+            return -EPROTO;
+        if (role == KS_ROLE_HELLO && h->status != 0)
+            return -EPROTO;               /* an incoming HELLO is a request */
         if (h->length > KS_HELLO_FIXED + KS_MAX_PDATA)
             return -EMSGSIZE;
         return 0;
@@ -296,12 +328,75 @@ int ks_hdr_parse(const uint8_t *buf, struct ks_hdr *h, int role)
     }
 }
 
+int ks_hello_parse(const uint8_t *buf, uint32_t len, struct ks_hello *out, uint32_t *need)
+{
+    struct ks_hdr h;
+    *need = KS_HDR_LEN;
+    if (len < KS_HDR_LEN)
+        return -EAGAIN;
+    int rc = ks_hdr_parse(buf, &h, KS_ROLE_HELLO);
+    if (rc < 0)
+        return rc;
+    if (h.length < KS_HELLO_FIXED)
+        return -EPROTO;
+    *need = KS_HDR_LEN + h.length;         /* <= KS_HELLO_BUF: ks_hdr_parse checked */
+    if (len < *need)
+        return -EAGAIN;
+    if (len > *need)
+        return -EPROTO;
+    const uint8_t *p = buf + KS_HDR_LEN;
+    out->dest_qpn = rd32(p);
+    out->src_qpn = rd32(p + 4);
+    if (out->dest_qpn > 0xFFFFFF || out->src_qpn > 0xFFFFFF || rd32(p + 8) != 0)
+        return -EPROTO;
+    out->pdata = p + KS_HELLO_FIXED;
+    out->pdata_len = h.length - KS_HELLO_FIXED;
+    return 0;
+}
+
 /* -------------------------------------------------------------------------- tables */
+
+/* QPNs are random, so the table is keyed by QPN (linear probing, at most half full:
+ * KS_MAX_QP live QPs in 2 * KS_MAX_QP entries, so a probe always ends on an empty one). */
+static uint32_t qpn_home(uint32_t qpn)
+{
+    return (qpn * 2654435761u) % KS_QPN_TAB;
+}
 
 static ks_qp *qp_get(ks_engine *e, uint32_t qpn)
 {
-    ks_qp *qp = e->qps[qpn & (KS_MAX_QP - 1)];
-    return (qp && qp->qpn == qpn) ? qp : NULL;
+    for (uint32_t i = qpn_home(qpn);; i = (i + 1) % KS_QPN_TAB) {
+        ks_qp *qp = e->qpn_tab[i];
+        if (!qp || qp->qpn == qpn)
+            return qp;
+    }
+}
+
+static void qpn_insert(ks_engine *e, ks_qp *qp)
+{
+    uint32_t i = qpn_home(qp->qpn);
+    while (e->qpn_tab[i])
+        i = (i + 1) % KS_QPN_TAB;
+    e->qpn_tab[i] = qp;
+}
+
+/* Backward-shift deletion (no tombstones): entries after the hole whose home is not
+ * cyclically in (hole, entry] move into the hole. */
+static void qpn_remove(ks_engine *e, ks_qp *qp)
+{
+    uint32_t i = qpn_home(qp->qpn);
+    while (e->qpn_tab[i] != qp)
+        i = (i + 1) % KS_QPN_TAB;
+    e->qpn_tab[i] = NULL;
+    for (uint32_t j = (i + 1) % KS_QPN_TAB; e->qpn_tab[j]; j = (j + 1) % KS_QPN_TAB) {
+        uint32_t k = qpn_home(e->qpn_tab[j]->qpn);
+        int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
+        if (!stays) {
+            e->qpn_tab[i] = e->qpn_tab[j];
+            e->qpn_tab[j] = NULL;
+            i = j;
+        }
+    }
 }
 
 static ks_mr *mr_get(ks_engine *e, uint32_t key)
@@ -412,12 +507,15 @@ static void conn_update_events(ks_engine *e, ks_conn *c)
     }
 }
 
+/* A pending (CONN_HELLO) connection gets a KS_HELLO_BUF stage, enough for any valid
+ * HELLO (300 B, not 16 KiB: 256 pending connections cost ~200 KiB); it is swapped for a
+ * KS_STAGE one when the connection attaches to a QP (conn_attach). */
 static ks_conn *conn_new(ks_engine *e, int fd, int role)
 {
     ks_conn *c = calloc(1, sizeof *c);
     if (!c)
         return NULL;
-    c->stage = malloc(KS_STAGE);
+    c->stage = malloc(role == CONN_HELLO ? KS_HELLO_BUF : KS_STAGE);
     if (!c->stage) {
         free(c);
         return NULL;
@@ -436,9 +534,45 @@ static ks_conn *conn_new(ks_engine *e, int fd, int role)
     if (e->conns)
         e->conns->prev = c;
     e->conns = c;
-    if (role == CONN_HELLO)
+    c->pdata_len = -1;
+    if (role == CONN_HELLO) {
         e->n_hello++;
+        c->hprev = e->hello_tail;
+        if (e->hello_tail)
+            e->hello_tail->hnext = c;
+        else
+            e->hello_head = c;
+        e->hello_tail = c;
+    }
     return c;
+}
+
+/* Take a connection off the pending FIFO (it got a HELLO through, or it dies). */
+static void hello_unlink(ks_engine *e, ks_conn *c)
+{
+    if (c->role != CONN_HELLO)
+        return;
+    if (c->hprev)
+        c->hprev->hnext = c->hnext;
+    else
+        e->hello_head = c->hnext;
+    if (c->hnext)
+        c->hnext->hprev = c->hprev;
+    else
+        e->hello_tail = c->hprev;
+    c->hnext = c->hprev = NULL;
+    e->n_hello--;
+}
+
+static void cand_remove(ks_qp *qp, ks_conn *c)
+{
+    for (int i = 0; i < qp->ncand; i++) {
+        if (qp->cand[i] == c) {
+            memmove(qp->cand + i, qp->cand + i + 1, (qp->ncand - i - 1) * sizeof *qp->cand);
+            qp->ncand--;
+            return;
+        }
+    }
 }
 
 /* Close the socket and detach from its QP; the memory is freed by the engine thread
@@ -452,13 +586,13 @@ static void conn_kill(ks_engine *e, ks_conn *c)
     epoll_ctl(e->epfd, EPOLL_CTL_DEL, c->fd, NULL);
     close(c->fd);
     c->fd = -1;
-    if (c->role == CONN_HELLO)
-        e->n_hello--;
+    hello_unlink(e, c);
     if (c->qp) {
         if (c->qp->req == c)
             c->qp->req = NULL;
         if (c->qp->resp == c)
             c->qp->resp = NULL;
+        cand_remove(c->qp, c);
         c->qp = NULL;
     }
     if (c->prev)
@@ -492,6 +626,15 @@ static void graveyard_free(ks_engine *e)
 
 /* ------------------------------------------------------------------- QP state/errors */
 
+/* Close every connection of the QP: both directions and the candidates. */
+static void qp_kill_conns(ks_engine *e, ks_qp *qp)
+{
+    conn_kill(e, qp->req);
+    conn_kill(e, qp->resp);
+    while (qp->ncand)
+        conn_kill(e, qp->cand[0]);
+}
+
 static void pending_free(ks_qp *qp)
 {
     ks_pending *p = qp->pend_head;
@@ -513,8 +656,7 @@ static void qp_fatal_at(ks_engine *e, ks_qp *qp, uint32_t culprit, uint32_t stat
     if (qp->state == KS_QPS_ERR || qp->state == KS_QPS_RESET)
         return;
     qp->state = KS_QPS_ERR;
-    conn_kill(e, qp->req);
-    conn_kill(e, qp->resp);
+    qp_kill_conns(e, qp);
     if (culprit != qp->sq_tail && status != KS_WC_WR_FLUSH_ERR) {
         ks_wqe *w = &qp->sq[culprit % qp->max_send_wr];
         push_wc(qp->scq, w->wr_id, status, wc_opcode_of(w->opcode), 0, qp->qpn);
@@ -544,14 +686,15 @@ static void qp_fatal(ks_engine *e, ks_qp *qp, uint32_t status)
 static void qp_to_reset(ks_engine *e, ks_qp *qp)
 {
     quiesce(e);
-    conn_kill(e, qp->req);
-    conn_kill(e, qp->resp);
+    qp_kill_conns(e, qp);
     qp->sq_head = qp->sq_sent = qp->sq_tail = 0;
     qp->rq_head = qp->rq_tail = 0;
     pending_free(qp);
     qp->pdata_len = -1;
     qp->dest_qpn = 0;
     qp->resp_src_qpn = 0;
+    qp->peer_ip = 0;
+    qp->expect = 0;
     qp->state = KS_QPS_RESET;
 }
 
@@ -699,7 +842,11 @@ static int req_consume(ks_engine *e, ks_qp *qp, ks_conn *c)
             if ((w->opcode == KS_WR_RDMA_READ) != (h.opcode == KS_OP_READ_RESP))
                 return -EPROTO;
             if (h.status != 0) {
-                qp_fatal(e, qp, h.status);  /* NAK: e.g. REM_ACCESS_ERR */
+                /* NAK: only the statuses a responder sends become our WC status */
+                if (h.status != KS_WC_REM_INV_REQ_ERR && h.status != KS_WC_REM_ACCESS_ERR &&
+                    h.status != KS_WC_REM_OP_ERR)
+                    return -EPROTO;
+                qp_fatal(e, qp, h.status);
                 return 1;
             }
             if (h.opcode == KS_OP_READ_RESP && h.length != w->total)
@@ -848,8 +995,8 @@ static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c)
 static int resp_rx_enabled(ks_conn *c)
 {
     ks_qp *qp = c->qp;
-    if (!qp || c->dead || c->fatal_after)
-        return 0;
+    if (!qp || c->dead || c->fatal_after || qp->resp != c)
+        return 0;                         /* (a candidate is read only once chosen) */
     if (qp->state != KS_QPS_RTR && qp->state != KS_QPS_RTS)
         return 0;
     if (c->jcount >= KS_RESP_JOBS)
@@ -1121,49 +1268,99 @@ static void hello_reply(int fd, uint32_t status)
     (void)r;
 }
 
-/* Route an accepted connection to its QP.  0 waiting / attached; <0 drop it. */
+/* Does the HELLO on `c` come from the peer `qp` expects?  At RTR/RTS: its dest QPN and
+ * address; in RESET/INIT: what expect_peer() named, if anything (else anyone may wait as
+ * a candidate until RTR decides). */
+static int hello_is_peer(const ks_qp *qp, const ks_conn *c)
+{
+    if (qp->expect) {
+        if (c->src_qpn != qp->expect_qpn || (qp->expect_ip && c->peer_ip != qp->expect_ip))
+            return 0;
+        if (qp->expect_pdata_len >= 0) {
+            if (c->pdata_len != qp->expect_pdata_len)
+                return 0;
+            uint8_t diff = 0;             /* constant time: it may be a secret token */
+            for (int i = 0; i < c->pdata_len; i++)
+                diff |= c->pdata[i] ^ qp->expect_pdata[i];
+            if (diff)
+                return 0;
+        }
+    }
+    if (qp->state == KS_QPS_RTR || qp->state == KS_QPS_RTS)
+        return c->src_qpn == qp->dest_qpn && (!qp->peer_ip || c->peer_ip == qp->peer_ip);
+    return 1;
+}
+
+/* Make the candidate (or just-HELLO'd connection) `c` the QP's responder connection. */
+static int conn_attach(ks_engine *e, ks_qp *qp, ks_conn *c)
+{
+    uint8_t *stage = malloc(KS_STAGE);
+    ks_job *jobs = calloc(KS_RESP_JOBS, sizeof(ks_job));
+    if (!stage || !jobs) {
+        free(stage);
+        free(jobs);
+        return -ENOMEM;
+    }
+    cand_remove(qp, c);
+    free(c->stage);
+    c->stage = stage;
+    c->slen = c->spos = 0;
+    c->jobs = jobs;
+    c->qp = qp;
+    qp->resp = c;
+    qp->resp_src_qpn = c->src_qpn;
+    qp->pdata_len = c->pdata_len;
+    memcpy(qp->pdata, c->pdata, c->pdata_len);
+    conn_update_events(e, c);
+    return 0;
+}
+
+/* A complete, well-formed HELLO arrived on pending connection `c`: refuse it, attach it
+ * (QP at RTR/RTS waiting for its peer) or park it as a candidate (QP in RESET/INIT).
+ * 0: accepted; <0: drop the connection (after a refusing HELLO reply). */
+static int hello_route(ks_engine *e, ks_conn *c, const struct ks_hello *hl)
+{
+    ks_qp *qp = qp_get(e, hl->dest_qpn);
+    c->src_qpn = hl->src_qpn;
+    c->pdata_len = (int)hl->pdata_len;
+    memcpy(c->pdata, hl->pdata, hl->pdata_len);
+    int ok = qp && qp->state != KS_QPS_ERR && !qp->resp && hello_is_peer(qp, c);
+    int early = ok && qp->state != KS_QPS_RTR && qp->state != KS_QPS_RTS;
+    if (early && qp->ncand >= KS_QP_CANDIDATES)
+        ok = 0;                           /* first come first served: see soft_engine.h */
+    if (!ok) {
+        e->n_hello_refused++;
+        hello_reply(c->fd, KS_WC_REM_INV_REQ_ERR);
+        return -ECONNREFUSED;
+    }
+    hello_unlink(e, c);
+    c->role = CONN_RESP;
+    if (early) {
+        c->qp = qp;
+        qp->cand[qp->ncand++] = c;        /* no EPOLLIN until chosen (resp_rx_enabled) */
+        conn_update_events(e, c);
+    } else {
+        int rc = conn_attach(e, qp, c);
+        if (rc < 0)
+            return rc;
+    }
+    hello_reply(c->fd, 0);
+    return 0;
+}
+
+/* Read the HELLO of a pending connection: exactly its bytes, never more (what follows
+ * belongs to the responder).  0 waiting / routed; <0 drop it. */
 static int hello_rx(ks_engine *e, ks_conn *c)
 {
     for (;;) {
-        uint32_t want;
-        if (c->slen < KS_HDR_LEN) {
-            want = KS_HDR_LEN - c->slen;
-        } else {
-            struct ks_hdr h;
-            int rc = ks_hdr_parse(c->stage, &h, KS_ROLE_HELLO);
-            if (rc < 0)
-                return rc;
-            if (h.length < KS_HELLO_FIXED)
-                return -EPROTO;
-            uint32_t total = KS_HDR_LEN + h.length;
-            if (c->slen == total) {
-                const uint8_t *p = c->stage + KS_HDR_LEN;
-                uint32_t dest = rd32(p), src = rd32(p + 4);
-                ks_qp *qp = qp_get(e, dest);
-                int ok = qp && qp->state != KS_QPS_ERR && !qp->resp &&
-                         (qp->state < KS_QPS_RTR || qp->dest_qpn == src);
-                if (!ok) {
-                    hello_reply(c->fd, KS_WC_REM_INV_REQ_ERR);
-                    return -ECONNREFUSED;
-                }
-                c->jobs = calloc(KS_RESP_JOBS, sizeof(ks_job));
-                if (!c->jobs)
-                    return -ENOMEM;
-                e->n_hello--;
-                c->role = CONN_RESP;
-                c->qp = qp;
-                c->slen = c->spos = 0;
-                qp->resp = c;
-                qp->resp_src_qpn = src;
-                qp->pdata_len = (int)(h.length - KS_HELLO_FIXED);
-                memcpy(qp->pdata, p + KS_HELLO_FIXED, qp->pdata_len);
-                hello_reply(c->fd, 0);
-                conn_update_events(e, c);
-                return 0;
-            }
-            want = total - c->slen;
-        }
-        ssize_t n = recv(c->fd, c->stage + c->slen, want, 0);
+        struct ks_hello hl;
+        uint32_t need;
+        int rc = ks_hello_parse(c->stage, c->slen, &hl, &need);
+        if (rc == 0)
+            return hello_route(e, c, &hl);
+        if (rc != -EAGAIN)
+            return rc;
+        ssize_t n = recv(c->fd, c->stage + c->slen, need - c->slen, 0);
         if (n == 0)
             return -ECONNRESET;
         if (n < 0) {
@@ -1175,6 +1372,30 @@ static int hello_rx(ks_engine *e, ks_conn *c)
         }
         c->slen += n;
     }
+}
+
+/* Close the oldest pending connection (the pending caps are full). */
+static void hello_evict(ks_engine *e, ks_conn *c)
+{
+    e->n_hello_evicted++;
+    e->n_dropped_conns++;
+    conn_kill(e, c);
+}
+
+/* Room for one more pending connection from `ip`: over the per-source cap the oldest
+ * of that source goes, over the total cap the oldest of all. */
+static void hello_make_room(ks_engine *e, uint32_t ip)
+{
+    ks_conn *oldest_same = NULL;
+    int same = 0;
+    for (ks_conn *c = e->hello_head; c; c = c->hnext) {
+        if (c->peer_ip == ip && !same++)
+            oldest_same = c;
+    }
+    if (same >= KS_MAX_HELLO_PER_SRC)
+        hello_evict(e, oldest_same);
+    else if (e->n_hello >= KS_MAX_HELLO_CONNS)
+        hello_evict(e, e->hello_head);
 }
 
 /* ------------------------------------------------------------------- engine thread */
@@ -1225,6 +1446,16 @@ static void handle_conn(ks_engine *e, ks_conn *c, uint32_t ev)
         return;
     }
     /* responder */
+    if (qp->resp != c || (qp->state != KS_QPS_RTR && qp->state != KS_QPS_RTS)) {
+        /* a candidate, or attached before RTR: nothing is read yet, but a reset or
+         * broken socket reports EPOLLERR/EPOLLHUP whatever the mask: close it (else the
+         * level-triggered report would spin the engine) */
+        if (ev & (EPOLLERR | EPOLLHUP)) {
+            e->n_dropped_conns++;
+            conn_kill(e, c);
+        }
+        return;
+    }
     if (ev & EPOLLOUT) {
         rc = resp_tx(e, c);
         if (rc == 1) {
@@ -1275,17 +1506,33 @@ static void handle_conn(ks_engine *e, ks_conn *c, uint32_t ev)
     conn_update_events(e, c);
 }
 
+static void listener_events(ks_engine *e, uint32_t events)
+{
+    struct epoll_event ev = {.events = events, .data.ptr = &TAG_LISTEN};
+    epoll_ctl(e->epfd, EPOLL_CTL_MOD, e->lfd, &ev);
+}
+
+/* Accept up to KS_ACCEPT_BATCH connections (the listener is level-triggered: the rest
+ * come on the next round, after the HELLOs already due have been read). */
 static void accept_all(ks_engine *e)
 {
-    for (;;) {
-        int fd = accept4(e->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0)
-            return;
-        if (e->n_hello >= KS_MAX_HELLO_CONNS) {
-            close(fd);
-            e->n_dropped_conns++;
-            continue;
+    for (int i = 0; i < KS_ACCEPT_BATCH; i++) {
+        struct sockaddr_in sa;
+        socklen_t sl = sizeof sa;
+        int fd = accept4(e->lfd, (struct sockaddr *)&sa, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                /* the listener would stay readable and spin us: pause it */
+                listener_events(e, 0);
+                e->listen_paused_until = now_ns() + KS_LISTEN_PAUSE_MS * 1000000ull;
+                return;
+            }
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return;
+            continue;   /* EINTR, ECONNABORTED, a network error on that one connection */
         }
+        uint32_t ip = sa.sin_addr.s_addr;
+        hello_make_room(e, ip);
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         ks_conn *c = conn_new(e, fd, CONN_HELLO);
@@ -1293,7 +1540,11 @@ static void accept_all(ks_engine *e)
             close(fd);
             continue;
         }
+        c->peer_ip = ip;
         c->hello_deadline = now_ns() + (uint64_t)KS_HELLO_TIMEOUT_MS * 1000000ull;
+        int rc = hello_rx(e, c);          /* the HELLO often came with the handshake */
+        if (rc < 0)
+            conn_drop(e, c, rc, KS_WC_WR_FLUSH_ERR);
     }
 }
 
@@ -1336,11 +1587,20 @@ static int run_timers(ks_engine *e)
         }
         pthread_mutex_unlock(&cq->lock);
     }
-    for (ks_conn *c = e->conns, *n; c; c = n) {
-        n = c->next;
-        if (c->role == CONN_HELLO && c->hello_deadline <= now) {
-            e->n_dropped_conns++;
-            conn_kill(e, c);
+    /* the pending FIFO is in deadline order (one timeout for all) */
+    while (e->hello_head && e->hello_head->hello_deadline <= now) {
+        e->n_dropped_conns++;
+        e->n_hello_timeouts++;
+        conn_kill(e, e->hello_head);
+    }
+    if (e->hello_head && e->hello_head->hello_deadline < next)
+        next = e->hello_head->hello_deadline;
+    if (e->listen_paused_until) {
+        if (e->listen_paused_until <= now) {
+            e->listen_paused_until = 0;
+            listener_events(e, EPOLLIN);
+        } else if (e->listen_paused_until < next) {
+            next = e->listen_paused_until;
         }
     }
     uint64_t ms = (next > now ? next - now : 0) / 1000000ull + 1;
@@ -1393,6 +1653,7 @@ static void *engine_main(void *arg)
 }
 
 /* ------------------------------------------------------------------ Python binding */
+#ifndef KS_NO_PYTHON
 
 typedef struct {
     PyObject_HEAD
@@ -1503,10 +1764,6 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
     mutex_init_adaptive(&e->lock);
     mutex_init_adaptive(&e->cq_tab_lock);
     pthread_cond_init(&e->rx_cond, NULL);
-    uint32_t r;
-    if (getrandom(&r, sizeof r, 0) != sizeof r)
-        r = (uint32_t)now_ns();
-    e->qp_gen = r & 0xFFF;
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
     if (inet_pton(AF_INET, ip, &sa.sin_addr) != 1) {
         engine_shutdown(e);
@@ -1570,15 +1827,19 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *unused)
     ENGINE_OR_FAIL(self);
     lock_nogil(e);
     uint64_t d = e->n_dropped_conns, rx = e->n_rx_bytes, tx = e->n_tx_bytes;
-    int conns = 0, qps = 0;
+    uint64_t ev = e->n_hello_evicted, to = e->n_hello_timeouts, rf = e->n_hello_refused;
+    int conns = 0, qps = 0, pending = e->n_hello;
     for (ks_conn *c = e->conns; c; c = c->next)
         conns++;
     for (uint32_t i = 0; i < e->qp_hi; i++)
         qps += e->qps[i] != NULL;
     pthread_mutex_unlock(&e->lock);
-    return Py_BuildValue("{s:K,s:K,s:K,s:i,s:i}", "dropped_conns", (unsigned long long)d,
-                         "rx_bytes", (unsigned long long)rx, "tx_bytes", (unsigned long long)tx,
-                         "conns", conns, "qps", qps);
+    return Py_BuildValue("{s:K,s:K,s:K,s:i,s:i,s:i,s:K,s:K,s:K}", "dropped_conns",
+                         (unsigned long long)d, "rx_bytes", (unsigned long long)rx,
+                         "tx_bytes", (unsigned long long)tx, "conns", conns, "qps", qps,
+                         "pending_hello", pending, "hello_evicted", (unsigned long long)ev,
+                         "hello_timeouts", (unsigned long long)to,
+                         "hello_refused", (unsigned long long)rf);
 }
 
 /* ---- MRs */
@@ -1901,6 +2162,16 @@ static PyObject *Engine_create_qp(EngineObject *self, PyObject *args)
     qp->max_recv_sge = mrs;
     qp->pdata_len = -1;
     qp->state = KS_QPS_RESET;
+    /* QPN candidates drawn before taking the lock (getrandom may block early at boot):
+     * 24 random bits, not 0/1 (SMI/GSI), not a live QPN. */
+    uint32_t rnd[8];
+    if (getrandom(rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) {
+        int err = errno;
+        free(qp->sq);
+        free(qp->rq);
+        free(qp);
+        return raise_errno(err, "create_qp: getrandom");
+    }
     lock_nogil(e);
     qp->scq = e->cqs[scq_id];
     qp->rcq = e->cqs[rcq_id];
@@ -1911,20 +2182,25 @@ static PyObject *Engine_create_qp(EngineObject *self, PyObject *args)
             break;
         }
     }
-    if (!qp->scq || !qp->rcq || slot < 0) {
+    for (int i = 0; i < 8 && !qp->qpn; i++) {
+        uint32_t qpn = rnd[i] & 0xFFFFFF;
+        if (qpn > 1 && !qp_get(e, qpn))
+            qp->qpn = qpn;
+    }
+    if (!qp->scq || !qp->rcq || slot < 0 || !qp->qpn) {
+        /* (!qpn: 8 draws all taken, p < (4096 / 2^24)^8: never) */
+        int err = !qp->scq || !qp->rcq ? EINVAL : slot < 0 ? ENOMEM : EAGAIN;
         pthread_mutex_unlock(&e->lock);
         free(qp->sq);
         free(qp->rq);
         free(qp);
-        return raise_errno(slot < 0 ? ENOMEM : EINVAL, "create_qp");
+        return raise_errno(err, "create_qp");
     }
-    e->qp_gen = (e->qp_gen + 1) & 0xFFF;
-    qp->qpn = (e->qp_gen << 12) | (uint32_t)slot;
-    if (qp->qpn == 0)                         /* QPN 0 is reserved (SMI) */
-        qp->qpn = (++e->qp_gen & 0xFFF) << 12 | (uint32_t)slot;
+    qp->slot = (uint32_t)slot;
     qp->scq->refs++;
     qp->rcq->refs++;
     e->qps[slot] = qp;
+    qpn_insert(e, qp);
     if ((uint32_t)slot + 1 > e->qp_hi)
         e->qp_hi = slot + 1;
     pthread_mutex_unlock(&e->lock);
@@ -1944,9 +2220,9 @@ static PyObject *Engine_destroy_qp(EngineObject *self, PyObject *args)
         pthread_mutex_unlock(&e->lock);
         return raise_errno(EINVAL, "destroy_qp: unknown QP");
     }
-    conn_kill(e, qp->req);
-    conn_kill(e, qp->resp);
-    e->qps[qpn & (KS_MAX_QP - 1)] = NULL;
+    qp_kill_conns(e, qp);
+    e->qps[qp->slot] = NULL;
+    qpn_remove(e, qp);
     qp->scq->refs--;
     qp->rcq->refs--;
     pthread_mutex_unlock(&e->lock);
@@ -1993,8 +2269,13 @@ static PyObject *Engine_qp_private_data(EngineObject *self, PyObject *args)
         return NULL;
     uint8_t buf[KS_MAX_PDATA];
     int n = qp->pdata_len;
+    const uint8_t *src = qp->pdata;
+    if (n < 0 && qp->ncand) {   /* before RTR: the oldest candidate's (see expect_peer) */
+        n = qp->cand[0]->pdata_len;
+        src = qp->cand[0]->pdata;
+    }
     if (n > 0)
-        memcpy(buf, qp->pdata, n);
+        memcpy(buf, src, n);
     pthread_mutex_unlock(&e->lock);
     if (n < 0)
         Py_RETURN_NONE;
@@ -2048,6 +2329,14 @@ static PyObject *Engine_qp_rtr(EngineObject *self, PyObject *args)
         pthread_mutex_unlock(&e->lock);
         return raise_errno(EINVAL, "qp_rtr: QP not in INIT");
     }
+    /* the peer device's address: its HELLO to us must come from there too (its
+     * engine.connect binds the device address, and we connected to that device) */
+    struct sockaddr_in pa;
+    socklen_t pl = sizeof pa;
+    if (getpeername(fd, (struct sockaddr *)&pa, &pl) < 0 || pa.sin_family != AF_INET) {
+        pthread_mutex_unlock(&e->lock);
+        return raise_errno(EINVAL, "qp_rtr: fd is not a connected IPv4 socket");
+    }
     int fl = fcntl(fd, F_GETFL);
     fcntl(fd, F_SETFL, fl | O_NONBLOCK);
     ks_conn *c = conn_new(e, fd, CONN_REQ);
@@ -2058,32 +2347,63 @@ static PyObject *Engine_qp_rtr(EngineObject *self, PyObject *args)
     c->qp = qp;
     qp->req = c;
     qp->dest_qpn = dest;
+    qp->peer_ip = pa.sin_addr.s_addr;
     qp->rq_psn = rq_psn & 0xFFFFFF;
     qp->state = KS_QPS_RTR;
-    if (qp->resp) {
-        if (qp->resp_src_qpn != dest) {
-            conn_kill(e, qp->resp);  /* someone else connected to us: not our peer */
-            qp->pdata_len = -1;
-        } else {
-            ks_conn *r = qp->resp;
-            conn_update_events(e, r);
-            if (r->slen > r->spos) {  /* requests arrived before RTR */
-                int rc = resp_rx(e, qp, r);
-                if (rc < 0)
-                    conn_drop(e, r, rc, KS_WC_RETRY_EXC_ERR);
-                else if (!r->dead && r->jcount) {
-                    rc = resp_tx(e, r);
-                    if (rc == 1)
-                        qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
-                    else if (rc < 0)
-                        conn_drop(e, r, rc, KS_WC_RETRY_EXC_ERR);
-                    else
-                        conn_update_events(e, r);
-                }
-            }
-        }
-    }
+    /* keep the candidate that is our peer (the oldest, should there be two), close the
+     * others: connections that raced our peer onto this QP */
+    ks_conn *peer = NULL;
+    for (int i = 0; i < qp->ncand; i++)
+        if (!peer && hello_is_peer(qp, qp->cand[i]))
+            peer = qp->cand[i];
+    for (int i = qp->ncand - 1; i >= 0; i--)
+        if (qp->cand[i] != peer)
+            conn_kill(e, qp->cand[i]);
+    if (peer && conn_attach(e, qp, peer) < 0)
+        conn_kill(e, peer);   /* ENOMEM: the peer sees EOF, its QP goes to ERR */
     pthread_mutex_unlock(&e->lock);
+    Py_RETURN_NONE;
+}
+
+/* expect_peer(qpn, src_qpn, ip, private_data or None), RESET/INIT only: from now on only
+ * a HELLO from QP src_qpn at ip (network order; 0: any address) carrying exactly
+ * private_data (None: any) may connect to this QP; candidates that do not match are
+ * closed.  Cleared by RESET. */
+static PyObject *Engine_qp_expect(EngineObject *self, PyObject *args)
+{
+    ENGINE_OR_FAIL(self);
+    unsigned int qpn, src, ip;
+    PyObject *pd_obj;
+    if (!PyArg_ParseTuple(args, "IIIO", &qpn, &src, &ip, &pd_obj))
+        return NULL;
+    Py_buffer pd = {0};
+    if (pd_obj != Py_None && PyObject_GetBuffer(pd_obj, &pd, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (pd.len > KS_MAX_PDATA || src > 0xFFFFFF) {
+        PyBuffer_Release(&pd);
+        return raise_errno(EINVAL, "qp_expect: QPN over 24 bits or private data over 256 B");
+    }
+    ks_qp *qp = qp_locked(e, qpn);
+    if (!qp) {
+        PyBuffer_Release(&pd);
+        return NULL;
+    }
+    if (qp->state != KS_QPS_RESET && qp->state != KS_QPS_INIT) {
+        pthread_mutex_unlock(&e->lock);
+        PyBuffer_Release(&pd);
+        return raise_errno(EINVAL, "qp_expect: QP not in RESET/INIT");
+    }
+    qp->expect = 1;
+    qp->expect_qpn = src;
+    qp->expect_ip = ip;
+    qp->expect_pdata_len = pd_obj == Py_None ? -1 : (int)pd.len;
+    if (pd.len)
+        memcpy(qp->expect_pdata, pd.buf, pd.len);
+    for (int i = qp->ncand - 1; i >= 0; i--)
+        if (!hello_is_peer(qp, qp->cand[i]))
+            conn_kill(e, qp->cand[i]);
+    pthread_mutex_unlock(&e->lock);
+    PyBuffer_Release(&pd);
     Py_RETURN_NONE;
 }
 
@@ -2394,6 +2714,8 @@ static PyMethodDef Engine_methods[] = {
     {"qp_private_data", (PyCFunction)Engine_qp_private_data, METH_VARARGS, "bytes or None"},
     {"qp_init", (PyCFunction)Engine_qp_init, METH_VARARGS, "qp_init(qpn, access)"},
     {"qp_set_access", (PyCFunction)Engine_qp_set_access, METH_VARARGS, "qp_set_access(qpn, access)"},
+    {"qp_expect", (PyCFunction)Engine_qp_expect, METH_VARARGS,
+     "qp_expect(qpn, src_qpn, ip_be32, private_data or None)"},
     {"qp_rtr", (PyCFunction)Engine_qp_rtr, METH_VARARGS, "qp_rtr(qpn, fd, dest_qpn, rq_psn)"},
     {"qp_rts", (PyCFunction)Engine_qp_rts, METH_VARARGS, "qp_rts(qpn, sq_psn, timeout_ns, set_psn)"},
     {"qp_reset", (PyCFunction)Engine_qp_reset, METH_VARARGS, "qp_reset(qpn)"},
@@ -2499,3 +2821,4 @@ PyMODINIT_FUNC PyInit__soft_engine(void)
     PyModule_AddIntConstant(m, "ROLE_ANY", KS_ROLE_ANY);
     return m;
 }
+#endif /* KS_NO_PYTHON */

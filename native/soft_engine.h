@@ -24,9 +24,26 @@
  * order, so responses match the oldest outstanding request (PSN checked).  HELLO (first
  * message, written by the requester's to_rtr in Python, rdma/providers/soft/wire.py) names
  * dest/src QPN and carries <= 256 bytes of private data; the responder's engine answers
- * with a HELLO whose status is 0 (attached) or REM_INV_REQ_ERR (no such QP / QP busy / ERR).
+ * with a HELLO whose status is 0 (accepted) or REM_INV_REQ_ERR (no such QP / not the peer
+ * it expects / QP busy / ERR).  HELLO header: psn, rkey, rlen, raddr, status and the
+ * payload's reserved word are 0, both QPNs fit in 24 bits.
  * Anything malformed, truncated, oversized or out of order drops that connection and moves
  * that QP to ERR; nothing else is affected.
+ *
+ * Hostile-network limits (issue 13; the reasons are in soft_engine.c's header comment):
+ *
+ *   KS_HELLO_TIMEOUT_MS     an accepted connection must deliver a valid HELLO within 2 s
+ *   KS_MAX_HELLO_CONNS      at most 256 such pending connections in all, and
+ *   KS_MAX_HELLO_PER_SRC    64 per source IPv4 address; a new connection over either cap
+ *                           evicts the oldest pending one (of its own source first), so
+ *                           idle connections can delay a HELLO but never lock it out
+ *   KS_QP_CANDIDATES        a QP in RESET/INIT holds at most 4 HELLO'd connections whose
+ *                           sender it cannot check yet; at RTR it keeps the one from
+ *                           (dest QPN, peer address) and closes the others.  A QP told
+ *                           whom to expect (SoftQP.expect_peer: QPN, address, private
+ *                           data) refuses every other HELLO at once.
+ *   QPNs                    24-bit random (getrandom), unique per engine, never 0 or 1:
+ *                           a HELLO must first guess a live QPN.
  *
  * Threads and locks: one engine (one epoll thread) per opened soft device.  The engine
  * thread and the Python threads that post/modify share `eng->lock`; it is never held
@@ -52,11 +69,14 @@
 #define KS_MAX_SGE 16
 #define KS_MAX_WR 16384
 #define KS_MAX_PENDING (4u << 20)      /* buffered SEND bytes with no RECV posted */
-#define KS_HELLO_TIMEOUT_MS 10000      /* HELLO must arrive within this after accept */
-#define KS_MAX_QP 4096                 /* per engine; qpn = generation << 12 | slot */
+#define KS_HELLO_TIMEOUT_MS 2000       /* HELLO must arrive within this after accept */
+#define KS_MAX_QP 4096                 /* per engine; qpn: 24 random bits, see qpn_tab */
 #define KS_MAX_MR 4096                 /* per engine; key = random << 12 | slot */
 #define KS_MAX_CQ 1024
-#define KS_MAX_HELLO_CONNS 256         /* accepted, not yet attached */
+#define KS_MAX_HELLO_CONNS 256         /* accepted, no valid HELLO yet (all sources) */
+#define KS_MAX_HELLO_PER_SRC 64        /* the same, per source IPv4 address */
+#define KS_QP_CANDIDATES 4             /* HELLO'd connections a QP holds before RTR */
+#define KS_HELLO_BUF (KS_HDR_LEN + KS_HELLO_FIXED + KS_MAX_PDATA) /* largest HELLO */
 #define KS_RESP_JOBS 1024              /* queued READ responses / SEND acks per connection */
 #define KS_STAGE 16384                 /* rx staging buffer (headers, small payloads) */
 #define KS_SMALL 4096                  /* responses up to this are read via the stage */
@@ -98,6 +118,18 @@ struct ks_hdr {
  * limit).  Never reads past buf[0..KS_HDR_LEN). */
 int ks_hdr_parse(const uint8_t *buf, struct ks_hdr *h, int role);
 void ks_hdr_build(uint8_t *buf, const struct ks_hdr *h);
+
+/* A parsed HELLO; `pdata` points into the buffer given to ks_hello_parse. */
+struct ks_hello {
+    uint32_t dest_qpn, src_qpn, pdata_len;
+    const uint8_t *pdata;
+};
+
+/* Parse the HELLO in buf[0..len): header, then KS_HELLO_FIXED + private data.  Returns 0,
+ * -EAGAIN when more bytes are needed (*need = the message's total length, known once the
+ * header is in: never above KS_HELLO_BUF), or -EPROTO / -EMSGSIZE.  len must not exceed
+ * the message (the caller reads exactly *need bytes).  Never reads past buf[0..len). */
+int ks_hello_parse(const uint8_t *buf, uint32_t len, struct ks_hello *out, uint32_t *need);
 
 typedef struct ks_wc {
     uint64_t wr_id;

@@ -321,6 +321,9 @@ class Endpoint:
             # connects to it; only once the connection that attached is proven to be the
             # authenticated client's (its private_data token) does our QP go to RTR/RTS.
             qp.to_init(QPAttr(qp_access_flags=IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ))
+            expect = getattr(qp, "expect_peer", None)  # soft: other HELLOs refused at once
+            if expect is not None:
+                expect(remote, qp_token(ch.key, remote.qp_num))
             info = qp.local_info()
             await ch.send({**self._info(), "conn": info.to_dict()})
             ready = await ch.recv()

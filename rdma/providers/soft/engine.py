@@ -53,6 +53,13 @@ class EngineStats:
     #: open connections (incl. accepted, not yet routed) and live QPs
     conns: int
     qps: int
+    #: accepted connections still owing their HELLO (capped: native/soft_engine.h)
+    pending_hello: int = 0
+    #: pending connections closed to make room (per-source or total cap), closed for
+    #: not sending a HELLO in time, and HELLOs refused (no such QP, not its peer, busy)
+    hello_evicted: int = 0
+    hello_timeouts: int = 0
+    hello_refused: int = 0
 
 
 class Engine:

@@ -13,11 +13,19 @@ them onto the engine:
   ``timeout_ms``) × (``retry_cnt`` + 1) without progress → RETRY_EXC_ERR.  ``timeout=0``
   is infinite, as on IB.
 * → ERR flushes; → RESET closes the connections and empties both queues silently.
+
+Who may connect to a QP (the engine checks the HELLO; limits in native/soft_engine.h):
+QPNs are 24 random bits.  Before RTR a QP does not know its peer yet, so up to four
+HELLOs naming it wait as candidates; RTR keeps the one from ``dest_qp_num`` at the
+address we connected to and closes the rest.  :meth:`SoftQP.expect_peer`, called in
+RESET/INIT with what the peer sent over an authenticated channel, makes the engine refuse
+every other HELLO at once, so a stranger who guessed the QPN cannot take the QP's slots.
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import TYPE_CHECKING, Iterable
 
 from ...api import QP, ConnInfo, QPAttr, QPInitAttr, RecvWR, SendWR
@@ -52,6 +60,20 @@ class SoftQP(QP):
         self._timeout = 14
         self._retry_cnt = 6
         self._timeout_ms: int | None = None
+
+    def expect_peer(self, remote: ConnInfo, private_data: bytes | None = None) -> None:
+        """Only ``remote``'s QP (its QPN at its address), carrying exactly
+        ``private_data`` on its INIT→RTR (None: any), may connect to this QP; connections
+        that already wait for it and do not match are closed.  RESET/INIT only; RESET
+        forgets it.  Soft-only (verbs binds the QP to its peer at RTR)."""
+        self._check_open()
+        ip = remote.ipv4
+        if ip is None:
+            raise RdmaUserError(f"gid {remote.gid} is not an IPv4(-mapped) address")
+        ip_be = int.from_bytes(socket.inet_aton(ip), "little")  # network order in memory
+        self.engine.call("qp_expect", self.engine.raw.qp_expect, self.qp_num,
+                         remote.qp_num, ip_be,
+                         None if private_data is None else bytes(private_data))
 
     # ---- state
     def _query_state(self) -> int:
