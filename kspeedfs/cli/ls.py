@@ -23,11 +23,11 @@ def _human(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..manifest.store import open_store
+    from ..manifest.store import open_configured
 
     cli_logging(args)
     cfg = load_config(args)
-    with open_store(cfg.store) as store:
+    with open_configured(cfg) as store:
         infos = store.datasets()
         if args.versions:
             infos = [store.dataset(i.name, v) for i in infos for v in store.versions(i.name)]

@@ -13,12 +13,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cluster.membership import list_json as _prefix
+    from dataclasses import asdict
+
+    from ..cluster.membership import NodeRecord, list_json as _prefix
 
     cli_logging(args)
     cfg = load_config(args)
     store = cluster_store(cfg, "status")
-    nodes, stats = _prefix(store, "nodes/"), _prefix(store, "stats/")
+    # only nodes whose record is signed with the cluster secret (others: one warning each)
+    nodes = {n: asdict(r) for n, r in NodeRecord.list_verified(store).items()}
+    stats = _prefix(store, "stats/")
     preload, progress = _prefix(store, "preload/"), _prefix(store, "progress/")
     if args.json:
         print(json.dumps({"nodes": nodes, "stats": stats, "preload": preload, "progress": progress},
