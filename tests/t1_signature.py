@@ -238,7 +238,7 @@ def manifest(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, int]:
 
 
 @FUZZ
-@given(st.binary(max_size=400), st.integers(0, 1 << 20))
+@given(st.binary(max_size=400), st.integers(0, 1 << 20) | st.integers(0, (1 << 63) - 1))
 def test_fuzz_manifest_random_blob(blob: bytes, declared: int) -> None:
     try:
         ManifestIndex.from_blob(blob, declared)
