@@ -37,6 +37,12 @@ Who can read what (the rkey is a capability; these keep it one):
   (between its RTS and the server's attach) can read nothing, not even this node's
   exports.  ``tests/rdma/t3_vrdma_api.py`` forges both attacks at the soft wire level.
 
+Before a client is authenticated, its connection is held to the limits of
+:mod:`.handshake` (frames ≤ 4 KiB and flat, the whole handshake within
+``handshake_timeout``, at most 32 such connections per source address and 128 in all:
+``Endpoint.gate``); any failure closes that one connection, never the listener.  An
+``info`` reply that does not parse makes that address a failed dial, like a dead one.
+
 Server-side leases are keyed ``(client node, vqp, path)``: a client that rebuilds a path
 while its old control connection is stuck on a dead NIC replaces the old lease; TCP
 keepalive (a few seconds) reaps leases of clients that vanished without a FIN.
@@ -51,6 +57,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import trio
@@ -61,7 +68,7 @@ from ..enums import IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ, IBV_QPS_RESE
 from ..errors import (HandshakeError, PathClosed, PeerUnreachable,
                       RdmaError, RdmaUserError)
 from .dial import DialFailed, dial
-from .handshake import Channel, client_handshake, qp_token, server_handshake
+from .handshake import Channel, PreAuthGate, aclose_quietly, client_handshake, qp_token
 from .heartbeat import HEARTBEAT_BYTES, HeartbeatConfig
 from .path import Path, Transition
 from .vmr import VMR
@@ -159,6 +166,8 @@ class Endpoint:
         #: served paths: (client node, vqp, path) → (lease scope, our QP)
         self._leases: dict[tuple[str, str, int], tuple[trio.CancelScope, Any]] = {}
         self._refused = 0
+        #: caps on unauthenticated control connections (handshake.PreAuthGate)
+        self.gate = PreAuthGate(f"endpoint {self.node}")
         self._nursery: trio.Nursery | None = None
         self._nursery_cm: Any = None
         self._vmrs: list[VMR] = []
@@ -265,18 +274,17 @@ class Endpoint:
         return self.listening[0][1]
 
     async def _serve_conn(self, stream: trio.SocketStream) -> None:
+        """One control connection: the handshake under ``self.gate`` (its caps, deadline
+        and frame limits: :mod:`.handshake`), then ``info``/``path`` requests.  Nothing a
+        client sends ends the accept loop: a failure closes this connection only."""
         _keepalive(stream)
         try:
             peer = "%s:%d" % stream.socket.getpeername()[:2]
         except OSError:
             peer = "?"
-        try:
-            ch = await server_handshake(stream, self.secret, self.node, self.handshake_timeout)
-        except HandshakeError as e:
+        ch = await self.gate.accept(stream, self.secret, self.node, self.handshake_timeout)
+        if ch is None:
             self._refused += 1
-            log.info("endpoint %s: refused control connection from %s: %s", self.node, peer,
-                     e.msg)
-            await _aclose(stream)
             return
         try:
             while True:
@@ -397,7 +405,7 @@ class Endpoint:
             with trio.fail_after(self.cfg.connect_timeout):
                 ch = await self._open_channel(addr, port, None)
                 try:
-                    return await ch.request({"op": "info"})
+                    return _checked_info(await ch.request({"op": "info"}))
                 finally:
                     await ch.aclose()
 
@@ -429,7 +437,7 @@ class Endpoint:
             return await client_handshake(stream, self.secret, self.node,
                                           self.handshake_timeout)
         except BaseException:
-            await _aclose(stream)
+            await aclose_quietly(stream)
             raise
 
     async def _connect_path(self, vqp: VQP, path: Path) -> None:
@@ -505,10 +513,14 @@ class Endpoint:
             peers=tuple(v.statistics() for v in self.vqps))
 
 
-async def _aclose(stream: trio.abc.AsyncResource) -> None:
-    with trio.move_on_after(1) as cs:
-        cs.shield = True
-        try:
-            await stream.aclose()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            pass
+def _checked_info(info: Any) -> dict[str, Any]:
+    """A peer's ``info`` reply if it parses the way :meth:`connect` and
+    ``VQP._apply_info`` read it, else :class:`HandshakeError`: a peer sending nonsense is
+    an unreachable address (the next one, then ``PeerUnreachable``), not a crash."""
+    try:
+        str(info["node"])
+        [str(n) for n in info["nics"]]
+        VQP._apply_info(SimpleNamespace(remote_mrs={}), info)   # type: ignore[arg-type]
+    except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
+        raise HandshakeError(f"malformed info reply: {type(e).__name__}: {e}"[:300]) from None
+    return info

@@ -3,45 +3,91 @@
 Why it exists: an rkey is a capability.  Whoever holds ``(addr, rkey)`` *and* a QP
 connected to ours can read that memory, so QPs are only ever connected through this
 channel, and only after both ends proved they know the cluster's shared secret.  The
-secret never crosses the wire; neither does anything from which it could be computed
-offline more cheaply than brute force on HMAC-SHA256.
+secret never crosses the wire, and nothing an *unauthenticated* party can make a node
+send depends on it.
 
-Wire format: every frame is a 4-byte big-endian length, then that many bytes of JSON
-(≤ ``MAX_FRAME``).  After authentication each frame's JSON is ``{"m": <msg>, "t": <tag>}``
-with ``tag = HMAC(K, dir ‖ seq ‖ json(msg))``: the session key ``K`` binds every later
-message to this handshake, the per-direction sequence number stops replay and reordering.
+Wire format: every frame is a 4-byte big-endian length, then that many bytes of UTF-8
+JSON.  After authentication each frame's JSON is ``{"m": <msg>, "t": <tag>}`` with
+``tag = HMAC(K, dir ‖ seq ‖ json(msg))``: the session key ``K`` binds every later message
+to this handshake, the per-direction sequence number stops replay and reordering.
 
 ::
 
-    client                                                 server (endpoint listener)
+    client                                                 server (a listener)
       | HELLO  {proto, node, nonce_c}                           |
       |------------------------------------------------------->|
-      |      {proto, node, nonce_s, mac_s = H(S, "srv"‖T)}     |   T = nonce_c ‖ nonce_s ‖
+      |      {proto, node, nonce_s}      (nothing keyed on S)  |   T = nonce_c ‖ nonce_s ‖
       |<-------------------------------------------------------|       node_c ‖ node_s
-      | {mac_c = H(S, "cli"‖T)}    (client checked mac_s)      |
-      |------------------------------------------------------->|
-      |      {"ok": true}  (MAC'd: K = H(S, "key"‖T))          |   or close: wrong secret
+      | {mac_c = H(S, "cli"‖T)}                                |
+      |------------------------------------------------------->|   server checks mac_c;
+      |      {mac_s = H(S, "srv"‖T)}     (client checks it)    |   wrong: close, nothing sent
       |<-------------------------------------------------------|
-      | requests ⇄ replies, each MAC'd with K                  |
+      | requests ⇄ replies, each MAC'd with K = H(S, "key"‖T)  |
 
-* The server proves first; the labels ``srv``/``cli`` differ, so a server's answer can
-  never be replayed as a client's proof (reflection), and fresh nonces on both sides stop
-  replays of old sessions.  Comparisons are constant time (``hmac.compare_digest``).
-* A peer that fails the proof gets no information: the connection is closed (the client
-  side raises :class:`~rdma.errors.AuthenticationError`).
-* Every read has a deadline (``timeout``), frames are bounded, malformed JSON is a
-  :class:`~rdma.errors.HandshakeError`: a hostile or slow peer costs one task for at most
-  ``timeout`` seconds.
+* **The client proves first** (``PROTO`` 2; 1 had the server prove first).  Anyone can
+  connect to a node, and what they get back before proving anything is a random nonce
+  and the node's name: no value keyed on the secret, so nothing to test secret guesses
+  against offline (with protocol 1 one connection gave ``mac_s`` = a dictionary attack
+  on a passphrase-like secret).  The client's ``mac_c`` does go to whoever it dialled,
+  unverified; but a client only dials the addresses of node records read from etcd
+  (which are signed with the cluster secret), so a server it talks to already proved
+  the secret through its record.  The labels ``cli``/``srv``/``key`` differ, so no MAC
+  can be reflected as another (a server's proof is never a client's), fresh nonces on
+  both sides stop replays of old sessions, comparisons are constant time
+  (``hmac.compare_digest``).
+* A peer that fails the proof gets nothing: the connection is closed (the client side
+  raises :class:`~rdma.errors.AuthenticationError`).
 * Not provided: confidentiality.  The data path is RDMA, which is cleartext anyway.
+
+Limits on what arrives from the network (issue 13: one 1.1 KB frame of ~1,100 ``[`` made
+``json.loads`` raise ``RecursionError``, which escaped and took a node down; 900
+connections sending 1 MiB − 1 frames took a node from 93 MB to 1.6 GB RSS).  Every byte
+is parsed by :func:`decode` and one schema per handshake message; any failure is a
+:class:`~rdma.errors.HandshakeError` that closes that one connection:
+
+* ``PREAUTH_FRAME`` = 4 KiB before authentication: the largest handshake message is the
+  hello (a 256-character node name, ≤ 1.6 KB even with every character ``\\uXXXX``
+  escaped).  A larger length prefix is refused before a byte of the body is read, and
+  reads are sized to what the frame still needs, so an unauthenticated connection holds
+  at most ~8 KiB of buffer.  ``MAX_FRAME`` = 1 MiB after authentication (a peer that
+  holds the secret; the largest reply is ``have``, ~7 bytes per chunk number).
+* Nesting depth: ``PREAUTH_DEPTH`` = 1 (handshake messages are flat objects, and each
+  must have exactly its keys, of their types); ``MAX_DEPTH`` = 32 after authentication
+  (the deepest message, ``info``, nests 5 levels: ``mrs`` → name → ``keys`` → NIC).  ``json.loads`` is
+  safe against depth in CPython (its scanner raises ``RecursionError``, caught here, at
+  ~970 levels); the cap is there so that nothing downstream (``json.dumps`` of the body
+  for its MAC, a ``repr`` in a log line) ever meets a structure that deep.  Checking it
+  costs nothing for ordinary frames: it only walks the decoded value when the frame has
+  more ``[``/``{`` bytes than the cap.
+* A deadline for the whole handshake (``timeout``, 2 s by default), not per read: a
+  slowloris client sending one byte at a time is dropped at 2 s.  A loopback connect +
+  handshake takes 0.55 ms (median; p99 0.92 ms, 300 runs), so 2 s is ~2,000× that.
+* :class:`PreAuthGate`, per listener: at most ``PER_SOURCE`` = 32 unauthenticated
+  connections from one address (a further one is closed at once) and ``TOTAL`` = 128 in
+  all (the oldest pending handshake is then dropped for the new one: a real client is
+  through in about a millisecond, an idle attacker's connection is what gets old).
+  Each is one fd: a node has two listeners (vRDMA and RPC), so at most 256 of its 1,024
+  fds are ever held by unauthenticated peers (issue 13: 10,000 idle connections had
+  taken all 1,024).  32 from one address is above what one host's processes open at
+  once (one mount: a path per NIC pair (≤ 16) plus its dials and ``rpc.OPENING`` = 8
+  RPC handshakes).  Refusals are logged at most once per ``LOG_EVERY`` = 10 s, with a
+  count of the lines skipped.  Measured (``tests/rdma/t2_vrdma_hostile.py``, both ends
+  in one process, caps lifted so only the frame cap bounds memory): 300 connections
+  each sending a 1 MiB − 1 frame plus 300 holding a partial 4 KB frame cost +5 MB RSS
+  while held, and every fd comes back when they close.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import os
 import struct
+import time
+from collections import Counter
 from typing import Any
 
 import trio
@@ -50,9 +96,17 @@ from ..errors import AuthenticationError, HandshakeError
 
 log = logging.getLogger(__name__)
 
-PROTO = "kspeedfs-vrdma/1"
-MAX_FRAME = 1 << 20
+PROTO = "kspeedfs-vrdma/2"
+MAX_FRAME = 1 << 20          #: authenticated frames
+PREAUTH_FRAME = 4 << 10      #: frames before the peer proved the secret
+MAX_DEPTH = 32               #: JSON nesting of an authenticated message (inside {"m", "t"})
+PREAUTH_DEPTH = 1            #: handshake messages are flat objects
 NONCE_BYTES = 32
+MAC_BYTES = 32
+NODE_NAME_MAX = 256
+PER_SOURCE = 32              #: unauthenticated connections from one address, per listener
+TOTAL = 128                  #: unauthenticated connections in all, per listener
+LOG_EVERY = 10.0             #: seconds between two refusal log lines of one listener
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -65,6 +119,31 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _depth_exceeds(obj: Any, limit: int) -> bool:
+    """Whether containers nest more than ``limit`` deep (``{}`` is 1), without recursion."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        children = o.values() if isinstance(o, dict) else o
+        if d > limit:
+            return True
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def decode(raw: bytes, max_depth: int = MAX_DEPTH) -> Any:
+    """The JSON value of one frame's body; :class:`HandshakeError` for anything that is
+    not UTF-8 JSON nested at most ``max_depth`` deep (never another exception)."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError, TypeError, MemoryError) as e:  # UnicodeDecodeError
+        raise HandshakeError(f"malformed frame: {type(e).__name__}") from None  # is a ValueError
+    if (isinstance(obj, (dict, list)) and raw.count(b"[") + raw.count(b"{") > max_depth
+            and _depth_exceeds(obj, max_depth)):
+        raise HandshakeError(f"frame nested deeper than {max_depth}")
+    return obj
 
 
 def transcript(nonce_c: bytes, nonce_s: bytes, node_c: str, node_s: str) -> bytes:
@@ -91,18 +170,23 @@ def qp_token(key: bytes, qp_num: int) -> bytes:
 
 
 class FrameStream:
-    """Length-prefixed JSON frames over a trio stream, with a deadline per receive."""
+    """Length-prefixed JSON frames over a trio stream, with a deadline per receive.
+
+    Starts with the pre-authentication limits (``PREAUTH_FRAME``, ``PREAUTH_DEPTH``);
+    :class:`Channel` raises them to ``MAX_FRAME``/``MAX_DEPTH`` once the peer is proven."""
 
     def __init__(self, stream: trio.abc.Stream, timeout: float) -> None:
         self.stream = stream
         self.timeout = timeout
+        self.max_frame = PREAUTH_FRAME
+        self.max_depth = PREAUTH_DEPTH
         self._buf = bytearray()
 
     async def _recv_exactly(self, n: int) -> bytes:
         while len(self._buf) < n:
-            chunk = await self.stream.receive_some(max(65536, n - len(self._buf)))
+            chunk = await self.stream.receive_some(max(n - len(self._buf), 4096))
             if not chunk:
-                raise HandshakeError("control connection closed by peer")
+                raise HandshakeError("control connection closed by peer", errno.ECONNRESET)
             self._buf += chunk
         out = bytes(self._buf[:n])
         del self._buf[:n]
@@ -112,43 +196,56 @@ class FrameStream:
         try:
             with trio.fail_after(self.timeout if timeout is None else timeout):
                 (n,) = struct.unpack(">I", await self._recv_exactly(4))
-                if n > MAX_FRAME:
-                    raise HandshakeError(f"frame of {n} bytes (max {MAX_FRAME})")
+                if n > self.max_frame:
+                    raise HandshakeError(f"frame of {n} bytes (max {self.max_frame})",
+                                         errno.EMSGSIZE)
                 raw = await self._recv_exactly(n)
         except trio.TooSlowError as e:
-            raise HandshakeError("control peer too slow", 110) from e
+            raise HandshakeError("control peer too slow", errno.ETIMEDOUT) from e
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             raise HandshakeError(f"control connection lost: {e}") from e
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise HandshakeError("malformed frame") from e
+        return decode(raw, self.max_depth)
 
     async def send(self, obj: Any) -> None:
         raw = _dumps(obj)
+        if len(raw) > MAX_FRAME:
+            raise HandshakeError(f"frame of {len(raw)} bytes not sent (max {MAX_FRAME})",
+                                 errno.EMSGSIZE)
         try:
             with trio.fail_after(self.timeout):
                 await self.stream.send_all(struct.pack(">I", len(raw)) + raw)
         except trio.TooSlowError as e:
-            raise HandshakeError("control peer not reading", 110) from e
+            raise HandshakeError("control peer not reading", errno.ETIMEDOUT) from e
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             raise HandshakeError(f"control connection lost: {e}") from e
 
     async def aclose(self) -> None:
-        with trio.move_on_after(1) as cs:
-            cs.shield = True
-            try:
-                await self.stream.aclose()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                pass
+        self._buf = bytearray()
+        await aclose_quietly(self.stream)
+
+
+async def aclose_quietly(stream: trio.abc.AsyncResource) -> None:
+    """Close ``stream`` within 1 s, even when cancelled, whatever state it is in."""
+    with trio.move_on_after(1) as cs:
+        cs.shield = True
+        try:
+            await stream.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
 
 
 class Channel:
-    """An authenticated control connection: ``await send(msg)`` / ``await recv()``."""
+    """An authenticated control connection: ``await send(msg)`` / ``await recv()``.
+
+    ``recv`` returns a decoded JSON value or raises :class:`HandshakeError` (its subclass
+    :class:`AuthenticationError` for a bad tag): what the message *means* is the caller's
+    to check, as with any peer input."""
 
     def __init__(self, frames: FrameStream, key: bytes, is_client: bool, peer_node: str,
                  nonce_c: bytes, nonce_s: bytes) -> None:
         self.frames = frames
+        frames.max_frame = MAX_FRAME
+        frames.max_depth = MAX_DEPTH + 1            # the {"m", "t"} envelope
         self.key = key
         self.peer_node = peer_node
         self._out_dir = b"c" if is_client else b"s"
@@ -160,20 +257,17 @@ class Channel:
     async def send(self, msg: Any) -> None:
         body = _dumps(msg)
         tag = _mac(self.key, self._out_dir, str(self._out_seq).encode(), body)
-        self._out_seq += 1
         await self.frames.send({"m": msg, "t": tag.hex()})
+        self._out_seq += 1                  # not before: a refused (too large) frame
 
     async def recv(self, timeout: float | None = None) -> Any:
         frame = await self.frames.recv(timeout)
-        if not isinstance(frame, dict) or "m" not in frame or not isinstance(frame.get("t"), str):
+        if not isinstance(frame, dict) or set(frame) != {"m", "t"} \
+                or not isinstance(frame["t"], str):
             raise HandshakeError("unauthenticated frame on an authenticated channel")
         body = _dumps(frame["m"])
         want = _mac(self.key, self._in_dir, str(self._in_seq).encode(), body)
-        try:
-            got = bytes.fromhex(frame["t"])
-        except ValueError:
-            got = b""
-        if not hmac.compare_digest(want, got):
+        if not hmac.compare_digest(want, _unhex(frame["t"])):
             raise AuthenticationError("bad message MAC on control channel")
         self._in_seq += 1
         return frame["m"]
@@ -183,80 +277,193 @@ class Channel:
         reply = await self.recv(timeout)
         if isinstance(reply, dict) and "error" in reply:
             op = msg.get("op") if isinstance(msg, dict) else msg
-            raise HandshakeError(f"peer refused {op!r}: {reply['error']}")
+            raise HandshakeError(f"peer refused {op!r}: {str(reply['error'])[:200]}")
         return reply
 
     async def aclose(self) -> None:
         await self.frames.aclose()
 
 
-def _nonce(obj: Any) -> bytes:
+def _unhex(s: str) -> bytes:
     try:
-        n = bytes.fromhex(obj["nonce"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise HandshakeError("hello without a valid nonce") from e
-    if len(n) != NONCE_BYTES:
-        raise HandshakeError("nonce of the wrong size")
-    return n
+        return bytes.fromhex(s)
+    except ValueError:
+        return b""
 
 
-def _check_proto(obj: Any) -> None:
-    if not isinstance(obj, dict) or obj.get("proto") != PROTO:
-        proto = obj.get("proto") if isinstance(obj, dict) else None
-        raise HandshakeError(f"not a {PROTO} peer (proto={proto!r})")
-    if not isinstance(obj.get("node"), str) or len(obj["node"]) > 256:
-        raise HandshakeError("hello without a node name")
+def _message(obj: Any, what: str, **fields: type) -> dict[str, Any]:
+    """``obj`` if it is an object with exactly ``fields`` (name → type), else
+    HandshakeError: each handshake message has one schema, nothing else is accepted."""
+    if isinstance(obj, dict) and obj.get("proto", PROTO) != PROTO and "proto" in fields:
+        raise HandshakeError(f"not a {PROTO} peer (proto={str(obj['proto'])[:40]!r})")
+    if not isinstance(obj, dict) or set(obj) != set(fields) \
+            or not all(isinstance(obj[k], t) for k, t in fields.items()):
+        raise HandshakeError(f"malformed {what}")
+    if "node" in obj:
+        node = obj["node"]
+        if not 0 < len(node) <= NODE_NAME_MAX or not node.isprintable():
+            raise HandshakeError(f"{what} with an invalid node name")
+    return obj
+
+
+def _hex_field(obj: dict[str, Any], key: str, size: int) -> bytes:
+    b = _unhex(obj[key])
+    if len(b) != size:
+        raise HandshakeError(f"{key} of the wrong size")
+    return b
+
+
+def _hello(obj: Any, what: str) -> tuple[str, bytes]:
+    msg = _message(obj, what, proto=str, node=str, nonce=str)
+    return msg["node"], _hex_field(msg, "nonce", NONCE_BYTES)
+
+
+def _proof(obj: Any, what: str) -> bytes:
+    return _hex_field(_message(obj, what, mac=str), "mac", MAC_BYTES)
+
+
+def _deadline(timeout: float) -> HandshakeError:
+    return HandshakeError(f"handshake not finished within {timeout} s", errno.ETIMEDOUT)
 
 
 async def client_handshake(stream: trio.abc.Stream, secret: bytes, node: str,
                            timeout: float = 2.0) -> Channel:
-    """Authenticate ``stream`` (already connected to a peer's listener) as a client."""
-    fs = FrameStream(stream, timeout)
-    nonce_c = os.urandom(NONCE_BYTES)
-    await fs.send({"proto": PROTO, "node": node, "nonce": nonce_c.hex()})
-    srv = await fs.recv()
-    if isinstance(srv, dict) and "error" in srv:
-        raise HandshakeError(f"peer refused the handshake: {srv['error']}")
-    _check_proto(srv)
-    nonce_s = _nonce(srv)
-    t = transcript(nonce_c, nonce_s, node, srv["node"])
+    """Authenticate ``stream`` (already connected to a peer's listener) as a client, all
+    within ``timeout`` seconds."""
     try:
-        got = bytes.fromhex(srv.get("mac", ""))
-    except (TypeError, ValueError):
-        got = b""
-    if not hmac.compare_digest(server_proof(secret, t), got):
-        raise AuthenticationError(f"peer {srv['node']!r} does not know the cluster secret")
-    await fs.send({"mac": client_proof(secret, t).hex()})
-    ch = Channel(fs, session_key(secret, t), True, srv["node"], nonce_c, nonce_s)
-    try:
-        ok = await ch.recv()
-    except HandshakeError as e:
-        raise AuthenticationError(f"peer {srv['node']!r} rejected our proof "
-                                  f"(wrong cluster secret?)") from e
-    if ok != {"ok": True}:
-        raise HandshakeError(f"unexpected handshake reply {ok!r}")
-    return ch
+        with trio.fail_after(timeout):
+            fs = FrameStream(stream, timeout)
+            nonce_c = os.urandom(NONCE_BYTES)
+            await fs.send({"proto": PROTO, "node": node, "nonce": nonce_c.hex()})
+            peer, nonce_s = _hello(await fs.recv(), "server hello")
+            t = transcript(nonce_c, nonce_s, node, peer)
+            await fs.send({"mac": client_proof(secret, t).hex()})
+            try:
+                got = _proof(await fs.recv(), "server proof")
+            except HandshakeError as e:
+                if e.errno != errno.ECONNRESET:      # the server closes on a bad proof
+                    raise
+                raise AuthenticationError(f"peer {peer!r} rejected our proof "
+                                          f"(wrong cluster secret?)") from e
+            if not hmac.compare_digest(server_proof(secret, t), got):
+                raise AuthenticationError(f"peer {peer!r} does not know the cluster secret")
+            return Channel(fs, session_key(secret, t), True, peer, nonce_c, nonce_s)
+    except trio.TooSlowError:
+        raise _deadline(timeout) from None
 
 
 async def server_handshake(stream: trio.abc.Stream, secret: bytes, node: str,
                            timeout: float = 2.0) -> Channel:
-    """Authenticate an accepted ``stream`` as the server.  Raises
-    :class:`AuthenticationError` (after closing nothing: the caller closes) on a bad proof."""
-    fs = FrameStream(stream, timeout)
-    hello = await fs.recv()
-    _check_proto(hello)
-    nonce_c = _nonce(hello)
-    nonce_s = os.urandom(NONCE_BYTES)
-    t = transcript(nonce_c, nonce_s, hello["node"], node)
-    await fs.send({"proto": PROTO, "node": node, "nonce": nonce_s.hex(),
-                   "mac": server_proof(secret, t).hex()})
-    proof = await fs.recv()
+    """Authenticate an accepted ``stream`` as the server, all within ``timeout`` seconds.
+    Raises :class:`AuthenticationError` (after sending nothing: the caller closes) on a
+    bad proof, :class:`HandshakeError` on anything else."""
     try:
-        got = bytes.fromhex(proof.get("mac", "")) if isinstance(proof, dict) else b""
-    except (TypeError, ValueError):
-        got = b""
-    if not hmac.compare_digest(client_proof(secret, t), got):
-        raise AuthenticationError(f"client {hello['node']!r} failed the challenge")
-    ch = Channel(fs, session_key(secret, t), False, hello["node"], nonce_c, nonce_s)
-    await ch.send({"ok": True})
-    return ch
+        with trio.fail_after(timeout):
+            fs = FrameStream(stream, timeout)
+            peer, nonce_c = _hello(await fs.recv(), "hello")
+            nonce_s = os.urandom(NONCE_BYTES)
+            t = transcript(nonce_c, nonce_s, peer, node)
+            await fs.send({"proto": PROTO, "node": node, "nonce": nonce_s.hex()})
+            got = _proof(await fs.recv(), "client proof")
+            if not hmac.compare_digest(client_proof(secret, t), got):
+                raise AuthenticationError(f"client {peer!r} failed the challenge")
+            await fs.send({"mac": server_proof(secret, t).hex()})
+            return Channel(fs, session_key(secret, t), False, peer, nonce_c, nonce_s)
+    except trio.TooSlowError:
+        raise _deadline(timeout) from None
+
+
+class _Throttled:
+    """A log line at most once per ``every`` seconds; the next one counts the skipped."""
+
+    def __init__(self, level: int, every: float) -> None:
+        self.level, self.every = level, every
+        self._next = 0.0
+        self._skipped = 0
+
+    def __call__(self, fmt: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._skipped += 1
+            return
+        if self._skipped:
+            fmt, args = fmt + " (and %d more since)", (*args, self._skipped)
+        self._next, self._skipped = now + self.every, 0
+        log.log(self.level, fmt, *args)
+
+
+class PreAuthGate:
+    """Admission of unauthenticated connections for one listener (see the module
+    docstring): ``per_source`` from one address, ``total`` in all; counters for stats."""
+
+    def __init__(self, name: str, per_source: int = PER_SOURCE, total: int = TOTAL,
+                 log_every: float = LOG_EVERY) -> None:
+        self.name = name
+        self.per_source, self.total = per_source, total
+        self._pending: dict[int, tuple[str, trio.CancelScope]] = {}   # oldest first
+        self._by_source: Counter[str] = Counter()
+        self._ids = itertools.count()
+        self.refused = self.evicted = self.failed = 0
+        self._warn = _Throttled(logging.WARNING, log_every)
+        self._info = _Throttled(logging.INFO, log_every)
+
+    @property
+    def pending(self) -> int:
+        """Connections in their handshake now."""
+        return len(self._pending)
+
+    def _enter(self, source: str) -> tuple[int, trio.CancelScope] | None:
+        if self._by_source[source] >= self.per_source:
+            self.refused += 1
+            self._warn("%s: refused a connection from %s: %d unauthenticated connections "
+                       "from it already", self.name, source, self.per_source)
+            return None
+        if len(self._pending) >= self.total:
+            oldest = next(iter(self._pending))
+            self._leave(oldest)[1].cancel()
+            self.evicted += 1
+            self._warn("%s: %d unauthenticated connections: dropped the oldest for one "
+                       "from %s", self.name, self.total, source)
+        token, scope = next(self._ids), trio.CancelScope()
+        self._pending[token] = (source, scope)
+        self._by_source[source] += 1
+        return token, scope
+
+    def _leave(self, token: int) -> tuple[str, trio.CancelScope]:
+        source, scope = self._pending.pop(token)
+        self._by_source[source] -= 1
+        if not self._by_source[source]:
+            del self._by_source[source]
+        return source, scope
+
+    async def accept(self, stream: trio.SocketStream, secret: bytes, node: str,
+                     timeout: float = 2.0) -> Channel | None:
+        """:func:`server_handshake` on an accepted connection, under the caps.  Returns
+        the channel, or None once the connection is refused and closed; never raises
+        (but Cancelled), so a bad client cannot end the accept loop."""
+        try:
+            source = str(stream.socket.getpeername()[0])
+        except (OSError, AttributeError, IndexError, TypeError):
+            source = "?"
+        entered = self._enter(source)
+        if entered is None:
+            await aclose_quietly(stream)
+            return None
+        token, scope = entered
+        try:
+            with scope:
+                return await server_handshake(stream, secret, node, timeout)
+            why = "dropped (too many unauthenticated connections)"
+        except HandshakeError as e:
+            self.failed += 1
+            why = e.msg
+        except Exception as e:   # a bug here must not take the listener down
+            self.failed += 1
+            why = repr(e)
+            log.exception("%s: handshake with %s failed unexpectedly", self.name, source)
+        finally:
+            if token in self._pending:
+                self._leave(token)
+        self._info("%s: refused a control connection from %s: %s", self.name, source, why)
+        await aclose_quietly(stream)
+        return None

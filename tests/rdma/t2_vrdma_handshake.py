@@ -68,8 +68,8 @@ async def test_wrong_secret_is_refused(who: str) -> None:
     ss = b"wrong" if who == "server" else SECRET
     s_res, c_res = await _pair(lambda s: hs.server_handshake(s, ss, "B", timeout=2),
                                lambda s: hs.client_handshake(s, cs, "A", timeout=2))
-    # The client checks the server's proof first, with its own secret: a mismatch either
-    # way ends there, and the client never sends a proof.
+    # The server checks the client's proof first, with its own secret: a mismatch either
+    # way ends there, and the server never sends a proof (it closes: the client's error).
     assert isinstance(c_res, AuthenticationError), c_res
     assert isinstance(s_res, HandshakeError), s_res
 
@@ -193,11 +193,24 @@ async def test_client_with_forged_server_proof_is_refused() -> None:
     async def fake_server(s: trio.SocketStream) -> Any:
         fs = hs.FrameStream(s, 2)
         await fs.recv()
-        await fs.send({"proto": hs.PROTO, "node": "B", "nonce": "11" * 32, "mac": "00" * 32})
-        with trio.move_on_after(0.5):
-            return await fs.recv()
+        await fs.send({"proto": hs.PROTO, "node": "B", "nonce": "11" * 32})
+        proof = await fs.recv()
+        await fs.send({"mac": "00" * 32})
+        return proof
 
     s_res, c_res = await _pair(fake_server,
                                lambda s: hs.client_handshake(s, SECRET, "A", timeout=2))
     assert isinstance(c_res, AuthenticationError)
-    assert not isinstance(s_res, dict)      # the client sent no proof to a fake server
+    assert set(s_res) == {"mac"}    # the client proves first (the dialled node is in etcd)
+
+
+async def test_an_unauthenticated_client_gets_nothing_keyed_on_the_secret() -> None:
+    async def curious_client(s: trio.SocketStream) -> Any:
+        fs = hs.FrameStream(s, 2)
+        await fs.send({"proto": hs.PROTO, "node": "mallory", "nonce": "22" * 32})
+        return await fs.recv()
+
+    s_res, srv = await _pair(lambda s: hs.server_handshake(s, SECRET, "B", timeout=0.3),
+                             curious_client)
+    assert set(srv) == {"proto", "node", "nonce"}       # no MAC: nothing to test guesses on
+    assert isinstance(s_res, HandshakeError)
