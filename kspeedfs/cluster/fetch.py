@@ -8,8 +8,8 @@
           xxh3-128 == key?  → done                 the checksum (key = content digest)
           missing?          → RPC "load" to the owner (it fetches from another replica
                               or the source into its arena), then READ again
-          PeerUnreachable / RpcUnavailable → the next replica (and skip that node for a
-                              while so later reads do not wait on it again)
+          PeerUnreachable / RpcUnavailable / HandshakeError → the next replica (and
+                              skip that node for a while so later reads do not wait on it)
       → None: the caller goes to the source
 
 Failure handling is layered: a NIC or link dying is invisible here (vRDMA re-posts the
@@ -17,6 +17,15 @@ READ on another path); a whole peer dying surfaces as ``PeerUnreachable`` after
 ``cluster.peer_timeout`` with all paths dead, and we move to the next replica. A node
 that was unreachable is skipped for ``SKIP`` seconds, then tried again (it may be back,
 or its lease has expired and placement no longer names it).
+
+A misbehaving peer is a failed replica, never an error for the reader while another copy
+(or the source) exists (issue 13): a listener that answers garbage, deep or oversized
+JSON, or does not know the secret fails its handshake (``HandshakeError``, or
+``PeerUnreachable``/``RpcUnavailable`` around it); an authenticated node whose ``info``
+or RPC reply does not parse is the same; and as a last net, a ``LookupError``,
+``TypeError``, ``ValueError`` or ``ArithmeticError`` while reading from one replica
+(its reply or its etcd record did not hold what it should) moves to the next replica
+too, logged with its traceback.
 
 Slot hints: where a chunk sat in a node's arena (found by an earlier bucket READ and
 verified) is remembered, so the next READ of that chunk, or of another small file
@@ -43,7 +52,7 @@ from typing import Any
 
 import trio
 
-from rdma.errors import PathClosed, PeerUnreachable, RdmaError
+from rdma.errors import HandshakeError, PathClosed, PeerUnreachable, RdmaError
 from rdma.vrdma import VMR, VQP, Endpoint
 
 from .. import checksum
@@ -177,7 +186,7 @@ class Peers:
                     await self.rpc(rec).request({"op": "load", "dataset": dataset,
                                                  "version": version, "chunk": chunk})
                     data = await self._read_from(rec, key, length, part)
-            except (PeerUnreachable, RpcUnavailable, PathClosed) as e:
+            except (PeerUnreachable, RpcUnavailable, PathClosed, HandshakeError) as e:
                 self.counters.unreachable += 1
                 self._skip_until[rec.node] = time.monotonic() + SKIP
                 failed = True
@@ -187,6 +196,13 @@ class Peers:
             except RdmaError as e:
                 failed = True
                 log.warning("chunk %d of %s: READ from %s failed: %s", chunk, dataset, rec.node, e)
+                continue
+            except (LookupError, TypeError, ValueError, ArithmeticError) as e:
+                failed = True           # what the replica told us did not parse
+                self.counters.unreachable += 1
+                self._skip_until[rec.node] = time.monotonic() + SKIP
+                log.warning("chunk %d of %s: replica %s misbehaved (%r); trying the next",
+                            chunk, dataset, rec.node, e, exc_info=True)
                 continue
             if data is not None:
                 self.counters.hits += 1
