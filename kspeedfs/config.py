@@ -10,13 +10,25 @@ default and a comment; ``kspeedfs config`` prints the effective configuration as
 Errors name the key, the value and where it came from.
 
 Sizes accept integers (bytes) or strings with a binary suffix: ``"512MiB"``, ``"4M"``,
-``"1GiB"``. Durations are seconds (float).
+``"1GiB"``. Durations are seconds (float), finite (``inf``/``nan`` are refused).
+
+Validation (``validate()`` per section) checks every key against a real range: memory
+sizes against this host's physical RAM, ports in 1..65535 (the node's two distinct),
+etcd URLs http/https only, NIC entries IP addresses. What only the host that runs a
+process can check (NIC addresses are local, memory is free now) is
+:meth:`ClusterConfig.check_host` / :meth:`CacheConfig.check_host`, called by
+``kspeedfs node`` and ``kspeedfs mount`` at start. The cluster secret and its rules:
+:meth:`ClusterConfig.secret` (``kspeedfs secret generate`` writes a good one).
 """
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
+import math
 import os
 import re
+import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +38,10 @@ from .errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/kspeedfs/kspeedfs.toml")
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.I)
+log = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50, "e": 1 << 60}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtpe]?)(?:i?b)?\s*$", re.I)
 
 
 def parse_size(value: object) -> int:
@@ -37,13 +51,13 @@ def parse_size(value: object) -> int:
     if isinstance(value, int):
         return value
     m = _SIZE.match(str(value))
-    if not m:
+    if not m or len(m.group(1)) > 30:
         raise ValueError("expected bytes or a size like '512MiB'")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def format_size(n: int) -> str:
-    for unit, mult in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, mult in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= mult and n % mult == 0:
             return f"{n // mult}{unit}"
     return str(n)
@@ -68,7 +82,8 @@ class StoreConfig:
     etcd: list[str] = _opt(["http://127.0.0.1:2379"], "etcd endpoints (http[s]://host:port)")
     etcd_prefix: str = _opt("/kspeedfs/", "key prefix of everything kspeedfs keeps in etcd")
     etcd_user: str = _opt("", "etcd user name (auth enabled when set)")
-    etcd_password: str = _opt("", "etcd password")
+    etcd_password: str = field(default="", metadata={"doc": "etcd password (kspeedfs config "
+                                                      "prints *** when set)", "secret": True})
     etcd_ca_cert: str = _opt("", "CA bundle for etcd TLS (https endpoints)")
     etcd_cert: str = _opt("", "client certificate for etcd mutual TLS")
     etcd_key: str = _opt("", "client key for etcd mutual TLS")
@@ -79,9 +94,14 @@ class StoreConfig:
         if self.backend == "etcd" and not self.etcd:
             raise ConfigError("store.etcd: at least one endpoint is needed for backend 'etcd'")
         for ep in self.etcd:
-            if not re.match(r"^https?://[^/:]+(:\d+)?/?$", ep):
-                raise ConfigError(f"store.etcd: {ep!r} is not http[s]://host[:port]")
-        _positive("store.etcd_timeout", self.etcd_timeout)
+            m = re.match(r"^https?://[^/:\s]+(?::(\d{1,5}))?/?$", ep)
+            if not m or (m.group(1) and not 1 <= int(m.group(1)) <= 65535):
+                raise ConfigError(f"store.etcd: {ep!r} is not http[s]://host[:port] (port 1..65535)")
+        if self.backend == "embedded" and not self.path:
+            raise ConfigError("store.path: empty (the embedded store needs a directory)")
+        if not self.etcd_prefix or len(self.etcd_prefix) > 256:
+            raise ConfigError(f"store.etcd_prefix: {self.etcd_prefix!r} must be 1..256 characters")
+        _positive("store.etcd_timeout", self.etcd_timeout, 3600)
 
 
 @dataclass
@@ -100,8 +120,7 @@ class ImportConfig:
         if not 4096 <= self.block_size <= self.chunk_size or self.block_size % 4096:
             raise ConfigError(f"import.block_size: {self.block_size} must be a multiple of 4 KiB "
                               f"in 4 KiB..import.chunk_size ({self.chunk_size})")
-        if self.threads < 0:
-            raise ConfigError(f"import.threads: {self.threads} must be >= 0")
+        _range("import.threads", self.threads, 0, 1024)
 
 
 @dataclass
@@ -113,10 +132,24 @@ class CacheConfig:
     disk: int = _size("0", "disk tier capacity; 0 = no disk tier")
 
     def validate(self) -> None:
-        if self.memory < 2 * (4 << 20):
-            raise ConfigError(f"cache.memory: {self.memory} is too small (at least 8 MiB)")
+        _memory("cache.memory", self.memory, 8 << 20)
+        _range("cache.disk", self.disk, 0, 1 << 50)
         if self.disk and not self.disk_dir:
             raise ConfigError("cache.disk is set but cache.disk_dir is empty")
+
+    def check_host(self) -> None:
+        """At mount/node start: the memory tier fits in free memory (a warning: it fills
+        lazily), the disk tier in its file system (an error)."""
+        _check_available("cache.memory", self.memory, fatal=False)
+        if self.disk and self.disk_dir:
+            probe = Path(self.disk_dir)
+            while not probe.exists() and probe != probe.parent:
+                probe = probe.parent
+            st = os.statvfs(probe)
+            if self.disk > st.f_blocks * st.f_frsize:
+                raise ConfigError(f"cache.disk: {format_size(self.disk)} is more than the whole "
+                                  f"file system of cache.disk_dir {self.disk_dir} "
+                                  f"({format_size(st.f_blocks * st.f_frsize)})")
 
 
 @dataclass
@@ -141,12 +174,11 @@ class FuseConfig:
     workers: int = _opt(16, "threads for blocking source/disk I/O")
 
     def validate(self) -> None:
-        if self.blksize and (self.blksize < 512 or self.blksize & (self.blksize - 1)):
-            raise ConfigError(f"fuse.blksize: {self.blksize} must be 0 or a power of two >= 512")
-        _positive("fuse.entry_timeout", self.entry_timeout)
-        _positive("fuse.attr_timeout", self.attr_timeout)
-        if self.prefetch_chunks < 0:
-            raise ConfigError(f"fuse.prefetch_chunks: {self.prefetch_chunks} must be >= 0")
+        if self.blksize and (self.blksize < 512 or self.blksize > 1 << 30 or self.blksize & (self.blksize - 1)):
+            raise ConfigError(f"fuse.blksize: {self.blksize} must be 0 or a power of two in 512..1GiB")
+        _positive("fuse.entry_timeout", self.entry_timeout, _YEAR)
+        _positive("fuse.attr_timeout", self.attr_timeout, _YEAR)
+        _range("fuse.prefetch_chunks", self.prefetch_chunks, 0, 1024)
         if not 1 <= self.max_background <= 65535:
             raise ConfigError(f"fuse.max_background: {self.max_background} must be in 1..65535")
         if not 1 <= self.congestion_threshold <= self.max_background:
@@ -155,8 +187,7 @@ class FuseConfig:
             )
         if not 0 <= self.read_ahead_kb <= 1 << 20:
             raise ConfigError(f"fuse.read_ahead_kb: {self.read_ahead_kb} must be in 0..1048576")
-        if self.workers < 1:
-            raise ConfigError(f"fuse.workers: {self.workers} must be >= 1")
+        _range("fuse.workers", self.workers, 1, 1024)
 
 
 @dataclass
@@ -186,30 +217,101 @@ class ClusterConfig:
     def validate(self) -> None:
         if not 1 <= self.replicas <= 16:
             raise ConfigError(f"cluster.replicas: {self.replicas} must be in 1..16")
-        if self.memory < self.slot_size * 2:
-            raise ConfigError(f"cluster.memory: {self.memory} must hold at least two slots")
-        if self.slot_size % 4096:
-            raise ConfigError(f"cluster.slot_size: {self.slot_size} must be a multiple of 4 KiB")
+        if self.slot_size % 4096 or not 64 << 10 <= self.slot_size <= 1 << 30:
+            raise ConfigError(f"cluster.slot_size: {self.slot_size} must be a multiple of 4 KiB "
+                              "in 64KiB..1GiB")
+        _memory("cluster.memory", self.memory, self.slot_size * 2)
+        _range("cluster.port", self.port, 1, 65535)
+        _range("cluster.rpc_port", self.rpc_port, 1, 65535)
+        if self.rpc_port == self.port:
+            raise ConfigError(f"cluster.rpc_port: {self.rpc_port} must differ from cluster.port")
+        for nic in self.nics:
+            try:
+                ipaddress.ip_address(nic)
+            except ValueError:
+                raise ConfigError(f"cluster.nics: {nic!r} is not an IP address") from None
+        if len(set(self.nics)) != len(self.nics):
+            raise ConfigError(f"cluster.nics: {self.nics} lists an address twice")
+        _range("cluster.preload_workers", self.preload_workers, 1, 256)
         _choice("cluster.provider", self.provider, ("", "soft", "verbs"))
-        if self.lease_ttl < 1:
-            raise ConfigError(f"cluster.lease_ttl: {self.lease_ttl} must be >= 1")
-        _positive("cluster.hb_interval", self.hb_interval)
+        _range("cluster.lease_ttl", self.lease_ttl, 1, 3600)
+        _positive("cluster.hb_interval", self.hb_interval, 60)
         if self.hb_idle_interval < self.hb_interval:
             raise ConfigError(f"cluster.hb_idle_interval: {self.hb_idle_interval} must be >= "
                               f"cluster.hb_interval ({self.hb_interval})")
-        _positive("cluster.peer_timeout", self.peer_timeout)
-        if self.hb_miss < 2:
-            raise ConfigError(f"cluster.hb_miss: {self.hb_miss} must be >= 2")
+        _positive("cluster.hb_idle_interval", self.hb_idle_interval, 60)
+        _positive("cluster.peer_timeout", self.peer_timeout, 3600)
+        _range("cluster.hb_miss", self.hb_miss, 2, 1000)
+
+    def check_host(self, node: bool) -> None:
+        """At node/mount start, on the host that runs it: every ``nics`` address is one of
+        this host's (a bind test: nothing is sent) and, for a ``node``, its arena fits in
+        the memory available now (an error: the arena is allocated at start)."""
+        if node:
+            _check_available("cluster.memory", self.memory, fatal=True)
+        for nic in self.nics:
+            family = socket.AF_INET6 if ":" in nic else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                try:
+                    s.bind((nic, 0))
+                except OSError as e:
+                    raise ConfigError(f"cluster.nics: {nic} is not an address of this host "
+                                      f"({e.strerror})") from None
 
     def secret(self) -> bytes:
+        """The shared secret: the file's bytes, surrounding whitespace stripped, used as
+        they are (``kspeedfs secret generate`` writes 32 random bytes as 64 hex digits;
+        a raw binary file works too). Refused, with a ConfigError naming the file:
+
+        - a file group or others may access (``mode & 0o077``): ``chmod 600`` it;
+        - fewer than 16 bytes (or over 4096), or fewer than 6 distinct byte values;
+        - under 128 bits by :func:`secret_bits` (``passwordpassword``, short words).
+        """
+        where = f"cluster.secret_file {self.secret_file}"
         try:
-            data = open(self.secret_file, "rb").read().strip()
+            with open(self.secret_file, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                data = f.read(4097).strip()
         except OSError as e:
-            raise ConfigError(f"cluster.secret_file {self.secret_file}: {e.strerror} "
+            raise ConfigError(f"{where}: {e.strerror} "
                               "(every node and mount of a cluster needs the same secret)") from None
-        if len(data) < 16:
-            raise ConfigError(f"cluster.secret_file {self.secret_file}: the secret is shorter than 16 bytes")
+        if mode & 0o077:
+            raise ConfigError(f"{where}: mode {mode & 0o777:04o} lets group or others read the "
+                              f"secret; chmod 600 {self.secret_file}")
+        if not 16 <= len(data) <= 4096:
+            raise ConfigError(f"{where}: the secret is not 16..4096 bytes long "
+                              "(kspeedfs secret generate makes a good one)")
+        bits = secret_bits(data)
+        if len(set(data)) < 6 or bits < 128:
+            raise ConfigError(f"{where}: the secret is too guessable (about {bits:.0f} bits, "
+                              "at least 128 needed); kspeedfs secret generate makes a good one")
         return data
+
+
+def secret_bits(data: bytes) -> float:
+    """A conservative entropy estimate of a secret: the length of its non-repeating part
+    (a secret made of two or more copies of a pattern counts as the pattern:
+    ``passwordpassword`` is 8 characters) times log2 of its alphabet. The alphabet is 256
+    for binary data; for printable ASCII, 10 for digits only, 16 for hex (one case), else
+    the sum of the classes used (26 lower, 26 upper, 10 digits, 33 other). So random hex
+    needs 32 digits, a random mix of all classes 20 characters, and lowercase words 28."""
+    n = len(data)
+    period = n
+    for p in range(1, n // 2 + 1):              # smallest pattern repeated at least twice
+        if data == (data[:p] * (n // p + 1))[:n]:
+            period = p
+            break
+    text = data.decode("ascii", "replace")
+    if not all(32 <= b < 127 for b in data):
+        alphabet = 256
+    elif text.isdigit():
+        alphabet = 10
+    elif re.fullmatch(r"[0-9a-f]+|[0-9A-F]+", text):
+        alphabet = 16
+    else:
+        alphabet = sum(size for pattern, size in ((r"[a-z]", 26), (r"[A-Z]", 26), (r"[0-9]", 10),
+                                                   (r"[^a-zA-Z0-9]", 33)) if re.search(pattern, text))
+    return period * math.log2(alphabet)
 
 
 @dataclass
@@ -233,10 +335,19 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log: LogConfig = field(default_factory=LogConfig)
     source_path: str = field(default="", metadata={"skip": True})  # file the config came from
+    # "section.key" -> where its value came from (file path, environment, command line)
+    sources: dict[str, str] = field(default_factory=dict, metadata={"skip": True})
 
     def validate(self) -> "Config":
+        """Every section's ``validate()``; an error gets the source of the key it names
+        first (each message starts with that key)."""
         for section in _sections(self):
-            getattr(self, section.name).validate()
+            try:
+                getattr(self, section.name).validate()
+            except ConfigError as e:
+                key = re.match(r"[a-z_]+\.[a-z_]+", str(e))
+                source = self.sources.get(key.group(0), "default") if key else "default"
+                raise ConfigError(f"{e} (from {source})") from None
         return self
 
     def to_toml(self) -> str:
@@ -247,6 +358,8 @@ class Config:
             for f in dataclasses.fields(obj):
                 v = getattr(obj, f.name)
                 shown = format_size(v) if f.metadata.get("size") else v
+                if f.metadata.get("secret") and v:
+                    shown = "***"           # never print a password; the secret_file is a path
                 lines.append(f"{f.name} = {_toml_value(shown)}  # {f.metadata.get('doc', '')}")
         return "\n".join(lines) + "\n"
 
@@ -274,9 +387,50 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
 
 
-def _positive(key: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{key}: {value} must be > 0")
+_YEAR = 365 * 86400.0
+
+
+def _positive(key: str, value: float, most: float = math.inf) -> None:
+    """A duration: finite, > 0 and <= ``most`` seconds."""
+    if not (0 < value <= most and math.isfinite(value)):
+        raise ConfigError(f"{key}: {value} must be > 0" + (f" and <= {most:g}" if most < math.inf else ""))
+
+
+def _range(key: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise ConfigError(f"{key}: {value} must be in {lo}..{hi}")
+
+
+def _meminfo(field_name: str) -> int | None:
+    """A /proc/meminfo field in bytes; None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _memory(key: str, value: int, least: int) -> None:
+    """A memory size: at least ``least`` and at most this host's physical RAM."""
+    if value < least:
+        raise ConfigError(f"{key}: {value} is too small (at least {format_size(least)})")
+    total = _meminfo("MemTotal")
+    if total is not None and value > total:
+        raise ConfigError(f"{key}: {format_size(value)} is more than this host's physical memory "
+                          f"({total >> 20} MiB)")
+
+
+def _check_available(key: str, value: int, fatal: bool) -> None:
+    avail = _meminfo("MemAvailable")
+    if avail is None or value <= avail:
+        return
+    msg = f"{key}: {format_size(value)} is more than the memory available now ({avail >> 20} MiB)"
+    if fatal:
+        raise ConfigError(msg)
+    log.warning("%s; the cache may push the system into swap or the OOM killer", msg)
 
 
 def _coerce(key: str, f: dataclasses.Field[Any], value: Any, source: str) -> Any:
@@ -298,7 +452,12 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any, source: str) -> Any
                 raise ValueError("expected an integer")
             return int(value)
         if typ == "float":
-            return float(value)
+            if isinstance(value, bool):
+                raise ValueError("expected a number")
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError("expected a finite number")
+            return number
         if typ.startswith("list"):
             if isinstance(value, str):
                 return [x.strip() for x in value.split(",") if x.strip()]
@@ -335,6 +494,7 @@ def apply(cfg: Config, values: Mapping[str, Any], source: str) -> None:
                 + ", ".join(fields)
             )
         setattr(section, name, _coerce(key, fields[name], value, source))
+        cfg.sources[f"{section_name}.{name}"] = source
 
 
 def load(
@@ -348,6 +508,8 @@ def load(
     explicit = path or environ.get("KSPEEDFS_CONFIG")
     file = Path(explicit) if explicit else DEFAULT_CONFIG_PATH
     if file.exists():
+        if not file.is_file():
+            raise ConfigError(f"config file {file} is not a regular file")
         try:
             data = tomllib.loads(file.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:

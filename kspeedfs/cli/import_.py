@@ -4,15 +4,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from ..manifest.importer import ImportProgress
-from .options import cli_logging, load_config
+from .options import cli_logging, dataset_name, load_config
+
+
+if TYPE_CHECKING:
+    from ..manifest.importer import ImportProgress
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="directory to import (NFS, Lustre, a local disk, ...)")
-    p.add_argument("--name", required=True, help="dataset name")
+    p.add_argument("--name", required=True, type=dataset_name, help="dataset name")
     p.add_argument("--chunk-size", metavar="SIZE", help="chunk size, e.g. 4MiB (import.chunk_size)")
     p.add_argument("--block-size", metavar="SIZE",
                    help="random-read block size, e.g. 128KiB (import.block_size)")

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError, KspeedfsError
-from .options import load_config
+from .options import cli_logging, dataset_name, load_config, version
 
 # -o options mount(8)/fstab pass that mean nothing to us.
 _IGNORED = {"ro", "defaults", "auto", "noauto", "user", "nouser", "users", "_netdev", "nofail",
@@ -24,10 +24,11 @@ _IGNORED = {"ro", "defaults", "auto", "noauto", "user", "nouser", "users", "_net
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dataset")
+    p.add_argument("dataset", type=dataset_name)
     p.add_argument("mountpoint")
     p.add_argument("-f", "--foreground", action="store_true", help="stay attached; log to stderr too")
-    p.add_argument("--version", dest="dataset_version", type=int, help="mount this version (default: current)")
+    p.add_argument("--version", dest="dataset_version", type=version,
+                   help="mount this version (default: current)")
     p.add_argument("--source", help="read misses from this directory instead of the recorded source")
     p.add_argument("--cache-mem", metavar="SIZE", help="memory cache size (cache.memory)")
     p.add_argument("--cache-dir", metavar="DIR", help="disk cache tier directory (cache.disk_dir)")
@@ -55,7 +56,10 @@ def _apply_o(args: argparse.Namespace) -> None:
         elif key in ("config", "source", "store", "cache_dir") and sep:
             setattr(args, key, value)
         elif key == "version" and sep:
-            args.dataset_version = int(value)
+            try:
+                args.dataset_version = version(value)
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(f"-o {opt}: {e}") from None
         elif key in ("cache_mem", "cache_disk") and sep:
             setattr(args, key, value)
         elif key == "etcd" and sep:
@@ -68,15 +72,20 @@ def _apply_o(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .. import log as logsetup
-    from ..daemon import MountRequest
 
     _apply_o(args)
     overrides: dict[str, Any] = {
         "cache.memory": args.cache_mem, "cache.disk_dir": args.cache_dir, "cache.disk": args.cache_disk,
         "fuse.allow_other": args.allow_other,
     }
-    logsetup.setup(args.log_level or ("DEBUG" if args.verbose else "WARNING"))
+    cli_logging(args)
     cfg = load_config(args, **overrides)
+    cfg.cache.check_host()
+    if cfg.store.backend == "etcd" and cfg.cluster.peers:
+        cfg.cluster.check_host(node=False)
+        cfg.cluster.secret()
+    from ..daemon import MountRequest             # after the checks: a bad flag fails fast
+
     req = MountRequest(args.dataset, args.mountpoint, args.dataset_version, args.source, args.nonempty)
     logfile = logsetup.log_path(cfg.log.dir, args.dataset, os.path.abspath(args.mountpoint))
     if args.foreground:

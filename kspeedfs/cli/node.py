@@ -12,11 +12,11 @@ import os
 import signal
 from typing import Any
 
-from .options import load_config
+from .options import load_config, node_name
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--name", help="node name in the cluster (default: the host name)")
+    p.add_argument("--name", type=node_name, help="node name in the cluster (default: the host name)")
     p.add_argument("--nic", action="append", default=None, metavar="ADDR",
                    help="local NIC address to serve on (repeat per NIC; cluster.nics)")
     p.add_argument("--cache-mem", metavar="SIZE", help="memory arena size (cluster.memory)")
@@ -26,17 +26,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import trio
-
-    from .. import log as logsetup
-    from ..cluster.membership import default_node_name
-    from ..cluster.node import serve
-
     overrides: dict[str, Any] = {"cluster.memory": args.cache_mem, "cache.disk_dir": args.cache_dir,
                                  "cache.disk": args.cache_disk}
     if args.nic:
         overrides["cluster.nics"] = args.nic
     cfg = load_config(args, **overrides)
+    cfg.cluster.check_host(node=True)
+    cfg.cache.check_host()
+    cfg.cluster.secret()
+
+    import trio                                   # after the checks: a bad flag fails fast
+
+    from .. import log as logsetup
+    from ..cluster.membership import default_node_name
+    from ..cluster.node import serve
+
     name = args.name or default_node_name()
     log = logging.getLogger(__name__)
     logsetup.setup(cfg.log.level, stderr=True,
@@ -61,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         trio.run(main)
-    except BaseException:
-        log.exception("node %s failed", name)
+    except BaseException as e:
+        from .app import describe
+
+        log.error("node %s failed: %s", name, describe(e)[0])   # the log file gets the reason
+        log.debug("exception information:", exc_info=True)
         raise
     return 0

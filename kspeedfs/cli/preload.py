@@ -14,15 +14,16 @@ import json
 import sys
 import time
 
-from .options import cli_logging, cluster_store, load_config
+from .options import cli_logging, cluster_store, dataset_name, load_config, seconds, version
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dataset")
-    p.add_argument("--version", dest="dataset_version", type=int, help="default: the current one")
+    p.add_argument("dataset", type=dataset_name)
+    p.add_argument("--version", dest="dataset_version", type=version, help="default: the current one")
     p.add_argument("--check", action="store_true", help="verify: cached %% per node, replica health")
     p.add_argument("--no-wait", action="store_true", help="request and return")
-    p.add_argument("--timeout", type=float, default=0, help="give up waiting after this many seconds")
+    p.add_argument("--timeout", type=seconds, default=0,
+                   help="give up waiting after this many seconds (0: wait)")
 
 
 def _progress(store, tag: str) -> tuple[dict, dict]:
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check(cfg, store, info) -> int:
     import trio
+    from rdma.errors import RdmaError
 
     from ..cluster.membership import NodeRecord, list_json
     from ..cluster.placement import owners
@@ -92,9 +94,12 @@ def _check(cfg, store, info) -> int:
         c = RpcClient(secret, "preload-check", rec.nics, rec.rpc_port, timeout=10)
         try:
             r = await c.request({"op": "have", "dataset": info.name, "version": info.version})
-            have[rec.node] = set(r["chunks"])
-        except RpcUnavailable as e:
+            have[rec.node] = {int(k) for k in r["chunks"]}
+        except (RpcUnavailable, RdmaError, OSError) as e:   # wrong secret, refused, down
             print(f"  {rec.node}: unreachable ({e})")
+            have[rec.node] = None
+        except (KeyError, TypeError, ValueError) as e:
+            print(f"  {rec.node}: malformed reply ({type(e).__name__}: {e})")
             have[rec.node] = None
         finally:
             await c.aclose()

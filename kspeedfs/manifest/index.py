@@ -18,7 +18,7 @@ from typing import Iterator
 from ..errors import ManifestCorrupt
 from .model import (
     BLOCK_DIGEST_SIZE, CHUNK_ARRAYS, DIGEST_SIZE, ENTRY_ARRAYS, FORMATS, HEADER, MAGIC, Extent,
-    align8, blocks_per_chunk, is_dir, is_file, is_symlink,
+    align8, blocks_per_chunk, check_header, is_dir, is_file, is_symlink,
 )
 
 
@@ -34,6 +34,7 @@ class ManifestIndex:
             raise ManifestCorrupt(f"manifest header unreadable: {e}") from e
         if magic != MAGIC or fmt not in FORMATS:
             raise ManifestCorrupt(f"not a kspeedfs manifest (magic {magic!r}, format {fmt})")
+        check_header(fmt, self.chunk_size, block_size, self.entries)
         mv = memoryview(raw)
         pos = align8(HEADER.size)
 

@@ -119,6 +119,22 @@ class Extent:
     digest: bytes       # xxh3-128 of the extent's bytes
 
 
+MAX_CHUNK = 1 << 30
+
+
+def check_header(fmt: int, chunk_size: int, block_size: int, entries: int) -> None:
+    """Refuse a header whose geometry no importer writes (``ManifestCorrupt``), at load,
+    before a mount serves it: chunk_size 0 used to mount and then fail every read."""
+    from ..errors import ManifestCorrupt
+
+    if not 4096 <= chunk_size <= MAX_CHUNK:
+        raise ManifestCorrupt(f"manifest chunk_size {chunk_size} is not in 4KiB..1GiB")
+    if fmt >= 2 and not 512 <= block_size <= chunk_size:
+        raise ManifestCorrupt(f"manifest block_size {block_size} is not in 512..chunk_size")
+    if entries < 1:
+        raise ManifestCorrupt("manifest has no root directory (0 entries)")
+
+
 def blocks_per_chunk(chunk_size: int, block_size: int) -> int:
     """The stride of the block digest array (0 when there are no blocks)."""
     return -(-chunk_size // block_size) if block_size else 0
