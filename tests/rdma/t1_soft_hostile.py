@@ -21,13 +21,14 @@ from rdma.enums import IBV_QPS_RTS
 from rdma.errors import ConnectError
 from rdma.providers.soft import wire
 from rdma.testing import Pair, pair_factory, read_wr
+from tests.fixtures.hostile import fd_count, rss_bytes
 
 SOFT_LO = pair_factory("soft", "soft_lo")
 FLOOD = 1500        # idle attack connections held open at once (engine caps: 256 / 64)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _enough_fds() -> Iterator[None]:
+def _enoughfd_count() -> Iterator[None]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard, max(soft, 4 * FLOOD))
     resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
@@ -83,18 +84,6 @@ def _closed_by_engine(s: socket.socket, timeout: float) -> bool:
         return False
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
 def _wait_pending(p: Pair, at_most: int, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while _stats(p).pending_hello > at_most:
@@ -105,7 +94,7 @@ def _wait_pending(p: Pair, at_most: int, timeout: float = 5.0) -> None:
 # ----------------------------------------------------------- pending HELLO limits
 
 def test_idle_flood_is_capped_and_a_qp_still_connects(pair: Pair) -> None:
-    fds0, rss0 = _fds(), _rss_kib()
+    fds0, rss0 = fd_count(), rss_bytes()
     socks = _idle(_port(pair), FLOOD)
     try:
         time.sleep(0.3)
@@ -118,8 +107,8 @@ def test_idle_flood_is_capped_and_a_qp_still_connects(pair: Pair) -> None:
         for s in socks:
             s.close()
     _wait_pending(pair, 0, timeout=5)                   # evicted or timed out (2 s)
-    assert _fds() <= fds0 + 4, (fds0, _fds())           # + the pair's two data sockets
-    assert _rss_kib() < rss0 + 16 * 1024, (rss0, _rss_kib())
+    assert fd_count() <= fds0 + 4, (fds0, fd_count())           # + the pair's two data sockets
+    assert rss_bytes() < rss0 + (16 << 20), (rss0, rss_bytes())
     _read_ok(pair)
 
 
