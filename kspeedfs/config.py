@@ -88,6 +88,8 @@ class StoreConfig:
     etcd_cert: str = _opt("", "client certificate for etcd mutual TLS")
     etcd_key: str = _opt("", "client key for etcd mutual TLS")
     etcd_timeout: float = _opt(5.0, "seconds before an etcd request counts as unavailable")
+    etcd_attempt_timeout: float = _opt(1.0, "deadline of one etcd request to one endpoint, s; "
+                                       "the next endpoint (rail) is tried after it")
 
     def validate(self) -> None:
         _choice("store.backend", self.backend, ("embedded", "etcd"))
@@ -102,6 +104,10 @@ class StoreConfig:
         if not self.etcd_prefix or len(self.etcd_prefix) > 256:
             raise ConfigError(f"store.etcd_prefix: {self.etcd_prefix!r} must be 1..256 characters")
         _positive("store.etcd_timeout", self.etcd_timeout, 3600)
+        _positive("store.etcd_attempt_timeout", self.etcd_attempt_timeout, 3600)
+        if self.etcd_attempt_timeout > self.etcd_timeout:
+            raise ConfigError(f"store.etcd_attempt_timeout: {self.etcd_attempt_timeout} must be "
+                              f"<= store.etcd_timeout ({self.etcd_timeout})")
 
 
 @dataclass
@@ -207,6 +213,8 @@ class ClusterConfig:
     memory: int = _size("1GiB", "node: memory arena registered for RDMA (chunk slots)")
     slot_size: int = _size("4MiB", "node: arena slot size = the largest chunk size served")
     lease_ttl: int = _opt(5, "node: membership lease TTL, s (a dead node leaves after this)")
+    leave_grace: float = _opt(5.0, "a node whose lease lapsed keeps its placement this long, s; "
+                              "back within it, nothing is re-replicated (membership.py)")
     preload_workers: int = _opt(4, "node: chunks loaded concurrently by preload/re-replication")
     hb_interval: float = _opt(0.010, "vRDMA heartbeat interval per path, s")
     hb_miss: int = _opt(5, "heartbeats missed before a path is DOWN (detection ~ miss x interval)")
@@ -235,6 +243,7 @@ class ClusterConfig:
         _range("cluster.preload_workers", self.preload_workers, 1, 256)
         _choice("cluster.provider", self.provider, ("", "soft", "verbs"))
         _range("cluster.lease_ttl", self.lease_ttl, 1, 3600)
+        _range("cluster.leave_grace", self.leave_grace, 0, 3600)     # nan fails too
         _positive("cluster.hb_interval", self.hb_interval, 60)
         if self.hb_idle_interval < self.hb_interval:
             raise ConfigError(f"cluster.hb_idle_interval: {self.hb_idle_interval} must be >= "
@@ -396,7 +405,7 @@ def _positive(key: str, value: float, most: float = math.inf) -> None:
         raise ConfigError(f"{key}: {value} must be > 0" + (f" and <= {most:g}" if most < math.inf else ""))
 
 
-def _range(key: str, value: int, lo: int, hi: int) -> None:
+def _range(key: str, value: float, lo: float, hi: float) -> None:
     if not lo <= value <= hi:
         raise ConfigError(f"{key}: {value} must be in {lo}..{hi}")
 

@@ -34,7 +34,7 @@ from .fuse import boundary, tuning
 from .fuse.operations import Operations
 from .fuse.pagecache import PageCache
 from .manifest.index import ManifestIndex
-from .manifest.store import open_store
+from .manifest.store import open_configured
 from .manifest.store.base import DatasetInfo
 from .origin import Origin
 from .reader import Reader
@@ -56,10 +56,10 @@ class MountRequest:
 
 def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, ManifestIndex]:
     """Blocking: the only store access of a mount's lifetime."""
-    with open_store(cfg.store) as store:
+    with open_configured(cfg) as store:       # etcd: records verified with the cluster secret
         info = store.dataset(req.dataset, req.version)
         blob = store.manifest(info.name, info.version)
-    return info, ManifestIndex.from_blob(blob)
+    return info, ManifestIndex.from_blob(blob, info.inflated_size)
 
 
 def _systemd_notify(state: str) -> None:
@@ -98,12 +98,12 @@ async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | 
     from .manifest.store.etcd import EtcdStore
 
     secret = cfg.cluster.secret()
-    store = EtcdStore(cfg.store)
+    store = EtcdStore(cfg.store, secret)      # verifies node records (membership)
     me = f"mount:{os.uname().nodename}:{os.getpid()}"
     async with Endpoint(secret, node=me, addrs=cfg.cluster.nics or None,
                         provider=cfg.cluster.provider or None, cfg=heartbeat_config(cfg)) as ep, \
             trio.open_nursery() as nursery:
-        membership = Membership(store)
+        membership = Membership(store, leave_grace=cfg.cluster.leave_grace)
         await nursery.start(membership.run)
         local = next((r.node for r in membership.nodes.values() if set(r.nics) & set(ep.nics)), None)
         log.info("cluster: %d nodes (%s), local node %s, R=%d", len(membership.nodes),

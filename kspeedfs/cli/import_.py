@@ -58,14 +58,14 @@ class ProgressLine:
 
 def run(args: argparse.Namespace) -> int:
     from ..manifest.importer import import_tree
-    from ..manifest.store import open_store
+    from ..manifest.store import open_configured
 
     cli_logging(args)
     cfg = load_config(args, **{"import.chunk_size": args.chunk_size,
                                  "import.block_size": args.block_size,
                                  "import.threads": args.threads})
     t0 = time.monotonic()
-    with open_store(cfg.store) as store:
+    with open_configured(cfg) as store:
         info = import_tree(args.source, args.name, store, cfg.import_.chunk_size, cfg.import_.threads,
                            progress=None if args.quiet else ProgressLine(),
                            block_size=cfg.import_.block_size)

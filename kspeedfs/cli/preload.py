@@ -27,9 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _progress(store, tag: str) -> tuple[dict, dict]:
-    from ..cluster.membership import list_json
+    from ..cluster.membership import NodeRecord, list_json
 
-    return list_json(store, "nodes/"), list_json(store, f"progress/{tag}/")
+    return NodeRecord.list_verified(store), list_json(store, f"progress/{tag}/")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,13 +80,13 @@ def _check(cfg, store, info) -> int:
     import trio
     from rdma.errors import RdmaError
 
-    from ..cluster.membership import NodeRecord, list_json
+    from ..cluster.membership import NodeRecord
     from ..cluster.placement import owners
     from ..cluster.rpc import RpcClient, RpcUnavailable
     from ..manifest.index import ManifestIndex
 
-    ix = ManifestIndex.from_blob(store.manifest(info.name, info.version))
-    records = [NodeRecord(**d) for d in list_json(store, "nodes/").values()]
+    ix = ManifestIndex.from_blob(store.manifest(info.name, info.version), info.inflated_size)
+    records = list(NodeRecord.list_verified(store).values())
     secret = cfg.cluster.secret()
     have: dict[str, set[int] | None] = {}
 

@@ -14,6 +14,19 @@ vRDMA heartbeats already detect a dead peer in ~50 ms for the read path, the lea
 decides when its chunks are re-replicated). A lease lost anyway (etcd restored from a
 snapshot, a long partition) is re-granted and the keys put again.
 
+Rails. Every keep-alive and every put on the lease is *raced* on all etcd endpoints
+(``EtcdStore.race``: one endpoint per rail, first answer wins), each attempt bounded by
+``store.etcd_attempt_timeout``. So a cut NIC or a whole rail down costs no refresh, for
+any length of time, while one rail reaches etcd; the timeout arithmetic against the
+TTL is in docs/design.md ("etcd across rails").
+
+Flaps. A node whose record disappears stays a member (placement unchanged, nothing
+re-replicated) for ``cluster.leave_grace`` seconds; back within that, nobody noticed.
+Only after the grace does it leave :attr:`Membership.members` and the survivors copy its
+share. The cost: a node that really died keeps R-1 live copies of its chunks for
+``lease_ttl + leave_grace`` (10 s by default) instead of ``lease_ttl``; readers skip it
+meanwhile on their own (a refused or silent peer is a failed replica).
+
 Views (:class:`PrefixView`) watch a prefix: list it (remembering the revision), then
 block on a watch from the next revision; any event, or every ``resync`` seconds, lists
 again. Readers consult the view's in-memory copy; nothing on the read path talks to
@@ -22,8 +35,11 @@ the log once; it catches up when etcd is back.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import math
+import queue
 import socket
 import threading
 import time
@@ -32,16 +48,30 @@ from typing import Any, Callable
 
 import trio
 
-from ..errors import StoreError
+from ..errors import ConfigError, RecordUnverified, StoreError
 from ..manifest.store.etcd import EtcdStore
+from ..manifest.store.signature import canonical_json, warn_refused
 from .placement import Member
 
 log = logging.getLogger(__name__)
 
 
+_I64 = (1 << 63) - 1
+
+
 @dataclass(frozen=True)
 class NodeRecord:
-    """What a node publishes about itself (``P nodes/<node>``)."""
+    """What a node publishes about itself (``P nodes/<node>``).
+
+    Signed. The value at ``P nodes/<node>`` is :meth:`signed` with the store's record
+    signer (a key derived from the cluster secret, ``manifest/store/signature.py``) for
+    exactly that key; :meth:`verified` drops every value that does not verify, or whose
+    ``node`` is not its key, before anything parses it further. So a record written
+    to etcd without the cluster secret (a fake node, or a node started with the wrong
+    secret) never enters a membership view, placement or ``kspeedfs status``; each
+    refusal is logged once per (key, value). :meth:`from_json` takes untrusted JSON and
+    returns a well-typed record or raises ``ValueError`` (never ``TypeError``,
+    ``KeyError`` or ``RecursionError``)."""
 
     node: str
     host: str
@@ -55,12 +85,89 @@ class NodeRecord:
     started: float = field(default_factory=time.time)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        return canonical_json(asdict(self))
+
+    def signed(self, store: EtcdStore) -> bytes:
+        """The value to put at this node's key: the record, signed for that key."""
+        if store.signer is None:
+            raise ConfigError("node records are signed with the cluster secret; the store has none")
+        return store.signer.seal(self.key(store, self.node), self.to_json())
+
+    @staticmethod
+    def key(store: EtcdStore, node: str) -> str:
+        return f"{store.prefix}nodes/{node}"
 
     @classmethod
     def from_json(cls, raw: bytes) -> "NodeRecord":
-        d = json.loads(raw)
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        """Parse and type-check untrusted JSON; ``ValueError`` for anything invalid."""
+        try:
+            d = json.loads(raw)
+        except RecursionError:
+            raise ValueError("node record nested too deeply") from None
+        if not isinstance(d, dict):
+            raise ValueError("a node record must be a JSON object")
+        fields = cls.__dataclass_fields__
+        d = {k: v for k, v in d.items() if k in fields}
+        missing = sorted(set(fields) - set(d) - {"started"})
+        if missing:
+            raise ValueError(f"node record lacks {', '.join(missing)}")
+        for key in ("node", "host"):
+            if not isinstance(d[key], str) or not 0 < len(d[key]) <= 255:
+                raise ValueError(f"node record: {key} is not a name")
+        nics = d["nics"]
+        if not isinstance(nics, list) or not 0 < len(nics) <= 64 or not all(
+                isinstance(n, str) and len(n) <= 64 for n in nics):
+            raise ValueError("node record: nics is not a list of addresses")
+        for n in nics:
+            ipaddress.ip_address(n)            # ValueError when it is not an address
+        for key, hi in (("port", 65535), ("rpc_port", 65535), ("capacity", _I64),
+                        ("nslots", _I64), ("slot_size", _I64), ("nbuckets", _I64)):
+            if type(d[key]) is not int or not 0 <= d[key] <= hi:
+                raise ValueError(f"node record: {key} is not an integer in 0..{hi}")
+        started = d.get("started", 0.0)
+        if not ((type(started) is int and abs(started) <= _I64)
+                or (type(started) is float and math.isfinite(started))):
+            raise ValueError("node record: started is not a finite number")
+        return cls(**d)
+
+    @classmethod
+    def verified(cls, store: EtcdStore, values: dict[str, bytes]) -> dict[str, bytes]:
+        """The entries of a listing of ``P nodes/`` (suffix → value) whose value is
+        signed for its key with this cluster's key and names that node; values are
+        returned as the bare record JSON. The others are dropped (logged once each)."""
+        if store.signer is None:
+            raise ConfigError("node records are verified with the cluster secret; the store has none")
+        out = {}
+        for suffix, raw in values.items():
+            key = cls.key(store, suffix)
+            try:
+                payload = store.signer.open(key, raw)
+                if cls.from_json(payload).node != suffix:
+                    raise ValueError("its node is not its key")
+            except RecordUnverified:
+                continue
+            except ValueError as e:
+                warn_refused(key, raw, f"malformed node record ({e})")
+                continue
+            out[suffix] = payload
+        return out
+
+    @classmethod
+    def verifying(cls, store: EtcdStore,
+                  decode: Callable[[dict[str, bytes]], None]) -> Callable[[dict[str, bytes]], None]:
+        """``decode`` behind :meth:`verified`: the on-change hook of a ``nodes/`` view."""
+        if store.signer is None:
+            raise ConfigError("membership verifies node records with the cluster secret "
+                              "(cluster.secret_file); the store has none")
+        return lambda values: decode(cls.verified(store, values))
+
+    @classmethod
+    def list_verified(cls, store: EtcdStore) -> dict[str, "NodeRecord"]:
+        """Blocking, for the CLI: every live node whose record verifies, by name."""
+        pre = store.prefix + "nodes/"
+        resp = store.call(lambda c: c.get_prefix_response(pre))
+        values = {kv.key.decode(errors="surrogateescape")[len(pre):]: kv.value for kv in resp.kvs}
+        return {k: cls.from_json(v) for k, v in cls.verified(store, values).items()}
 
     def member(self) -> Member:
         return Member(self.node, max(self.capacity, 1) / (1 << 30))
@@ -93,13 +200,19 @@ class Registration:
         self._keys: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
+    @property
+    def period(self) -> float:
+        """Seconds between keep-alives: a third of the TTL (docs/design.md)."""
+        return self.ttl / 3
+
     def _grant(self) -> None:
+        # call, not race: two endpoints answering would grant two leases
         lease = self.store.call(lambda c: c.lease(self.ttl))
         self.lease_id = lease.id
         with self._lock:
             keys = dict(self._keys)
         for k, v in keys.items():
-            self.store.call(lambda c, k=k, v=v: c.put(k, v, lease=self.lease_id))
+            self.store.race(lambda c, k=k, v=v: c.put(k, v, lease=lease.id))
         log.info("etcd lease %x granted (ttl %ds); %d keys attached", self.lease_id, self.ttl, len(keys))
 
     def put(self, key: str, value: bytes) -> None:
@@ -109,14 +222,17 @@ class Registration:
         if self.lease_id is None:
             self._grant()
         else:
-            self.store.call(lambda c: c.put(key, value, lease=self.lease_id))
+            lease_id = self.lease_id
+            self.store.race(lambda c: c.put(key, value, lease=lease_id))
 
     def _refresh(self) -> None:
         if self.lease_id is None:
             self._grant()
             return
         lease_id = self.lease_id
-        responses = self.store.call(lambda c: list(c.refresh_lease(lease_id)))
+        # every rail at once; a refresh that no rail answers within a period is retried
+        # by the next one (docs/design.md: two periods fit in the TTL)
+        responses = self.store.race(lambda c: list(c.refresh_lease(lease_id)), budget=self.period)
         if not responses or responses[0].TTL <= 0:
             log.warning("etcd lease %x expired; registering again", lease_id)
             self._grant()
@@ -125,6 +241,7 @@ class Registration:
         """Refresh every ttl/3; etcd outages are logged and ridden out."""
         down = False
         while True:
+            started = trio.current_time()
             try:
                 await trio.to_thread.run_sync(self._refresh)
                 if down:
@@ -137,7 +254,7 @@ class Registration:
             except Exception:               # a client bug must not take the node down
                 log.exception("refreshing the membership lease failed")
                 down = True
-            await trio.sleep(self.ttl / 3)
+            await trio.sleep_until(started + self.period)
 
     def revoke(self) -> None:
         """Blocking: leave the cluster now (clean shutdown) instead of after the TTL."""
@@ -150,17 +267,32 @@ class Registration:
 
 
 def _watch_once(client: Any, prefix: str, timeout: float, start_revision: int) -> None:
-    """Block until a key under ``prefix`` changes after ``start_revision`` or ``timeout``."""
+    """Block until a key under ``prefix`` changes after ``start_revision`` or ``timeout``.
+
+    A watch not created within the client's attempt timeout is a connection failure
+    (the store tries the next endpoint); a failed stream (etcd restarting, an expired
+    token) is raised as the gRPC error it is, for the store to classify; a compacted
+    start revision just means "list again"."""
     import etcd3.exceptions
 
+    answers: queue.SimpleQueue[Any] = queue.SimpleQueue()
     try:
-        client.watch_prefix_once(prefix, timeout=timeout, start_revision=start_revision)
-    except etcd3.exceptions.WatchTimedOut:
-        pass
-    except AttributeError as e:
-        # etcd3 0.12 hands a failed watch stream (etcd restarting) to watch_once as if it
-        # were a response; treat it like the connection failure it is.
-        raise etcd3.exceptions.ConnectionFailedError(f"watch stream failed: {e}") from e
+        watch_id = client.add_watch_prefix_callback(prefix, answers.put,
+                                                    start_revision=start_revision)
+    except etcd3.exceptions.WatchTimedOut as e:
+        raise etcd3.exceptions.ConnectionTimeoutError("watch not created in time") from e
+    except etcd3.exceptions.RevisionCompactedError:
+        return
+    try:
+        answer = answers.get(timeout=timeout)
+    except queue.Empty:
+        return
+    finally:
+        client.cancel_watch(watch_id)
+    if isinstance(answer, etcd3.exceptions.RevisionCompactedError):
+        return
+    if isinstance(answer, Exception):
+        raise answer
 
 
 class PrefixView:
@@ -184,7 +316,8 @@ class PrefixView:
         self._token: trio.lowlevel.TrioToken | None = None
 
     def _list(self) -> tuple[dict[str, bytes], int]:
-        resp = self.store.call(lambda c: c.get_prefix_response(self.prefix))
+        # raced: the winner becomes the store's preferred endpoint, where the watch goes
+        resp = self.store.race(lambda c: c.get_prefix_response(self.prefix))
         n = len(self.prefix)
         return {kv.key.decode()[n:]: kv.value for kv in resp.kvs}, resp.header.revision
 
@@ -245,30 +378,81 @@ class PrefixView:
 
 
 class Membership:
-    """The live nodes, as :class:`NodeRecord` s and as placement :class:`Member` s."""
+    """The cluster's nodes, as :class:`NodeRecord` s and as placement :class:`Member` s.
 
-    def __init__(self, store: EtcdStore, resync: float = 10.0) -> None:
-        self.view = PrefixView(store, "nodes/", resync, self._decode)
+    ``nodes`` and ``members`` are the live records plus those still within
+    ``leave_grace`` seconds of their record's disappearance (see the module docstring:
+    flap damping); ``leaving`` maps such a node to the trio time its grace ends. ``epoch``
+    counts changes of ``nodes``; ``changed`` is an Event replaced (set) on each one,
+    for whoever recomputes placement (the node's reconcile loop)."""
+
+    def __init__(self, store: EtcdStore, resync: float = 10.0, leave_grace: float = 0.0) -> None:
+        self.view = PrefixView(store, "nodes/", resync, NodeRecord.verifying(store, self._decode))
+        self.leave_grace = leave_grace
         self.nodes: dict[str, NodeRecord] = {}
         self.members: list[Member] = []
+        self.leaving: dict[str, float] = {}
         self.epoch = 0
+        self.changed = trio.Event()
+        self._live: dict[str, NodeRecord] = {}
+        self._held: dict[str, NodeRecord] = {}          # records of the nodes in ``leaving``
+        self._rearm = trio.Event()                      # ``leaving`` gained a deadline
 
     def _decode(self, values: dict[str, bytes]) -> None:
-        nodes = {}
+        live = {}
         for key, raw in values.items():
             try:
-                nodes[key] = NodeRecord.from_json(raw)
+                live[key] = NodeRecord.from_json(raw)
             except (ValueError, TypeError) as e:
                 log.warning("ignoring malformed node record %s: %s", key, e)
+        now = trio.current_time()
+        for node in sorted(set(self._live) - set(live)):
+            if self.leave_grace > 0:
+                self.leaving[node] = now + self.leave_grace
+                self._held[node] = self._live[node]
+                log.info("membership: %s's record is gone; it keeps its placement for %gs "
+                         "(cluster.leave_grace)", node, self.leave_grace)
+                self._rearm.set()
+        for node in sorted(set(live) & set(self.leaving)):
+            del self.leaving[node], self._held[node]
+            log.info("membership: %s is back within its grace; placement unchanged", node)
+        self._live = live
+        self._apply()
+
+    def _expire(self) -> None:
+        now = trio.current_time()
+        for node in [n for n, t in self.leaving.items() if t <= now]:
+            del self.leaving[node], self._held[node]
+        self._apply()
+
+    def _apply(self) -> None:
+        nodes = {**self._held, **self._live}
         joined = sorted(set(nodes) - set(self.nodes))
         left = sorted(set(self.nodes) - set(nodes))
         if joined or left:
             log.info("membership: %d nodes%s%s", len(nodes),
                      f"; joined {', '.join(joined)}" if joined else "",
                      f"; left {', '.join(left)}" if left else "")
+        if nodes == self.nodes:
+            return
         self.nodes = nodes
         self.members = sorted((r.member() for r in nodes.values()), key=lambda m: m.node)
         self.epoch += 1
+        old, self.changed = self.changed, trio.Event()
+        old.set()
+
+    async def _expire_forever(self) -> None:
+        while True:
+            self._rearm = trio.Event()
+            if self.leaving:
+                with trio.move_on_at(min(self.leaving.values())):
+                    await self._rearm.wait()
+                self._expire()
+            else:
+                await self._rearm.wait()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        await self.view.run(task_status=task_status)
+        async with trio.open_nursery() as n:
+            n.start_soon(self._expire_forever)
+            await n.start(self.view.run)
+            task_status.started()

@@ -121,7 +121,7 @@ class Node:
         try:
             def fetch() -> Dataset:
                 info = self.store.dataset(name, version)
-                index = ManifestIndex.from_blob(self.store.manifest(name, version))
+                index = ManifestIndex.from_blob(self.store.manifest(name, version), info.inflated_size)
                 if index.chunk_size > self.arena.g.slot_size:
                     raise ConfigError(f"dataset {name} has {index.chunk_size}-byte chunks; this "
                                       f"node's cluster.slot_size is {self.arena.g.slot_size}")
@@ -242,7 +242,7 @@ class Node:
     async def reconcile_forever(self) -> None:
         while True:
             preload_changed = self.preload.changed
-            members_changed = self.membership.view.changed
+            members_changed = self.membership.changed
             try:
                 await self.reconcile()
             except KspeedfsError as e:
@@ -353,7 +353,7 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
     if cfg.store.backend != "etcd":
         raise ConfigError("kspeedfs node needs the etcd store (--etcd URL)")
     secret = cfg.cluster.secret()
-    store = EtcdStore(cfg.store)
+    store = EtcdStore(cfg.store, secret)      # signs our record, verifies everyone's
     geometry = Geometry.for_memory(cfg.cluster.memory, cfg.cluster.slot_size)
     async with Endpoint(secret, node=name, addrs=cfg.cluster.nics or None,
                         provider=cfg.cluster.provider or None, cfg=heartbeat_config(cfg)) as ep:
@@ -362,7 +362,7 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
         ep.export("arena", arena_mr)
         ep.export("index", index_mr)
         port = await ep.listen(port=cfg.cluster.port)
-        membership = Membership(store)
+        membership = Membership(store, leave_grace=cfg.cluster.leave_grace)
         registration = Registration(store, cfg.cluster.lease_ttl)
         peers = Peers(ep, membership, secret, cfg.cluster.replicas, cfg.cluster.slot_size,
                       local_node=name)
@@ -384,9 +384,18 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
                                 rpc_port=cfg.cluster.rpc_port, capacity=geometry.arena_bytes,
                                 nslots=geometry.nslots, slot_size=geometry.slot_size,
                                 nbuckets=geometry.nbuckets)
-            await trio.to_thread.run_sync(registration.put, f"{store.prefix}nodes/{name}",
-                                          record.to_json())
+            await trio.to_thread.run_sync(registration.put, NodeRecord.key(store, name),
+                                          record.signed(store))
             nursery.start_soon(registration.run, name="lease")
+            if not store.authenticated:
+                log.warning("etcd auth is off for this node (no store.etcd_user, or the server "
+                            "has auth disabled): anyone who reaches etcd can delete the "
+                            "cluster's records; production runs etcd with auth and TLS "
+                            "(docs/security.md)")
+            if cfg.store.etcd_attempt_timeout > registration.period:
+                log.warning("store.etcd_attempt_timeout %gs exceeds the lease refresh period "
+                            "%.2gs (cluster.lease_ttl/3): a cut rail can cost a refresh",
+                            cfg.store.etcd_attempt_timeout, registration.period)
             nursery.start_soon(node.reconcile_forever, name="reconcile")
             nursery.start_soon(node.publish_stats_forever, name="stats")
             log.info("node %s up: NICs %s, port %d, rpc %d, arena %d slots of %d bytes",

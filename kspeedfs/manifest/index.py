@@ -8,10 +8,22 @@ does I/O, and nothing here changes after load: the index is safe to share betwee
 trio tasks and worker threads without locks.
 
 Entry numbers are 0-based (root = 0); the FUSE layer adds 1 for inode numbers.
+
+Inflating untrusted input. ``from_blob(blob, inflated_size)`` inflates with a
+``zlib.decompressobj`` and ``max_length``: never more than the size the (signed)
+dataset info record declares, plus one byte to notice a longer stream, so a 1.5 MiB
+blob that would inflate to 1 GiB costs at most the declared size and fails cleanly as
+``ManifestCorrupt``. A stream that ends early, has trailing data, or inflates to a
+different size than declared is corrupt as well. ``inflated_size = 0`` means "not
+declared" (records older than the field): inflated without a cap, as before; every
+import now declares it, and in etcd the declaration is signed. The parser
+behind it (``ManifestIndex.__init__``) raises ``ManifestCorrupt`` for any malformed
+content (tests/t1_signature.py fuzzes both).
 """
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 from typing import Iterator
 
@@ -73,12 +85,10 @@ class ManifestIndex:
         self.chunk_first_file: memoryview
 
     @classmethod
-    def from_blob(cls, blob: bytes) -> "ManifestIndex":
-        try:
-            raw = zlib.decompress(blob)
-        except zlib.error as e:
-            raise ManifestCorrupt(f"manifest does not inflate: {e}") from e
-        return cls(raw)
+    def from_blob(cls, blob: bytes, inflated_size: int = 0) -> "ManifestIndex":
+        """Inflate and index a store blob; at most ``inflated_size`` bytes are inflated
+        when it is declared (> 0), and the result must be exactly that long."""
+        return cls(inflate(blob, inflated_size))
 
     @property
     def nbytes(self) -> int:
@@ -211,3 +221,28 @@ class ManifestIndex:
 
 def fsdecode(path: bytes) -> str:
     return os.fsdecode(path)
+
+
+def inflate(blob: bytes, inflated_size: int = 0) -> bytes:
+    """zlib-inflate ``blob``, refusing to produce more than ``inflated_size`` bytes
+    (when > 0) or a different length; ``ManifestCorrupt`` on any failure."""
+    d = zlib.decompressobj()
+    try:
+        if inflated_size > 0:
+            raw = d.decompress(blob, min(inflated_size + 1, sys.maxsize))
+            if len(raw) > inflated_size or d.unconsumed_tail:
+                raise ManifestCorrupt(f"manifest inflates past its declared {inflated_size} bytes")
+        else:
+            raw = d.decompress(blob)
+        raw += d.flush()
+    except zlib.error as e:
+        raise ManifestCorrupt(f"manifest does not inflate: {e}") from e
+    except MemoryError:
+        raise ManifestCorrupt("manifest too large to inflate") from None
+    if not d.eof:
+        raise ManifestCorrupt("manifest truncated (zlib stream does not end)")
+    if d.unused_data:
+        raise ManifestCorrupt("manifest has trailing data after its zlib stream")
+    if inflated_size > 0 and len(raw) != inflated_size:
+        raise ManifestCorrupt(f"manifest inflates to {len(raw)} bytes, declared {inflated_size}")
+    return raw
