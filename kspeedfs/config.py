@@ -32,9 +32,12 @@ import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from rdma.vrdma import HeartbeatConfig
 
 DEFAULT_CONFIG_PATH = Path("/etc/kspeedfs/kspeedfs.toml")
 
@@ -266,6 +269,18 @@ class ClusterConfig:
                 except OSError as e:
                     raise ConfigError(f"cluster.nics: {nic} is not an address of this host "
                                       f"({e.strerror})") from None
+
+    def heartbeat(self) -> HeartbeatConfig:
+        """The vRDMA heartbeat and failover knobs every endpoint of this cluster uses
+        (nodes and mounts alike): ``hb_interval``, ``hb_miss``, ``hb_idle_interval`` and
+        ``peer_timeout`` as the grace before a peer with no live path is unreachable.
+        Imports ``rdma`` here, not at module level, so ``kspeedfs --help`` never does."""
+        from rdma.vrdma import HeartbeatConfig
+
+        return HeartbeatConfig(interval=self.hb_interval, miss_threshold=self.hb_miss,
+                               suspect_after=min(2, self.hb_miss),
+                               unreachable_grace=self.peer_timeout,
+                               idle_interval=self.hb_idle_interval)
 
     def secret(self) -> bytes:
         """The shared secret: the file's bytes, surrounding whitespace stripped, used as

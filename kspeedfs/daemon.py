@@ -94,14 +94,13 @@ async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | 
 
     from .cluster.fetch import Peers
     from .cluster.membership import Membership
-    from .cluster.node import heartbeat_config
     from .manifest.store.etcd import EtcdStore
 
     secret = cfg.cluster.secret()
     store = EtcdStore(cfg.store, secret)      # verifies node records (membership)
     me = f"mount:{os.uname().nodename}:{os.getpid()}"
     async with Endpoint(secret, node=me, addrs=cfg.cluster.nics or None,
-                        provider=cfg.cluster.provider or None, cfg=heartbeat_config(cfg)) as ep, \
+                        provider=cfg.cluster.provider or None, cfg=cfg.cluster.heartbeat()) as ep, \
             trio.open_nursery() as nursery:
         membership = Membership(store, leave_grace=cfg.cluster.leave_grace)
         await nursery.start(membership.run)

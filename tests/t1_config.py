@@ -204,3 +204,11 @@ def test_manifest_with_chunk_size_0_is_refused_at_load() -> None:
         raw = HEADER.pack(MAGIC, 2, chunk, 1, 0, 0, 0, 0, 1, block) + b"\0" * 256
         with pytest.raises(ManifestCorrupt, match="chunk_size|block_size"):
             ManifestIndex.from_blob(zlib.compress(raw))
+
+
+def test_cluster_heartbeat_is_built_from_the_hb_keys() -> None:
+    cfg = config.load(path=None, environ={"KSPEEDFS_CLUSTER_HB_MISS": "7",
+                                          "KSPEEDFS_CLUSTER_PEER_TIMEOUT": "1.5"})
+    hb = cfg.cluster.heartbeat()
+    assert (hb.interval, hb.miss_threshold, hb.suspect_after) == (0.010, 7, 2)
+    assert (hb.unreachable_grace, hb.idle_interval) == (1.5, 0.100)

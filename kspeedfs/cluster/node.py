@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import trio
 
-from rdma.vrdma import Endpoint, HeartbeatConfig
+from rdma.vrdma import Endpoint
 
 from .. import checksum
 from ..cache.disk import DiskCache
@@ -74,13 +74,6 @@ class NodeCounters:
     disk_loads: int = 0              # chunks promoted from the SSD tier back to the arena
     spilled: int = 0                 # evicted owned chunks written to the SSD tier
     spills_inline: int = 0           # ... written in the loop because the SSD queue was full
-
-
-def heartbeat_config(cfg: Config) -> HeartbeatConfig:
-    c = cfg.cluster
-    return HeartbeatConfig(interval=c.hb_interval, miss_threshold=c.hb_miss,
-                           suspect_after=min(2, c.hb_miss), unreachable_grace=c.peer_timeout,
-                           idle_interval=c.hb_idle_interval)
 
 
 class Node:
@@ -356,7 +349,7 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
     store = EtcdStore(cfg.store, secret)      # signs our record, verifies everyone's
     geometry = Geometry.for_memory(cfg.cluster.memory, cfg.cluster.slot_size)
     async with Endpoint(secret, node=name, addrs=cfg.cluster.nics or None,
-                        provider=cfg.cluster.provider or None, cfg=heartbeat_config(cfg)) as ep:
+                        provider=cfg.cluster.provider or None, cfg=cfg.cluster.heartbeat()) as ep:
         arena_mr = ep.alloc(geometry.arena_bytes, name="arena", remote_read=True)
         index_mr = ep.alloc(geometry.index_bytes, name="index", remote_read=True)
         ep.export("arena", arena_mr)
