@@ -30,7 +30,7 @@ from . import mountpoint as mp
 from .cache.disk import DiskCache
 from .cache.memory import MemoryCache
 from .config import Config
-from .fuse import boundary, tuning
+from .fuse import tuning
 from .fuse.operations import Operations
 from .fuse.pagecache import PageCache
 from .manifest.index import ManifestIndex
@@ -121,7 +121,6 @@ async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | 
 
 
 async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | None = None) -> None:
-    boundary.SLOW_OP = cfg.log.slow_op
     path = mp.prepare(req.mountpoint, req.nonempty)
     info, index = await trio.to_thread.run_sync(load_dataset, cfg, req)
     log.info("dataset %s v%d: %d entries, %d bytes, %d chunks of %d; index %d bytes",
@@ -136,7 +135,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
         pages = PageCache(index) if cfg.fuse.push_pages else None
         reader = Reader(index, origin, memory, disk, nursery, cfg.fuse.workers, cfg.fuse.prefetch_chunks,
                         peers, (info.name, info.version), push=pages.push if pages else None)
-        ops = Operations(index, reader, info, cfg.fuse)
+        ops = Operations(index, reader, info, cfg.fuse, slow_op=cfg.log.slow_op)
         options = set(pyfuse3.default_options) | {"ro", f"fsname=kspeedfs:{info.name}", "subtype=kspeedfs"}
         if cfg.fuse.allow_other:
             options.add("allow_other")

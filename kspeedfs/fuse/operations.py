@@ -2,7 +2,8 @@
 metadata, ``reader.Reader`` answers data, ``boundary.fuse_op`` maps errors.
 
 Read-only by construction: every write-type request raises :class:`ReadOnly`
-(EROFS) from ``_WRITE_OPS`` at the bottom, and ``open`` refuses any write access mode.
+(EROFS) from the ``read_only`` table at the bottom of the class, and ``open`` refuses
+any write access mode.
 The snapshot never changes under a mount, so entries and attributes are cached by
 the kernel for ``fuse.entry_timeout``/``attr_timeout`` (a day by default) and files
 open with ``keep_cache``: a page the kernel has cached stays valid forever.
@@ -16,7 +17,7 @@ import errno
 import json
 import os
 from dataclasses import asdict
-from typing import Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import pyfuse3
 
@@ -32,13 +33,42 @@ XATTR_PREFIX = b"user.kspeedfs."
 _ACCMODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
 
 
+def read_only(name: str) -> Callable[..., Awaitable[Any]]:
+    """The handler of write-type request ``name``: EROFS, through ``@fuse_op`` (named
+    before it is wrapped, so the access log says ``write``, not ``op``)."""
+    async def op(self: Operations, *request: object) -> None:
+        raise ReadOnly(f"{name}: kspeedfs is read-only")
+
+    op.__name__ = op.__qualname__ = name
+    return fuse_op(op)
+
+
 class Operations(pyfuse3.Operations):
+    """The FUSE request handlers of one mounted dataset version: read-only, immutable.
+
+    Passed to ``pyfuse3.init`` by ``daemon.serve``. Metadata comes from the manifest
+    index alone (no I/O); ``read`` is the one handler that calls into the data path
+    (``reader.Reader``), and every handler is wrapped by ``boundary.fuse_op``, the only
+    place errors become errnos. Write-type requests answer EROFS from the ``read_only``
+    table at the bottom; flush/fsync are left unimplemented (ENOSYS, a no-op for the
+    kernel). Handlers run in the trio thread and never block it.
+
+    Attributes:
+        index: the dataset's :class:`ManifestIndex`; inode = entry number + 1.
+        reader: serves ``read``, and the ``stats`` xattr of the mount root.
+        info: the dataset version mounted (``generation`` of every inode is its version).
+        entry_timeout, attr_timeout: kernel cache lifetimes, s (``fuse.*``).
+        xattrs: serve ``user.kspeedfs.*`` xattrs; off answers ENOSYS (``fuse.xattrs``).
+        blksize: ``st_blksize`` reported; 0 = the dataset's block or chunk size.
+        slow_op: operations slower than this (s) are logged as WARNINGs (``log.slow_op``).
+    """
+
     supports_dot_lookup = False
     enable_writeback_cache = False
     enable_acl = False
 
     def __init__(self, index: ManifestIndex, reader: Reader, info: DatasetInfo,
-                 cfg: FuseConfig) -> None:
+                 cfg: FuseConfig, *, slow_op: float) -> None:
         super().__init__()
         self.index = index
         self.reader = reader
@@ -47,6 +77,7 @@ class Operations(pyfuse3.Operations):
         self.attr_timeout = cfg.attr_timeout
         self.xattrs = cfg.xattrs
         self.blksize = cfg.blksize
+        self.slow_op = slow_op
         self._streams: dict[int, tuple[int, Stream]] = {}   # fh -> (entry, sequential state)
         self._next_fh = 1
 
@@ -199,20 +230,20 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return value
 
+    # -- write-type requests: EROFS, from this one table ----------------------------------
+    #
+    # flush/fsync stay unimplemented (ENOSYS): the kernel then treats them as no-ops, which
+    # is right for read-only files; EROFS there would make close() fail.
 
-def _read_only(name: str) -> object:
-    @fuse_op
-    async def op(self: Operations, *args: object) -> None:
-        raise ReadOnly(f"{name}: kspeedfs is read-only")
-
-    op.__name__ = name
-    return op
-
-
-# Every write-type request: EROFS from one place.
-_WRITE_OPS = ("setattr", "mknod", "mkdir", "unlink", "rmdir", "symlink", "rename", "link",
-              "write", "create", "setxattr", "removexattr")
-# flush/fsync stay unimplemented (ENOSYS): the kernel then treats them as no-ops, which
-# is right for read-only files; EROFS there would make close() fail.
-for _name in _WRITE_OPS:
-    setattr(Operations, _name, _read_only(_name))
+    setattr = read_only("setattr")
+    mknod = read_only("mknod")
+    mkdir = read_only("mkdir")
+    unlink = read_only("unlink")
+    rmdir = read_only("rmdir")
+    symlink = read_only("symlink")
+    rename = read_only("rename")
+    link = read_only("link")
+    write = read_only("write")
+    create = read_only("create")
+    setxattr = read_only("setxattr")
+    removexattr = read_only("removexattr")
