@@ -3,6 +3,15 @@
 ``kspeedfs`` exposes the snapshot as JSON in the ``user.kspeedfs.stats`` xattr of the
 mount root (``getfattr -n user.kspeedfs.stats /mnt/x``), the way JuiceFS serves
 ``.stats``; logs and the benchmark suite read the same object.
+
+Every ``statistics()`` in kspeedfs returns a frozen dataclass like this one, and JSON
+is made from it with ``dataclasses.asdict`` only where it leaves the process:
+
+    ReadStatistics      here            Reader.statistics()    the mount's read path
+    PeerStatistics      cluster/fetch   Peers.statistics()     reads from peer arenas
+    ArenaStatistics     cluster/arena   Arena.statistics()     a node's memory arena
+    NodeStatistics      cluster/node    Node.statistics()      a node: the ``stats`` RPC
+                                                               and ``stats/<node>`` in etcd
 """
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ async def test_a_stale_hint_falls_back_to_the_bucket_and_never_returns_wrong_byt
         assert bytes(await peers._read_from(rec, ka, len(a))) == a       # found by its bucket
         assert bytes(await peers._read_from(rec, kb, len(b)) or b"") == b""
         stats = peers.statistics()
-        assert stats["peer_stale_hints"] == 2 and stats["peer_checksum_retries"] == 0
+        assert stats.peer_stale_hints == 2 and stats.peer_checksum_retries == 0
         wrong = (16 << 10, 16 << 10, xxhash.xxh3_64_digest(a[:16 << 10]))
         assert await peers._read_from(rec, ka, len(a), wrong) is None   # never unverified bytes
         await peers.aclose()

@@ -48,7 +48,6 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
@@ -83,14 +82,31 @@ class PeerCounters:
     longest_stall: float = 0.0       # longest time one chunk spent on failed replicas, s
     per_peer: Counter[str] = field(default_factory=Counter)   # node → bytes served
 
-    def snapshot(self) -> dict[str, Any]:
-        return {"peer_hits": self.hits, "peer_bytes": self.bytes,
-                "peer_loads_requested": self.loads_requested, "peer_misses": self.misses,
-                "peer_checksum_retries": self.checksum_retries,
-                "peer_hinted_reads": self.hinted, "peer_stale_hints": self.stale_hints,
-                "peer_unreachable": self.unreachable,
-                "peer_longest_stall_ms": round(self.longest_stall * 1e3, 1),
-                "per_peer_bytes": dict(self.per_peer)}
+
+@dataclass(frozen=True)
+class PeerStatistics:
+    """A snapshot of one :class:`Peers`, from :meth:`Peers.statistics`.
+
+    ``asdict`` of it is the JSON a mount's ``user.kspeedfs.stats`` xattr merges in and a
+    node's ``stats/`` key holds under ``reads``: field names are those JSON keys.
+    """
+
+    peer_hits: int                   # PeerCounters.hits ...
+    peer_bytes: int
+    peer_loads_requested: int
+    peer_misses: int
+    peer_checksum_retries: int
+    peer_hinted_reads: int           # PeerCounters.hinted
+    peer_stale_hints: int
+    peer_unreachable: int
+    peer_longest_stall_ms: float     # PeerCounters.longest_stall, in ms to 0.1
+    per_peer_bytes: dict[str, int]   # node → bytes served
+    landing_slots: int               # Landing.statistics(): slots, free now, kept by
+    landing_free: int                # the memory tier, takes that found none free
+    landing_kept: int
+    landing_exhausted: int
+    vqps: dict[str, str]             # node → its vQP's state
+    peer_heartbeats: int             # heartbeats answered, over every path of every vQP
 
 
 class Peers:
@@ -267,10 +283,15 @@ class Peers:
             del self._hints[next(iter(self._hints))]
         self._hints[hint_key] = rslot
 
-    def statistics(self) -> dict[str, Any]:
-        out = self.counters.snapshot()
-        out.update(self.landing.statistics())
+    def statistics(self) -> PeerStatistics:
+        c = self.counters
         vqps = {n: v.statistics() for n, (_, v) in self._vqps.items()}
-        out["vqps"] = {n: st.state for n, st in vqps.items()}
-        out["peer_heartbeats"] = sum(p.heartbeats_ok for st in vqps.values() for p in st.paths)
-        return out
+        return PeerStatistics(
+            peer_hits=c.hits, peer_bytes=c.bytes, peer_loads_requested=c.loads_requested,
+            peer_misses=c.misses, peer_checksum_retries=c.checksum_retries,
+            peer_hinted_reads=c.hinted, peer_stale_hints=c.stale_hints,
+            peer_unreachable=c.unreachable,
+            peer_longest_stall_ms=round(c.longest_stall * 1e3, 1),
+            per_peer_bytes=dict(c.per_peer), **self.landing.statistics(),
+            vqps={n: st.state for n, st in vqps.items()},
+            peer_heartbeats=sum(p.heartbeats_ok for st in vqps.values() for p in st.paths))

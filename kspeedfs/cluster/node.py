@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 import trio
@@ -45,8 +45,8 @@ from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from ..manifest.store.etcd import EtcdStore
 from ..origin import Origin
-from .arena import Arena, Geometry
-from .fetch import Peers
+from .arena import Arena, ArenaStatistics, Geometry
+from .fetch import Peers, PeerStatistics
 from .membership import Membership, NodeRecord, PrefixView, Registration
 from .placement import owners
 from . import rpc
@@ -65,6 +65,8 @@ class Dataset:
 
 @dataclass
 class NodeCounters:
+    """Chunks one node has loaded and spilled since it started (trio thread only)."""
+
     source_loads: int = 0
     source_bytes: int = 0
     peer_loads: int = 0
@@ -74,6 +76,38 @@ class NodeCounters:
     disk_loads: int = 0              # chunks promoted from the SSD tier back to the arena
     spilled: int = 0                 # evicted owned chunks written to the SSD tier
     spills_inline: int = 0           # ... written in the loop because the SSD queue was full
+
+
+@dataclass(frozen=True)
+class LinkStatistics:
+    """One vQP of a node's endpoint, as ``kspeedfs status`` prints it."""
+
+    state: str
+    reads_failed_over: int
+    paths: dict[str, str]            # "local NIC->remote NIC" → path state
+
+
+@dataclass(frozen=True)
+class EndpointStatistics:
+    nics: list[str]
+    peers: dict[str, LinkStatistics]  # peer (node or mount) → its vQP
+
+
+@dataclass(frozen=True)
+class NodeStatistics:
+    """A snapshot of one node, from :meth:`Node.statistics`.
+
+    ``asdict`` of it is the JSON of the ``stats`` RPC and of the ``stats/<node>`` etcd
+    key that ``kspeedfs status`` reads: field names are those JSON keys.
+    """
+
+    node: str
+    time: float                      # wall clock of the snapshot, s since the epoch
+    arena: ArenaStatistics
+    counters: NodeCounters           # a copy
+    reads: PeerStatistics            # this node's own peer reads (re-replication)
+    endpoint: EndpointStatistics
+    progress: dict[str, dict[str, int]]  # "<ds>@<v>" → owned/cached/... (reconcile)
 
 
 class Node:
@@ -221,14 +255,14 @@ class Node:
             have = [k for k in range(ds.index.chunks) if self.has(ds.index.chunk_digest(k))]
             return {"chunks": have}
         if op == "stats":
-            return self.statistics()
+            return asdict(self.statistics())
         raise KspeedfsError(f"unknown op {op!r}")
 
-    def statistics(self) -> dict[str, Any]:
-        a = self.arena.statistics()
-        return {"node": self.name, "time": time.time(), "arena": asdict(a),
-                "counters": asdict(self.counters), "reads": self.peers.statistics(),
-                "endpoint": _endpoint_summary(self.ep), "progress": self.progress}
+    def statistics(self) -> NodeStatistics:
+        return NodeStatistics(node=self.name, time=time.time(), arena=self.arena.statistics(),
+                              counters=replace(self.counters), reads=self.peers.statistics(),
+                              endpoint=_endpoint_statistics(self.ep),
+                              progress={tag: dict(p) for tag, p in self.progress.items()})
 
     # -- reconcile: preload, re-replication, rejoin ----------------------------------------
 
@@ -323,7 +357,7 @@ class Node:
         while True:
             try:
                 await trio.to_thread.run_sync(self.registration.put, key,
-                                              json.dumps(self.statistics()).encode())
+                                              json.dumps(asdict(self.statistics())).encode())
             except KspeedfsError as e:
                 log.debug("cannot publish stats: %s", e)
             except Exception:                   # statistics are never worth the node
@@ -331,13 +365,13 @@ class Node:
             await trio.sleep(interval)
 
 
-def _endpoint_summary(ep: Endpoint) -> dict[str, Any]:
-    out: dict[str, Any] = {"nics": list(ep.nics), "peers": {}}
+def _endpoint_statistics(ep: Endpoint) -> EndpointStatistics:
+    peers = {}
     for v in list(ep.vqps):
         s = v.statistics()
-        out["peers"][s.peer] = {"state": s.state, "reads_failed_over": s.reads_failed_over,
-                                "paths": {f"{p.local_nic}->{p.remote_nic}": p.state for p in s.paths}}
-    return out
+        peers[s.peer] = LinkStatistics(s.state, s.reads_failed_over,
+                                       {f"{p.local_nic}->{p.remote_nic}": p.state for p in s.paths})
+    return EndpointStatistics(list(ep.nics), peers)
 
 
 async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | None = None,

@@ -208,7 +208,8 @@ class Operations(pyfuse3.Operations):
             out[b"chunks"] = ",".join(str(e.chunk) for e in exts).encode()
         if entry == 0:
             stats = asdict(self.reader.statistics())
-            stats.update(self.reader.peer_statistics())
+            if self.reader.peers is not None:          # a cluster mount: its peer reads too
+                stats.update(asdict(self.reader.peers.statistics()))
             out[b"stats"] = json.dumps(stats).encode()
         return out
 
