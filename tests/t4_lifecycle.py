@@ -149,7 +149,7 @@ def test_import_progress_and_errors(tmp_path: Path) -> None:
     bad = kspeedfs(["import", str(tmp_path / "missing"), "--name", "x", *c.common()], check=False)
     assert bad.returncode == 1 and "missing" in bad.stderr and "Traceback" not in bad.stderr
     bad = kspeedfs(["import", str(src), "--name", "../evil", *c.common()], check=False)
-    assert bad.returncode == 1 and "invalid dataset name" in bad.stderr
+    assert bad.returncode == 2 and "invalid dataset name" in bad.stderr    # a usage error
     bad = kspeedfs(["import", str(src), "--name", "y", "--chunk-size", "1000", *c.common()],
                    check=False)
     assert bad.returncode == 1 and "import.chunk_size" in bad.stderr
