@@ -1,34 +1,40 @@
 """The kspeedfs exception tree.
 
-Every error a user or a reader can meet is a :class:`KspeedfsError` subclass that
-carries the errno it means. Exactly two places translate them: ``fuse/boundary.py``
-turns them into ``pyfuse3.FUSEError(errno)`` for the kernel, and ``cli/app.py``
-turns them into a one-line message and a non-zero exit status. Nothing else
-catches them to print or to convert.
+Every error a user or a reader can meet is a :class:`KspeedfsError` subclass, and the
+rule is the one ``rdma.errors`` states for both trees (:class:`~rdma.errors.ErrnoError`
+is their shared base, so ``rdma`` stays importable without ``kspeedfs``):
+
+* each carries an int ``errno``, the one a FUSE reader sees: a class default given in the
+  class statement (``class ReadOnly(KspeedfsError, errno=EROFS)``), inherited otherwise
+  (EIO at the root), which one instance may override with ``errno=``; the message is for
+  humans;
+* what failed underneath (an ``OSError``, an ``rdma`` error) is chained as ``__cause__``
+  (``raise StoreUnavailable(...) from exc``).
+
+Exactly two places translate them, and they read ``err.errno`` the same way for this
+tree and for ``rdma.errors``: ``fuse/boundary.py`` turns them into
+``pyfuse3.FUSEError(err.errno)`` for the kernel, and ``cli/app.py`` turns them into a
+one-line message and exit status 1. Nothing else catches them to print or to convert.
 """
 from __future__ import annotations
 
 import errno as _errno
 
+from rdma.errors import ErrnoError   # the base of both trees; the boundaries import it here
 
-class KspeedfsError(Exception):
-    """Base class. ``errno`` is what a FUSE reader sees; the message is for humans."""
 
-    errno: int = _errno.EIO
+class KspeedfsError(ErrnoError):
+    """Base class of the kspeedfs tree: EIO unless a subclass or the instance says otherwise."""
 
 
 # -- configuration and the command line ------------------------------------------------
 
-class ConfigError(KspeedfsError):
+class ConfigError(KspeedfsError, errno=_errno.EINVAL):
     """A config value is invalid; the message names the key, the value and its source."""
 
-    errno = _errno.EINVAL
 
-
-class MountError(KspeedfsError):
+class MountError(KspeedfsError, errno=_errno.EINVAL):
     """The mount cannot be made (mountpoint missing, not empty, already mounted, ...)."""
-
-    errno = _errno.EINVAL
 
 
 # -- the metadata store ------------------------------------------------------------------
@@ -37,22 +43,16 @@ class StoreError(KspeedfsError):
     """The metadata store failed (I/O error, corrupt record)."""
 
 
-class StoreUnavailable(StoreError):
+class StoreUnavailable(StoreError, errno=_errno.EHOSTUNREACH):
     """The metadata store cannot be reached (etcd down, store directory unreadable)."""
 
-    errno = _errno.EHOSTUNREACH
 
-
-class DatasetNotFound(StoreError):
+class DatasetNotFound(StoreError, errno=_errno.ENOENT):
     """No dataset (or no such version of it) by that name."""
 
-    errno = _errno.ENOENT
 
-
-class VersionConflict(StoreError):
+class VersionConflict(StoreError, errno=_errno.EAGAIN):
     """Someone else published the same version first (compare-and-swap lost)."""
-
-    errno = _errno.EAGAIN
 
 
 class ManifestCorrupt(StoreError):
@@ -67,10 +67,8 @@ class RecordUnverified(StoreError):
 
 # -- import ------------------------------------------------------------------------------
 
-class SourceError(KspeedfsError):
+class SourceError(KspeedfsError, errno=_errno.ENOENT):
     """The source directory is missing or unreadable."""
-
-    errno = _errno.ENOENT
 
 
 # -- the read path -----------------------------------------------------------------------
@@ -98,7 +96,5 @@ class ChunkUnavailable(KspeedfsError):
     """No tier could produce verified bytes for a chunk: the reader gets EIO."""
 
 
-class ReadOnly(KspeedfsError):
+class ReadOnly(KspeedfsError, errno=_errno.EROFS):
     """kspeedfs serves immutable snapshots: every write-type operation."""
-
-    errno = _errno.EROFS

@@ -3,10 +3,10 @@ become exit codes.
 
 Each command lives in its own module, imported only when that command runs, so
 ``kspeedfs --help`` imports neither pyfuse3 nor etcd. :func:`main` is the one
-exception → exit status wrapper: user errors (:class:`KspeedfsError`, ``OSError``,
-``rdma`` errors, also inside a trio ``ExceptionGroup``) print one line and exit 1; a
-usage error prints one line and exits 2; anything else is a bug and prints one line
-("internal error") and exits 70. The traceback goes to the debug log only
+exception → exit status wrapper: user errors (either exception tree, i.e. any
+:class:`~rdma.errors.ErrnoError`, and ``OSError``; also inside a trio
+``ExceptionGroup``) print one line and exit 1; a usage error prints one line and exits
+2; anything else is a bug and prints one line ("internal error") and exits 70. The traceback goes to the debug log only
 (``--verbose``); nothing prints a Python traceback by default.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import logging
 import sys
 from typing import NoReturn, Sequence
 
-from ..errors import KspeedfsError
+from ..errors import ErrnoError
 
 # command → (module, summary)
 COMMANDS = {
@@ -74,12 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def describe(e: BaseException) -> tuple[str, int]:
     """One line and an exit status for whatever ended a command."""
-    from rdma.errors import RdmaError
-
     leaves = list(_leaves(e))
     if any(isinstance(x, KeyboardInterrupt) for x in leaves):
         return "interrupted", 130
-    user = [x for x in leaves if isinstance(x, (KspeedfsError, OSError, RdmaError))]
+    user = [x for x in leaves if isinstance(x, (ErrnoError, OSError))]
     if user and len(user) == len(leaves):
         more = f" (and {len(user) - 1} more)" if len(user) > 1 else ""
         return f"error: {_one_line(_text(user[0]))}{more}", 1
@@ -97,7 +95,7 @@ def _leaves(e: BaseException) -> list[BaseException]:
 def _text(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
-    if isinstance(e, (KspeedfsError, OSError)) and str(e):
+    if isinstance(e, (ErrnoError, OSError)) and str(e):
         return str(e)
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
