@@ -173,8 +173,9 @@ def test_fresh_mount_with_a_silent_client_nic_reads_from_peers(world, rail: int)
 LEASE_TTL = 5        # cluster.lease_ttl, the default the cluster runs with
 
 
-def _cut_costs_nothing(c, mnt: Path, files: dict[str, bytes], cut, heal, what: str) -> None:
-    """Cut something for 2 x the lease TTL while a reader verifies every byte; then the
+def _cut_costs_nothing(c, mnt: Path, files: dict[str, bytes], cut, heal, what: str,
+                       seconds: float = 2 * LEASE_TTL) -> None:
+    """Cut something for ``seconds`` (2 x the lease TTL) while a reader verifies every byte; then the
     membership never changed, nothing was re-replicated or read from the source, and no
     process printed a traceback."""
     mark = c.output_mark()
@@ -183,7 +184,7 @@ def _cut_costs_nothing(c, mnt: Path, files: dict[str, bytes], cut, heal, what: s
     with Reading(mnt, files) as rd:
         cut()
         try:
-            deadline = time.monotonic() + 2 * LEASE_TTL
+            deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
                 seen.add(len(c.nodes()))
                 time.sleep(1.0)
@@ -197,7 +198,7 @@ def _cut_costs_nothing(c, mnt: Path, files: dict[str, bytes], cut, heal, what: s
     assert "Traceback" not in new, (what, new[-3000:])
     after = _stats(mnt)
     assert after["source_loads"] == before["source_loads"], what
-    print(f"{what} for {2 * LEASE_TTL} s: membership unchanged, 0 chunks re-replicated, "
+    print(f"{what} for {seconds:g} s: membership unchanged, 0 chunks re-replicated, "
           f"{rd.reads} verified reads, longest gap {rd.max_gap * 1e3:.0f} ms")
 
 
@@ -227,6 +228,15 @@ def test_a_cut_nic_or_rail_never_drops_a_healthy_node(world) -> None:
         assert not c.client.ping(c.etcd_host.address(1)), "the rail is not cut"
 
     _cut_costs_nothing(c, mnt, files, cut_rail, lambda: c.bed.rail_up(1), "rail 1 down")
+
+
+@pytest.mark.slow
+def test_a_rail_down_for_a_minute_drops_nobody(world) -> None:
+    """How long a healthy node survives with one rail down: it should be unbounded;
+    12 x TTL here (the default lane cuts for 2 x TTL)."""
+    c, _, files = world
+    _cut_costs_nothing(c, c.mounts[0], files, lambda: c.bed.rail_down(2),
+                       lambda: c.bed.rail_up(2), "rail 2 down", seconds=12 * LEASE_TTL)
 
 
 def test_node_killed_reads_fail_over_and_rereplicate(world) -> None:
