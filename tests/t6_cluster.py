@@ -175,9 +175,9 @@ LEASE_TTL = 5        # cluster.lease_ttl, the default the cluster runs with
 
 def _cut_costs_nothing(c, mnt: Path, files: dict[str, bytes], cut, heal, what: str,
                        seconds: float = 2 * LEASE_TTL) -> None:
-    """Cut something for ``seconds`` (2 x the lease TTL) while a reader verifies every byte; then the
-    membership never changed, nothing was re-replicated or read from the source, and no
-    process printed a traceback."""
+    """Cut something for ``seconds`` (default 2 x the lease TTL) while a reader verifies
+    every byte; then the membership never changed, nothing was re-replicated or read
+    from the source, and no process printed a traceback."""
     mark = c.output_mark()
     before = _stats(mnt)
     seen: set[int] = set()
