@@ -22,8 +22,11 @@ class _Flight(Generic[T]):
 
 
 class SingleFlight(Generic[T]):
+    """One load per key at a time; ``nursery`` runs the loads (and may run other
+    background work of the same lifetime, such as a disk-tier write-back)."""
+
     def __init__(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
+        self.nursery = nursery
         self._flights: dict[Any, _Flight[T]] = {}
 
     def in_flight(self, key: Any) -> bool:
@@ -45,7 +48,7 @@ class SingleFlight(Generic[T]):
                 del self._flights[key]
                 flight.done.set()
 
-        self._nursery.start_soon(run, name=f"load-{key.hex()[:12] if isinstance(key, bytes) else key}")
+        self.nursery.start_soon(run, name=f"load-{key.hex()[:12] if isinstance(key, bytes) else key}")
         return flight, True
 
     async def run(self, key: Any, load: Callable[..., Awaitable[T]], *args: Any) -> tuple[T, bool]:

@@ -1,0 +1,226 @@
+"""③–⑤′ One chunk from the nearest tier that has it: memory → disk → peers → source.
+
+    chunk(k) / fill(k)                    the mount's reader / a cluster node
+      memory tier holds it?               MemoryCache (mount) or the node's arena: done
+      else single-flight load(k):         one load per key however many wait, run in the
+                                          flight's nursery (a cancelled reader cancels
+                                          nothing others wait for)
+        disk tier, worker thread          chunk digest checked; a mismatch is discarded,
+                                          logged ("failed its checksum"), counted
+        peers: vRDMA READ of a replica    cluster/fetch.py verifies what it READs
+        source, worker thread             origin.py verifies per extent (retried once)
+      → memory tier, then ``landed``      and, on a mount, the disk tier in the background
+
+The same chain serves both callers; they differ in three ways, all from ``node``: a
+node READs other replicas only, never asks an owner to load (it *is* the loader), and
+writes nothing back to its SSD tier (that tier takes the arena's evictions). Blocks and
+small files' extents skip the disk tier but take the same peers and source steps
+(``from_peers``, ``from_source``) and the same single-flight (``get``), so every source
+read has one error contract.
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple, Protocol, TypeVar
+
+import trio
+
+from .. import checksum
+from ..errors import ChunkUnavailable, SourceChanged
+from ..manifest.index import ManifestIndex
+from ..origin import Origin
+from ..stats import Counters
+from .disk import DiskCache
+from .singleflight import SingleFlight
+
+if TYPE_CHECKING:
+    from ..cluster.fetch import Peers
+
+log = logging.getLogger(__name__)
+
+#: verified bytes: ``bytes`` or a read-only ``memoryview`` (never written again)
+Data = bytes | memoryview
+
+R = TypeVar("R")
+
+
+class Loaded(NamedTuple):
+    """What one load produced: the verified bytes and the tier they came from —
+    ``"disk"``, ``"peer"``, ``"source"``, or ``"chunk"`` for a block or extent cut from its
+    chunk (which came from any of them)."""
+
+    data: Data
+    tier: str
+
+
+class MemoryTier(Protocol):
+    """The nearest tier: ``cache.memory.MemoryCache`` on a mount, ``cluster.arena.Arena``
+    on a node. ``put`` of a verified chunk; a key is never stale (keys are digests)."""
+
+    def __contains__(self, key: bytes) -> bool: ...
+
+    def get(self, key: bytes) -> Data | None: ...
+
+    def put(self, key: bytes, data: Data) -> None: ...
+
+
+class TierChain:
+    """Verified bytes of chunk ``k`` of one dataset version from the nearest tier.
+
+    Order: memory, then disk (read in a worker thread, checked against the chunk digest,
+    discarded on mismatch), then peers (``Peers.read_chunk``, which verifies), then the
+    source (``Origin``, in a worker thread, verified per extent and retried once). A chunk
+    from a farther tier is put into the memory tier before ``landed`` is called and any
+    waiter returns; one from the source is also written to the disk tier in the
+    background (mount only).
+
+    Single-flight: concurrent requests for one key share one load (``flights``, whose
+    nursery runs it), so a cancelled caller never cancels a load that others wait for.
+    ``flights`` may be shared by several chains (a node's datasets share chunks).
+
+    Errors: a total failure — no tier had the chunk and the source could not be read —
+    raises :class:`ChunkUnavailable` naming the chunk and the dataset (EIO at the FUSE
+    boundary, an ``error`` reply over RPC). A source file that no longer matches the
+    snapshot raises :class:`SourceChanged` as itself, after counting and logging it: it
+    names the file, and carries the chunk's verified rest (``partial``) for files packed
+    beside it. A corrupt disk-tier copy is not an error: it is discarded and the next tier
+    asked. Every waiter of a flight gets the same exception.
+
+    Attributes:
+        index, origin: the dataset version's manifest and source.
+        dataset: ``(name, version)`` as peers know it.
+        memory, disk, peers: the tiers (``disk`` and ``peers`` may be None).
+        flights: the single-flight of chunk (and block, extent) loads.
+        limiter: bounds the worker threads doing disk and source I/O and hashing.
+        counters: read-path counters (``stats.ReadStatistics`` names) this chain adds to:
+            memory_hits, waited_in_flight, disk_hits, corrupt_discarded, peer_hits,
+            peer_bytes, source_loads, source_bytes, source_mismatches, source_changed.
+        node: the cluster node this chain runs in, or None on a mount.
+        landed: ``landed(k, key, loaded)``, called once per load from a farther tier,
+            after the memory tier has the chunk.
+    """
+
+    def __init__(self, *, index: ManifestIndex, origin: Origin, memory: MemoryTier,
+                 flights: SingleFlight[Loaded], limiter: trio.CapacityLimiter,
+                 disk: DiskCache | None = None, peers: "Peers | None" = None,
+                 dataset: tuple[str, int] = ("", 0), counters: Counters | None = None,
+                 node: str | None = None,
+                 landed: Callable[[int, bytes, Loaded], None] | None = None) -> None:
+        self.index = index
+        self.origin = origin
+        self.dataset = dataset
+        self.memory = memory
+        self.disk = disk
+        self.peers = peers
+        self.flights = flights
+        self.limiter = limiter
+        self.counters = counters if counters is not None else Counters()
+        self.node = node
+        self.landed = landed
+
+    # -- the memory tier and the single-flight -------------------------------------------
+
+    async def get(self, key: bytes, load: Callable[..., Awaitable[Loaded]], *args: object) -> Data:
+        """``key``'s bytes from the memory tier, else from ``load(*args)`` through the
+        single-flight (one load however many callers wait for it)."""
+        data = self.memory.get(key)
+        if data is not None:
+            self.counters.add("memory_hits")
+            return data
+        loaded, joined = await self.flights.run(key, load, *args)
+        if joined:
+            self.counters.add("waited_in_flight")
+        return loaded.data
+
+    async def chunk(self, k: int) -> Data:
+        """Verified bytes of chunk ``k`` from the nearest tier that has them."""
+        return await self.get(self.index.chunk_digest(k), self.load, k)
+
+    async def fill(self, k: int) -> str:
+        """Make chunk ``k`` present in the memory tier without reading it back; returns
+        where it came from (``"cache"``: it was there)."""
+        key = self.index.chunk_digest(k)
+        if key in self.memory:
+            return "cache"
+        loaded, _ = await self.flights.run(key, self.load, k)
+        return loaded.tier
+
+    def start(self, k: int) -> None:
+        """Start (or join) the load of chunk ``k`` without waiting for it (prefetch)."""
+        self.flights.start(self.index.chunk_digest(k), self.load, k)
+
+    def in_flight(self, key: bytes) -> bool:
+        return self.flights.in_flight(key)
+
+    # -- one load past the memory tier ----------------------------------------------------
+
+    async def load(self, k: int) -> Loaded:
+        """Chunk ``k`` from the disk tier, a peer or the source, into the memory tier.
+        Run it through ``flights`` (``chunk``, ``fill``, ``start``), not directly."""
+        key = self.index.chunk_digest(k)
+        loaded = await self._farther(k, key)
+        self.memory.put(key, loaded.data)
+        if self.landed is not None:
+            self.landed(k, key, loaded)
+        return loaded
+
+    async def _farther(self, k: int, key: bytes) -> Loaded:
+        if self.disk is not None:
+            data = await trio.to_thread.run_sync(self.from_disk, key, limiter=self.limiter)
+            if data is not None:
+                self.counters.add("disk_hits")
+                return Loaded(data, "disk")
+        data = await self.from_peers(k, key)
+        if data is not None:
+            return Loaded(data, "peer")
+        data, mismatches = await self.from_source(k, self.origin.load, k)
+        if mismatches:
+            self.counters.add("source_mismatches", mismatches)
+        self.counters.add("source_loads")
+        self.counters.add("source_bytes", len(data))
+        if self.disk is not None and self.node is None:
+            self.flights.nursery.start_soon(
+                partial(trio.to_thread.run_sync, self.disk.put, key, data, limiter=self.limiter))
+        return Loaded(data, "source")
+
+    def from_disk(self, key: bytes) -> bytes | None:
+        """Worker thread: a disk-tier chunk, or None if absent or failing its checksum."""
+        assert self.disk is not None
+        data = self.disk.get(key)
+        if data is None:
+            return None
+        if checksum.chunk_matches(data, key):
+            return data
+        log.warning("disk tier chunk %s failed its checksum: discarded, loading from the next tier",
+                    key.hex())
+        self.counters.add("corrupt_discarded")   # int += from a thread: fine under the GIL
+        self.disk.discard(key)
+        return None
+
+    async def from_peers(self, k: int, key: bytes,
+                         part: tuple[int, int, bytes] | None = None) -> Data | None:
+        """Chunk ``k`` (or ``part = (offset, length, digest)`` of it) READ from a replica
+        and verified, or None: no replica has it (or there are no peers)."""
+        if self.peers is None:
+            return None
+        data = await self.peers.read_chunk(self.dataset[0], self.dataset[1], k, key,
+                                           self.index.chunk_len[k], ask_owner=self.node is None,
+                                           exclude=self.node, part=part)
+        if data is not None:
+            self.counters.add("peer_hits")
+            self.counters.add("peer_bytes", len(data))
+        return data
+
+    async def from_source(self, k: int, load: Callable[..., R], *args: object) -> R:
+        """``load(*args)`` (an ``Origin`` method) in a worker thread: a changed source file
+        is counted, logged and raised; any other OSError is ChunkUnavailable for ``k``."""
+        try:
+            return await trio.to_thread.run_sync(load, *args, limiter=self.limiter)
+        except SourceChanged as e:
+            self.counters.add("source_changed")
+            log.error("%s", e)
+            raise
+        except OSError as e:
+            raise ChunkUnavailable(
+                f"chunk {k} of {self.origin.dataset}: source read failed: {e}") from e
