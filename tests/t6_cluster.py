@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -168,6 +169,62 @@ def test_fresh_mount_with_a_silent_client_nic_reads_from_peers(world, rail: int)
     assert s["source_loads"] == 0 and s["peer_unreachable"] == 0, s
     assert s["peer_bytes"] >= total * 0.9
     print(f"client NIC eth{rail} silent from the start: {total / took / 1e6:.0f} MB/s, all from peers")
+
+
+_ATTACK = """
+import socket, struct, sys, time
+host, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
+deep = b"[" * 1100 + b"]" * 1100
+socks = []
+def conn():
+    try:
+        socks.append(socket.create_connection((host, port), timeout=2))
+        return socks[-1]
+    except OSError:
+        return None
+for port in ports:
+    for _ in range(3):                                   # the nested frame, pre-auth
+        s = conn()
+        s and s.sendall(struct.pack(">I", len(deep)) + deep)
+    for _ in range(50):                                  # a 1 MiB - 1 frame, half sent
+        s = conn()
+        s and s.sendall(struct.pack(">I", (1 << 20) - 1) + b"x" * 4000)
+    for _ in range(200):                                 # idle
+        conn()
+time.sleep(3)
+print(len(socks))
+"""
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def test_hostile_frames_and_floods_leave_a_node_serving(world) -> None:
+    """Issue 13, end to end on a real ``kspeedfs node``: from the client host, the nested
+    JSON frame, half-sent 1 MiB frames and 200 idle connections against the node's vRDMA
+    and RPC ports, without the secret. The node keeps serving (reads through the mount,
+    ``status``), and its fd count and RSS return to where they were."""
+    c, _, files = world
+    node = c.procs["n1"]
+    fds0, rss0 = _fds(node.pid), _rss(node.pid)
+    rec = c.nodes()["n1"]
+    r = c.client.run([sys.executable, "-c", _ATTACK, c.node_host(1).address(1),
+                      str(rec["port"]), str(rec["rpc_port"])], timeout=60)
+    assert int(r.stdout.split()[-1]) > 0
+    assert node.poll() is None, "the node died"
+    assert _read_all(c.mount("imgs"), files) > 0
+    assert len(c.nodes()) == 3
+    deadline = time.monotonic() + 10
+    while _fds(node.pid) > fds0 + 8 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _fds(node.pid) <= fds0 + 8, (fds0, _fds(node.pid))
+    assert _rss(node.pid) < rss0 + (64 << 20), (rss0, _rss(node.pid))
 
 
 LEASE_TTL = 5        # cluster.lease_ttl, the default the cluster runs with
