@@ -10,8 +10,11 @@ a bound.  QPs are connected only through an authenticated control channel
 
 Modules, one concept each: :mod:`.heartbeat` (interval/miss arithmetic), :mod:`.path`
 (one physical QP and its state machine), :mod:`.handshake` (control channel),
-:mod:`.vmr` (one buffer on every NIC), :mod:`.vqp` (the virtual QP), :mod:`.endpoint`
-(a node's NICs, exports, listener), :mod:`.paths` (``python -m rdma.vrdma.paths``).
+:mod:`.vmr` (one buffer on every NIC), :mod:`.vqp` (the virtual QP, composed of
+:mod:`.pathset` (its paths' states, peer-dead clock), :mod:`.dispatch` (posting and
+failover of READs), :mod:`.monitor` (the heartbeat task), :mod:`.rebuild` (rebuilding a
+failed path) and :mod:`.peer` (what the peer told us)), :mod:`.endpoint` (a node's NICs,
+exports, listener), :mod:`.paths` (``python -m rdma.vrdma.paths``).
 
 Written against :mod:`rdma.api` only: runs unchanged on the ``soft`` and ``verbs``
 providers.  NICs are IPv4-addressed (soft, RoCE v2): each path's control connection is TCP

@@ -50,15 +50,16 @@ keepalive (a few seconds) reaps leases of clients that vanished without a FIN.
 from __future__ import annotations
 
 import hmac
+import itertools
 import logging
 import math
 import os
 import socket
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import trio
 
@@ -70,14 +71,17 @@ from ..errors import (HandshakeError, PathClosed, PeerUnreachable,
 from .dial import DialFailed, dial
 from .handshake import Channel, PreAuthGate, aclose_quietly, client_handshake, qp_token
 from .heartbeat import HEARTBEAT_BYTES, HeartbeatConfig
-from .path import Path, Transition
+from .path import SQ_DEPTH, Path, Transition
+from .peer import Peer
 from .vmr import VMR
-from .vqp import SQ_DEPTH, VQP, VQPStats
+from .vqp import VQP, VQPStats
 
 log = logging.getLogger(__name__)
 
 #: outstanding READs one path QP keeps in flight (``max_rd_atomic``), capped by the device
 MAX_RD_ATOMIC = 16
+
+_VQP_IDS = itertools.count(1)
 
 
 @dataclass
@@ -169,23 +173,32 @@ class Endpoint:
         #: caps on unauthenticated control connections (handshake.PreAuthGate)
         self.gate = PreAuthGate(f"endpoint {self.node}")
         self._nursery: trio.Nursery | None = None
-        self._nursery_cm: Any = None
+        self._lifetime: Any = None
         self._vmrs: list[VMR] = []
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Endpoint":
-        self._open_nics()
-        self._nursery_cm = trio.open_nursery()
-        self._nursery = await self._nursery_cm.__aenter__()
-        return self
+        self._lifetime = self._running()
+        return await self._lifetime.__aenter__()
 
     async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self._lifetime.__aexit__(*exc)
+
+    @asynccontextmanager
+    async def _running(self) -> AsyncIterator["Endpoint"]:
+        """The endpoint's lifetime: NICs open, its nursery (listener, vQP tasks, lease
+        closes) running.  On the way out: every vQP closed, then the nursery cancelled,
+        then the NICs and vMRs released."""
+        self._open_nics()
         try:
-            for v in list(self.vqps):
-                await v.aclose()
-            assert self._nursery is not None
-            self._nursery.cancel_scope.cancel()
-            return await self._nursery_cm.__aexit__(*exc)
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                try:
+                    yield self
+                finally:
+                    for v in list(self.vqps):
+                        await v.aclose()
+                    nursery.cancel_scope.cancel()
         finally:
             self._close_resources()
 
@@ -419,10 +432,16 @@ class Endpoint:
         remote = [str(n) for n in info["nics"]]
         chosen = routed_pairs(local, remote) if pairs == "routed" else \
             [(l_, r) for l_ in local for r in remote]
-        vqp = VQP(self, str(info["node"]), port, info, chosen, self.cfg,
+        peer = Peer(str(info["node"]), port, info)
+        vqp_id = next(_VQP_IDS)
+        scratch = self.alloc(max(1, len(chosen)) * HEARTBEAT_BYTES, name=f"vqp{vqp_id}-scratch")
+        vqp = VQP(vqp_id, peer, chosen, self.cfg, scratch=scratch,
+                  create_cq=self._create_path_cq,
+                  connect_path=partial(self._connect_path, peer, vqp_id),
+                  close_channel=self._close_later, on_closed=self._forget,
                   on_transition=on_transition)
         self.vqps.append(vqp)
-        await self._nursery.start(vqp._run, name=f"vqp{vqp.id}")
+        await self._nursery.start(vqp.run, name=f"vqp{vqp.id}")
         try:
             await vqp.wait_connected(timeout)
         except BaseException:
@@ -440,9 +459,15 @@ class Endpoint:
             await aclose_quietly(stream)
             raise
 
-    async def _connect_path(self, vqp: VQP, path: Path) -> None:
+    def _create_path_cq(self, local_nic: str) -> Any:
+        """The CQ of one client path QP (a vQP's ``create_cq`` seam)."""
+        return self.nic(local_nic).ctx.create_cq(SQ_DEPTH * 2)
+
+    async def _connect_path(self, peer: Peer, vqp_id: int, path: Path) -> None:
         """(Re)build one path: QP to RESET, fresh control connection on this NIC pair,
-        exchange ConnInfos, RESET → INIT → RTR → RTS on both sides, keep the lease."""
+        exchange ConnInfos, RESET → INIT → RTR → RTS on both sides, keep the lease.
+        Handed to a vQP, bound to its peer and id, as its ``connect_path`` seam; the
+        peer's reply refreshes ``peer`` (incarnation, NICs, vMRs)."""
         nic = self.nic(path.local_nic)
         if path.control is not None:
             old, path.control = path.control, None
@@ -456,13 +481,13 @@ class Endpoint:
         ch: Channel | None = None
         try:
             with trio.fail_after(self.cfg.connect_timeout):
-                ch = await self._open_channel(path.remote_nic, vqp.peer_port, path.local_nic)
+                ch = await self._open_channel(path.remote_nic, peer.port, path.local_nic)
                 info = path.qp.local_info()
-                reply = await ch.request({"op": "path", "vqp": str(vqp.id), "path": path.id,
+                reply = await ch.request({"op": "path", "vqp": str(vqp_id), "path": path.id,
                                           "nic": path.remote_nic, "conn": info.to_dict()})
-                if int(reply["incarnation"]) != vqp.peer_incarnation:
-                    log.info("vqp %s: peer restarted (incarnation changed)", vqp.peer)
-                vqp._apply_info(reply)
+                if int(reply["incarnation"]) != peer.incarnation:
+                    log.info("vqp %s: peer restarted (incarnation changed)", peer.node)
+                peer.update(reply)
                 remote = ConnInfo.from_dict(reply["conn"])
                 rd = self._rd_atomic(nic)
                 await trio.to_thread.run_sync(partial(   # our QP only requests: it
@@ -486,7 +511,8 @@ class Endpoint:
         return [qp.qp_num for _, qp in self._leases.values() if not qp.closed]
 
     def _close_later(self, ch: Channel) -> None:
-        """Close a lease connection from synchronous code (a vQP shutting down)."""
+        """Close a lease connection from synchronous code (a vQP's ``close_channel``
+        seam, used while it shuts down)."""
         if self._nursery is not None:
             try:
                 self._nursery.start_soon(ch.aclose)
@@ -499,6 +525,7 @@ class Endpoint:
             pass
 
     def _forget(self, vqp: VQP) -> None:
+        """A vQP closed (its ``on_closed`` seam)."""
         if vqp in self.vqps:
             self.vqps.remove(vqp)
 
@@ -515,12 +542,12 @@ class Endpoint:
 
 def _checked_info(info: Any) -> dict[str, Any]:
     """A peer's ``info`` reply if it parses the way :meth:`connect` and
-    ``VQP._apply_info`` read it, else :class:`HandshakeError`: a peer sending nonsense is
+    :meth:`Peer.update` read it, else :class:`HandshakeError`: a peer sending nonsense is
     an unreachable address (the next one, then ``PeerUnreachable``), not a crash."""
     try:
         str(info["node"])
         [str(n) for n in info["nics"]]
-        VQP._apply_info(SimpleNamespace(remote_mrs={}), info)   # type: ignore[arg-type]
+        Peer.check(info)
     except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
         raise HandshakeError(f"malformed info reply: {type(e).__name__}: {e}"[:300]) from None
     return info

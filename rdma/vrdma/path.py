@@ -29,19 +29,22 @@
 * The last live path to a peer is *held*: silence makes it SUSPECT, not DOWN (nowhere to
   fail over to, and a starved host or peer may only be late).  The vQP starts the
   peer-dead clock from that silence and fails the path when ``unreachable_grace`` runs out
-  (:meth:`rdma.vrdma.vqp.VQP._expire`), so PeerUnreachable keeps its bound.
+  (:meth:`rdma.vrdma.monitor.HeartbeatMonitor.give_up_held`), so PeerUnreachable keeps
+  its bound.
 * A path that has never been UP (e.g. a cross-rail NIC pair with no route) sits in DOWN and
   is retried with a slower backoff; it never counts as a lost path.
 
 :class:`PathMachine` is the state machine alone: synchronous, no I/O, time passed in, so
 Hypothesis drives it (``tests/rdma/t2_vrdma_path.py``).  :class:`Path` adds the verbs
-objects (QP, CQ) and the in-flight table; the tasks that drive it live in :mod:`.vqp`.
+objects (QP, CQ) and the in-flight table; the tasks that drive it are :mod:`.vqp` (the
+CQ consumer), :mod:`.monitor` (heartbeats) and :mod:`.rebuild`.
 """
 from __future__ import annotations
 
 import enum
 import logging
 import random
+import select
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +55,9 @@ if TYPE_CHECKING:
     from ..api import CQ, QP
 
 log = logging.getLogger(__name__)
+
+#: send-queue depth of every path QP; one slot is kept for the heartbeat probe
+SQ_DEPTH = 256
 
 
 class PathState(enum.Enum):
@@ -282,6 +288,17 @@ class Path:
                 qp.to_err()
         except Exception:  # a provider that is already tearing down: flushes come anyway
             log.debug("path %s: to_err failed", self.name, exc_info=True)
+
+    def wcs_pending(self) -> bool:
+        """Is the CQ holding WCs its consumer has not polled yet?  (A peek at the fd,
+        never a poll: the consumer task stays the CQ's only poller.)"""
+        cq = self.cq
+        if cq is None or cq.closed:
+            return False
+        try:
+            return bool(select.select([cq.fd], [], [], 0)[0])
+        except (OSError, ValueError):
+            return False
 
     def statistics(self) -> PathStats:
         m = self.m
