@@ -1,7 +1,8 @@
 """Build the C hot paths in native/ as extension modules of the packages that use them.
 
-Each native module is one .c/.h pair in native/; the Python package that owns the
-concept imports it (e.g. ``rdma.providers.soft`` imports ``rdma._soft_engine``).
+Each native module is one .c/.h pair in native/ (the engine, no Python) plus its CPython
+binding (``<name>_py.c``); the Python package that owns the concept imports it (e.g.
+``rdma.providers.soft`` imports ``rdma._soft_engine``).
 After editing a .c file in a dev checkout: ``python setup.py build_ext --inplace``.
 """
 from setuptools import Extension, setup
@@ -10,8 +11,9 @@ CFLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-std=gnu11"]
 
 ext_modules: list[Extension] = [
     # rdma/ soft provider: socket I/O into registered memory, eventfd completions, no GIL
-    Extension("rdma._soft_engine", ["native/soft_engine.c"], depends=["native/soft_engine.h"],
-              include_dirs=["native"], extra_compile_args=CFLAGS),
+    Extension("rdma._soft_engine", ["native/soft_engine_py.c", "native/soft_engine.c"],
+              depends=["native/soft_engine.h"], include_dirs=["native"],
+              extra_compile_args=CFLAGS),
 ]
 
 setup(ext_modules=ext_modules)

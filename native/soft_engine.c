@@ -3,9 +3,11 @@
  * Design notes
  * ------------
  * * One `ks_engine` per opened soft device: a listening TCP socket on the device's IPv4
- *   address, an epoll set, and one pthread that never touches Python.  Python calls
- *   (post_send, post_recv, modify, reg_mr, poll_cq) parse their arguments with the GIL,
- *   then drop the GIL and take `eng->lock`.
+ *   address, an epoll set, and one pthread.  This file is the engine alone, C with no
+ *   Python; its API (the last section, declared in soft_engine.h) is what the CPython
+ *   binding, soft_engine_py.c, calls once it has parsed its arguments, and what
+ *   native/fuzz drives.  The binding takes `e->lock` itself, so that it can drop the
+ *   GIL while it waits.
  * * Requester: post_send builds the request header (PSN assigned), appends the WQE to the
  *   QP's send ring and immediately tries a non-blocking sendmsg() on the QP's outgoing
  *   connection; whatever does not fit is finished by the engine thread on EPOLLOUT.
@@ -18,7 +20,7 @@
  *   progress (bytes moving on its connection) within timeout x (retry_cnt + 1), else the
  *   oldest WR completes RETRY_EXC_ERR and the QP goes to ERR.  TCP alone would hang on a
  *   SIGSTOPped peer or a dead NIC; this timer is what turns that into an error.
- * * Memory safety: every access to MR memory happens with `eng->lock` held, and
+ * * Memory safety: every access to MR memory happens with `e->lock` held, and
  *   deregistration (also under the lock) first kills every connection / QP whose queued
  *   work still points into the MR, so after dereg_mr() returns the engine never touches
  *   that memory again.  Responder bounds checks are overflow-safe.
@@ -58,16 +60,9 @@
  *   the peer has the peer refused (tests/rdma/t1_soft_hostile.py shows both).
  */
 #define _GNU_SOURCE
-#ifndef KS_NO_PYTHON   /* native/fuzz builds the engine core without the binding */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#endif
-
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ifaddrs.h>
-#include <net/if.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdlib.h>
@@ -100,30 +95,33 @@
 
 /* ------------------------------------------------------------------------- objects */
 
+/* Every field names its guard.  `e` is the object's engine throughout; "read-only" fields
+ * are set before the object is published in an engine table and never change after. */
+
 struct ks_mr {
-    uint32_t key;
-    int pd;
-    uint64_t addr, length;
-    int access;
+    uint32_t key;           /* read-only (the slot bits are set by ks_mr_add) */
+    int pd;                 /* read-only */
+    uint64_t addr, length;  /* read-only */
+    int access;             /* read-only */
 };
 
 struct ks_cq {
-    int id;
-    int efd;
-    int kickfd;             /* the engine's: wake it to time a moderation period */
-    pthread_t engine_thread;
+    int id;                 /* read-only */
+    int efd;                /* read-only */
+    int kickfd;             /* read-only; the engine's: wake it to time a moderation period */
+    pthread_t engine_thread; /* read-only */
+    ks_cq **defer;          /* read-only: &e->defer_sig */
     pthread_mutex_t lock;
-    ks_wc *ring;            /* protected by lock */
-    uint32_t cap, head, count; /* protected by lock */
+    ks_wc *ring;            /* protected by cq->lock */
+    uint32_t cap, head, count; /* protected by cq->lock */
     /* Moderation (ibv_modify_cq): the eventfd is written once `mod_count` WCs are queued
      * or `mod_period_ns` after the first unsignalled one, whichever is first; count <= 1
      * means every WC signals.  `signaled`: the eventfd has been written since the ring
-     * was last emptied.  All protected by lock. */
-    uint32_t mod_count;
-    uint64_t mod_period_ns, first_unsignaled;
-    int signaled;
-    int refs;               /* QPs using this CQ; protected by eng->lock */
-    ks_cq **defer;          /* &eng->defer_sig */
+     * was last emptied. */
+    uint32_t mod_count;     /* protected by cq->lock */
+    uint64_t mod_period_ns, first_unsignaled; /* protected by cq->lock */
+    int signaled;           /* protected by cq->lock */
+    int refs;               /* QPs using this CQ; protected by e->lock */
 };
 
 struct ks_pending {
@@ -134,111 +132,113 @@ struct ks_pending {
 
 enum { CONN_HELLO = 0, CONN_REQ = 1, CONN_RESP = 2 };
 
-/* All fields protected by eng->lock. */
+/* A connection is reached only through e->conns and its QP, so every field is
+ * protected by e->lock (the engine thread drops it around one readv: see rx_busy). */
 struct ks_conn {
-    int fd;
-    int role;
-    int dead;
-    ks_qp *qp;
-    ks_conn *next, *prev;   /* eng->conns list */
-    ks_conn *next_dead;     /* graveyard: freed by the engine thread after its batch */
-    uint32_t events;        /* current epoll mask */
-    uint64_t hello_deadline;
-    ks_conn *hnext, *hprev; /* CONN_HELLO: eng->hello_head FIFO, oldest first */
-    uint32_t peer_ip;       /* accepted connections: source IPv4, network order */
+    int fd;                 /* protected by e->lock */
+    int role;               /* protected by e->lock */
+    int dead;               /* protected by e->lock */
+    ks_qp *qp;              /* protected by e->lock */
+    ks_conn *next, *prev;   /* e->conns list; protected by e->lock */
+    ks_conn *next_dead;     /* graveyard, freed after the engine's batch; protected by e->lock */
+    uint32_t events;        /* current epoll mask; protected by e->lock */
+    uint64_t hello_deadline; /* protected by e->lock */
+    ks_conn *hnext, *hprev; /* CONN_HELLO: e->hello_head FIFO, oldest first; protected by e->lock */
+    /* accepted connections: the source IPv4, network order */
+    uint32_t peer_ip;       /* protected by e->lock */
     /* the HELLO of an accepted connection, kept while it is a candidate of a QP in
      * RESET/INIT (qp->cand) and copied to the QP when it attaches */
-    uint32_t src_qpn;
-    int pdata_len;
-    uint8_t pdata[KS_MAX_PDATA];
+    uint32_t src_qpn;       /* protected by e->lock */
+    int pdata_len;          /* protected by e->lock */
+    uint8_t pdata[KS_MAX_PDATA]; /* protected by e->lock */
     /* rx */
-    uint8_t *stage;
-    uint32_t spos, slen;
-    int in_payload;
-    struct ks_hdr cur;
-    uint64_t pay_off;
-    uint8_t *sendbuf;       /* responder: SEND payload being received */
+    uint8_t *stage;         /* protected by e->lock */
+    uint32_t spos, slen;    /* protected by e->lock */
+    int in_payload;         /* protected by e->lock */
+    struct ks_hdr cur;      /* protected by e->lock */
+    uint64_t pay_off;       /* protected by e->lock */
+    uint8_t *sendbuf;       /* responder: SEND payload being received; protected by e->lock */
     /* tx */
-    uint64_t tx_off;        /* bytes of the first queued item already sent */
-    int lowat;              /* current SO_RCVLOWAT (requester connections) */
+    uint64_t tx_off;        /* bytes of the first queued item already sent; protected by e->lock */
+    int lowat;              /* current SO_RCVLOWAT (requester); protected by e->lock */
     /* responder jobs ring */
-    ks_job *jobs;
-    uint32_t jhead, jcount;
-    int fatal_after;        /* a NAK is queued: QP -> ERR once it is sent */
+    ks_job *jobs;           /* protected by e->lock */
+    uint32_t jhead, jcount; /* protected by e->lock */
+    int fatal_after;        /* a NAK is queued: QP -> ERR once it is sent; protected by e->lock */
 };
 
-/* All fields protected by eng->lock. */
 struct ks_qp {
-    uint32_t qpn;
-    uint32_t slot;                     /* index in eng->qps */
-    int pd;
-    int state;
-    int access;
-    int sig_all;
-    ks_cq *scq, *rcq;
-    uint32_t max_send_wr, max_recv_wr, max_send_sge, max_recv_sge;
-    ks_wqe *sq;
-    uint32_t sq_head, sq_sent, sq_tail; /* free-running; index = n % max_send_wr */
-    ks_rwqe *rq;
-    uint32_t rq_head, rq_tail;
-    uint32_t sq_psn, rq_psn;
-    uint32_t dest_qpn;
-    uint64_t timeout_ns;               /* 0: infinite */
-    uint64_t last_progress;
-    ks_conn *req, *resp;
+    uint32_t qpn;                      /* read-only */
+    uint32_t slot;                     /* index in e->qps; read-only */
+    int pd;                            /* read-only */
+    int sig_all;                       /* read-only */
+    ks_cq *scq, *rcq;                  /* read-only */
+    uint32_t max_send_wr, max_recv_wr, max_send_sge, max_recv_sge; /* read-only */
+    uint32_t qpn_draws[8];             /* ks_qp_new's random QPNs for ks_qp_add; read-only */
+    int state;                         /* protected by e->lock */
+    int access;                        /* protected by e->lock */
+    ks_wqe *sq;                        /* ring contents protected by e->lock */
+    /* ring counters (sq_*, rq_*) are free-running: slot n % max_send_wr / max_recv_wr */
+    uint32_t sq_head, sq_sent, sq_tail; /* protected by e->lock */
+    ks_rwqe *rq;                       /* ring contents protected by e->lock */
+    uint32_t rq_head, rq_tail;         /* protected by e->lock */
+    uint32_t sq_psn, rq_psn;           /* protected by e->lock */
+    uint32_t dest_qpn;                 /* protected by e->lock */
+    uint64_t timeout_ns;               /* 0: infinite; protected by e->lock */
+    uint64_t last_progress;            /* protected by e->lock */
+    ks_conn *req, *resp;               /* protected by e->lock */
     /* RESET/INIT: HELLO'd connections not yet checkable (the peer's QPN and address are
      * only known at RTR); RTR keeps the one that matches, if any, as `resp` */
-    ks_conn *cand[KS_QP_CANDIDATES];
-    int ncand;
-    uint32_t peer_ip;                   /* RTR: the peer device's IPv4 (req's peer) */
+    ks_conn *cand[KS_QP_CANDIDATES];   /* protected by e->lock */
+    int ncand;                         /* protected by e->lock */
+    uint32_t peer_ip;                  /* RTR: the peer device's IPv4; protected by e->lock */
     /* expect_peer(): only a HELLO from this QPN (and address, and private data) may
      * attach; set in RESET/INIT, cleared by RESET */
-    int expect;
-    uint32_t expect_qpn, expect_ip;     /* expect_ip 0: any address */
-    int expect_pdata_len;               /* -1: any private data */
-    uint8_t expect_pdata[KS_MAX_PDATA];
-    uint8_t pdata[KS_MAX_PDATA];
-    int pdata_len;                      /* -1: none received */
-    uint32_t resp_src_qpn;
-    ks_pending *pend_head, *pend_tail;
-    uint64_t pend_bytes;
+    int expect;                        /* protected by e->lock */
+    uint32_t expect_qpn, expect_ip;    /* expect_ip 0: any address; protected by e->lock */
+    int expect_pdata_len;              /* -1: any private data; protected by e->lock */
+    uint8_t expect_pdata[KS_MAX_PDATA]; /* protected by e->lock */
+    uint8_t pdata[KS_MAX_PDATA];       /* protected by e->lock */
+    int pdata_len;                     /* -1: none received; protected by e->lock */
+    uint32_t resp_src_qpn;             /* protected by e->lock */
+    ks_pending *pend_head, *pend_tail; /* protected by e->lock */
+    uint64_t pend_bytes;               /* protected by e->lock */
 };
 
 struct ks_engine {
     pthread_mutex_t lock;
-    pthread_t thread;
-    int thread_started;
-    int epfd, lfd, kickfd;
-    int stop;                          /* protected by lock */
+    pthread_t thread;                  /* read-only once started */
+    int thread_started;                /* ks_engine_open / ks_engine_close only */
+    int epfd, lfd, kickfd;             /* read-only */
+    uint32_t ip;                       /* network order; read-only */
+    int port;                          /* read-only */
+    int stop;                          /* protected by e->lock */
     /* The engine thread drops `lock` around the bulk readv() of a READ response into
      * registered memory (the hot path; holding the lock there stalled every post_send
      * for milliseconds).  While `rx_busy` is set nobody may close that socket, flush or
      * reset its QP, or deregister memory: those paths call quiesce() first, which waits
      * on `rx_cond`.  post_send/post_recv only append to the rings and need not wait. */
-    int rx_busy;                       /* protected by lock */
-    pthread_cond_t rx_cond;
-    uint32_t ip;                       /* network order */
-    int port;
-    ks_qp *qps[KS_MAX_QP];             /* protected by lock */
-    ks_qp *qpn_tab[KS_QPN_TAB];        /* by QPN (linear probing); protected by lock */
-    uint32_t qp_hi;                    /* highest used slot + 1; protected by lock */
-    ks_mr *mrs[KS_MAX_MR];             /* protected by lock */
+    int rx_busy;                       /* protected by e->lock */
+    pthread_cond_t rx_cond;            /* waited on with e->lock */
+    ks_qp *qps[KS_MAX_QP];             /* protected by e->lock */
+    ks_qp *qpn_tab[KS_QPN_TAB];        /* by QPN (linear probing); protected by e->lock */
+    uint32_t qp_hi;                    /* highest used slot + 1; protected by e->lock */
+    ks_mr *mrs[KS_MAX_MR];             /* protected by e->lock */
     pthread_mutex_t cq_tab_lock;
-    ks_cq *cqs[KS_MAX_CQ];             /* protected by cq_tab_lock (writes also hold lock) */
-    ks_conn *conns;                    /* protected by lock */
-    ks_conn *dead;                     /* protected by lock */
-    int n_hello;                       /* protected by lock */
-    ks_conn *hello_head, *hello_tail;  /* pending (CONN_HELLO) FIFO; protected by lock */
+    ks_cq *cqs[KS_MAX_CQ];             /* protected by e->cq_tab_lock (writers hold e->lock too) */
+    ks_conn *conns;                    /* protected by e->lock */
+    ks_conn *dead;                     /* protected by e->lock */
+    int n_hello;                       /* protected by e->lock */
+    ks_conn *hello_head, *hello_tail;  /* pending (CONN_HELLO) FIFO; protected by e->lock */
     uint64_t listen_paused_until;      /* engine thread only; 0: accepting */
     uint64_t last_timer;               /* engine thread only */
     /* A CQ whose eventfd the engine thread still owes a write: cq_push on the engine
      * thread defers the wake-up of the poller until just before the engine releases
      * `lock`, so the woken thread's post_send does not find the lock taken (and sleep
-     * on it) while the engine finishes the event.  Protected by lock. */
-    ks_cq *defer_sig;
-    /* counters, protected by lock */
-    uint64_t n_dropped_conns, n_rx_bytes, n_tx_bytes;
-    uint64_t n_hello_evicted, n_hello_timeouts, n_hello_refused;
+     * on it) while the engine finishes the event. */
+    ks_cq *defer_sig;                  /* protected by e->lock */
+    uint64_t n_dropped_conns, n_rx_bytes, n_tx_bytes;             /* protected by e->lock */
+    uint64_t n_hello_evicted, n_hello_timeouts, n_hello_refused;  /* protected by e->lock */
 };
 
 static char TAG_LISTEN, TAG_KICK;
@@ -395,7 +395,7 @@ static uint32_t qpn_home(uint32_t qpn)
     return (qpn * 2654435761u) % KS_QPN_TAB;
 }
 
-static ks_qp *qp_get(ks_engine *e, uint32_t qpn)
+ks_qp *ks_qp_get(ks_engine *e, uint32_t qpn)
 {
     for (uint32_t i = qpn_home(qpn);; i = (i + 1) % KS_QPN_TAB) {
         ks_qp *qp = e->qpn_tab[i];
@@ -431,7 +431,7 @@ static void qpn_remove(ks_engine *e, ks_qp *qp)
     }
 }
 
-static ks_mr *mr_get(ks_engine *e, uint32_t key)
+ks_mr *ks_mr_get(ks_engine *e, uint32_t key)
 {
     ks_mr *mr = e->mrs[key & (KS_MAX_MR - 1)];
     return (mr && mr->key == key) ? mr : NULL;
@@ -474,8 +474,8 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
     pthread_mutex_unlock(&cq->lock);
     if (signal) {
         /* outside cq->lock, so the poller this wakes does not sleep on it; the CQ cannot
-         * go away meanwhile (callers hold eng->lock, which destroy_cq takes).  On the
-         * engine thread: just before it drops eng->lock (signal_flush). */
+         * go away meanwhile (callers hold e->lock, which destroy_cq takes).  On the
+         * engine thread: just before it drops e->lock (signal_flush). */
         if (pthread_equal(pthread_self(), cq->engine_thread)) {
             ks_cq *prev = *cq->defer;
             *cq->defer = cq;
@@ -487,7 +487,7 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
     }
 }
 
-/* The engine thread, holding eng->lock, about to release it: deliver the deferred
+/* The engine thread, holding e->lock, about to release it: deliver the deferred
  * wake-up (see ks_engine.defer_sig). */
 static void signal_flush(ks_engine *e)
 {
@@ -715,7 +715,7 @@ static void qp_fatal(ks_engine *e, ks_qp *qp, uint32_t status)
     qp_fatal_at(e, qp, qp->sq_head, status);
 }
 
-static void qp_to_reset(ks_engine *e, ks_qp *qp)
+void ks_qp_to_reset(ks_engine *e, ks_qp *qp)
 {
     quiesce(e);
     qp_kill_conns(e, qp);
@@ -778,7 +778,7 @@ static int sge_ok(ks_engine *e, int pd, const ks_sge *s, int need_write)
 {
     if (s->length == 0)
         return 1;
-    ks_mr *mr = mr_get(e, s->lkey);
+    ks_mr *mr = ks_mr_get(e, s->lkey);
     if (!mr || mr->pd != pd)
         return 0;
     if (need_write && !(mr->access & KS_ACCESS_LOCAL_WRITE))
@@ -1058,7 +1058,7 @@ static uint32_t read_check(ks_engine *e, ks_qp *qp, const struct ks_hdr *h, cons
         return KS_WC_REM_INV_REQ_ERR;     /* QP does not allow READ: invalid request */
     if (h->rlen == 0)
         return KS_WC_SUCCESS;             /* zero-length READ checks no key (IB) */
-    ks_mr *mr = mr_get(e, h->rkey);
+    ks_mr *mr = ks_mr_get(e, h->rkey);
     if (!mr || mr->pd != qp->pd || !(mr->access & KS_ACCESS_REMOTE_READ))
         return KS_WC_REM_ACCESS_ERR;
     if (h->raddr < mr->addr || h->raddr - mr->addr > mr->length ||
@@ -1352,7 +1352,7 @@ static int conn_attach(ks_engine *e, ks_qp *qp, ks_conn *c)
  * 0: accepted; <0: drop the connection (after a refusing HELLO reply). */
 static int hello_route(ks_engine *e, ks_conn *c, const struct ks_hello *hl)
 {
-    ks_qp *qp = qp_get(e, hl->dest_qpn);
+    ks_qp *qp = ks_qp_get(e, hl->dest_qpn);
     c->src_qpn = hl->src_qpn;
     c->pdata_len = (int)hl->pdata_len;
     memcpy(c->pdata, hl->pdata, hl->pdata_len);
@@ -1696,36 +1696,58 @@ static void *engine_main(void *arg)
     return NULL;
 }
 
-/* ------------------------------------------------------------------ Python binding */
-#ifndef KS_NO_PYTHON
 
-typedef struct {
-    PyObject_HEAD
-    ks_engine *e;
-} EngineObject;
+/* ============================================================================ the API
+ * What soft_engine.h declares, for the binding (soft_engine_py.c).  Each call says which
+ * lock its caller holds; errors are a negative errno and a static message in *why
+ * (-ENOMEM with *why NULL: out of memory). */
 
-static PyObject *raise_errno(int err, const char *what)
+/* ------------------------------------------------------------------------- engine */
+
+int ks_engine_open(uint32_t ip, int port, ks_engine **out, const char **why)
 {
-    PyObject *args = Py_BuildValue("(is)", err, what);
-    if (args) {
-        PyErr_SetObject(PyExc_OSError, args);
-        Py_DECREF(args);
+    *why = NULL;
+    ks_engine *e = calloc(1, sizeof *e);
+    if (!e)
+        return -ENOMEM;
+    e->epfd = e->lfd = e->kickfd = -1;
+    mutex_init_adaptive(&e->lock);
+    mutex_init_adaptive(&e->cq_tab_lock);
+    pthread_cond_init(&e->rx_cond, NULL);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port),
+                             .sin_addr.s_addr = ip};
+    e->ip = ip;
+    e->epfd = epoll_create1(EPOLL_CLOEXEC);
+    e->kickfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    e->lfd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    int one = 1;
+    if (e->epfd < 0 || e->kickfd < 0 || e->lfd < 0 ||
+        setsockopt(e->lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0 ||
+        bind(e->lfd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(e->lfd, 256) < 0) {
+        int err = errno;
+        ks_engine_close(e);
+        *why = "soft engine listener";
+        return -err;
     }
-    return NULL;
+    socklen_t sl = sizeof sa;
+    getsockname(e->lfd, (struct sockaddr *)&sa, &sl);
+    e->port = ntohs(sa.sin_port);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &TAG_LISTEN};
+    epoll_ctl(e->epfd, EPOLL_CTL_ADD, e->lfd, &ev);
+    struct epoll_event ev2 = {.events = EPOLLIN, .data.ptr = &TAG_KICK};
+    epoll_ctl(e->epfd, EPOLL_CTL_ADD, e->kickfd, &ev2);
+    int err = pthread_create(&e->thread, NULL, engine_main, e);
+    if (err) {
+        ks_engine_close(e);
+        *why = "soft engine thread";
+        return -err;
+    }
+    e->thread_started = 1;
+    *out = e;
+    return 0;
 }
 
-/* Take eng->lock without holding the GIL while waiting (the engine thread may hold it
- * for a bounded socket operation). */
-static void lock_nogil(ks_engine *e)
-{
-    if (pthread_mutex_trylock(&e->lock) == 0)
-        return;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&e->lock);
-    Py_END_ALLOW_THREADS
-}
-
-static void engine_shutdown(ks_engine *e)
+void ks_engine_close(ks_engine *e)
 {
     if (!e)
         return;
@@ -1743,28 +1765,16 @@ static void engine_shutdown(ks_engine *e)
     }
     graveyard_free(e);
     for (int i = 0; i < KS_MAX_QP; i++) {
-        ks_qp *qp = e->qps[i];
-        if (qp) {
-            pending_free(qp);
-            free(qp->sq);
-            free(qp->rq);
-            free(qp);
-            e->qps[i] = NULL;
-        }
+        ks_qp_free(e->qps[i]);
+        e->qps[i] = NULL;
     }
     for (int i = 0; i < KS_MAX_MR; i++) {
-        free(e->mrs[i]);
+        ks_mr_free(e->mrs[i]);
         e->mrs[i] = NULL;
     }
     for (int i = 0; i < KS_MAX_CQ; i++) {
-        ks_cq *cq = e->cqs[i];
-        if (cq) {
-            close(cq->efd);
-            pthread_mutex_destroy(&cq->lock);
-            free(cq->ring);
-            free(cq);
-            e->cqs[i] = NULL;
-        }
+        ks_cq_free(e->cqs[i]);
+        e->cqs[i] = NULL;
     }
     if (e->lfd >= 0)
         close(e->lfd);
@@ -1778,152 +1788,64 @@ static void engine_shutdown(ks_engine *e)
     free(e);
 }
 
-static void Engine_dealloc(EngineObject *self)
-{
-    ks_engine *e = self->e;
-    self->e = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    engine_shutdown(e);
-    Py_END_ALLOW_THREADS
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
+int ks_engine_port(const ks_engine *e) { return e->port; }
+int ks_engine_trylock(ks_engine *e) { return pthread_mutex_trylock(&e->lock); }
+void ks_engine_lock(ks_engine *e) { pthread_mutex_lock(&e->lock); }
+void ks_engine_unlock(ks_engine *e) { pthread_mutex_unlock(&e->lock); }
+void ks_engine_kick(ks_engine *e) { efd_post(e->kickfd); }
 
-static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
+void ks_engine_stats(ks_engine *e, struct ks_stats *st)
 {
-    static char *kwlist[] = {"ip", "port", NULL};
-    const char *ip;
-    int port = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|i", kwlist, &ip, &port))
-        return -1;
-    if (self->e) {
-        PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
-        return -1;
-    }
-    ks_engine *e = calloc(1, sizeof *e);
-    if (!e) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    e->epfd = e->lfd = e->kickfd = -1;
-    mutex_init_adaptive(&e->lock);
-    mutex_init_adaptive(&e->cq_tab_lock);
-    pthread_cond_init(&e->rx_cond, NULL);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
-    if (inet_pton(AF_INET, ip, &sa.sin_addr) != 1) {
-        engine_shutdown(e);
-        PyErr_Format(PyExc_ValueError, "not an IPv4 address: %s", ip);
-        return -1;
-    }
-    e->ip = sa.sin_addr.s_addr;
-    e->epfd = epoll_create1(EPOLL_CLOEXEC);
-    e->kickfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    e->lfd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    int one = 1;
-    if (e->epfd < 0 || e->kickfd < 0 || e->lfd < 0 ||
-        setsockopt(e->lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0 ||
-        bind(e->lfd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(e->lfd, 256) < 0) {
-        int err = errno;
-        engine_shutdown(e);
-        raise_errno(err, "soft engine listener");
-        return -1;
-    }
-    socklen_t sl = sizeof sa;
-    getsockname(e->lfd, (struct sockaddr *)&sa, &sl);
-    e->port = ntohs(sa.sin_port);
-    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &TAG_LISTEN};
-    epoll_ctl(e->epfd, EPOLL_CTL_ADD, e->lfd, &ev);
-    struct epoll_event ev2 = {.events = EPOLLIN, .data.ptr = &TAG_KICK};
-    epoll_ctl(e->epfd, EPOLL_CTL_ADD, e->kickfd, &ev2);
-    int err = pthread_create(&e->thread, NULL, engine_main, e);
-    if (err) {
-        engine_shutdown(e);
-        raise_errno(err, "soft engine thread");
-        return -1;
-    }
-    e->thread_started = 1;
-    self->e = e;
-    return 0;
-}
-
-#define ENGINE_OR_FAIL(self)                                            \
-    ks_engine *e = (self)->e;                                           \
-    if (!e)                                                             \
-        return raise_errno(EBADF, "engine is closed");
-
-static PyObject *Engine_close(EngineObject *self, PyObject *unused)
-{
-    ks_engine *e = self->e;
-    self->e = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    engine_shutdown(e);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
-static PyObject *Engine_port(EngineObject *self, void *closure)
-{
-    ENGINE_OR_FAIL(self);
-    return PyLong_FromLong(e->port);
-}
-
-static PyObject *Engine_stats(EngineObject *self, PyObject *unused)
-{
-    ENGINE_OR_FAIL(self);
-    lock_nogil(e);
-    uint64_t d = e->n_dropped_conns, rx = e->n_rx_bytes, tx = e->n_tx_bytes;
-    uint64_t ev = e->n_hello_evicted, to = e->n_hello_timeouts, rf = e->n_hello_refused;
-    int conns = 0, qps = 0, pending = e->n_hello;
+    st->dropped_conns = e->n_dropped_conns;
+    st->rx_bytes = e->n_rx_bytes;
+    st->tx_bytes = e->n_tx_bytes;
+    st->hello_evicted = e->n_hello_evicted;
+    st->hello_timeouts = e->n_hello_timeouts;
+    st->hello_refused = e->n_hello_refused;
+    st->pending_hello = e->n_hello;
+    st->conns = 0;
     for (ks_conn *c = e->conns; c; c = c->next)
-        conns++;
+        st->conns++;
+    st->qps = 0;
     for (uint32_t i = 0; i < e->qp_hi; i++)
-        qps += e->qps[i] != NULL;
-    pthread_mutex_unlock(&e->lock);
-    return Py_BuildValue("{s:K,s:K,s:K,s:i,s:i,s:i,s:K,s:K,s:K}", "dropped_conns",
-                         (unsigned long long)d, "rx_bytes", (unsigned long long)rx,
-                         "tx_bytes", (unsigned long long)tx, "conns", conns, "qps", qps,
-                         "pending_hello", pending, "hello_evicted", (unsigned long long)ev,
-                         "hello_timeouts", (unsigned long long)to,
-                         "hello_refused", (unsigned long long)rf);
+        st->qps += e->qps[i] != NULL;
 }
 
-/* ---- MRs */
+/* ---------------------------------------------------------------------------- MRs */
 
-static PyObject *Engine_reg_mr(EngineObject *self, PyObject *args)
+int ks_mr_new(int pd, uint64_t addr, uint64_t length, int access, ks_mr **out,
+              const char **why)
 {
-    ENGINE_OR_FAIL(self);
-    int pd, access;
-    unsigned long long addr, length;
-    if (!PyArg_ParseTuple(args, "iKKi", &pd, &addr, &length, &access))
-        return NULL;
-    if (addr + length < addr)
-        return raise_errno(EINVAL, "reg_mr: address range wraps");
+    *why = NULL;
+    if (addr + length < addr) {
+        *why = "reg_mr: address range wraps";
+        return -EINVAL;
+    }
     ks_mr *mr = calloc(1, sizeof *mr);
     if (!mr)
-        return PyErr_NoMemory();
+        return -ENOMEM;
+    uint32_t rnd;
+    if (getrandom(&rnd, sizeof rnd, 0) != sizeof rnd)
+        rnd = (uint32_t)now_ns();
+    mr->key = rnd << 12;
     mr->pd = pd;
     mr->addr = addr;
     mr->length = length;
     mr->access = access;
-    uint32_t rnd;
-    if (getrandom(&rnd, sizeof rnd, 0) != sizeof rnd)
-        rnd = (uint32_t)now_ns();
-    lock_nogil(e);
-    int slot = -1;
-    for (int i = 1; i < KS_MAX_MR; i++) {  /* slot 0 unused: key 0 is never valid */
+    *out = mr;
+    return 0;
+}
+
+uint32_t ks_mr_add(ks_engine *e, ks_mr *mr)
+{
+    for (uint32_t i = 1; i < KS_MAX_MR; i++) {  /* slot 0 unused: key 0 is never valid */
         if (!e->mrs[i]) {
-            slot = i;
-            break;
+            mr->key |= i;
+            e->mrs[i] = mr;
+            return mr->key;
         }
     }
-    if (slot < 0) {
-        pthread_mutex_unlock(&e->lock);
-        free(mr);
-        return raise_errno(ENOMEM, "reg_mr: too many MRs");
-    }
-    mr->key = (rnd << 12) | (uint32_t)slot;
-    e->mrs[slot] = mr;
-    pthread_mutex_unlock(&e->lock);
-    return PyLong_FromUnsignedLong(mr->key);
+    return 0;
 }
 
 static int wqe_uses(const ks_sge *s, uint32_t n, uint32_t key)
@@ -1934,65 +1856,55 @@ static int wqe_uses(const ks_sge *s, uint32_t n, uint32_t key)
     return 0;
 }
 
-static PyObject *Engine_dereg_mr(EngineObject *self, PyObject *args)
+/* Does anything queued on `qp` still point into MR `key`? */
+static int qp_uses_mr(const ks_qp *qp, uint32_t key)
 {
-    ENGINE_OR_FAIL(self);
-    unsigned int key;
-    if (!PyArg_ParseTuple(args, "I", &key))
-        return NULL;
-    lock_nogil(e);
-    quiesce(e);
-    ks_mr *mr = mr_get(e, key);
-    if (!mr) {
-        pthread_mutex_unlock(&e->lock);
-        return raise_errno(EINVAL, "dereg_mr: unknown key");
+    for (uint32_t n = qp->sq_head; n != qp->sq_tail; n++) {
+        const ks_wqe *w = &qp->sq[n % qp->max_send_wr];
+        if (wqe_uses(w->sge, w->nsge, key))
+            return 1;
     }
-    e->mrs[key & (KS_MAX_MR - 1)] = NULL;
+    for (uint32_t n = qp->rq_head; n != qp->rq_tail; n++) {
+        const ks_rwqe *r = &qp->rq[n % qp->max_recv_wr];
+        if (wqe_uses(r->sge, r->nsge, key))
+            return 1;
+    }
+    const ks_conn *c = qp->resp;
+    for (uint32_t j = 0; c && j < c->jcount; j++)
+        if (c->jobs[(c->jhead + j) % KS_RESP_JOBS].mr_key == key)
+            return 1;
+    return 0;
+}
+
+void ks_mr_dereg(ks_engine *e, ks_mr *mr)
+{
+    quiesce(e);
+    e->mrs[mr->key & (KS_MAX_MR - 1)] = NULL;
     /* Nothing may touch this memory after we return: kill users of it. */
     for (uint32_t i = 0; i < e->qp_hi; i++) {
         ks_qp *qp = e->qps[i];
-        if (!qp)
+        if (!qp || !qp_uses_mr(qp, mr->key))
             continue;
-        int busy = 0;
-        for (uint32_t n = qp->sq_head; n != qp->sq_tail && !busy; n++) {
-            ks_wqe *w = &qp->sq[n % qp->max_send_wr];
-            busy = wqe_uses(w->sge, w->nsge, key);
-        }
-        for (uint32_t n = qp->rq_head; n != qp->rq_tail && !busy; n++) {
-            ks_rwqe *r = &qp->rq[n % qp->max_recv_wr];
-            busy = wqe_uses(r->sge, r->nsge, key);
-        }
-        ks_conn *c = qp->resp;
-        for (uint32_t j = 0; c && j < c->jcount && !busy; j++)
-            busy = c->jobs[(c->jhead + j) % KS_RESP_JOBS].mr_key == key;
-        if (busy) {
-            if (qp->state == KS_QPS_RESET || qp->state == KS_QPS_ERR) {
-                conn_kill(e, qp->resp);
-                conn_kill(e, qp->req);
-            } else {
-                qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
-            }
+        if (qp->state == KS_QPS_RESET || qp->state == KS_QPS_ERR) {
+            conn_kill(e, qp->resp);
+            conn_kill(e, qp->req);
+        } else {
+            qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
         }
     }
-    pthread_mutex_unlock(&e->lock);
-    free(mr);
-    Py_RETURN_NONE;
 }
 
-/* ---- CQs */
+void ks_mr_free(ks_mr *mr) { free(mr); }
 
-static PyObject *Engine_create_cq(EngineObject *self, PyObject *args)
+/* ---------------------------------------------------------------------------- CQs */
+
+int ks_cq_new(int cqe, ks_cq **out, const char **why)
 {
-    ENGINE_OR_FAIL(self);
-    int cqe;
-    if (!PyArg_ParseTuple(args, "i", &cqe))
-        return NULL;
-    if (cqe < 1)
-        cqe = 1;
+    *why = NULL;
     ks_cq *cq = calloc(1, sizeof *cq);
     if (!cq)
-        return PyErr_NoMemory();
-    cq->cap = (uint32_t)cqe;
+        return -ENOMEM;
+    cq->cap = cqe < 1 ? 1 : (uint32_t)cqe;
     cq->ring = malloc(sizeof(ks_wc) * cq->cap);
     cq->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (!cq->ring || cq->efd < 0) {
@@ -2001,85 +1913,76 @@ static PyObject *Engine_create_cq(EngineObject *self, PyObject *args)
         if (cq->efd >= 0)
             close(cq->efd);
         free(cq);
-        return raise_errno(err ? err : ENOMEM, "create_cq");
+        *why = "create_cq";
+        return -(err ? err : ENOMEM);
     }
     mutex_init_adaptive(&cq->lock);
-    lock_nogil(e);
+    *out = cq;
+    return 0;
+}
+
+int ks_cq_add(ks_engine *e, ks_cq *cq)
+{
+    int id = -ENOMEM;
     pthread_mutex_lock(&e->cq_tab_lock);
-    int slot = -1;
-    for (int i = 0; i < KS_MAX_CQ; i++) {
-        if (!e->cqs[i]) {
-            slot = i;
-            break;
-        }
-    }
-    if (slot >= 0) {
-        cq->id = slot;
+    for (int i = 0; i < KS_MAX_CQ && id < 0; i++)
+        if (!e->cqs[i])
+            id = i;
+    if (id >= 0) {
+        cq->id = id;
         cq->kickfd = e->kickfd;
         cq->engine_thread = e->thread;
         cq->defer = &e->defer_sig;
-        e->cqs[slot] = cq;
+        e->cqs[id] = cq;
     }
     pthread_mutex_unlock(&e->cq_tab_lock);
-    pthread_mutex_unlock(&e->lock);
-    if (slot < 0) {
-        close(cq->efd);
-        free(cq->ring);
-        free(cq);
-        return raise_errno(ENOMEM, "create_cq: too many CQs");
-    }
-    return Py_BuildValue("(ii)", slot, cq->efd);
+    return id;
 }
 
-static PyObject *Engine_destroy_cq(EngineObject *self, PyObject *args)
+int ks_cq_efd(const ks_cq *cq) { return cq->efd; }
+
+ks_cq *ks_cq_get(ks_engine *e, int id) { return e->cqs[id]; }
+
+int ks_cq_remove(ks_engine *e, ks_cq *cq, const char **why)
 {
-    ENGINE_OR_FAIL(self);
-    int id;
-    if (!PyArg_ParseTuple(args, "i", &id))
-        return NULL;
-    if (id < 0 || id >= KS_MAX_CQ)
-        return raise_errno(EINVAL, "destroy_cq: bad id");
-    lock_nogil(e);
-    ks_cq *cq = e->cqs[id];
-    if (!cq) {
-        pthread_mutex_unlock(&e->lock);
-        return raise_errno(EINVAL, "destroy_cq: unknown CQ");
-    }
     if (cq->refs) {
-        pthread_mutex_unlock(&e->lock);
-        return raise_errno(EBUSY, "destroy_cq: QPs still use this CQ");
+        *why = "destroy_cq: QPs still use this CQ";
+        return -EBUSY;
     }
     if (e->defer_sig == cq)
         e->defer_sig = NULL;   /* nobody may wait on a CQ being destroyed */
     pthread_mutex_lock(&e->cq_tab_lock);
-    e->cqs[id] = NULL;
+    e->cqs[cq->id] = NULL;
     pthread_mutex_unlock(&e->cq_tab_lock);
-    pthread_mutex_unlock(&e->lock);
+    return 0;
+}
+
+void ks_cq_free(ks_cq *cq)
+{
+    if (!cq)
+        return;
     close(cq->efd);
     pthread_mutex_destroy(&cq->lock);
     free(cq->ring);
     free(cq);
-    Py_RETURN_NONE;
 }
 
-/* modify_cq(id, cq_count, cq_period_us): completion moderation (ibv_modify_cq). */
-static PyObject *Engine_modify_cq(EngineObject *self, PyObject *args)
+/* Moderation and polling touch only the CQ table and the ring: they take e->cq_tab_lock
+ * (so the CQ cannot be destroyed meanwhile) and cq->lock, never e->lock, so they never
+ * wait for the engine's socket I/O. */
+int ks_cq_moderate(ks_engine *e, int id, uint32_t count, uint32_t period_us,
+                   const char **why)
 {
-    ENGINE_OR_FAIL(self);
-    int id;
-    unsigned int count, period_us;
-    if (!PyArg_ParseTuple(args, "iII", &id, &count, &period_us))
-        return NULL;
-    if (id < 0 || id >= KS_MAX_CQ)
-        return raise_errno(EINVAL, "modify_cq: bad id");
-    if (count > 1 && period_us == 0)
-        return raise_errno(EINVAL, "modify_cq: cq_count > 1 needs a cq_period (or WCs could "
-                                   "wait forever)");
-    int missing = 0;
+    if (count > 1 && period_us == 0) {
+        *why = "modify_cq: cq_count > 1 needs a cq_period (or WCs could wait forever)";
+        return -EINVAL;
+    }
+    int rc = 0;
     pthread_mutex_lock(&e->cq_tab_lock);
     ks_cq *cq = e->cqs[id];
     if (!cq) {
-        missing = 1;
+        rc = -EBADF;
+        *why = "modify_cq: CQ destroyed";
     } else {
         pthread_mutex_lock(&cq->lock);
         cq->mod_count = count;
@@ -2091,155 +1994,124 @@ static PyObject *Engine_modify_cq(EngineObject *self, PyObject *args)
         pthread_mutex_unlock(&cq->lock);
     }
     pthread_mutex_unlock(&e->cq_tab_lock);
-    if (missing)
-        return raise_errno(EBADF, "modify_cq: CQ destroyed");
-    /* the engine plans its sleep around CQ periods too */
-    efd_post(e->kickfd);
-    Py_RETURN_NONE;
+    if (rc == 0)
+        efd_post(e->kickfd);   /* the engine plans its sleep around CQ periods too */
+    return rc;
 }
 
-static PyObject *Engine_poll_cq(EngineObject *self, PyObject *args)
+/* Take up to `num` WCs off the ring; re-arm the eventfd once it is empty. */
+static int cq_take(ks_cq *cq, ks_wc *wc, int num)
 {
-    ENGINE_OR_FAIL(self);
-    int id, num;
-    if (!PyArg_ParseTuple(args, "ii", &id, &num))
-        return NULL;
-    if (id < 0 || id >= KS_MAX_CQ)
-        return raise_errno(EINVAL, "poll_cq: bad id");
-    if (num < 1)
-        num = 1;
-    if (num > 4096)
-        num = 4096;
-    ks_wc local[64];
-    ks_wc *buf = num <= 64 ? local : malloc(sizeof(ks_wc) * num);
-    if (!buf)
-        return PyErr_NoMemory();
-    int got = 0, missing = 0;
+    int got = 0, drain = 0;
+    pthread_mutex_lock(&cq->lock);
+    while (got < num && cq->count) {
+        wc[got++] = cq->ring[cq->head];
+        cq->head = (cq->head + 1) % cq->cap;
+        cq->count--;
+    }
+    if (cq->count == 0) {
+        cq->first_unsignaled = 0;
+        drain = cq->signaled;  /* only a signalled CQ has an eventfd count to drain */
+    }
+    pthread_mutex_unlock(&cq->lock);
+    /* Re-arm: the fd is unreadable while the ring is empty.  The read happens outside
+     * cq->lock (the engine pushing the next WC must not wait on our syscall).  cq_push
+     * writes the eventfd after dropping cq->lock (engine thread: just before it drops
+     * e->lock): if that write has not landed yet (EAGAIN) the CQ stays `signaled` and a
+     * later poll drains it.  If WCs arrived while we read, they found `signaled` set and
+     * did not write: write for them. */
+    uint64_t v;
+    if (drain && read(cq->efd, &v, sizeof v) == (ssize_t)sizeof v) {
+        pthread_mutex_lock(&cq->lock);
+        int again = cq->count != 0;
+        if (!again)
+            cq->signaled = 0;
+        pthread_mutex_unlock(&cq->lock);
+        if (again)
+            efd_post(cq->efd);
+    }
+    return got;
+}
+
+int ks_cq_poll(ks_engine *e, int id, ks_wc *wc, int num, const char **why)
+{
+    int rc;
     pthread_mutex_lock(&e->cq_tab_lock);
     ks_cq *cq = e->cqs[id];
     if (!cq) {
-        missing = 1;
+        rc = -EBADF;
+        *why = "poll_cq: CQ destroyed";
     } else {
-        pthread_mutex_lock(&cq->lock);
-        while (got < num && cq->count) {
-            buf[got++] = cq->ring[cq->head];
-            cq->head = (cq->head + 1) % cq->cap;
-            cq->count--;
-        }
-        int drain = 0;
-        if (cq->count == 0) {
-            cq->first_unsignaled = 0;
-            drain = cq->signaled;  /* only a signalled CQ has an eventfd count to drain */
-        }
-        pthread_mutex_unlock(&cq->lock);
-        /* Re-arm: the fd is unreadable while the ring is empty.  The read happens outside
-         * cq->lock (the engine pushing the next WC must not wait on our syscall).
-         * cq_push writes the eventfd after dropping cq->lock (engine thread: just before
-         * it drops eng->lock): if that write has not landed yet (EAGAIN) the CQ stays
-         * `signaled` and a later poll drains it.  If WCs arrived while we read, they
-         * found `signaled` set and did not write: write for them. */
-        uint64_t v;
-        if (drain && read(cq->efd, &v, sizeof v) == (ssize_t)sizeof v) {
-            pthread_mutex_lock(&cq->lock);
-            int again = cq->count != 0;
-            if (!again)
-                cq->signaled = 0;
-            pthread_mutex_unlock(&cq->lock);
-            if (again) {
-                efd_post(cq->efd);
-            }
-        }
+        rc = cq_take(cq, wc, num);
     }
     pthread_mutex_unlock(&e->cq_tab_lock);
-    if (missing) {
-        if (buf != local)
-            free(buf);
-        return raise_errno(EBADF, "poll_cq: CQ destroyed");
-    }
-    PyObject *list = PyList_New(got);
-    for (int i = 0; list && i < got; i++) {
-        PyObject *t = Py_BuildValue("(KIIIII)", (unsigned long long)buf[i].wr_id, buf[i].status,
-                                    buf[i].opcode, buf[i].byte_len, buf[i].qp_num,
-                                    buf[i].vendor_err);
-        if (!t) {
-            Py_CLEAR(list);
-            break;
-        }
-        PyList_SET_ITEM(list, i, t);
-    }
-    if (buf != local)
-        free(buf);
-    return list;
+    return rc;
 }
 
-/* ---- QPs */
+/* ---------------------------------------------------------------------------- QPs */
 
-static PyObject *Engine_create_qp(EngineObject *self, PyObject *args)
+int ks_qp_new(const struct ks_qp_attr *a, ks_qp **out, const char **why)
 {
-    ENGINE_OR_FAIL(self);
-    int pd, scq_id, rcq_id, sig_all;
-    unsigned int msw, mrw, mss, mrs;
-    if (!PyArg_ParseTuple(args, "iiiIIIIp", &pd, &scq_id, &rcq_id, &msw, &mrw, &mss, &mrs,
-                          &sig_all))
-        return NULL;
-    if (msw < 1 || msw > KS_MAX_WR || mrw < 1 || mrw > KS_MAX_WR || mss < 1 ||
-        mss > KS_MAX_SGE || mrs < 1 || mrs > KS_MAX_SGE)
-        return raise_errno(EINVAL, "create_qp: capabilities out of range");
-    if (scq_id < 0 || scq_id >= KS_MAX_CQ || rcq_id < 0 || rcq_id >= KS_MAX_CQ)
-        return raise_errno(EINVAL, "create_qp: bad CQ");
+    *why = NULL;
+    if (a->max_send_wr < 1 || a->max_send_wr > KS_MAX_WR || a->max_recv_wr < 1 ||
+        a->max_recv_wr > KS_MAX_WR || a->max_send_sge < 1 || a->max_send_sge > KS_MAX_SGE ||
+        a->max_recv_sge < 1 || a->max_recv_sge > KS_MAX_SGE) {
+        *why = "create_qp: capabilities out of range";
+        return -EINVAL;
+    }
+    if (a->scq < 0 || a->scq >= KS_MAX_CQ || a->rcq < 0 || a->rcq >= KS_MAX_CQ) {
+        *why = "create_qp: bad CQ";
+        return -EINVAL;
+    }
     ks_qp *qp = calloc(1, sizeof *qp);
     if (!qp)
-        return PyErr_NoMemory();
-    qp->sq = calloc(msw, sizeof(ks_wqe));
-    qp->rq = calloc(mrw, sizeof(ks_rwqe));
+        return -ENOMEM;
+    qp->sq = calloc(a->max_send_wr, sizeof(ks_wqe));
+    qp->rq = calloc(a->max_recv_wr, sizeof(ks_rwqe));
     if (!qp->sq || !qp->rq) {
-        free(qp->sq);
-        free(qp->rq);
-        free(qp);
-        return PyErr_NoMemory();
+        ks_qp_free(qp);
+        return -ENOMEM;
     }
-    qp->pd = pd;
-    qp->sig_all = sig_all;
-    qp->max_send_wr = msw;
-    qp->max_recv_wr = mrw;
-    qp->max_send_sge = mss;
-    qp->max_recv_sge = mrs;
+    qp->pd = a->pd;
+    qp->sig_all = a->sig_all;
+    qp->max_send_wr = a->max_send_wr;
+    qp->max_recv_wr = a->max_recv_wr;
+    qp->max_send_sge = a->max_send_sge;
+    qp->max_recv_sge = a->max_recv_sge;
     qp->pdata_len = -1;
     qp->state = KS_QPS_RESET;
-    /* QPN candidates drawn before taking the lock (getrandom may block early at boot):
-     * 24 random bits, not 0/1 (SMI/GSI), not a live QPN. */
-    uint32_t rnd[8];
-    if (getrandom(rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) {
+    /* QPN candidates drawn before the caller takes e->lock (getrandom may block early at
+     * boot); ks_qp_add picks the first that is not 0/1 (SMI/GSI) nor a live QPN. */
+    if (getrandom(qp->qpn_draws, sizeof qp->qpn_draws, 0) != (ssize_t)sizeof qp->qpn_draws) {
         int err = errno;
-        free(qp->sq);
-        free(qp->rq);
-        free(qp);
-        return raise_errno(err, "create_qp: getrandom");
+        ks_qp_free(qp);
+        *why = "create_qp: getrandom";
+        return -err;
     }
-    lock_nogil(e);
-    qp->scq = e->cqs[scq_id];
-    qp->rcq = e->cqs[rcq_id];
+    *out = qp;
+    return 0;
+}
+
+int ks_qp_add(ks_engine *e, ks_qp *qp, const struct ks_qp_attr *a, const char **why)
+{
+    qp->scq = e->cqs[a->scq];
+    qp->rcq = e->cqs[a->rcq];
     int slot = -1;
-    for (int i = 0; i < KS_MAX_QP; i++) {
-        if (!e->qps[i]) {
+    for (int i = 0; i < KS_MAX_QP && slot < 0; i++)
+        if (!e->qps[i])
             slot = i;
-            break;
-        }
-    }
     for (int i = 0; i < 8 && !qp->qpn; i++) {
-        uint32_t qpn = rnd[i] & 0xFFFFFF;
-        if (qpn > 1 && !qp_get(e, qpn))
+        uint32_t qpn = qp->qpn_draws[i] & 0xFFFFFF;
+        if (qpn > 1 && !ks_qp_get(e, qpn))
             qp->qpn = qpn;
     }
-    if (!qp->scq || !qp->rcq || slot < 0 || !qp->qpn) {
-        /* (!qpn: 8 draws all taken, p < (4096 / 2^24)^8: never) */
-        int err = !qp->scq || !qp->rcq ? EINVAL : slot < 0 ? ENOMEM : EAGAIN;
-        pthread_mutex_unlock(&e->lock);
-        free(qp->sq);
-        free(qp->rq);
-        free(qp);
-        return raise_errno(err, "create_qp");
-    }
+    *why = "create_qp";
+    if (!qp->scq || !qp->rcq)
+        return -EINVAL;
+    if (slot < 0)
+        return -ENOMEM;
+    if (!qp->qpn)
+        return -EAGAIN;   /* 8 draws all taken, p < (4096 / 2^24)^8: never */
     qp->slot = (uint32_t)slot;
     qp->scq->refs++;
     qp->rcq->refs++;
@@ -2247,71 +2119,33 @@ static PyObject *Engine_create_qp(EngineObject *self, PyObject *args)
     qpn_insert(e, qp);
     if ((uint32_t)slot + 1 > e->qp_hi)
         e->qp_hi = slot + 1;
-    pthread_mutex_unlock(&e->lock);
-    return PyLong_FromUnsignedLong(qp->qpn);
+    return (int)qp->qpn;
 }
 
-static PyObject *Engine_destroy_qp(EngineObject *self, PyObject *args)
+void ks_qp_remove(ks_engine *e, ks_qp *qp)
 {
-    ENGINE_OR_FAIL(self);
-    unsigned int qpn;
-    if (!PyArg_ParseTuple(args, "I", &qpn))
-        return NULL;
-    lock_nogil(e);
     quiesce(e);
-    ks_qp *qp = qp_get(e, qpn);
-    if (!qp) {
-        pthread_mutex_unlock(&e->lock);
-        return raise_errno(EINVAL, "destroy_qp: unknown QP");
-    }
     qp_kill_conns(e, qp);
     e->qps[qp->slot] = NULL;
     qpn_remove(e, qp);
     qp->scq->refs--;
     qp->rcq->refs--;
-    pthread_mutex_unlock(&e->lock);
+}
+
+void ks_qp_free(ks_qp *qp)
+{
+    if (!qp)
+        return;
     pending_free(qp);
     free(qp->sq);
     free(qp->rq);
     free(qp);
-    Py_RETURN_NONE;
 }
 
-static ks_qp *qp_locked(ks_engine *e, unsigned int qpn)
-{
-    lock_nogil(e);
-    ks_qp *qp = qp_get(e, qpn);
-    if (!qp) {
-        pthread_mutex_unlock(&e->lock);
-        raise_errno(EINVAL, "unknown QP");
-    }
-    return qp;
-}
+int ks_qp_state(const ks_qp *qp) { return qp->state; }
 
-static PyObject *Engine_qp_state(EngineObject *self, PyObject *args)
+int ks_qp_private_data(const ks_qp *qp, uint8_t *buf)
 {
-    ENGINE_OR_FAIL(self);
-    unsigned int qpn;
-    if (!PyArg_ParseTuple(args, "I", &qpn))
-        return NULL;
-    ks_qp *qp = qp_locked(e, qpn);
-    if (!qp)
-        return NULL;
-    int st = qp->state;
-    pthread_mutex_unlock(&e->lock);
-    return PyLong_FromLong(st);
-}
-
-static PyObject *Engine_qp_private_data(EngineObject *self, PyObject *args)
-{
-    ENGINE_OR_FAIL(self);
-    unsigned int qpn;
-    if (!PyArg_ParseTuple(args, "I", &qpn))
-        return NULL;
-    ks_qp *qp = qp_locked(e, qpn);
-    if (!qp)
-        return NULL;
-    uint8_t buf[KS_MAX_PDATA];
     int n = qp->pdata_len;
     const uint8_t *src = qp->pdata;
     if (n < 0 && qp->ncand) {   /* before RTR: the oldest candidate's (see expect_peer) */
@@ -2320,77 +2154,43 @@ static PyObject *Engine_qp_private_data(EngineObject *self, PyObject *args)
     }
     if (n > 0)
         memcpy(buf, src, n);
-    pthread_mutex_unlock(&e->lock);
-    if (n < 0)
-        Py_RETURN_NONE;
-    return PyBytes_FromStringAndSize((const char *)buf, n);
+    return n;
 }
 
-static PyObject *Engine_qp_init(EngineObject *self, PyObject *args)
+void ks_qp_init(ks_qp *qp, int access)
 {
-    ENGINE_OR_FAIL(self);
-    unsigned int qpn;
-    int access;
-    if (!PyArg_ParseTuple(args, "Ii", &qpn, &access))
-        return NULL;
-    ks_qp *qp = qp_locked(e, qpn);
-    if (!qp)
-        return NULL;
     qp->access = access;
     if (qp->state == KS_QPS_RESET)
         qp->state = KS_QPS_INIT;
-    pthread_mutex_unlock(&e->lock);
-    Py_RETURN_NONE;
 }
 
-static PyObject *Engine_qp_set_access(EngineObject *self, PyObject *args)
-{
-    ENGINE_OR_FAIL(self);
-    unsigned int qpn;
-    int access;
-    if (!PyArg_ParseTuple(args, "Ii", &qpn, &access))
-        return NULL;
-    ks_qp *qp = qp_locked(e, qpn);
-    if (!qp)
-        return NULL;
-    qp->access = access;
-    pthread_mutex_unlock(&e->lock);
-    Py_RETURN_NONE;
-}
+void ks_qp_set_access(ks_qp *qp, int access) { qp->access = access; }
 
-/* INIT -> RTR: adopt the connected (HELLO-acknowledged) requester socket `fd`. */
-static PyObject *Engine_qp_rtr(EngineObject *self, PyObject *args)
+int ks_qp_to_rtr(ks_engine *e, ks_qp *qp, int fd, uint32_t dest_qpn, uint32_t rq_psn,
+                 const char **why)
 {
-    ENGINE_OR_FAIL(self);
-    unsigned int qpn, dest, rq_psn;
-    int fd;
-    if (!PyArg_ParseTuple(args, "IiII", &qpn, &fd, &dest, &rq_psn))
-        return NULL;
-    ks_qp *qp = qp_locked(e, qpn);
-    if (!qp)
-        return NULL;
     if (qp->state != KS_QPS_INIT) {
-        pthread_mutex_unlock(&e->lock);
-        return raise_errno(EINVAL, "qp_rtr: QP not in INIT");
+        *why = "qp_rtr: QP not in INIT";
+        return -EINVAL;
     }
     /* the peer device's address: its HELLO to us must come from there too (its
      * engine.connect binds the device address, and we connected to that device) */
     struct sockaddr_in pa;
     socklen_t pl = sizeof pa;
     if (getpeername(fd, (struct sockaddr *)&pa, &pl) < 0 || pa.sin_family != AF_INET) {
-        pthread_mutex_unlock(&e->lock);
-        return raise_errno(EINVAL, "qp_rtr: fd is not a connected IPv4 socket");
+        *why = "qp_rtr: fd is not a connected IPv4 socket";
+        return -EINVAL;
     }
     int fl = fcntl(fd, F_GETFL);
     fcntl(fd, F_SETFL, fl | O_NONBLOCK);
     ks_conn *c = conn_new(e, fd, CONN_REQ);
     if (!c) {
-        pthread_mutex_unlock(&e->lock);
-        return raise_errno(ENOMEM, "qp_rtr: connection");
+        *why = "qp_rtr: connection";
+        return -ENOMEM;
     }
     c->qp = qp;
     qp->req = c;
-    qp->dest_qpn = dest;
+    qp->dest_qpn = dest_qpn;
     qp->peer_ip = pa.sin_addr.s_addr;
     qp->rq_psn = rq_psn & 0xFFFFFF;
     qp->state = KS_QPS_RTR;
@@ -2405,464 +2205,189 @@ static PyObject *Engine_qp_rtr(EngineObject *self, PyObject *args)
             conn_kill(e, qp->cand[i]);
     if (peer && conn_attach(e, qp, peer) < 0)
         conn_kill(e, peer);   /* ENOMEM: the peer sees EOF, its QP goes to ERR */
-    pthread_mutex_unlock(&e->lock);
-    Py_RETURN_NONE;
+    return 0;
 }
 
-/* expect_peer(qpn, src_qpn, ip, private_data or None), RESET/INIT only: from now on only
- * a HELLO from QP src_qpn at ip (network order; 0: any address) carrying exactly
- * private_data (None: any) may connect to this QP; candidates that do not match are
- * closed.  Cleared by RESET. */
-static PyObject *Engine_qp_expect(EngineObject *self, PyObject *args)
+int ks_qp_expect(ks_engine *e, ks_qp *qp, uint32_t src_qpn, uint32_t ip,
+                 const uint8_t *pdata, int pdata_len, const char **why)
 {
-    ENGINE_OR_FAIL(self);
-    unsigned int qpn, src, ip;
-    PyObject *pd_obj;
-    if (!PyArg_ParseTuple(args, "IIIO", &qpn, &src, &ip, &pd_obj))
-        return NULL;
-    Py_buffer pd = {0};
-    if (pd_obj != Py_None && PyObject_GetBuffer(pd_obj, &pd, PyBUF_SIMPLE) < 0)
-        return NULL;
-    if (pd.len > KS_MAX_PDATA || src > 0xFFFFFF) {
-        PyBuffer_Release(&pd);
-        return raise_errno(EINVAL, "qp_expect: QPN over 24 bits or private data over 256 B");
-    }
-    ks_qp *qp = qp_locked(e, qpn);
-    if (!qp) {
-        PyBuffer_Release(&pd);
-        return NULL;
+    if (pdata_len > KS_MAX_PDATA || src_qpn > 0xFFFFFF) {
+        *why = "qp_expect: QPN over 24 bits or private data over 256 B";
+        return -EINVAL;
     }
     if (qp->state != KS_QPS_RESET && qp->state != KS_QPS_INIT) {
-        pthread_mutex_unlock(&e->lock);
-        PyBuffer_Release(&pd);
-        return raise_errno(EINVAL, "qp_expect: QP not in RESET/INIT");
+        *why = "qp_expect: QP not in RESET/INIT";
+        return -EINVAL;
     }
     qp->expect = 1;
-    qp->expect_qpn = src;
+    qp->expect_qpn = src_qpn;
     qp->expect_ip = ip;
-    qp->expect_pdata_len = pd_obj == Py_None ? -1 : (int)pd.len;
-    if (pd.len)
-        memcpy(qp->expect_pdata, pd.buf, pd.len);
+    qp->expect_pdata_len = pdata_len;
+    if (pdata_len > 0)
+        memcpy(qp->expect_pdata, pdata, pdata_len);
     for (int i = qp->ncand - 1; i >= 0; i--)
         if (!hello_is_peer(qp, qp->cand[i]))
             conn_kill(e, qp->cand[i]);
-    pthread_mutex_unlock(&e->lock);
-    PyBuffer_Release(&pd);
-    Py_RETURN_NONE;
+    return 0;
 }
 
-static PyObject *Engine_qp_rts(EngineObject *self, PyObject *args)
+int ks_qp_to_rts(ks_qp *qp, uint32_t sq_psn, uint64_t timeout_ns, int set_psn,
+                 const char **why)
 {
-    ENGINE_OR_FAIL(self);
-    unsigned int qpn, sq_psn;
-    unsigned long long timeout_ns;
-    int set_psn;
-    if (!PyArg_ParseTuple(args, "IIKp", &qpn, &sq_psn, &timeout_ns, &set_psn))
-        return NULL;
-    ks_qp *qp = qp_locked(e, qpn);
-    if (!qp)
-        return NULL;
     if (qp->state != KS_QPS_RTR && qp->state != KS_QPS_RTS) {
-        pthread_mutex_unlock(&e->lock);
-        return raise_errno(EINVAL, "qp_rts: QP not in RTR/RTS");
+        *why = "qp_rts: QP not in RTR/RTS";
+        return -EINVAL;
     }
     if (set_psn)
         qp->sq_psn = sq_psn & 0xFFFFFF;
     qp->timeout_ns = timeout_ns;
     qp->state = KS_QPS_RTS;
-    pthread_mutex_unlock(&e->lock);
-    /* the engine may be sleeping up to 1 s with no timer to run: make it re-plan */
-    efd_post(e->kickfd);
-    Py_RETURN_NONE;
+    return 0;
 }
 
-static PyObject *Engine_qp_reset(EngineObject *self, PyObject *args)
+void ks_qp_to_err(ks_engine *e, ks_qp *qp)
 {
-    ENGINE_OR_FAIL(self);
-    unsigned int qpn;
-    if (!PyArg_ParseTuple(args, "I", &qpn))
-        return NULL;
-    ks_qp *qp = qp_locked(e, qpn);
-    if (!qp)
-        return NULL;
-    qp_to_reset(e, qp);
-    pthread_mutex_unlock(&e->lock);
-    Py_RETURN_NONE;
-}
-
-static PyObject *Engine_qp_err(EngineObject *self, PyObject *args)
-{
-    ENGINE_OR_FAIL(self);
-    unsigned int qpn;
-    if (!PyArg_ParseTuple(args, "I", &qpn))
-        return NULL;
-    ks_qp *qp = qp_locked(e, qpn);
-    if (!qp)
-        return NULL;
     if (qp->state == KS_QPS_RESET)
         qp->state = KS_QPS_ERR;
     else
         qp_fatal_at(e, qp, qp->sq_tail, KS_WC_WR_FLUSH_ERR);
-    pthread_mutex_unlock(&e->lock);
-    Py_RETURN_NONE;
 }
 
-/* Parse [(addr, length, lkey), ...] */
-static int parse_sges(PyObject *seq, ks_sge *out, uint32_t max, uint32_t *n, uint64_t *total)
+/* --------------------------------------------------------------------- posting WRs */
+
+/* Append checked WRs to the send queue and start transmitting.  A WR whose SGEs fail
+ * the local check completes LOC_PROT_ERR and moves the QP to ERR (failed WRs are WCs,
+ * not errors of the post). */
+static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
 {
-    PyObject *fast = PySequence_Fast(seq, "sg_list must be a sequence");
-    if (!fast)
-        return -1;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
-    if ((uint64_t)len > max) {
-        Py_DECREF(fast);
-        raise_errno(EINVAL, "too many SGEs");
-        return -1;
-    }
-    *total = 0;
-    for (Py_ssize_t i = 0; i < len; i++) {
-        unsigned long long addr;
-        unsigned int length, lkey;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KII", &addr, &length, &lkey)) {
-            Py_DECREF(fast);
-            return -1;
+    int was_idle = qp->sq_head == qp->sq_tail;
+    for (size_t i = 0; i < n && qp->state == KS_QPS_RTS; i++) {
+        ks_wqe *w = &qp->sq[qp->sq_tail % qp->max_send_wr];
+        *w = wrs[i];
+        w->psn = qp->sq_psn;
+        qp->sq_psn = (qp->sq_psn + 1) & 0xFFFFFF;
+        struct ks_hdr h = {.psn = w->psn};
+        if (w->opcode == KS_WR_RDMA_READ) {
+            h.opcode = KS_OP_READ_REQ;
+            h.rkey = w->rkey;
+            h.rlen = (uint32_t)w->total;
+            h.raddr = w->raddr;
+        } else {
+            h.opcode = KS_OP_SEND;
+            h.length = (uint32_t)w->total;
         }
-        out[i].addr = addr;
-        out[i].length = length;
-        out[i].lkey = lkey;
-        *total += length;
+        ks_hdr_build(w->hdr, &h);
+        uint32_t at = qp->sq_tail++;
+        int ok = 1;
+        for (uint32_t s = 0; s < w->nsge && ok; s++)
+            ok = sge_ok(e, qp->pd, &w->sge[s], w->opcode == KS_WR_RDMA_READ);
+        if (!ok)
+            qp_fatal_at(e, qp, at, KS_WC_LOC_PROT_ERR);
     }
-    *n = (uint32_t)len;
-    Py_DECREF(fast);
+    if (qp->state != KS_QPS_RTS)
+        return;
+    if (was_idle)
+        qp->last_progress = now_ns();
+    if (req_tx(e, qp) < 0)
+        qp_fatal(e, qp, KS_WC_RETRY_EXC_ERR);
+    else if (qp->req)
+        conn_update_events(e, qp->req);
+}
+
+int ks_post_send(ks_engine *e, uint32_t qpn, const ks_wqe *wrs, size_t n, const char **why)
+{
+    int rc = 0;
+    pthread_mutex_lock(&e->lock);
+    ks_qp *qp = ks_qp_get(e, qpn);
+    if (!qp) {
+        rc = -EINVAL;
+        *why = "post_send: unknown QP";
+    } else if (qp->state != KS_QPS_RTS) {
+        rc = -EINVAL;
+        *why = "post_send: QP is not in RTS";
+    } else if ((uint64_t)(qp->sq_tail - qp->sq_head) + (uint64_t)n > qp->max_send_wr) {
+        rc = -ENOMEM;
+        *why = "post_send: send queue full";
+    } else {
+        for (size_t i = 0; i < n && !rc; i++)
+            if (wrs[i].nsge > qp->max_send_sge) {
+                rc = -EINVAL;
+                *why = "post_send: more SGEs than max_send_sge";
+            }
+    }
+    if (!rc)
+        sq_append(e, qp, wrs, n);
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+}
+
+/* Receive WRs were posted: buffered SENDs go to them, and the responder, paused while
+ * its SENDs had nowhere to go, reads and answers again. */
+static void resp_resume(ks_engine *e, ks_qp *qp)
+{
+    deliver_pending(e, qp);
+    ks_conn *r = qp->resp;
+    if (!r || r->dead)
+        return;
+    if (resp_rx_enabled(r) && r->slen > r->spos) {
+        int rc = resp_consume(e, qp, r);
+        if (rc < 0)
+            conn_drop(e, r, rc, KS_WC_RETRY_EXC_ERR);
+    }
+    if (!r->dead && r->jcount) {
+        int rc = resp_tx(e, r);
+        if (rc == 1)
+            qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
+        else if (rc < 0)
+            conn_drop(e, r, rc, KS_WC_RETRY_EXC_ERR);
+    }
+    if (qp->resp == r && !r->dead)
+        conn_update_events(e, r);
+}
+
+/* Which receive WR fails the checks, if any: 0 or -EINVAL with *why. */
+static int rq_check(ks_engine *e, const ks_qp *qp, const ks_rwqe *wrs, size_t n,
+                    const char **why)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (wrs[i].nsge > qp->max_recv_sge) {
+            *why = "post_recv: more SGEs than max_recv_sge";
+            return -EINVAL;
+        }
+        for (uint32_t s = 0; s < wrs[i].nsge; s++)
+            if (!sge_ok(e, qp->pd, &wrs[i].sge[s], 1)) {
+                *why = "post_recv: SGE outside a local MR with LOCAL_WRITE";
+                return -EINVAL;
+            }
+    }
     return 0;
 }
 
-/* post_send(qpn, [(wr_id, opcode, flags, remote_addr, rkey, [(addr, len, lkey), ...]), ...]) */
-static PyObject *Engine_post_send(EngineObject *self, PyObject *args)
+int ks_post_recv(ks_engine *e, uint32_t qpn, const ks_rwqe *wrs, size_t n, const char **why)
 {
-    ENGINE_OR_FAIL(self);
-    unsigned int qpn;
-    PyObject *wrs;
-    if (!PyArg_ParseTuple(args, "IO", &qpn, &wrs))
-        return NULL;
-    PyObject *fast = PySequence_Fast(wrs, "post_send needs a sequence of WRs");
-    if (!fast)
-        return NULL;
-    Py_ssize_t nwr = PySequence_Fast_GET_SIZE(fast);
-    ks_wqe one;
-    ks_wqe *tmp = nwr <= 1 ? &one : malloc(sizeof(ks_wqe) * (size_t)nwr);
-    if (!tmp) {
-        Py_DECREF(fast);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < nwr; i++) {
-        unsigned long long wr_id, raddr;
-        unsigned int opcode, flags, rkey;
-        PyObject *sges;
-        ks_wqe *w = &tmp[i];
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KIIKIO", &wr_id, &opcode,
-                              &flags, &raddr, &rkey, &sges) ||
-            parse_sges(sges, w->sge, KS_MAX_SGE, &w->nsge, &w->total) < 0) {
-            if (tmp != &one)
-                free(tmp);
-            Py_DECREF(fast);
-            return NULL;
-        }
-        w->wr_id = wr_id;
-        w->opcode = opcode;
-        w->flags = flags;
-        w->raddr = raddr;
-        w->rkey = rkey;
-        if ((opcode != KS_WR_RDMA_READ && opcode != KS_WR_SEND) ||
-            (opcode == KS_WR_RDMA_READ && w->total > KS_MAX_MSG) ||
-            (opcode == KS_WR_SEND && w->total > KS_MAX_SEND)) {
-            if (tmp != &one)
-                free(tmp);
-            Py_DECREF(fast);
-            return raise_errno(EINVAL, "post_send: unsupported opcode or message too long");
-        }
-    }
-    Py_DECREF(fast);
-    int err = 0;
-    const char *why = NULL;
-    Py_BEGIN_ALLOW_THREADS
+    int rc = 0;
     pthread_mutex_lock(&e->lock);
-    ks_qp *qp = qp_get(e, qpn);
+    ks_qp *qp = ks_qp_get(e, qpn);
     if (!qp) {
-        err = EINVAL;
-        why = "post_send: unknown QP";
-    } else if (qp->state != KS_QPS_RTS) {
-        err = EINVAL;
-        why = "post_send: QP is not in RTS";
-    } else if ((uint64_t)(qp->sq_tail - qp->sq_head) + (uint64_t)nwr > qp->max_send_wr) {
-        err = ENOMEM;
-        why = "post_send: send queue full";
-    } else {
-        for (Py_ssize_t i = 0; i < nwr; i++)
-            if (tmp[i].nsge > qp->max_send_sge) {
-                err = EINVAL;
-                why = "post_send: more SGEs than max_send_sge";
-            }
-    }
-    if (!err) {
-        int was_idle = qp->sq_head == qp->sq_tail;
-        for (Py_ssize_t i = 0; i < nwr && qp->state == KS_QPS_RTS; i++) {
-            ks_wqe *w = &qp->sq[qp->sq_tail % qp->max_send_wr];
-            *w = tmp[i];
-            w->psn = qp->sq_psn;
-            qp->sq_psn = (qp->sq_psn + 1) & 0xFFFFFF;
-            struct ks_hdr h = {.psn = w->psn};
-            if (w->opcode == KS_WR_RDMA_READ) {
-                h.opcode = KS_OP_READ_REQ;
-                h.rkey = w->rkey;
-                h.rlen = (uint32_t)w->total;
-                h.raddr = w->raddr;
-            } else {
-                h.opcode = KS_OP_SEND;
-                h.length = (uint32_t)w->total;
-            }
-            ks_hdr_build(w->hdr, &h);
-            uint32_t at = qp->sq_tail++;
-            int ok = 1;
-            for (uint32_t s = 0; s < w->nsge && ok; s++)
-                ok = sge_ok(e, qp->pd, &w->sge[s], w->opcode == KS_WR_RDMA_READ);
-            if (!ok)   /* failed WRs are WCs, not exceptions */
-                qp_fatal_at(e, qp, at, KS_WC_LOC_PROT_ERR);
-        }
-        if (qp->state == KS_QPS_RTS) {
-            if (was_idle)
-                qp->last_progress = now_ns();
-            int rc = req_tx(e, qp);
-            if (rc < 0)
-                qp_fatal(e, qp, KS_WC_RETRY_EXC_ERR);
-            else if (qp->req)
-                conn_update_events(e, qp->req);
-        }
-    }
-    pthread_mutex_unlock(&e->lock);
-    Py_END_ALLOW_THREADS
-    if (tmp != &one)
-        free(tmp);
-    if (err)
-        return raise_errno(err, why);
-    Py_RETURN_NONE;
-}
-
-/* post_recv(qpn, [(wr_id, [(addr, len, lkey), ...]), ...]) */
-static PyObject *Engine_post_recv(EngineObject *self, PyObject *args)
-{
-    ENGINE_OR_FAIL(self);
-    unsigned int qpn;
-    PyObject *wrs;
-    if (!PyArg_ParseTuple(args, "IO", &qpn, &wrs))
-        return NULL;
-    PyObject *fast = PySequence_Fast(wrs, "post_recv needs a sequence of WRs");
-    if (!fast)
-        return NULL;
-    Py_ssize_t nwr = PySequence_Fast_GET_SIZE(fast);
-    ks_rwqe *tmp = malloc(sizeof(ks_rwqe) * (size_t)(nwr ? nwr : 1));
-    if (!tmp) {
-        Py_DECREF(fast);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < nwr; i++) {
-        unsigned long long wr_id;
-        PyObject *sges;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KO", &wr_id, &sges) ||
-            parse_sges(sges, tmp[i].sge, KS_MAX_SGE, &tmp[i].nsge, &tmp[i].total) < 0) {
-            free(tmp);
-            Py_DECREF(fast);
-            return NULL;
-        }
-        tmp[i].wr_id = wr_id;
-    }
-    Py_DECREF(fast);
-    int err = 0;
-    const char *why = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&e->lock);
-    ks_qp *qp = qp_get(e, qpn);
-    if (!qp) {
-        err = EINVAL;
-        why = "post_recv: unknown QP";
+        rc = -EINVAL;
+        *why = "post_recv: unknown QP";
     } else if (qp->state == KS_QPS_RESET) {
-        err = EINVAL;
-        why = "post_recv: QP is in RESET";
-    } else if ((uint64_t)(qp->rq_tail - qp->rq_head) + (uint64_t)nwr > qp->max_recv_wr) {
-        err = ENOMEM;
-        why = "post_recv: receive queue full";
+        rc = -EINVAL;
+        *why = "post_recv: QP is in RESET";
+    } else if ((uint64_t)(qp->rq_tail - qp->rq_head) + (uint64_t)n > qp->max_recv_wr) {
+        rc = -ENOMEM;
+        *why = "post_recv: receive queue full";
     } else {
-        for (Py_ssize_t i = 0; i < nwr && !err; i++) {
-            if (tmp[i].nsge > qp->max_recv_sge) {
-                err = EINVAL;
-                why = "post_recv: more SGEs than max_recv_sge";
-            }
-            for (uint32_t s = 0; s < tmp[i].nsge && !err; s++)
-                if (!sge_ok(e, qp->pd, &tmp[i].sge[s], 1)) {
-                    err = EINVAL;
-                    why = "post_recv: SGE outside a local MR with LOCAL_WRITE";
-                }
-        }
+        rc = rq_check(e, qp, wrs, n, why);
     }
-    if (!err) {
-        for (Py_ssize_t i = 0; i < nwr; i++) {
-            if (qp->state == KS_QPS_ERR) {
-                push_wc(qp->rcq, tmp[i].wr_id, KS_WC_WR_FLUSH_ERR, KS_WC_RECV, 0, qp->qpn);
-                continue;
-            }
-            qp->rq[qp->rq_tail % qp->max_recv_wr] = tmp[i];
-            qp->rq_tail++;
-        }
-        deliver_pending(e, qp);
-        ks_conn *r = qp->resp;
-        if (r && !r->dead) {
-            /* room again: requests / SENDs staged while paused can proceed */
-            if (resp_rx_enabled(r) && r->slen > r->spos) {
-                int rc = resp_consume(e, qp, r);
-                if (rc < 0)
-                    conn_drop(e, r, rc, KS_WC_RETRY_EXC_ERR);
-            }
-            if (!r->dead && r->jcount) {
-                int rc = resp_tx(e, r);
-                if (rc == 1)
-                    qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
-                else if (rc < 0)
-                    conn_drop(e, r, rc, KS_WC_RETRY_EXC_ERR);
-            }
-            if (qp->resp == r && !r->dead)
-                conn_update_events(e, r);
-        }
+    for (size_t i = 0; i < n && !rc; i++) {
+        if (qp->state == KS_QPS_ERR)
+            push_wc(qp->rcq, wrs[i].wr_id, KS_WC_WR_FLUSH_ERR, KS_WC_RECV, 0, qp->qpn);
+        else
+            qp->rq[qp->rq_tail++ % qp->max_recv_wr] = wrs[i];
     }
+    if (!rc)
+        resp_resume(e, qp);
     pthread_mutex_unlock(&e->lock);
-    Py_END_ALLOW_THREADS
-    free(tmp);
-    if (err)
-        return raise_errno(err, why);
-    Py_RETURN_NONE;
+    return rc;
 }
-
-static PyMethodDef Engine_methods[] = {
-    {"close", (PyCFunction)Engine_close, METH_NOARGS, "Stop the engine thread, free all."},
-    {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "Counters (dict)."},
-    {"reg_mr", (PyCFunction)Engine_reg_mr, METH_VARARGS, "reg_mr(pd, addr, length, access) -> key"},
-    {"dereg_mr", (PyCFunction)Engine_dereg_mr, METH_VARARGS, "dereg_mr(key)"},
-    {"create_cq", (PyCFunction)Engine_create_cq, METH_VARARGS, "create_cq(cqe) -> (id, eventfd)"},
-    {"destroy_cq", (PyCFunction)Engine_destroy_cq, METH_VARARGS, "destroy_cq(id)"},
-    {"poll_cq", (PyCFunction)Engine_poll_cq, METH_VARARGS, "poll_cq(id, n) -> [wc tuples]"},
-    {"modify_cq", (PyCFunction)Engine_modify_cq, METH_VARARGS,
-     "modify_cq(id, cq_count, cq_period_us): completion moderation"},
-    {"create_qp", (PyCFunction)Engine_create_qp, METH_VARARGS,
-     "create_qp(pd, scq, rcq, max_send_wr, max_recv_wr, max_send_sge, max_recv_sge, sig_all) -> qpn"},
-    {"destroy_qp", (PyCFunction)Engine_destroy_qp, METH_VARARGS, "destroy_qp(qpn)"},
-    {"qp_state", (PyCFunction)Engine_qp_state, METH_VARARGS, "qp_state(qpn) -> int"},
-    {"qp_private_data", (PyCFunction)Engine_qp_private_data, METH_VARARGS, "bytes or None"},
-    {"qp_init", (PyCFunction)Engine_qp_init, METH_VARARGS, "qp_init(qpn, access)"},
-    {"qp_set_access", (PyCFunction)Engine_qp_set_access, METH_VARARGS, "qp_set_access(qpn, access)"},
-    {"qp_expect", (PyCFunction)Engine_qp_expect, METH_VARARGS,
-     "qp_expect(qpn, src_qpn, ip_be32, private_data or None)"},
-    {"qp_rtr", (PyCFunction)Engine_qp_rtr, METH_VARARGS, "qp_rtr(qpn, fd, dest_qpn, rq_psn)"},
-    {"qp_rts", (PyCFunction)Engine_qp_rts, METH_VARARGS, "qp_rts(qpn, sq_psn, timeout_ns, set_psn)"},
-    {"qp_reset", (PyCFunction)Engine_qp_reset, METH_VARARGS, "qp_reset(qpn)"},
-    {"qp_err", (PyCFunction)Engine_qp_err, METH_VARARGS, "qp_err(qpn)"},
-    {"post_send", (PyCFunction)Engine_post_send, METH_VARARGS, "post_send(qpn, wrs)"},
-    {"post_recv", (PyCFunction)Engine_post_recv, METH_VARARGS, "post_recv(qpn, wrs)"},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef Engine_getset[] = {
-    {"port", (getter)Engine_port, NULL, "TCP port of the device listener", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject EngineType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "rdma._soft_engine.Engine",
-    .tp_basicsize = sizeof(EngineObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Native soft-RDMA engine for one device (listener + epoll thread).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Engine_init,
-    .tp_dealloc = (destructor)Engine_dealloc,
-    .tp_methods = Engine_methods,
-    .tp_getset = Engine_getset,
-};
-
-/* ---- module functions */
-
-static PyObject *mod_interfaces(PyObject *m, PyObject *unused)
-{
-    struct ifaddrs *ifa0;
-    if (getifaddrs(&ifa0) < 0)
-        return raise_errno(errno, "getifaddrs");
-    PyObject *list = PyList_New(0);
-    for (struct ifaddrs *ifa = ifa0; list && ifa; ifa = ifa->ifa_next) {
-        if (!ifa->ifa_addr || ifa->ifa_addr->sa_family != AF_INET)
-            continue;
-        char buf[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &((struct sockaddr_in *)ifa->ifa_addr)->sin_addr, buf, sizeof buf);
-        PyObject *t = Py_BuildValue("(ssI)", ifa->ifa_name, buf, ifa->ifa_flags);
-        if (!t || PyList_Append(list, t) < 0)
-            Py_CLEAR(list);
-        Py_XDECREF(t);
-    }
-    freeifaddrs(ifa0);
-    return list;
-}
-
-static PyObject *mod_parse_header(PyObject *m, PyObject *args)
-{
-    Py_buffer b;
-    int role;
-    if (!PyArg_ParseTuple(args, "y*i", &b, &role))
-        return NULL;
-    if (b.len < KS_HDR_LEN) {
-        PyBuffer_Release(&b);
-        return raise_errno(EPROTO, "truncated header");
-    }
-    struct ks_hdr h;
-    int rc = ks_hdr_parse(b.buf, &h, role);
-    PyBuffer_Release(&b);
-    if (rc < 0)
-        return raise_errno(-rc, "bad header");
-    return Py_BuildValue("{s:i,s:i,s:I,s:I,s:I,s:I,s:K}", "opcode", h.opcode, "status", h.status,
-                         "psn", h.psn, "length", h.length, "rkey", h.rkey, "rlen", h.rlen,
-                         "raddr", (unsigned long long)h.raddr);
-}
-
-static PyMethodDef mod_methods[] = {
-    {"interfaces", mod_interfaces, METH_NOARGS, "[(ifname, ipv4, flags)] from getifaddrs()"},
-    {"parse_header", mod_parse_header, METH_VARARGS,
-     "parse_header(buf, role) -> dict; OSError(EPROTO/EMSGSIZE) when invalid"},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef moddef = {
-    PyModuleDef_HEAD_INIT, "rdma._soft_engine",
-    "Native data path of the soft RDMA provider (see native/soft_engine.h).", -1, mod_methods,
-    NULL, NULL, NULL, NULL,
-};
-
-PyMODINIT_FUNC PyInit__soft_engine(void)
-{
-    if (PyType_Ready(&EngineType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&moddef);
-    if (!m)
-        return NULL;
-    Py_INCREF(&EngineType);
-    PyModule_AddObject(m, "Engine", (PyObject *)&EngineType);
-    PyModule_AddIntConstant(m, "HDR_LEN", KS_HDR_LEN);
-    PyModule_AddIntConstant(m, "MAGIC", KS_MAGIC);
-    PyModule_AddIntConstant(m, "VERSION", KS_VERSION);
-    PyModule_AddIntConstant(m, "MAX_MSG", KS_MAX_MSG);
-    PyModule_AddIntConstant(m, "MAX_SEND", KS_MAX_SEND);
-    PyModule_AddIntConstant(m, "MAX_PDATA", KS_MAX_PDATA);
-    PyModule_AddIntConstant(m, "MAX_SGE", KS_MAX_SGE);
-    PyModule_AddIntConstant(m, "MAX_WR", KS_MAX_WR);
-    PyModule_AddIntConstant(m, "ROLE_RESPONSES", KS_ROLE_RESPONSES);
-    PyModule_AddIntConstant(m, "ROLE_REQUESTS", KS_ROLE_REQUESTS);
-    PyModule_AddIntConstant(m, "ROLE_HELLO", KS_ROLE_HELLO);
-    PyModule_AddIntConstant(m, "ROLE_ANY", KS_ROLE_ANY);
-    return m;
-}
-#endif /* KS_NO_PYTHON */

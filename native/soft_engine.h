@@ -46,17 +46,18 @@
  *                           a HELLO must first guess a live QPN.
  *
  * Threads and locks: one engine (one epoll thread) per opened soft device.  The engine
- * thread and the Python threads that post/modify share `eng->lock`; it is never held
+ * thread and the Python threads that post/modify share `e->lock`; it is never held
  * across a blocking call (every socket is non-blocking; TCP connect happens in Python
  * before the fd is handed over).  CQs have their own `cq->lock` so polling never waits
- * for the engine's socket I/O; `eng->cq_tab_lock` guards the CQ table for lookups.
+ * for the engine's socket I/O; `e->cq_tab_lock` guards the CQ table for lookups.
  *
- * Lock order: eng->lock -> eng->cq_tab_lock -> cq->lock.
+ * Lock order: e->lock -> e->cq_tab_lock -> cq->lock.
  */
 #ifndef KSPEEDFS_SOFT_ENGINE_H
 #define KSPEEDFS_SOFT_ENGINE_H
 
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define KS_MAGIC 0x4452534Bu /* "KSRD" little-endian */
@@ -176,5 +177,90 @@ typedef struct ks_qp ks_qp;
 typedef struct ks_conn ks_conn;
 typedef struct ks_engine ks_engine;
 typedef struct ks_pending ks_pending;
+
+/* ------------------------------------------------------------------------- the API
+ * Implemented at the end of soft_engine.c; the CPython binding (soft_engine_py.c) is its
+ * one caller.  Errors are a negative errno plus a static message in *why ("post_send:
+ * QP is not in RTS"); -ENOMEM with *why NULL means out of memory.  Each call names the
+ * lock its caller must hold.  Objects are found by handle (QPN, MR key, CQ id) under
+ * that lock and stay valid until their own remove call: the engine thread never frees
+ * one, and quiesce() (which drops e->lock while the engine reads into memory) is only
+ * waited on by calls whose caller serialises them (the binding holds the GIL). */
+
+struct ks_stats {
+    uint64_t dropped_conns, rx_bytes, tx_bytes;
+    uint64_t hello_evicted, hello_timeouts, hello_refused;
+    int conns, qps, pending_hello;
+};
+
+struct ks_qp_attr {
+    int pd, scq, rcq, sig_all;
+    uint32_t max_send_wr, max_recv_wr, max_send_sge, max_recv_sge;
+};
+
+/* Engine: a listener on ip:port (network order; port 0: ephemeral) and its thread. */
+int ks_engine_open(uint32_t ip, int port, ks_engine **out, const char **why);
+void ks_engine_close(ks_engine *e);               /* no lock; stops the thread, frees all */
+int ks_engine_port(const ks_engine *e);           /* no lock: fixed at open */
+int ks_engine_trylock(ks_engine *e);              /* e->lock: 0 when taken */
+void ks_engine_lock(ks_engine *e);
+void ks_engine_unlock(ks_engine *e);
+void ks_engine_kick(ks_engine *e);                /* no lock: re-plan the engine's sleep */
+void ks_engine_stats(ks_engine *e, struct ks_stats *st);            /* e->lock */
+
+/* MRs.  ks_mr_new: not yet visible to the engine (no lock); ks_mr_add returns its key,
+ * 0 when all KS_MAX_MR slots are taken; after ks_mr_dereg nothing touches the memory,
+ * and ks_mr_free may follow once e->lock is dropped. */
+int ks_mr_new(int pd, uint64_t addr, uint64_t length, int access, ks_mr **out,
+              const char **why);
+uint32_t ks_mr_add(ks_engine *e, ks_mr *mr);                        /* e->lock */
+ks_mr *ks_mr_get(ks_engine *e, uint32_t key);                       /* e->lock */
+void ks_mr_dereg(ks_engine *e, ks_mr *mr);                          /* e->lock */
+void ks_mr_free(ks_mr *mr);
+
+/* CQs.  ks_cq_add returns the id or -ENOMEM (KS_MAX_CQ in use); ids passed in are in
+ * [0, KS_MAX_CQ).  Moderation and polling take e->cq_tab_lock themselves, never e->lock,
+ * so they never wait for the engine's socket I/O; both fail -EBADF on a destroyed CQ. */
+int ks_cq_new(int cqe, ks_cq **out, const char **why);
+int ks_cq_add(ks_engine *e, ks_cq *cq);                             /* e->lock */
+int ks_cq_efd(const ks_cq *cq);
+ks_cq *ks_cq_get(ks_engine *e, int id);                             /* e->lock */
+int ks_cq_remove(ks_engine *e, ks_cq *cq, const char **why);        /* e->lock; -EBUSY */
+void ks_cq_free(ks_cq *cq);
+int ks_cq_moderate(ks_engine *e, int id, uint32_t count, uint32_t period_us,
+                   const char **why);                               /* no lock */
+int ks_cq_poll(ks_engine *e, int id, ks_wc *wc, int num,
+               const char **why);                       /* no lock; returns the count */
+
+/* QPs.  ks_qp_add returns the QPN (24 random bits) or a negative errno; the modify calls
+ * are the verbs transitions (ks_qp_init: RESET -> INIT). */
+int ks_qp_new(const struct ks_qp_attr *a, ks_qp **out, const char **why);
+int ks_qp_add(ks_engine *e, ks_qp *qp, const struct ks_qp_attr *a, const char **why);
+ks_qp *ks_qp_get(ks_engine *e, uint32_t qpn);                       /* e->lock */
+void ks_qp_remove(ks_engine *e, ks_qp *qp);                         /* e->lock */
+void ks_qp_free(ks_qp *qp);
+int ks_qp_state(const ks_qp *qp);                                   /* e->lock */
+/* the HELLO's private data into buf[KS_MAX_PDATA]: its length, -1 for none */
+int ks_qp_private_data(const ks_qp *qp, uint8_t *buf);              /* e->lock */
+void ks_qp_init(ks_qp *qp, int access);                             /* e->lock */
+void ks_qp_set_access(ks_qp *qp, int access);                       /* e->lock */
+/* INIT -> RTR: adopt the connected (HELLO-acknowledged) requester socket fd */
+int ks_qp_to_rtr(ks_engine *e, ks_qp *qp, int fd, uint32_t dest_qpn, uint32_t rq_psn,
+                 const char **why);                                 /* e->lock */
+/* RESET/INIT only: from now on only a HELLO from src_qpn at ip (0: any address) carrying
+ * exactly pdata (pdata_len -1: any) may connect; candidates that do not match are
+ * closed.  Cleared by RESET. */
+int ks_qp_expect(ks_engine *e, ks_qp *qp, uint32_t src_qpn, uint32_t ip,
+                 const uint8_t *pdata, int pdata_len, const char **why); /* e->lock */
+int ks_qp_to_rts(ks_qp *qp, uint32_t sq_psn, uint64_t timeout_ns, int set_psn,
+                 const char **why);                                 /* e->lock */
+void ks_qp_to_reset(ks_engine *e, ks_qp *qp);                       /* e->lock */
+void ks_qp_to_err(ks_engine *e, ks_qp *qp);                         /* e->lock */
+
+/* Posting takes e->lock itself (the binding calls it without the GIL).  A WR that fails a check on
+ * its memory completes with an error WC (the post succeeds); the errors returned are
+ * about the post itself (unknown QP, wrong state, queue full, too many SGEs). */
+int ks_post_send(ks_engine *e, uint32_t qpn, const ks_wqe *wrs, size_t n, const char **why);
+int ks_post_recv(ks_engine *e, uint32_t qpn, const ks_rwqe *wrs, size_t n, const char **why);
 
 #endif

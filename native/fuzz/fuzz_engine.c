@@ -3,12 +3,12 @@
  * Build (tests/rdma/t1_soft_fuzz.py does this; -fsanitize turns any out-of-bounds access,
  * use-after-free, leak or undefined behaviour into a failing exit status):
  *
- *   gcc -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -DKS_NO_PYTHON \
+ *   gcc -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all \
  *       -Inative native/fuzz/fuzz_engine.c -o fuzz_engine -lpthread
  *   ./fuzz_engine [-seconds N] [-runs N] [-seed N]
  *
- * It includes soft_engine.c itself (without the Python binding) so it drives the real
- * static functions: ks_hdr_parse, ks_hello_parse, and the connection handlers the engine
+ * It includes soft_engine.c itself (the engine alone: the binding is soft_engine_py.c)
+ * so it drives the real static functions: ks_hdr_parse, ks_hello_parse, and the connection handlers the engine
  * thread runs (handle_conn: hello_rx -> hello_route -> resp_rx/resp_tx, req_rx), each
  * fed through an AF_UNIX socketpair.  The first input byte picks the target:
  *
@@ -100,8 +100,8 @@ static void setup(void)
 /* Both QPs back to RTS with fresh queues, CQ emptied, graveyard freed. */
 static void reset_state(void)
 {
-    qp_to_reset(E, QP_RESP);
-    qp_to_reset(E, QP_REQ);
+    ks_qp_to_reset(E, QP_RESP);
+    ks_qp_to_reset(E, QP_REQ);
     graveyard_free(E);
     E->defer_sig = NULL;
     CQ->head = CQ->count = 0;
