@@ -1455,41 +1455,41 @@ static void conn_drop(ks_engine *e, ks_conn *c, int err, uint32_t status)
     (void)err;
 }
 
-static void handle_conn(ks_engine *e, ks_conn *c, uint32_t ev)
+/* Send what is queued on responder `c`.  0, or -1 when that ended it: a NAK went out
+ * (the QP goes to ERR, IB class C) or the socket failed (dropped). */
+static int resp_flush(ks_engine *e, ks_qp *qp, ks_conn *c)
 {
-    int rc;
-    if (c->role == CONN_HELLO) {
-        rc = hello_rx(e, c);
-        if (rc < 0)
-            conn_drop(e, c, rc, KS_WC_WR_FLUSH_ERR);
+    int rc = resp_tx(e, c);
+    if (rc == 1)
+        qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
+    else if (rc < 0)
+        conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
+    return rc == 0 ? 0 : -1;
+}
+
+/* Requester connection: send queued requests, read responses. */
+static void req_events(ks_engine *e, ks_qp *qp, ks_conn *c, uint32_t ev)
+{
+    int rc = 0;
+    if (ev & EPOLLOUT)
+        rc = req_tx(e, qp);
+    if (rc < 0) {
+        conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
         return;
     }
-    ks_qp *qp = c->qp;
-    if (!qp)
-        return;
-    if (c->role == CONN_REQ) {
-        if (ev & EPOLLOUT) {
-            rc = req_tx(e, qp);
-            if (rc < 0) {
-                conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
-                return;
-            }
-        }
-        if (ev & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
-            rc = req_rx(e, qp, c);
-            if (rc == -EPROTO || rc == -EMSGSIZE) {
-                conn_drop(e, c, rc, KS_WC_BAD_RESP_ERR);
-                return;
-            }
-            if (rc < 0) {
-                conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
-                return;
-            }
-        }
+    if (ev & (EPOLLIN | EPOLLERR | EPOLLHUP))
+        rc = req_rx(e, qp, c);
+    if (rc == -EPROTO || rc == -EMSGSIZE)
+        conn_drop(e, c, rc, KS_WC_BAD_RESP_ERR);
+    else if (rc < 0)
+        conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
+    else
         conn_update_events(e, c);
-        return;
-    }
-    /* responder */
+}
+
+/* Responder connection: send queued responses, read requests, answer them. */
+static void resp_events(ks_engine *e, ks_qp *qp, ks_conn *c, uint32_t ev)
+{
     if (qp->resp != c || (qp->state != KS_QPS_RTR && qp->state != KS_QPS_RTS)) {
         /* a candidate, or attached before RTR: nothing is read yet, but a reset or
          * broken socket reports EPOLLERR/EPOLLHUP whatever the mask: close it (else the
@@ -1500,19 +1500,10 @@ static void handle_conn(ks_engine *e, ks_conn *c, uint32_t ev)
         }
         return;
     }
-    if (ev & EPOLLOUT) {
-        rc = resp_tx(e, c);
-        if (rc == 1) {
-            qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
-            return;
-        }
-        if (rc < 0) {
-            conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
-            return;
-        }
-    }
+    if ((ev & EPOLLOUT) && resp_flush(e, qp, c) < 0)
+        return;
     if (ev & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
-        rc = resp_rx(e, qp, c);
+        int rc = resp_rx(e, qp, c);
         if (rc < 0) {
             conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
             return;
@@ -1522,32 +1513,33 @@ static void handle_conn(ks_engine *e, ks_conn *c, uint32_t ev)
         return;
     /* answer what was just parsed right away (the common case needs no EPOLLOUT) */
     if (c->jcount) {
-        rc = resp_tx(e, c);
-        if (rc == 1) {
-            qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
+        if (resp_flush(e, qp, c) < 0)
             return;
-        }
-        if (rc < 0) {
-            conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
-            return;
-        }
         /* jobs drained: staged requests may be waiting for room */
         if (resp_rx_enabled(c) && c->slen > c->spos) {
-            rc = resp_consume(e, qp, c);
+            int rc = resp_consume(e, qp, c);
             if (rc < 0) {
                 conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
                 return;
             }
-            if (!c->dead && c->jcount && (rc = resp_tx(e, c)) != 0) {
-                if (rc == 1)
-                    qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
-                else
-                    conn_drop(e, c, rc, KS_WC_RETRY_EXC_ERR);
+            if (!c->dead && c->jcount && resp_flush(e, qp, c) < 0)
                 return;
-            }
         }
     }
     conn_update_events(e, c);
+}
+
+static void handle_conn(ks_engine *e, ks_conn *c, uint32_t ev)
+{
+    if (c->role == CONN_HELLO) {
+        int rc = hello_rx(e, c);
+        if (rc < 0)
+            conn_drop(e, c, rc, KS_WC_WR_FLUSH_ERR);
+    } else if (c->qp && c->role == CONN_REQ) {
+        req_events(e, c->qp, c, ev);
+    } else if (c->qp) {
+        resp_events(e, c->qp, c, ev);
+    }
 }
 
 static void listener_events(ks_engine *e, uint32_t events)
@@ -2334,13 +2326,8 @@ static void resp_resume(ks_engine *e, ks_qp *qp)
         if (rc < 0)
             conn_drop(e, r, rc, KS_WC_RETRY_EXC_ERR);
     }
-    if (!r->dead && r->jcount) {
-        int rc = resp_tx(e, r);
-        if (rc == 1)
-            qp_fatal(e, qp, KS_WC_WR_FLUSH_ERR);
-        else if (rc < 0)
-            conn_drop(e, r, rc, KS_WC_RETRY_EXC_ERR);
-    }
+    if (!r->dead && r->jcount)
+        resp_flush(e, qp, r);
     if (qp->resp == r && !r->dead)
         conn_update_events(e, r);
 }
