@@ -39,7 +39,8 @@ def dataset(tmp_path: Path):
 
 
 def _reader(ix, src, nursery, memory=8 << 20, disk=None, prefetch=4) -> Reader:
-    return Reader(ix, Origin(src, ix, "ds"), MemoryCache(memory), disk, nursery, 4, prefetch)
+    return Reader(index=ix, origin=Origin(src, ix, "ds"), memory=MemoryCache(memory), disk=disk,
+                  nursery=nursery, workers=4, prefetch_depth=prefetch)
 
 
 async def test_concurrent_reads_share_one_load(dataset) -> None:
@@ -90,7 +91,7 @@ async def test_prefetch_of_all_streams_is_held_to_half_the_memory_tier(dataset) 
             for i, stream in enumerate(streams):
                 off = i * quarter + step
                 assert await r.read(entry, off, 16 << 10, stream) == big[off:off + (16 << 10)]
-                assert len(r._ahead) <= r.ahead_max == 2
+                assert len(r.policy.ahead) <= r.ahead_max == 2
             await trio.sleep(0)
         n.cancel_scope.cancel()
     s = r.statistics()
@@ -116,7 +117,8 @@ async def test_an_epoch_larger_than_the_tier_keeps_its_resident_part(dataset) ->
     src, ix, big = dataset
     entry = ix.lookup(0, b"big")
     async with trio.open_nursery() as n:
-        r = Reader(ix, Origin(src, ix, "ds"), MemoryCache(4 * C, transient_min=C), None, n, 4, 0)
+        r = Reader(index=ix, origin=Origin(src, ix, "ds"), memory=MemoryCache(4 * C, transient_min=C),
+                   nursery=n, workers=4, prefetch_depth=0)
         for _ in range(2):
             for off in range(0, len(big), C):
                 assert await r.read(entry, off, C) == big[off:off + C]
@@ -191,7 +193,7 @@ async def test_small_files_read_alone_when_the_dataset_outgrows_the_tiers(datase
     names = [f"s{i:02d}" for i in range(30)]
     async with trio.open_nursery() as n:
         r = _reader(ix, src, n, memory=4 * C, prefetch=0)
-        assert not r.chunks_fit
+        assert not r.policy.chunks_fit
         for name in reversed(names):
             assert await r.read(ix.lookup(0, name.encode()), 0, 1 << 20) == (src / name).read_bytes()
         s = r.statistics()
@@ -210,7 +212,7 @@ async def test_whole_chunks_when_the_dataset_fits(dataset) -> None:
     src, ix, _ = dataset
     async with trio.open_nursery() as n:
         r = _reader(ix, src, n, prefetch=0)
-        assert r.chunks_fit
+        assert r.policy.chunks_fit
         for i in range(30):
             assert await r.read(ix.lookup(0, f"s{i:02d}".encode()), 0, 1 << 20) == (src / f"s{i:02d}").read_bytes()
         s = r.statistics()
@@ -244,7 +246,7 @@ async def test_random_reads_load_blocks_not_chunks(blocked) -> None:
     offsets = [5 * B + 100, 70 * B, 3 * (1 << 20) + 100, 9 * B - 2048, 5 * B + 3000]
     async with trio.open_nursery() as n:
         r = _reader(ix, src, n, memory=2 << 20, prefetch=2)
-        assert not r.chunks_fit
+        assert not r.policy.chunks_fit
         stream = Stream(next_offset=-1)
         for off in offsets:
             assert await r.read(entry, off, 4096, stream) == big[off:off + 4096]
@@ -299,7 +301,7 @@ async def test_a_second_miss_in_a_chunk_loads_it_whole_when_the_dataset_fits(blo
     B = 16 << 10
     async with trio.open_nursery() as n:
         r = _reader(ix, src, n, prefetch=0)
-        assert r.chunks_fit
+        assert r.policy.chunks_fit
         stream = Stream(next_offset=-1)
         for off in (5 * B, 40 * B, 70 * B):          # chunks 0, 0, 1
             assert await r.read(entry, off, 4096, stream) == big[off:off + 4096]
