@@ -148,7 +148,24 @@ class Endpoint:
 
     ``addrs``: the local NIC addresses to use (default: every device of the provider
     except loopback, or loopback if that is all there is).  ``node``: this endpoint's
-    name in handshakes and logs."""
+    name in handshakes and logs.
+
+    Contract: usable only inside ``async with``.  Leaving it closes every vQP (their
+    pending READs fail with PathClosed), then cancels the listener and lease tasks, then
+    releases every vMR allocated here and the NICs.  A vQP reaches its endpoint only
+    through the callables :meth:`connect` hands it (``create_cq``, ``connect_path``,
+    ``close_channel``, ``on_closed``).
+
+    Attributes:
+        node, incarnation: this endpoint's name, and its heartbeat word (random per start).
+        cfg: the heartbeat and failure knobs every vQP gets.
+        nics: local NIC address → :class:`LocalNIC` (device, context, PD).
+        exports: name → vMR authenticated peers may READ.
+        vqps: the open virtual QPs (client side).
+        control: the vMR holding the heartbeat word, readable on every NIC.
+        listening: ``(host, port)`` of the listener once :meth:`listen` ran.
+        gate: the caps on unauthenticated control connections.
+    """
 
     def __init__(self, secret: bytes, *, node: str | None = None,
                  addrs: list[str] | None = None, provider: str | None = None,

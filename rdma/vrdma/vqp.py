@@ -9,7 +9,7 @@ The parts, one concern each, and the request path through them::
     VQP.read() ─► ReadDispatcher (.dispatch): least-loaded UP path, round-robin on ties;
                   │                           none: the READ waits (bounded)
                   └─► RDMA_READ on path.qp, path.inflight[wr_id] = op
-    VQP._consume(path)  (one task per CQ, dispatch by wr_id)
+    VQP: CQ consumer    (one task per CQ, dispatch by wr_id)
         a probe's WC ─► HeartbeatMonitor.on_wc     a READ's WC ─► ReadDispatcher.on_wc
             SUCCESS        ─► op done; the path is alive (traffic is a heartbeat)
             error / flush  ─► path DOWN (QP → ERR, every other WR flushes), op re-posted
@@ -78,6 +78,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class VQPStats:
+    """One vQP as ``VQP.statistics()`` shows it; ``state``: :mod:`.pathset` diagram."""
+
     peer: str
     state: str                      # "reachable" / "degraded" / "unreachable" / "closed"
     reads_ok: int
