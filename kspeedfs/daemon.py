@@ -108,8 +108,8 @@ async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | 
         log.info("cluster: %d nodes (%s), local node %s, R=%d", len(membership.nodes),
                  ", ".join(sorted(membership.nodes)), local, cfg.cluster.replicas)
         slot = max(cfg.cluster.slot_size, index.chunk_size)
-        peers = Peers(ep, membership, secret, cfg.cluster.replicas, slot, local_node=local,
-                      nbuf=max(8, cfg.fuse.prefetch_chunks * 2),
+        peers = Peers(ep, membership, secret, cfg.cluster.replicas, slot, nursery=nursery,
+                      local_node=local, nbuf=max(8, cfg.fuse.prefetch_chunks * 2),
                       landing_slots=cfg.cache.memory // slot)
         try:
             yield peers
@@ -133,8 +133,10 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
 
     async with _cluster(cfg, index) as peers, trio.open_nursery() as nursery:
         pages = PageCache(index) if cfg.fuse.push_pages else None
-        reader = Reader(index, origin, memory, disk, nursery, cfg.fuse.workers, cfg.fuse.prefetch_chunks,
-                        peers, (info.name, info.version), push=pages.push if pages else None)
+        reader = Reader(index=index, origin=origin, memory=memory, disk=disk, nursery=nursery,
+                        peers=peers, dataset=(info.name, info.version), workers=cfg.fuse.workers,
+                        prefetch_depth=cfg.fuse.prefetch_chunks,
+                        push=pages.push if pages else None)
         ops = Operations(index, reader, info, cfg.fuse, slow_op=cfg.log.slow_op)
         options = set(pyfuse3.default_options) | {"ro", f"fsname=kspeedfs:{info.name}", "subtype=kspeedfs"}
         if cfg.fuse.allow_other:

@@ -31,7 +31,8 @@ def _chunk(seed: int) -> tuple[bytes, bytes]:
 async def test_a_stale_hint_falls_back_to_the_bucket_and_never_returns_wrong_bytes() -> None:
     geometry = Geometry.for_memory(2 * SLOT, SLOT)          # two slots: reuse comes fast
     async with Endpoint(SECRET, node="n1", addrs=[LO], provider="soft") as node, \
-            Endpoint(SECRET, node="client", addrs=[LO], provider="soft") as client:
+            Endpoint(SECRET, node="client", addrs=[LO], provider="soft") as client, \
+            trio.open_nursery() as nursery:
         arena_mr = node.alloc(geometry.arena_bytes, name="arena", remote_read=True)
         index_mr = node.alloc(geometry.index_bytes, name="index", remote_read=True)
         node.export("arena", arena_mr)
@@ -40,7 +41,8 @@ async def test_a_stale_hint_falls_back_to_the_bucket_and_never_returns_wrong_byt
         port = await node.listen(LO)
         rec = NodeRecord("n1", "host1", [LO], port, 0, geometry.arena_bytes, geometry.nslots,
                          SLOT, geometry.nbuckets)
-        peers = Peers(client, None, SECRET, replicas=1, slot_size=SLOT, nbuf=2)  # type: ignore[arg-type]
+        peers = Peers(client, None, SECRET, replicas=1, slot_size=SLOT,  # type: ignore[arg-type]
+                      nursery=nursery, nbuf=2)
         (ka, a), (kb, b), (kc, c) = _chunk(1), _chunk(2), _chunk(3)
 
         arena.put(ka, a)

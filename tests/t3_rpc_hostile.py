@@ -237,13 +237,14 @@ async def test_a_misbehaving_replica_is_skipped_for_the_next(case: str) -> None:
     key, data = _chunk()
     async with _node("bad") as (_, _, bad), _node("good") as (_, good_arena, good), \
             _fake(behave) as fake_port, \
-            Endpoint(SECRET, node="mount", addrs=[LO], provider="soft") as mount:
+            Endpoint(SECRET, node="mount", addrs=[LO], provider="soft") as mount, \
+            trio.open_nursery() as nursery:
         good_arena.put(key, data)                 # the bad node lacks it: asks its RPC
         bad = replace(bad, **{"port" if where == "vrdma" else "rpc_port": fake_port})
         members = SimpleNamespace(nodes={"bad": bad, "good": good},
                                   members=[bad.member(), good.member()])
         peers = Peers(mount, members, SECRET, replicas=2, slot_size=SLOT,  # type: ignore[arg-type]
-                      nbuf=2, local_node="bad", rpc_timeout=2)
+                      nursery=nursery, nbuf=2, local_node="bad", rpc_timeout=2)
         assert [r.node for r in peers.order(key)] == ["bad", "good"]
         with trio.fail_after(10):
             got = await peers.read_chunk("ds", 1, 0, key, len(data))

@@ -55,6 +55,7 @@ from rdma.errors import HandshakeError, PathClosed, PeerUnreachable, RdmaError
 from rdma.vrdma import VMR, VQP, Endpoint
 
 from .. import checksum
+from ..cache.singleflight import SingleFlight
 from .arena import BUCKET_BYTES, bucket_of, find_in_bucket
 from .landing import Landing
 from .membership import Membership, NodeRecord
@@ -113,10 +114,12 @@ class Peers:
     """Chunk reads from the cluster for one process (a mount, or a node re-replicating)."""
 
     def __init__(self, endpoint: Endpoint, membership: Membership, secret: bytes, replicas: int,
-                 slot_size: int, *, me: str | None = None, local_node: str | None = None,
-                 nbuf: int = 8, landing_slots: int = 0, rpc_timeout: float = 30.0) -> None:
+                 slot_size: int, *, nursery: trio.Nursery, me: str | None = None,
+                 local_node: str | None = None, nbuf: int = 8, landing_slots: int = 0,
+                 rpc_timeout: float = 30.0) -> None:
         """``landing_slots``: chunks that may stay in landing slots at once (the memory
-        tier's capacity in chunks, for a mount); ``nbuf`` READs are in flight at most."""
+        tier's capacity in chunks, for a mount); ``nbuf`` READs are in flight at most;
+        ``nursery`` runs the connects to nodes (one per node at a time, single-flight)."""
         self.ep = endpoint
         self.membership = membership
         self.secret = secret
@@ -130,7 +133,7 @@ class Peers:
         self._free = list(range(nbuf))
         self._slot_free = trio.Semaphore(nbuf)
         self._vqps: dict[str, tuple[float, VQP]] = {}   # node → (started, vqp)
-        self._connecting: dict[str, trio.Event] = {}
+        self._connects: SingleFlight[VQP] = SingleFlight(nursery)   # keyed by node
         self._rpc: dict[str, RpcClient] = {}
         self._skip_until: dict[str, float] = {}
         self._hints: dict[tuple[str, float, bytes], int] = {}   # (node, started, key) → slot
@@ -139,22 +142,19 @@ class Peers:
     # -- connections ----------------------------------------------------------------------
 
     async def _vqp(self, rec: NodeRecord) -> VQP:
+        """The vQP to this incarnation of ``rec.node``, connecting once if there is none.
+        A joined connect may have been to another incarnation: then look again."""
+        while (have := self._vqps.get(rec.node)) is None or have[0] != rec.started:
+            await self._connects.run(rec.node, self._connect, rec)
+        return have[1]
+
+    async def _connect(self, rec: NodeRecord) -> VQP:
         have = self._vqps.get(rec.node)
-        if have is not None and have[0] == rec.started:
-            return have[1]
-        if rec.node in self._connecting:              # one connect per node at a time
-            await self._connecting[rec.node].wait()
-            return await self._vqp(rec)
-        self._connecting[rec.node] = done = trio.Event()
-        try:
-            if have is not None:                       # the node restarted: new incarnation
-                await have[1].aclose()
-            vqp = await self.ep.connect(rec.nics, rec.port, timeout=max(1.0, 2 * self._grace()))
-            self._vqps[rec.node] = (rec.started, vqp)
-            return vqp
-        finally:
-            del self._connecting[rec.node]
-            done.set()
+        if have is not None:                           # the node restarted: new incarnation
+            await have[1].aclose()
+        vqp = await self.ep.connect(rec.nics, rec.port, timeout=max(1.0, 2 * self._grace()))
+        self._vqps[rec.node] = (rec.started, vqp)
+        return vqp
 
     def _grace(self) -> float:
         return self.ep.cfg.unreachable_grace

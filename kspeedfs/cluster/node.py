@@ -36,11 +36,11 @@ import trio
 
 from rdma.vrdma import Endpoint
 
-from .. import checksum
 from ..cache.disk import DiskCache
 from ..cache.singleflight import SingleFlight
+from ..cache.tiers import Loaded, TierChain
 from ..config import Config
-from ..errors import ConfigError, KspeedfsError, SourceChanged
+from ..errors import ConfigError, KspeedfsError
 from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from ..manifest.store.etcd import EtcdStore
@@ -111,6 +111,35 @@ class NodeStatistics:
 
 
 class Node:
+    """One machine's share of the pooled cache: its arena, what fills it, what it serves.
+
+    Built by :func:`serve`, which also runs its loops in one nursery: ``handle`` answers
+    the RPCs (``load`` a chunk on a reader's demand, ``have``, ``stats``),
+    ``reconcile_forever`` makes the arena hold this node's owned chunks of every
+    preloaded dataset (preload, re-replication and rejoin are that one loop),
+    ``publish_stats_forever`` and, with an SSD tier, ``spill_forever``. Every method runs
+    in the trio thread and never blocks it: etcd, source and SSD I/O go to worker
+    threads (source and SSD under one limiter of ``max(2, cluster.preload_workers)``).
+    A chunk and a manifest are each loaded once however many ask (single-flight), and a
+    chunk enters the arena only verified.
+
+    Attributes:
+        cfg: the configuration; ``cluster.*`` sets replicas, workers and the arena.
+        name: this node's name in ``nodes/`` and in placement.
+        store: the etcd store (manifests, ``preload/``, ``progress/``, ``stats/``).
+        ep: the vRDMA endpoint exporting ``arena`` and ``index`` to peers.
+        arena: the memory arena (slots + index), READ by peers one-sided.
+        disk: the SSD tier for evicted owned chunks, or None.
+        membership: live nodes; placement's input.
+        peers: reads from other replicas' arenas (re-replication, demand loads).
+        registration: the lease keeping ``nodes/<name>`` alive; publishes progress/stats.
+        source_override: a source directory used instead of the one each dataset records.
+        counters: what was loaded and spilled (:class:`NodeCounters`).
+        datasets: (name, version) → :class:`Dataset`, each manifest fetched once.
+        preload: the ``preload/`` requests (dataset → version to hold).
+        progress: ``"<ds>@<v>"`` → owned/cached/from_source/from_peer, as published.
+    """
+
     def __init__(self, cfg: Config, name: str, store: EtcdStore, ep: Endpoint, arena: Arena,
                  membership: Membership, peers: Peers, registration: Registration,
                  nursery: trio.Nursery, source_override: str | None = None,
@@ -128,8 +157,8 @@ class Node:
         self.disk = disk
         self._spill_send, self._spill_recv = trio.open_memory_channel[tuple[bytes, bytes]](64)
         self.datasets: dict[tuple[str, int], Dataset] = {}
-        self._loading: dict[tuple[str, int], trio.Event] = {}
-        self._flights: SingleFlight[str] = SingleFlight(nursery)
+        self._manifests: SingleFlight[Dataset] = SingleFlight(nursery)   # (name, version)
+        self._flights: SingleFlight[Loaded] = SingleFlight(nursery)
         self._io = trio.CapacityLimiter(max(2, cfg.cluster.preload_workers))
         self.preload = PrefixView(store, "preload/")
         self.progress: dict[str, dict[str, int]] = {}
@@ -138,29 +167,24 @@ class Node:
     # -- datasets --------------------------------------------------------------------------
 
     async def dataset(self, name: str, version: int) -> Dataset:
-        key = (name, version)
-        if key in self.datasets:
-            return self.datasets[key]
-        if key in self._loading:
-            await self._loading[key].wait()
-            return await self.dataset(name, version)
-        self._loading[key] = done = trio.Event()
-        try:
-            def fetch() -> Dataset:
-                info = self.store.dataset(name, version)
-                index = ManifestIndex.from_blob(self.store.manifest(name, version), info.inflated_size)
-                if index.chunk_size > self.arena.g.slot_size:
-                    raise ConfigError(f"dataset {name} has {index.chunk_size}-byte chunks; this "
-                                      f"node's cluster.slot_size is {self.arena.g.slot_size}")
-                return Dataset(info, index, self.source_override or info.source)
+        """``name`` v``version``, its manifest fetched from etcd once (single-flight)."""
+        ds = self.datasets.get((name, version))
+        if ds is None:
+            ds, _ = await self._manifests.run((name, version), self._open_dataset, name, version)
+        return ds
 
-            ds = await trio.to_thread.run_sync(fetch)
-            self.datasets[key] = ds
-            log.info("dataset %s v%d: %d chunks, %d bytes", name, version, ds.index.chunks, ds.info.bytes)
-            return ds
-        finally:
-            del self._loading[key]
-            done.set()
+    async def _open_dataset(self, name: str, version: int) -> Dataset:
+        def fetch() -> Dataset:
+            info = self.store.dataset(name, version)
+            index = ManifestIndex.from_blob(self.store.manifest(name, version), info.inflated_size)
+            if index.chunk_size > self.arena.g.slot_size:
+                raise ConfigError(f"dataset {name} has {index.chunk_size}-byte chunks; this "
+                                  f"node's cluster.slot_size is {self.arena.g.slot_size}")
+            return Dataset(info, index, self.source_override or info.source)
+
+        ds = self.datasets[(name, version)] = await trio.to_thread.run_sync(fetch)
+        log.info("dataset %s v%d: %d chunks, %d bytes", name, version, ds.index.chunks, ds.info.bytes)
+        return ds
 
     def has(self, key: bytes) -> bool:
         """Cached on this node: in the arena (READable by peers) or on its SSD tier."""
@@ -172,52 +196,32 @@ class Node:
     # -- loading one chunk --------------------------------------------------------------------
 
     async def load_chunk(self, ds: Dataset, k: int) -> str:
-        """Make chunk ``k`` present in the arena; returns where it came from."""
-        key = ds.index.chunk_digest(k)
-        if key in self.arena:
-            return "cache"
-        where, _ = await self._flights.run(key, self._load, ds, k, key)
-        return where
+        """Make chunk ``k`` present in the arena; returns where it came from ("cache",
+        "disk", "peer" or "source"). Raises ``ChunkUnavailable`` or ``SourceChanged``
+        (``TierChain``'s contract), an ``error`` reply over RPC."""
+        return await self._tiers(ds).fill(k)
 
-    async def _load(self, ds: Dataset, k: int, key: bytes) -> str:
-        length = ds.index.chunk_len[k]
-        if self.disk is not None:
-            data = await trio.to_thread.run_sync(self._from_disk, key, limiter=self._io)
-            if data is not None:
-                self.counters.disk_loads += 1
-                self.arena.put(key, data)
-                return "disk"
-        data = await self.peers.read_chunk(ds.info.name, ds.info.version, k, key, length,
-                                           ask_owner=False, exclude=self.name)
-        if data is not None:
+    def _tiers(self, ds: Dataset) -> TierChain:
+        """``ds``'s tier chain: arena → SSD tier → other replicas (never asked to load:
+        this node is the loader) → source. One single-flight for every dataset: a chunk
+        two versions share is one load."""
+        return TierChain(index=ds.index, origin=ds.origin, dataset=(ds.info.name, ds.info.version),
+                         memory=self.arena, disk=self.disk, peers=self.peers,
+                         flights=self._flights, limiter=self._io, node=self.name,
+                         landed=self._landed)
+
+    def _landed(self, k: int, key: bytes, loaded: Loaded) -> None:
+        """Count a chunk the arena took from a farther tier."""
+        if loaded.tier == "disk":
+            self.counters.disk_loads += 1
+        elif loaded.tier == "peer":
             self.counters.peer_loads += 1
-            self.counters.peer_bytes += length
-            where = "peer"
+            self.counters.peer_bytes += len(loaded.data)
         else:
-            try:
-                data, _ = await trio.to_thread.run_sync(ds.origin.load, k, limiter=self._io)
-            except SourceChanged as e:
-                log.error("%s", e)
-                raise
-            except OSError as e:
-                raise KspeedfsError(f"chunk {k} of {ds.info.name}: source read failed: {e}") from e
             self.counters.source_loads += 1
-            self.counters.source_bytes += length
-            where = "source"
-        if key not in self.arena:
-            self.arena.put(key, data)
-        return where
+            self.counters.source_bytes += len(loaded.data)
 
     # -- the SSD tier: chunks evicted from the arena, promoted back on demand ----------------
-
-    def _from_disk(self, key: bytes) -> bytes | None:
-        assert self.disk is not None
-        data = self.disk.get(key)
-        if data is not None and not checksum.chunk_matches(data, key):
-            log.warning("SSD tier chunk %s failed its checksum: discarded", key.hex()[:12])
-            self.disk.discard(key)
-            return None
-        return data
 
     def spill(self, key: bytes, data: bytes) -> None:
         """Arena eviction hook (trio thread, must not block): queue the chunk for the SSD."""
@@ -391,9 +395,9 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
         port = await ep.listen(port=cfg.cluster.port)
         membership = Membership(store, leave_grace=cfg.cluster.leave_grace)
         registration = Registration(store, cfg.cluster.lease_ttl)
-        peers = Peers(ep, membership, secret, cfg.cluster.replicas, cfg.cluster.slot_size,
-                      local_node=name)
         async with trio.open_nursery() as nursery:
+            peers = Peers(ep, membership, secret, cfg.cluster.replicas, cfg.cluster.slot_size,
+                          nursery=nursery, local_node=name)
             arena = Arena(geometry, arena_mr, index_mr)
             # <disk_dir>/<node>: several nodes may share a host (and a disk) in tests
             disk = (DiskCache(os.path.join(cfg.cache.disk_dir, name), cfg.cache.disk)
