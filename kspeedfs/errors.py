@@ -96,5 +96,10 @@ class ChunkUnavailable(KspeedfsError):
     """No tier could produce verified bytes for a chunk: the reader gets EIO."""
 
 
+class LoadCancelled(KspeedfsError, errno=_errno.EINTR):
+    """A shared load was cancelled before it finished (its nursery is closing): what
+    the waiters of a single-flight get instead of a result."""
+
+
 class ReadOnly(KspeedfsError, errno=_errno.EROFS):
     """kspeedfs serves immutable snapshots: every write-type operation."""

@@ -129,9 +129,6 @@ class Reader:
             disk_bytes=self.disk.used if self.disk else 0
         )
 
-    def peer_statistics(self) -> dict[str, object]:
-        return self.peers.statistics() if self.peers is not None else {}
-
     async def read(self, entry: int, offset: int, size: int, stream: Stream | None = None) -> Data:
         """Up to ``size`` bytes of file ``entry`` at ``offset`` (fewer at its end)."""
         ix = self.index

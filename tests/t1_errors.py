@@ -38,6 +38,7 @@ ERRNO = {
     "ChunkCorrupt": errno.EIO,
     "SourceChanged": errno.EIO,
     "ChunkUnavailable": errno.EIO,
+    "LoadCancelled": errno.EINTR,
     "ReadOnly": errno.EROFS,
     # rdma.errors
     "RdmaError": errno.EIO,

@@ -11,6 +11,7 @@ from kspeedfs.cache.disk import DiskCache
 from kspeedfs.cache.memory import MemoryCache
 from kspeedfs.cache.prefetch import Prefetcher, Stream
 from kspeedfs.cache.singleflight import SingleFlight
+from kspeedfs.errors import LoadCancelled
 
 
 class MemoryModel(RuleBasedStateMachine):
@@ -156,6 +157,30 @@ async def test_single_flight_error_reaches_every_waiter_and_cancel_does_not_kill
         with trio.move_on_after(0.01):
             await sf.run(b"s", slow)          # the reader gives up ...
         await done.wait()                     # ... the load others may wait for does not
+
+
+async def test_single_flight_cancelled_load_is_an_error_for_its_waiters() -> None:
+    """The flight's nursery closing under a load (shutdown): a waiter elsewhere gets
+    LoadCancelled, not a None result it would take for the value."""
+    async def forever() -> int:
+        await trio.sleep_forever()
+        return 0
+
+    got: list[BaseException] = []
+    async with trio.open_nursery() as outer:
+        async with trio.open_nursery() as flights:
+            sf: SingleFlight[int] = SingleFlight(flights)
+
+            async def waiter() -> None:
+                try:
+                    await sf.run(b"k", forever)
+                except LoadCancelled as e:
+                    got.append(e)
+
+            outer.start_soon(waiter)
+            await trio.sleep(0.01)
+            flights.cancel_scope.cancel()
+    assert len(got) == 1
 
 
 def test_prefetch_only_for_sequential_readers() -> None:

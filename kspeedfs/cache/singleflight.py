@@ -11,6 +11,8 @@ from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 import trio
 
+from ..errors import LoadCancelled
+
 T = TypeVar("T")
 
 
@@ -44,6 +46,9 @@ class SingleFlight(Generic[T]):
                 flight.result = await load(*args)
             except Exception as e:   # handed to the waiters, who raise it
                 flight.error = e
+            except BaseException:    # cancelled: the waiters must not take None for a result
+                flight.error = LoadCancelled(f"load of {key!r} was cancelled")
+                raise
             finally:
                 del self._flights[key]
                 flight.done.set()
