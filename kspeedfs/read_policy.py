@@ -12,7 +12,7 @@
       sequential reader                           → prefetch, if the budget has room
                                                     (``room_ahead``)
 
-Plain bookkeeping: no trio, no I/O, so tests/t1_read_policy.py asks it without a mount.
+Plain bookkeeping: no trio, no I/O, so tests/unit/test_read_policy.py asks it without a mount.
 Each rule carries the measurement behind it.
 """
 from __future__ import annotations

@@ -36,7 +36,7 @@
  *   anything is used; a pending connection reads at most KS_HELLO_BUF (300 B) into a
  *   buffer of that size.  Any error closes that one connection (and moves its QP to ERR
  *   once attached).  native/fuzz/fuzz_engine.c fuzzes these and the connection handlers
- *   under ASan/UBSan (~100k inputs/s; tests/rdma/t1_soft_fuzz.py).
+ *   under ASan/UBSan (~100k inputs/s; tests/rdma/test_soft_fuzz.py).
  * * Pending connections (accepted, no valid HELLO yet) are bounded: 2 s to deliver the
  *   HELLO (a real one is written right after connect(); 2 s still covers one lost SYN-ACK
  *   or data segment at Linux's 1 s initial RTO), 64 per source address and 256 in all.
@@ -46,7 +46,7 @@
  *   accepted before its bytes are read.  Each pending connection costs one fd and ~1 KiB;
  *   the listener accepts KS_ACCEPT_BATCH at a time and reads the HELLO at once, and on
  *   EMFILE pauses KS_LISTEN_PAUSE_MS instead of spinning.  Measured
- *   (tests/rdma/t1_soft_hostile.py): with 1500 idle connections held open from
+ *   (tests/rdma/test_soft_hostile.py): with 1500 idle connections held open from
  *   127.0.0.1, at most 64 are pending, a new QP pair connects and READs 1 MiB, and fds
  *   and RSS are back at their baseline once the flood closes.
  * * QPNs are 24 random bits (getrandom), so a HELLO must first guess a live QPN (1 in
@@ -57,7 +57,7 @@
  *   expect_peer() (vRDMA: the client QPN and HMAC token exchanged on the authenticated
  *   channel) lets the QP refuse every other HELLO at once, so strangers never take
  *   those slots.  Without it, a stranger who guessed the QPN and sent 4 HELLOs before
- *   the peer has the peer refused (tests/rdma/t1_soft_hostile.py shows both).
+ *   the peer has the peer refused (tests/rdma/test_soft_hostile.py shows both).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -1440,7 +1440,7 @@ static void conn_drop(ks_engine *e, ks_conn *c, int err, uint32_t status)
         /* The peer's requests stopped (its QP went to ERR, say after NAKing one of our
          * READs): a NAK already waiting on our requester connection names the real
          * cause (REM_ACCESS_ERR...), so read it before blaming the transport.  Without
-         * this t1_soft_conformance's rkey/bounds checks saw RETRY_EXC_ERR ~1 run in 6
+         * this test_soft_conformance's rkey/bounds checks saw RETRY_EXC_ERR ~1 run in 6
          * on a loaded 2-core machine. */
         if (c->role == CONN_RESP && qp->req && !qp->req->dead &&
             req_rx(e, qp, qp->req) == 1)

@@ -1,4 +1,6 @@
-"""Suite-wide options: the slow lane is opt-in (``--run-slow`` or ``./run test-slow``)."""
+"""Suite-wide options: the slow lane is opt-in (``--run-slow`` or ``./run test-slow``), the
+guest lane too (``--run-vm``); every test is marked with its folder's cost layer and the
+layers run cheapest first (tests/README.md)."""
 import os
 
 # before anything imports grpc: its fork handlers abort a test process that spawns a
@@ -18,7 +20,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="also run tests marked vm (Soft-RoCE QEMU guests, tests/vm)")
 
 
+# The folders are the cost layers, cheapest first; the suite runs them in this order so
+# that the first failure names the lowest broken layer (tests/README.md).
+LAYERS = ("unit", "etcd", "rdma", "mount", "cluster", "vm")
+
+
+def _layer(item: pytest.Item) -> str | None:
+    parts = item.path.relative_to(item.config.rootpath).parts
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in LAYERS else None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        layer = _layer(item)
+        if layer is not None:
+            item.add_marker(getattr(pytest.mark, layer))
+    items.sort(key=lambda item: LAYERS.index(_layer(item) or "unit"))   # stable: file order kept
     if not config.getoption("--run-vm"):
         skip_vm = pytest.mark.skip(reason="guest lane: use --run-vm (./run test-vm)")
         for item in items:

@@ -7,7 +7,7 @@ Why this and not a consistent-hash ring:
 
 * stable by construction: a node joining takes exactly the chunks it now out-scores
   someone for, a node leaving gives up exactly its own, nothing else moves (the
-  "moves ≤ its share" property is a one-line argument, and ``tests/t1_placement.py``
+  "moves ≤ its share" property is a one-line argument, and ``tests/unit/test_placement.py``
   checks it);
 * weights are exact: the ``-w/ln(u)`` form makes a node's probability of winning
   proportional to its weight, with no virtual nodes to tune;

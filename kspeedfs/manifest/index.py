@@ -18,7 +18,7 @@ different size than declared is corrupt as well. ``inflated_size = 0`` means "no
 declared" (records older than the field): inflated without a cap, as before; every
 import now declares it, and in etcd the declaration is signed. The parser
 behind it (``ManifestIndex.__init__``) raises ``ManifestCorrupt`` for any malformed
-content (tests/t1_signature.py fuzzes both).
+content (tests/unit/test_signature.py fuzzes both).
 """
 from __future__ import annotations
 

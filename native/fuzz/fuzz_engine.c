@@ -1,6 +1,6 @@
 /* fuzz_engine.c — fuzz the soft engine's wire parsing, stateless and stateful.
  *
- * Build (tests/rdma/t1_soft_fuzz.py does this; -fsanitize turns any out-of-bounds access,
+ * Build (tests/rdma/test_soft_fuzz.py does this; -fsanitize turns any out-of-bounds access,
  * use-after-free, leak or undefined behaviour into a failing exit status):
  *
  *   gcc -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all \

@@ -35,7 +35,7 @@ Who can read what (the rkey is a capability; these keep it one):
   raced the client onto it is refused and the QP destroyed.
 * Client path QPs have no REMOTE_READ access at all: a connection that sneaks onto one
   (between its RTS and the server's attach) can read nothing, not even this node's
-  exports.  ``tests/rdma/t3_vrdma_api.py`` forges both attacks at the soft wire level.
+  exports.  ``tests/rdma/test_vrdma_api.py`` forges both attacks at the soft wire level.
 
 Before a client is authenticated, its connection is held to the limits of
 :mod:`.handshake` (frames ≤ 4 KiB and flat, the whole handshake within

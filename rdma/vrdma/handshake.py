@@ -71,7 +71,7 @@ is parsed by :func:`decode` and one schema per handshake message; any failure is
   taken all 1,024).  32 from one address is above what one host's processes open at
   once (one mount: a path per NIC pair (≤ 16) plus its dials and ``rpc.OPENING`` = 8
   RPC handshakes).  Refusals are logged at most once per ``LOG_EVERY`` = 10 s, with a
-  count of the lines skipped.  Measured (``tests/rdma/t2_vrdma_hostile.py``, both ends
+  count of the lines skipped.  Measured (``tests/rdma/test_vrdma_hostile.py``, both ends
   in one process, caps lifted so only the frame cap bounds memory): 300 connections
   each sending a 1 MiB − 1 frame plus 300 holding a partial 4 KB frame cost +5 MB RSS
   while held, and every fd comes back when they close.

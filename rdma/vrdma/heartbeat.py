@@ -44,7 +44,7 @@ happens; DOWN is declared at the first tick after ``M·I`` of silence.  Hence::
 
     detection  ∈  [ (M-1)·I ,  (M+1)·I + rtt + tick jitter ]
 
-(``tests/rdma/t2_vrdma_path.py`` checks this against a simulated schedule for many
+(``tests/rdma/test_vrdma_path.py`` checks this against a simulated schedule for many
 ``I``, ``M``, RTT and failure times.)  Two exceptions, both to keep a starved host from
 killing healthy paths: a path whose CQ still holds unconsumed WCs is not silent, and the
 *last* live path is held SUSPECT instead of DOWN -- the peer-dead clock starts from its

@@ -35,7 +35,7 @@
   is retried with a slower backoff; it never counts as a lost path.
 
 :class:`PathMachine` is the state machine alone: synchronous, no I/O, time passed in, so
-Hypothesis drives it (``tests/rdma/t2_vrdma_path.py``).  :class:`Path` adds the verbs
+Hypothesis drives it (``tests/rdma/test_vrdma_path.py``).  :class:`Path` adds the verbs
 objects (QP, CQ) and the in-flight table; the tasks that drive it are :mod:`.vqp` (the
 CQ consumer), :mod:`.monitor` (heartbeats) and :mod:`.rebuild`.
 """

@@ -2,7 +2,7 @@
 
 One interface, two backends: ``embedded.py`` (a directory on local disk, no server;
 the single-node default) and ``etcd.py`` (a real etcd cluster, which the cluster
-membership also uses). ``tests/t1_store_contract.py`` runs the same contract over both.
+membership also uses). ``tests/etcd/test_store_contract.py`` runs the same contract over both.
 
 The store is on the control path only. Import publishes a manifest once; a mount
 fetches one version once and never talks to the store again on lookup/getattr/read

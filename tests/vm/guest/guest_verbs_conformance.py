@@ -1,4 +1,4 @@
-"""Runs INSIDE a Soft-RoCE guest (tests/vm/t7_verbs_conformance.py boots it).
+"""Runs INSIDE a Soft-RoCE guest (tests/vm/test_verbs_conformance.py boots it).
 
 The guest has rxe0 on eth0 and rxe1 on eth1, the two ends of one wire, with the
 policy routing of init.sh (ks.loopwire=1) so rxe0 → rxe1 really crosses the wire.

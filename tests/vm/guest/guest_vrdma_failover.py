@@ -1,9 +1,9 @@
-"""Runs INSIDE Soft-RoCE guest ``a`` (tests/vm/t7_verbs_failover.py boots a and b).
+"""Runs INSIDE Soft-RoCE guest ``a`` (tests/vm/test_verbs_failover.py boots a and b).
 
 Guest b serves ``tests/rdma/vrdma_peer.py serve`` (the same peer program as the netns
 failover tests, unchanged) on rxe0/rxe1; guest a streams READs through
 ``vrdma_peer.py stream`` and follows its JSON events with the same ``Client`` as
-tests/rdma/t3_vrdma_failover.py.  Two wires, one per rail::
+tests/rdma/test_vrdma_failover.py.  Two wires, one per rail::
 
     a.eth0 198.18.1.1 ── wire 0 ── b.eth0 198.18.1.2
     a.eth1 198.18.2.1 ── wire 1 ── b.eth1 198.18.2.2
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from rdma.qp_state import total_timeout_seconds  # noqa: E402
 from rdma.vrdma.heartbeat import HeartbeatConfig  # noqa: E402
 from tests.fixtures.netns import HostProcess  # noqa: E402
-from tests.rdma.t3_vrdma_failover import Client  # noqa: E402
+from tests.rdma.test_vrdma_failover import Client  # noqa: E402
 
 PEER = str(REPO / "tests/rdma/vrdma_peer.py")
 RUN = Path(os.environ.get("KS_RUN", "/run/ks"))

@@ -38,7 +38,7 @@ SECRET = b"contract-test-cluster-secret"
 
 def open_store(cfg: StoreConfig) -> MetadataStore:
     """Every store here is opened as a cluster member: etcd records are signed and
-    verified with ``SECRET`` (tests/t1_signature.py covers the refusals)."""
+    verified with ``SECRET`` (tests/unit/test_signature.py covers the refusals)."""
     return _open_store(cfg, SECRET)
 
 

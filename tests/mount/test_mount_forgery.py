@@ -14,7 +14,7 @@ from kspeedfs.config import StoreConfig
 from kspeedfs.manifest.store.etcd import EtcdStore
 from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.mounts import CHUNK, assert_same_tree, kspeedfs, make_tree
-from tests.t1_etcd_forgery import forge_version
+from tests.etcd.test_etcd_forgery import forge_version
 
 
 def test_mount_refuses_forged_version(etcd_server: EtcdServer, tmp_path: Path) -> None:

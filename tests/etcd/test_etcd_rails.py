@@ -5,7 +5,7 @@ disappears keeps its placement for ``cluster.leave_grace``.
 
 A "silent" endpoint is a loopback listener that accepts TCP and never answers (gRPC
 gives up waiting for the server's HTTP/2 settings within ~0.1 s and backs off). A rail
-that drops every packet is the netns cluster test's (tests/t6_cluster.py). About 25 s.
+that drops every packet is the netns cluster test's (tests/cluster/test_cluster.py). About 25 s.
 """
 from __future__ import annotations
 
