@@ -33,7 +33,9 @@ def _layer(item: pytest.Item) -> str | None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         layer = _layer(item)
-        if layer is not None:
+        # ``vm`` is not added by folder: the guests run tests/vm/guest/*.py themselves,
+        # and the tests that boot guests carry the marker explicitly
+        if layer is not None and layer != "vm":
             item.add_marker(getattr(pytest.mark, layer))
     items.sort(key=lambda item: LAYERS.index(_layer(item) or "unit"))   # stable: file order kept
     if not config.getoption("--run-vm"):

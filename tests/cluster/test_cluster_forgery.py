@@ -41,7 +41,7 @@ def test_wrong_secret_node_never_enters_placement(tmp_path: Path) -> None:
                          "--nic", h.address(1), "--nic", h.address(2),
                          "--cache-mem", c.node_memory, *c.common(),
                          "--set", f"cluster.secret_file={wrong}"],
-                        cwd=str(Path(__file__).resolve().parents[1]))
+                        cwd=str(Path(__file__).resolve().parents[2]))
         rogue.readline_until("ready", timeout=30)
         time.sleep(2)                                     # its record is in etcd by now
         assert sorted(c.nodes()) == ["n1", "n2", "n3"]

@@ -17,7 +17,7 @@ import pytest
 
 from tests.fixtures import netns
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.fixtures.mounts import cluster1
 
-JOBS = Path(__file__).resolve().parent.parent / "bench" / "fio"
+JOBS = Path(__file__).resolve().parents[2] / "bench" / "fio"
 pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
 
 
