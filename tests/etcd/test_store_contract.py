@@ -329,7 +329,7 @@ def test_etcd_dead_endpoint_is_unavailable() -> None:
 
 def test_etcd_fails_over_to_next_endpoint(etcd_server: EtcdServer, caplog: pytest.LogCaptureFixture) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    with caplog.at_level(logging.INFO, logger="kspeedfs.manifest.store.etcd"):
+    with caplog.at_level(logging.INFO, logger="kspeedfs.manifest.store"):
         with open_store(_etcd_cfg([dead, etcd_server.endpoint], timeout=2)) as store:
             store.publish(make_info(), b"x")
             assert store.manifest("imagenet", 1) == b"x"
