@@ -224,6 +224,14 @@ class ClusterConfig:
     hb_idle_interval: float = _opt(0.100, "heartbeat interval of a peer connection with no READ "
                                    "for 1 s, s (the next READ restores hb_interval at once)")
     peer_timeout: float = _opt(0.5, "all paths to a peer dead this long -> try the next replica, s")
+    hedge: bool = _opt(True, "mount: READ the next replica too when a peer READ is slow "
+                       "(cluster/hedge.py: the rule and its measurements)")
+    hedge_factor: float = _opt(2.0, "hedge a READ after p99 x this of the peer's recent READs of its size")
+    hedge_floor: float = _opt(0.002, "never hedge a READ younger than this, s")
+    hedge_cap: float = _opt(0.1, "always hedge a READ older than this, s (< peer_timeout)")
+    hedge_budget: float = _opt(0.05, "hedged bytes at most this fraction of the bytes READ")
+    hedge_suspect_time: float = _opt(1.0, "a peer overrunning twice in a row is tried last "
+                                     "for this long, s (or until a READ of it is in time)")
 
     def validate(self) -> None:
         if not 1 <= self.replicas <= 16:
@@ -253,6 +261,14 @@ class ClusterConfig:
                               f"cluster.hb_interval ({self.hb_interval})")
         _positive("cluster.hb_idle_interval", self.hb_idle_interval, 60)
         _positive("cluster.peer_timeout", self.peer_timeout, 3600)
+        _range("cluster.hedge_factor", self.hedge_factor, 1, 100)
+        _positive("cluster.hedge_floor", self.hedge_floor, 60)
+        _positive("cluster.hedge_cap", self.hedge_cap, 60)
+        if not self.hedge_floor <= self.hedge_cap < self.peer_timeout:
+            raise ConfigError(f"cluster.hedge_cap: {self.hedge_cap} must be >= cluster.hedge_floor "
+                              f"({self.hedge_floor}) and < cluster.peer_timeout ({self.peer_timeout})")
+        _range("cluster.hedge_budget", self.hedge_budget, 0, 1)
+        _range("cluster.hedge_suspect_time", self.hedge_suspect_time, 0, 3600)
         _range("cluster.hb_miss", self.hb_miss, 2, 1000)
 
     def check_host(self, node: bool) -> None:
