@@ -93,6 +93,7 @@ async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | 
     from rdma.vrdma import Endpoint
 
     from .cluster.fetch import Peers
+    from .cluster.hedge import from_config as hedge_from_config
     from .cluster.membership import Membership
     from .manifest.store.etcd import EtcdStore
 
@@ -110,7 +111,8 @@ async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | 
         slot = max(cfg.cluster.slot_size, index.chunk_size)
         peers = Peers(ep, membership, secret, cfg.cluster.replicas, slot, nursery=nursery,
                       local_node=local, nbuf=max(8, cfg.fuse.prefetch_chunks * 2),
-                      landing_slots=cfg.cache.memory // slot)
+                      landing_slots=cfg.cache.memory // slot,
+                      hedge=hedge_from_config(cfg.cluster))
         try:
             yield peers
         finally:

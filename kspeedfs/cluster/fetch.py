@@ -41,6 +41,20 @@ is held) lands in one of ``nbuf`` staging slots and is copied out as ``bytes``.
 Cancellation: a cancelled read keeps its slot until the READ has completed (vRDMA owns
 the buffer until its completion), which ``VQP.read`` guarantees by shielding the wait
 for the completion.
+
+Hedging (issue 19, ``cluster.hedge``; the rule and its numbers: :mod:`.hedge`). Without
+it a replica that stops answering (SIGSTOP, SIGKILL, a stall) costs every read waiting
+on it ``cluster.peer_timeout`` before the next replica is asked (531–614 ms measured).
+With it, each replica's attempt runs as a task in ``nursery``; when its current READ
+(or its connect) is older than ``Hedger.threshold`` the same bytes are READ from the
+next replica, at most once per read and within the byte budget; the first attempt whose
+bytes verify wins. The loser is never cancelled: it runs until its READ completes or
+fails (so its buffers are handed back only then, the cancellation contract), then gives
+its landing and staging slots back without keeping or copying anything. Staging slots
+are therefore two counts: ``nbuf`` reads in progress (a semaphore per read_chunk) and
+physical slots, registered lazily in segments of ``nbuf`` up to ``3 × nbuf``, so
+losers still held by a hung peer do not block the reads that follow. Peers whose READs
+overrun repeatedly are tried last (``Hedger.order``).
 """
 from __future__ import annotations
 
@@ -57,6 +71,7 @@ from rdma.vrdma import VMR, VQP, Endpoint
 from .. import checksum
 from ..cache.singleflight import SingleFlight
 from .arena import BUCKET_BYTES, bucket_of, find_in_bucket
+from .hedge import BUCKETS_MS, Hedger, PeerLatency
 from .landing import Landing
 from .membership import Membership, NodeRecord
 from .placement import reader_order
@@ -66,6 +81,11 @@ log = logging.getLogger(__name__)
 
 SKIP = 2.0      # seconds an unreachable node is skipped before it is tried again
 HINTS = 1 << 14  # slot hints kept (~180 B each, 3 MB: 64 GiB of 4 MiB chunks)
+STAGING = 3      # physical staging slots at most, × nbuf (reads in progress + losers)
+
+#: what makes a replica a failed one (next replica), as opposed to a bug
+_FAILED = (PeerUnreachable, RpcUnavailable, PathClosed, HandshakeError)
+_MISBEHAVED = (LookupError, TypeError, ValueError, ArithmeticError)
 
 
 @dataclass
@@ -81,6 +101,7 @@ class PeerCounters:
     stale_hints: int = 0             # ... and found another chunk there (then the bucket)
     unreachable: int = 0             # PeerUnreachable / RpcUnavailable seen
     longest_stall: float = 0.0       # longest time one chunk spent on failed replicas, s
+    longest_wait: float = 0.0        # longest read_chunk that returned bytes, s
     per_peer: Counter[str] = field(default_factory=Counter)   # node → bytes served
 
 
@@ -108,6 +129,14 @@ class PeerStatistics:
     landing_exhausted: int
     vqps: dict[str, str]             # node → its vQP's state
     peer_heartbeats: int             # heartbeats answered, over every path of every vQP
+    peer_longest_wait_ms: float      # PeerCounters.longest_wait, in ms to 0.1
+    peer_hedges: int                 # Hedger: second-replica READs issued
+    peer_hedges_won: int             # ... that verified first
+    peer_hedges_refused: int         # overruns the byte budget did not allow a hedge for
+    peer_hedge_bytes: int            # bytes the hedges asked for
+    peer_read_bytes: int             # bytes every completed READ carried (the budget's base)
+    peer_latency_buckets_ms: tuple[float, ...]   # hedge.BUCKETS_MS (the last bucket: more)
+    peer_latency: dict[str, PeerLatency]          # node → its READ latency summary
 
 
 class Peers:
@@ -116,10 +145,12 @@ class Peers:
     def __init__(self, endpoint: Endpoint, membership: Membership, secret: bytes, replicas: int,
                  slot_size: int, *, nursery: trio.Nursery, me: str | None = None,
                  local_node: str | None = None, nbuf: int = 8, landing_slots: int = 0,
-                 rpc_timeout: float = 30.0) -> None:
+                 rpc_timeout: float = 30.0, hedge: Hedger | None = None) -> None:
         """``landing_slots``: chunks that may stay in landing slots at once (the memory
         tier's capacity in chunks, for a mount); ``nbuf`` READs are in flight at most;
-        ``nursery`` runs the connects to nodes (one per node at a time, single-flight)."""
+        ``nursery`` runs the connects to nodes (one per node at a time, single-flight) and,
+        with ``hedge``, every replica attempt (hedged reads; None: one replica at a time,
+        in the caller's task; latencies are summarised either way)."""
         self.ep = endpoint
         self.membership = membership
         self.secret = secret
@@ -128,10 +159,16 @@ class Peers:
         self.me = me or endpoint.node          # this process, as named in RPC handshakes
         self.local_node = local_node           # the node on this host, tried first
         self.rpc_timeout = rpc_timeout
+        self.nursery = nursery
+        self.hedge = hedge
+        self.hedger = hedge if hedge is not None else Hedger()
+        self.nbuf = nbuf
         self.buf: VMR = endpoint.alloc(nbuf * slot_size, name="fetch-buffers")
         self.landing = Landing(endpoint, slot_size, landing_slots + nbuf)
-        self._free = list(range(nbuf))
-        self._slot_free = trio.Semaphore(nbuf)
+        self._staging: list[tuple[VMR, int]] = [(self.buf, i * slot_size) for i in range(nbuf)]
+        self._staging_segments = 1
+        self._staging_free = trio.Semaphore(STAGING * nbuf)   # physical slots, made or not
+        self._slot_free = trio.Semaphore(nbuf)                 # reads in progress
         self._vqps: dict[str, tuple[float, VQP]] = {}   # node → (started, vqp)
         self._connects: SingleFlight[VQP] = SingleFlight(nursery)   # keyed by node
         self._rpc: dict[str, RpcClient] = {}
@@ -177,6 +214,8 @@ class Peers:
     def order(self, key: bytes, exclude: str | None = None) -> list[NodeRecord]:
         nodes = self.membership.nodes
         names = reader_order(key, self.membership.members, self.replicas, self.local_node)
+        if self.hedge is not None:
+            names = self.hedge.order(names, time.monotonic())
         return [nodes[n] for n in names if n != exclude and n in nodes]
 
     async def read_chunk(self, dataset: str, version: int, chunk: int, key: bytes, length: int,
@@ -190,59 +229,196 @@ class Peers:
         if length > self.slot_size:
             return None
         t0 = time.monotonic()
+        recs = [r for r in self.order(key, exclude) if self._skip_until.get(r.node, 0.0) <= t0]
+        if self.hedge is not None and recs:
+            data, failed = await self._race(recs, dataset, version, chunk, key, length,
+                                            part, ask_owner)
+        else:
+            data, failed = await self._one_by_one(recs, dataset, version, chunk, key,
+                                                  length, part, ask_owner)
+        if data is None:
+            self.counters.misses += 1
+            return None
+        took = time.monotonic() - t0
+        self.counters.longest_wait = max(self.counters.longest_wait, took)
+        if failed:
+            self.counters.longest_stall = max(self.counters.longest_stall, took)
+        return data
+
+    async def _one_by_one(self, recs: list[NodeRecord], dataset: str, version: int, chunk: int,
+                          key: bytes, length: int, part: tuple[int, int, bytes] | None,
+                          ask_owner: bool) -> tuple[bytes | memoryview | None, bool]:
+        """No hedging: each replica in turn, in this task. (data or None, a replica failed)."""
         failed = False
-        for rec in self.order(key, exclude):
+        for rec in recs:
+            att = _Attempt(rec, None)
+            await self._attempt(att, dataset, version, chunk, key, length, part, ask_owner)
+            if att.data is not None:
+                return att.data, failed
+            failed |= att.failed
+        return None, failed
+
+    async def _race(self, recs: list[NodeRecord], dataset: str, version: int, chunk: int,
+                    key: bytes, length: int, part: tuple[int, int, bytes] | None,
+                    ask_owner: bool) -> tuple[bytes | memoryview | None, bool]:
+        """Hedged: replicas in turn, each attempt a task in ``nursery``; when the running
+        attempt's READ passes its threshold, the next replica starts too (once). The
+        first verified bytes win; losers finish on their own (module docstring)."""
+        assert self.hedge is not None
+        race = _Race()
+        queue = list(recs)
+        running: list[_Attempt] = []
+        hedged = False
+        nbytes = BUCKET_BYTES + (part[1] if part is not None else length)
+
+        def launch(is_hedge: bool) -> None:
+            att = _Attempt(queue.pop(0), race, is_hedge)
+            running.append(att)
+            self.nursery.start_soon(self._attempt, att, dataset, version, chunk, key, length,
+                                    part, ask_owner)
+
+        launch(False)
+        while True:
+            race.wake = trio.Event()
+            if race.winner is not None:
+                break
+            live = [a for a in running if not a.finished]
+            if not live:
+                if not queue:
+                    break
+                launch(False)                  # the replica failed or lacks it: next one
+                continue
+            deadline = min((a.deadline for a in live if a.deadline is not None
+                            and not a.overran), default=None)
             now = time.monotonic()
-            if self._skip_until.get(rec.node, 0.0) > now:
+            if deadline is not None and deadline <= now:
+                for a in live:
+                    if a.deadline is not None and a.deadline <= now and not a.overran:
+                        a.overran = True
+                        self.hedge.overran(a.rec.node, now)
+                        if not hedged and queue and self.hedge.may_hedge(nbytes):
+                            hedged = True
+                            self.hedge.hedged(a.rec.node)
+                            log.debug("chunk %d of %s: READ from %s overran %.1f ms; hedging "
+                                     "to %s", chunk, dataset, a.rec.node,
+                                     (now - a.read_since) * 1e3, queue[0].node)
+                            launch(True)
                 continue
-            try:
-                data = await self._read_from(rec, key, length, part)
-                if data is None and ask_owner:
-                    self.counters.loads_requested += 1
-                    await self.rpc(rec).request({"op": "load", "dataset": dataset,
-                                                 "version": version, "chunk": chunk})
-                    data = await self._read_from(rec, key, length, part)
-            except (PeerUnreachable, RpcUnavailable, PathClosed, HandshakeError) as e:
-                self.counters.unreachable += 1
-                self._skip_until[rec.node] = time.monotonic() + SKIP
-                failed = True
-                log.warning("chunk %d of %s: replica %s unreachable (%s); trying the next",
-                            chunk, dataset, rec.node, e)
-                continue
-            except RdmaError as e:
-                failed = True
-                log.warning("chunk %d of %s: READ from %s failed: %s", chunk, dataset, rec.node, e)
-                continue
-            except (LookupError, TypeError, ValueError, ArithmeticError) as e:
-                failed = True           # what the replica told us did not parse
-                self.counters.unreachable += 1
-                self._skip_until[rec.node] = time.monotonic() + SKIP
-                log.warning("chunk %d of %s: replica %s misbehaved (%r); trying the next",
-                            chunk, dataset, rec.node, e, exc_info=True)
-                continue
+            if deadline is None:
+                await race.wake.wait()
+            else:
+                with trio.move_on_after(deadline - now):
+                    await race.wake.wait()
+        failed = any(a.failed for a in running)
+        win = race.winner
+        if win is None:
+            if race.error is not None:
+                raise race.error
+            return None, failed
+        for a in running:
+            if a.token and a is not win:       # a loser: no longer a read in progress
+                a.token = False
+                self._slot_free.release()
+        if win.is_hedge:
+            self.hedge.hedge_won(win.rec.node)
+        return win.data, failed
+
+    async def _attempt(self, att: "_Attempt", dataset: str, version: int, chunk: int,
+                       key: bytes, length: int, part: tuple[int, int, bytes] | None,
+                       ask_owner: bool) -> None:
+        """One replica: READ, else ask its owner to load it and READ again. Sets
+        ``att.data`` (verified bytes; the race's winner), or ``att.failed``."""
+        rec = att.rec
+        try:
+            data = await self._read_from(rec, key, length, part, att)
+            if data is None and ask_owner and not att.lost:
+                self.counters.loads_requested += 1
+                await self.rpc(rec).request({"op": "load", "dataset": dataset,
+                                             "version": version, "chunk": chunk})
+                data = await self._read_from(rec, key, length, part, att)
             if data is not None:
+                att.data = data
                 self.counters.hits += 1
                 self.counters.bytes += len(data)
                 self.counters.per_peer[rec.node] += len(data)
-                if failed:
-                    self.counters.longest_stall = max(self.counters.longest_stall,
-                                                      time.monotonic() - t0)
-                return data
-        self.counters.misses += 1
-        return None
+                if att.race is not None:
+                    att.race.winner = att
+        except _FAILED as e:
+            self.counters.unreachable += 1
+            self._skip_until[rec.node] = time.monotonic() + SKIP
+            att.failed = True
+            log.warning("chunk %d of %s: replica %s unreachable (%s); trying the next",
+                        chunk, dataset, rec.node, e)
+        except RdmaError as e:
+            att.failed = True
+            log.warning("chunk %d of %s: READ from %s failed: %s", chunk, dataset, rec.node, e)
+        except _MISBEHAVED as e:
+            att.failed = True           # what the replica told us did not parse
+            self.counters.unreachable += 1
+            self._skip_until[rec.node] = time.monotonic() + SKIP
+            log.warning("chunk %d of %s: replica %s misbehaved (%r); trying the next",
+                        chunk, dataset, rec.node, e, exc_info=True)
+        except Exception as e:
+            if att.race is None:
+                raise                   # in the caller's task: as it always did
+            att.failed = True           # a task of the race: the reader gets it (_race)
+            att.race.error = e
+        finally:
+            att.finished = True
+            att.deadline = None
+            if att.race is not None:
+                att.race.wake.set()
+
+    async def _read(self, att: "_Attempt | None", vqp: VQP, rec: NodeRecord, dst: VMR, at: int,
+                    remote: str, nbytes: int, remote_off: int) -> None:
+        """One timed vqp.read: its latency goes to the hedger (a sample only if it came
+        within its threshold); while it runs, ``att.deadline`` is when to hedge it."""
+        t = time.monotonic()
+        limit = self.hedger.threshold(rec.node, nbytes)
+        if att is not None:
+            att.read_since, att.deadline = t, t + limit
+            if att.race is not None:
+                att.race.wake.set()
+        await vqp.read(dst, at, remote, nbytes, remote_off)
+        took = time.monotonic() - t
+        self.hedger.done(rec.node, nbytes, took, sample=took <= limit)
+        if att is not None:
+            att.deadline = None
+
+    async def _take_staging(self) -> tuple[VMR, int]:
+        """A physical staging slot, registering another segment of ``nbuf`` if none is
+        free (up to STAGING × nbuf: losers a hung peer still holds)."""
+        await self._staging_free.acquire()
+        if not self._staging:
+            vmr = self.ep.alloc(self.nbuf * self.slot_size,
+                                name=f"fetch-buffers{self._staging_segments}")
+            self._staging_segments += 1
+            self._staging.extend((vmr, i * self.slot_size) for i in range(self.nbuf))
+        return self._staging.pop()
 
     async def _read_from(self, rec: NodeRecord, key: bytes, length: int,
-                         part: tuple[int, int, bytes] | None = None) -> bytes | memoryview | None:
-        """Index bucket READ, then slot READ, then verify; None if the node lacks the chunk."""
+                         part: tuple[int, int, bytes] | None = None,
+                         att: "_Attempt | None" = None) -> bytes | memoryview | None:
+        """Index bucket READ, then slot READ, then verify; None if the node lacks the chunk
+        (or, in a race, another attempt has won: nothing is kept or copied then)."""
         off, want, digest = part if part is not None else (0, length, key)
+        if att is not None and rec.node not in self._vqps:
+            att.read_since = time.monotonic()          # a connect is hedged like a READ
+            att.deadline = att.read_since + self.hedger.cap
         vqp = await self._vqp(rec)
-        await self._slot_free.acquire()
-        slot = self._free.pop()
+        if att is not None:
+            att.deadline = None
+        if att is None:
+            att = _Attempt(rec, None)
+        if not att.is_hedge:           # a hedge is bounded by the budget, not by nbuf
+            await self._slot_free.acquire()
+            att.token = True
+        staging = await self._take_staging()
+        sbuf, base = staging
         landing = self.landing.take() if part is None else None
         hint_key = (rec.node, rec.started, key)
         try:
-            base = slot * self.slot_size
-            dst, at = landing if landing is not None else (self.buf, base)
+            dst, at = landing if landing is not None else staging
             rslot = self._hints.get(hint_key)
             for _ in range(2 + (rslot is not None)):   # a stale hint, then twice the bucket
                 hinted = rslot is not None
@@ -250,16 +426,22 @@ class Peers:
                     self.counters.hinted += 1
                 else:
                     b = bucket_of(key, rec.nbuckets)
-                    await vqp.read(self.buf, base, "index", BUCKET_BYTES, b * BUCKET_BYTES)
-                    found = find_in_bucket(self.buf.view[base:base + BUCKET_BYTES], key)
+                    await self._read(att, vqp, rec, sbuf, base, "index", BUCKET_BYTES,
+                                     b * BUCKET_BYTES)
+                    if att is not None and att.lost:
+                        return None
+                    found = find_in_bucket(sbuf.view[base:base + BUCKET_BYTES], key)
                     if found is None or found[1] != length:
                         return None
                     rslot = found[0]
-                await vqp.read(dst, at, "arena", want, rslot * rec.slot_size + off)
+                await self._read(att, vqp, rec, dst, at, "arena", want,
+                                 rslot * rec.slot_size + off)
+                if att is not None and att.lost:
+                    return None
                 if checksum.matches(dst.view[at:at + want], digest):
                     self._hint(hint_key, rslot)
                     if landing is None:
-                        return self.buf.read(want, base)
+                        return sbuf.read(want, base)
                     kept, landing = landing, None      # owned by the view now: not given back
                     return self.landing.keep(kept, want)
                 if hinted:                             # the slot holds another chunk now
@@ -274,8 +456,11 @@ class Peers:
         finally:
             if landing is not None:
                 self.landing.give(landing)
-            self._free.append(slot)
-            self._slot_free.release()
+            self._staging.append(staging)
+            self._staging_free.release()
+            if att.token:
+                att.token = False
+                self._slot_free.release()
 
     def _hint(self, hint_key: tuple[str, float, bytes], rslot: int) -> None:
         """Remember a verified slot; the oldest hint goes when the table is full."""
@@ -285,6 +470,8 @@ class Peers:
 
     def statistics(self) -> PeerStatistics:
         c = self.counters
+        h = self.hedger
+        now = time.monotonic()
         vqps = {n: v.statistics() for n, (_, v) in self._vqps.items()}
         return PeerStatistics(
             peer_hits=c.hits, peer_bytes=c.bytes, peer_loads_requested=c.loads_requested,
@@ -294,4 +481,46 @@ class Peers:
             peer_longest_stall_ms=round(c.longest_stall * 1e3, 1),
             per_peer_bytes=dict(c.per_peer), **self.landing.statistics(),
             vqps={n: st.state for n, st in vqps.items()},
-            peer_heartbeats=sum(p.heartbeats_ok for st in vqps.values() for p in st.paths))
+            peer_heartbeats=sum(p.heartbeats_ok for st in vqps.values() for p in st.paths),
+            peer_longest_wait_ms=round(c.longest_wait * 1e3, 1),
+            peer_hedges=h.hedges, peer_hedges_won=h.won, peer_hedges_refused=h.refused,
+            peer_hedge_bytes=h.hedge_bytes, peer_read_bytes=h.read_bytes,
+            peer_latency_buckets_ms=BUCKETS_MS,
+            peer_latency={n: h.latency(n, now) for n in sorted(h.peers)})
+
+
+class _Race:
+    """One hedged read_chunk: ``winner`` (the first attempt whose bytes verified) and
+    ``wake``, set by an attempt whenever its state changes."""
+
+    __slots__ = ("winner", "wake", "error")
+
+    def __init__(self) -> None:
+        self.winner: _Attempt | None = None
+        self.wake = trio.Event()
+        self.error: Exception | None = None     # an attempt's unexpected exception
+
+
+class _Attempt:
+    """One replica's part in a read: ``deadline`` (when its running READ or connect is
+    to be hedged; None between READs), ``read_since``, and the outcome (``data`` or
+    ``failed``; ``finished``). ``race`` is None when not hedging."""
+
+    __slots__ = ("rec", "race", "is_hedge", "deadline", "read_since", "overran", "data",
+                 "failed", "finished", "token")
+
+    def __init__(self, rec: NodeRecord, race: _Race | None, is_hedge: bool = False) -> None:
+        self.rec, self.race, self.is_hedge = rec, race, is_hedge
+        self.deadline: float | None = None
+        self.read_since = 0.0
+        self.overran = False
+        self.data: bytes | memoryview | None = None
+        self.failed = False
+        self.finished = False
+        self.token = False          # holds one of the nbuf "reads in progress"
+
+    @property
+    def lost(self) -> bool:
+        """Another attempt of the race has won: stop, keep nothing."""
+        return self.race is not None and self.race.winner is not None \
+            and self.race.winner is not self

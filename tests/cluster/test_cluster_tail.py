@@ -1,0 +1,177 @@
+"""Tail latency with a hung or dead replica (issue 19): hedged peer READs.
+
+Its own cluster (etcd + 3 nodes, R = 2, 256 KiB chunks, ~47 MiB preloaded) and two mounts
+with an 8 MiB memory tier (so almost every read goes to a peer): one with
+``cluster.hedge=false`` (the old path: the next replica only after ``peer_timeout``),
+one with hedging on. Readers verify every byte and time every read (open + 64 KiB).
+
+* no fault: hedged bytes over READ bytes stay small (asserted ≤ 2 %);
+* node 2 SIGSTOPped for 1.5 s under 8 readers, once per mount: with hedging the slowest
+  read is far below ``peer_timeout`` (asserted < 250 ms on this noisy 2-core machine;
+  the target is < 50 ms), 0 errors, membership unchanged;
+* node 2 SIGKILLed while both mounts read (4 readers each): the same comparison.
+
+The measured figures are printed (``pytest -s``). A slowed-but-alive peer is not tested:
+this kernel has no ``tc netem`` and nftables cannot delay packets.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.cluster import cluster
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, FUSE)")
+
+PEER_TIMEOUT = 0.5          # cluster.peer_timeout default
+
+
+def _make_source(root: Path) -> dict[str, bytes]:
+    rnd = random.Random(19)
+    files = {}
+    for i in range(200):
+        files[f"train/c{i % 4}/img{i:04d}.jpg"] = rnd.randbytes(rnd.randint(1_000, 150_000))
+    for s in range(4):
+        files[f"shards/s{s}.bin"] = rnd.randbytes(8 << 20)
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    return files
+
+
+def _stats(mnt: Path) -> dict:
+    return json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
+
+
+class Readers:
+    """``n`` threads reading random 64 KiB ranges through a mount until stopped, each
+    byte checked; every read's latency (open + read) kept."""
+
+    def __init__(self, mnt: Path, files: dict[str, bytes], n: int, seed: int = 0) -> None:
+        self.mnt, self.files = mnt, files
+        self.errors: list[str] = []
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(seed * 100 + i,), daemon=True)
+                         for i in range(n)]
+
+    def _run(self, seed: int) -> None:
+        rels = list(self.files)
+        rnd = random.Random(seed)
+        while not self._stop.is_set():
+            rel = rnd.choice(rels)
+            off = rnd.randrange(0, max(1, len(self.files[rel]) - 4096))
+            t0 = time.monotonic()
+            try:
+                with open(self.mnt / rel, "rb") as f:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    f.seek(off)
+                    got = f.read(65536)
+                if got != self.files[rel][off:off + 65536]:
+                    self.errors.append(f"{rel}@{off}: wrong bytes")
+            except OSError as e:
+                self.errors.append(f"{rel}@{off}: {e}")
+            self.latencies.append(time.monotonic() - t0)
+
+    def quantile(self, q: float) -> float:
+        lat = sorted(self.latencies)
+        return lat[min(len(lat) - 1, int(len(lat) * q))] if lat else 0.0
+
+    def summary(self) -> str:
+        return (f"{len(self.latencies)} reads, p50 {self.quantile(0.5) * 1e3:.1f} ms, "
+                f"p99 {self.quantile(0.99) * 1e3:.1f} ms, p99.9 {self.quantile(0.999) * 1e3:.1f} ms, "
+                f"longest {max(self.latencies, default=0) * 1e3:.0f} ms")
+
+    def __enter__(self) -> "Readers":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    base = tmp_path_factory.mktemp("tail")
+    src = base / "source"
+    files = _make_source(src)
+    with cluster(base / "c") as c:
+        c.ks(["import", str(src), "--name", "tail", "--chunk-size", c.chunk_size, "-q"])
+        assert "complete" in c.ks(["preload", "tail", "--timeout", "60"]).stdout
+        small = ("--set", "cache.memory=8MiB")
+        off = c.mount("tail", *small, "--set", "cluster.hedge=false")
+        on = c.mount("tail", *small)
+        yield c, files, off, on
+
+
+def test_no_fault_hedging_costs_little(world) -> None:
+    c, files, _, on = world
+    before = _stats(on)
+    with Readers(on, files, 8) as rd:
+        time.sleep(5.0)
+    s = _stats(on)
+    assert rd.errors == [] and len(rd.latencies) > 200, rd.errors[:5]
+    read = s["peer_read_bytes"] - before["peer_read_bytes"]
+    hedged = s["peer_hedge_bytes"] - before["peer_hedge_bytes"]
+    share = hedged / max(1, read)
+    thresholds = {n: p["threshold_ms"] for n, p in s["peer_latency"].items()}
+    print(f"no fault, hedging on: {rd.summary()}; {s['peer_hedges'] - before['peer_hedges']} "
+          f"hedges, {hedged} of {read} bytes READ ({share:.2%}); thresholds (128 KiB READs) "
+          f"{thresholds} ms")
+    assert share <= 0.02, (hedged, read)
+    assert set(s["peer_latency"]) == {"n1", "n2", "n3"}
+    assert sum(s["peer_latency"]["n1"]["counts"]) == s["peer_latency"]["n1"]["reads"] > 0
+
+
+def _stopped(c, mnt: Path, files: dict[str, bytes], what: str) -> tuple[Readers, dict, dict]:
+    before = _stats(mnt)
+    with Readers(mnt, files, 8, seed=2) as rd:
+        time.sleep(1.0)
+        c.procs["n2"].stop()
+        try:
+            time.sleep(1.5)
+        finally:
+            c.procs["n2"].cont()
+        time.sleep(1.0)
+    after = _stats(mnt)
+    print(f"n2 SIGSTOPped 1.5 s, {what}: {rd.summary()}, errors {len(rd.errors)}, "
+          f"hedges {after['peer_hedges'] - before['peer_hedges']} "
+          f"(won {after['peer_hedges_won'] - before['peer_hedges_won']}), "
+          f"longest peer wait {after['peer_longest_wait_ms']} ms")
+    return rd, before, after
+
+
+def test_a_stopped_replica_costs_milliseconds_not_the_peer_timeout(world) -> None:
+    c, files, off, on = world
+    rd_off, _, _ = _stopped(c, off, files, "hedging off")
+    time.sleep(1.0)
+    rd_on, before, after = _stopped(c, on, files, "hedging on")
+    assert rd_off.errors == [] and rd_on.errors == [], (rd_off.errors[:5], rd_on.errors[:5])
+    assert len(c.nodes()) == 3                          # membership unchanged
+    assert after["peer_hedges_won"] > before["peer_hedges_won"]
+    assert max(rd_on.latencies) < 0.25, rd_on.summary()
+    assert after["source_loads"] == before["source_loads"]
+
+
+def test_a_killed_replica_costs_milliseconds_not_the_peer_timeout(world) -> None:
+    c, files, off, on = world
+    with Readers(off, files, 4, seed=3) as rd_off, Readers(on, files, 4, seed=4) as rd_on:
+        time.sleep(1.0)
+        c.kill_node(2)
+        time.sleep(2.5)
+    s = _stats(on)
+    print(f"n2 SIGKILLed, hedging off: {rd_off.summary()}, errors {len(rd_off.errors)}")
+    print(f"n2 SIGKILLed, hedging on:  {rd_on.summary()}, errors {len(rd_on.errors)}, "
+          f"longest peer wait {s['peer_longest_wait_ms']} ms")
+    assert rd_off.errors == [] and rd_on.errors == [], (rd_off.errors[:5], rd_on.errors[:5])
+    assert max(rd_on.latencies) < 0.25, rd_on.summary()
