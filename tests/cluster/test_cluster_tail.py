@@ -159,6 +159,10 @@ def test_a_stopped_replica_costs_milliseconds_not_the_peer_timeout(world) -> Non
     assert rd_off.errors == [] and rd_on.errors == [], (rd_off.errors[:5], rd_on.errors[:5])
     assert len(c.nodes()) == 3                          # membership unchanged
     assert after["peer_hedges_won"] > before["peer_hedges_won"]
+    # suspicion: after two overruns n2 is tried last, so a handful of reads are hedged,
+    # not every read that placement sends to n2 first (hundreds in the 0.5 s before
+    # peer_timeout would take it out of the order anyway)
+    assert after["peer_hedges"] - before["peer_hedges"] < 100, after["peer_latency"]["n2"]
     assert max(rd_on.latencies) < 0.25, rd_on.summary()
     assert after["source_loads"] == before["source_loads"]
 
