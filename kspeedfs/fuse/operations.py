@@ -27,7 +27,7 @@ from ..errors import ReadOnly
 from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from ..reader import Reader
-from .boundary import fuse_op
+from .boundary import OpStats, fuse_op
 
 XATTR_PREFIX = b"user.kspeedfs."
 _ACCMODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
@@ -61,6 +61,8 @@ class Operations(pyfuse3.Operations):
         xattrs: serve ``user.kspeedfs.*`` xattrs; off answers ENOSYS (``fuse.xattrs``).
         blksize: ``st_blksize`` reported; 0 = the dataset's block or chunk size.
         slow_op: operations slower than this (s) are logged as WARNINGs (``log.slow_op``).
+        op_stats: per-operation counts, errors and latency buckets (``boundary.OpStats``),
+            read by the metrics exporter at scrape time.
     """
 
     supports_dot_lookup = False
@@ -78,6 +80,7 @@ class Operations(pyfuse3.Operations):
         self.xattrs = cfg.xattrs
         self.blksize = cfg.blksize
         self.slow_op = slow_op
+        self.op_stats = OpStats()
         self._streams: dict[int, tuple[int, Stream]] = {}   # fh -> (entry, sequential state)
         self._next_fh = 1
 
