@@ -376,9 +376,7 @@ class Peers:
         t = time.monotonic()
         limit = self.hedger.threshold(rec.node, nbytes)
         if att is not None:
-            att.read_since, att.deadline = t, t + limit
-            if att.race is not None:
-                att.race.wake.set()
+            att.arm(t, t + limit)
         await vqp.read(dst, at, remote, nbytes, remote_off)
         took = time.monotonic() - t
         self.hedger.done(rec.node, nbytes, took, sample=took <= limit)
@@ -403,8 +401,8 @@ class Peers:
         (or, in a race, another attempt has won: nothing is kept or copied then)."""
         off, want, digest = part if part is not None else (0, length, key)
         if att is not None and rec.node not in self._vqps:
-            att.read_since = time.monotonic()          # a connect is hedged like a READ
-            att.deadline = att.read_since + self.hedger.cap
+            now = time.monotonic()                     # a connect is hedged like a READ
+            att.arm(now, now + self.hedger.cap)
         vqp = await self._vqp(rec)
         if att is not None:
             att.deadline = None
@@ -518,6 +516,13 @@ class _Attempt:
         self.failed = False
         self.finished = False
         self.token = False          # holds one of the nbuf "reads in progress"
+
+    def arm(self, since: float, deadline: float) -> None:
+        """A READ (or connect) started at ``since``: hedge it at ``deadline``. The race
+        is woken to take the new deadline into account."""
+        self.read_since, self.deadline = since, deadline
+        if self.race is not None:
+            self.race.wake.set()
 
     @property
     def lost(self) -> bool:

@@ -76,3 +76,52 @@ async def test_a_stale_hint_falls_back_to_the_bucket_and_never_returns_wrong_byt
         assert await peers._read_from(rec, ka, len(a), wrong) is None   # never unverified bytes
         await peers.aclose()
         await trio.sleep(0)
+
+
+async def test_a_silent_replica_is_hedged_then_tried_last_and_its_attempt_cleans_up() -> None:
+    """Hedging (issue 19) on real loopback endpoints: the first replica accepts TCP and
+    never answers (its connect hangs until the 1 s connect timeout); reads are hedged to
+    the second after the cap (50 ms here), the hedge's bytes win, two overruns make the
+    silent node suspect (tried last: no third hedge), and once the losers have ended
+    every read-in-progress token and staging slot is back."""
+    import socket
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from kspeedfs.cluster.hedge import Hedger
+    from tests.unit.test_rpc_hostile import SECRET as S, SLOT as SL, _chunk as chunk, _node
+
+    with socket.socket() as silent:
+        silent.bind((LO, 0))
+        silent.listen(16)                           # never accepted: a hung peer
+        port = silent.getsockname()[1]
+        async with _node("good") as (_, arena, good), \
+                Endpoint(S, node="mount", addrs=[LO], provider="soft") as mount, \
+                trio.open_nursery() as nursery:
+            slow = replace(good, node="slow", host="slow", port=port, rpc_port=port)
+            members = SimpleNamespace(nodes={"slow": slow, "good": good},
+                                      members=[slow.member(), good.member()])
+            hedger = Hedger(cap=0.05)
+            peers = Peers(mount, members, S, replicas=2, slot_size=SL,  # type: ignore[arg-type]
+                          nursery=nursery, nbuf=2, local_node="slow", hedge=hedger)
+            chunks = [chunk() for _ in range(3)]
+            for key, data in chunks:
+                arena.put(key, data)
+            assert [r.node for r in peers.order(chunks[0][0])] == ["slow", "good"]
+            for i, (key, data) in enumerate(chunks):
+                t0 = trio.current_time()
+                got = await peers.read_chunk("ds", 1, i, key, len(data))
+                assert got is not None and bytes(got) == data
+                assert trio.current_time() - t0 < 0.5          # not the 1 s connect timeout
+            assert (hedger.hedges, hedger.won) == (2, 2)        # the third read: good first
+            assert [r.node for r in peers.order(chunks[0][0])] == ["good", "slow"]
+            stats = peers.statistics()
+            assert stats.peer_hedges == 2 and stats.peer_latency["good"].won == 2
+            assert stats.peer_latency["slow"].suspected and stats.peer_latency["slow"].hedged == 2
+            with trio.fail_after(5):
+                while peers.counters.unreachable == 0:         # the losers' connect gives up
+                    await trio.sleep(0.05)
+            await trio.sleep(0.05)
+            assert peers._slot_free.value == 2 and peers._staging_free.value == 3 * 2
+            await peers.aclose()
+            nursery.cancel_scope.cancel()
