@@ -367,6 +367,46 @@ class LogConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Prometheus metrics over HTTP (``metrics.py``): ``host:port`` or ``:port`` (every
+    interface); empty = off.
+
+    Mounts default to off: several mounts on one host would collide on any fixed port,
+    and a mount without a port starts no thread and opens no socket (the read path keeps
+    its plain counters either way). A node is one per machine, so it defaults to a fixed
+    loopback port (scrape it there, or set ``node_listen = ":9470"`` for a remote
+    Prometheus). A port that cannot be bound is logged as an error; the daemon runs on."""
+
+    listen: str = _opt("", "mount daemon: serve metrics at host:port (e.g. '127.0.0.1:9471'); '' = off")
+    node_listen: str = _opt("127.0.0.1:9470", "node daemon: serve metrics at host:port; '' = off")
+
+    def validate(self) -> None:
+        a = parse_listen("metrics.listen", self.listen)
+        b = parse_listen("metrics.node_listen", self.node_listen)
+        if a and b and a[1] == b[1] and (a[0] == b[0] or "0.0.0.0" in (a[0], b[0])):
+            raise ConfigError(f"metrics.listen: {self.listen!r} would collide with "
+                              f"metrics.node_listen ({self.node_listen!r}) on one host")
+
+
+def parse_listen(key: str, value: str) -> tuple[str, int] | None:
+    """``"host:port"`` / ``":port"`` → ``(ip, port)``; ``""`` → None. The host must be an
+    IPv4 address or ``localhost`` (bound at start: an address not of this host fails there)."""
+    if not value:
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{key}: {value!r} is not host:port or :port (port 1..65535)")
+    host = host or "0.0.0.0"
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ConfigError(f"{key}: {value!r}: the host must be an IPv4 address") from None
+    return host, int(port)
+
+
+@dataclass
 class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     import_: ImportConfig = field(default_factory=ImportConfig, metadata={"toml": "import"})
@@ -374,6 +414,7 @@ class Config:
     fuse: FuseConfig = field(default_factory=FuseConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     source_path: str = field(default="", metadata={"skip": True})  # file the config came from
     # "section.key" -> where its value came from (file path, environment, command line)
     sources: dict[str, str] = field(default_factory=dict, metadata={"skip": True})

@@ -5,6 +5,7 @@
     nursery ─┬─ Reader (loads + prefetch run here)
              ├─ pyfuse3.main                                 (the request loop)
              ├─ signals: SIGTERM/SIGINT → pyfuse3.terminate()
+             ├─ metrics exporter (only with metrics.listen: metrics.py)
              └─ after mount: sysfs knobs, READY=1, ready()
 
 ``serve`` returns when the filesystem is unmounted (``fusermount3 -u``,
@@ -122,6 +123,22 @@ async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | 
             store.close()
 
 
+async def _export_metrics(cfg: Config, ops: Operations, peers: "Peers | None", path: str) -> None:
+    """Serve this mount's metrics (``metrics.py``) at ``metrics.listen`` until cancelled."""
+    from . import metrics
+
+    def snapshot() -> dict[str, object]:
+        return {"read": ops.reader.statistics(), "peers": peers.statistics() if peers else None,
+                "ops": {op: list(row) for op, row in ops.op_stats.rows.items()},
+                "bounds": ops.op_stats.BOUNDS,
+                "members": len(peers.membership.nodes) if peers else None}
+
+    labels = {"dataset": ops.info.name, "version": str(ops.info.version), "mountpoint": path}
+    with metrics.serve("metrics.listen", cfg.metrics.listen, snapshot, metrics.mount_families,
+                       labels):
+        await trio.sleep_forever()
+
+
 async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | None = None) -> None:
     path = mp.prepare(req.mountpoint, req.nonempty)
     info, index = await trio.to_thread.run_sync(load_dataset, cfg, req)
@@ -140,6 +157,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
                         prefetch_depth=cfg.fuse.prefetch_chunks,
                         push=pages.push if pages else None)
         ops = Operations(index, reader, info, cfg.fuse, slow_op=cfg.log.slow_op)
+        if cfg.metrics.listen:                    # off by default: no thread, no socket
+            nursery.start_soon(_export_metrics, cfg, ops, peers, path, name="metrics")
         options = set(pyfuse3.default_options) | {"ro", f"fsname=kspeedfs:{info.name}", "subtype=kspeedfs"}
         if cfg.fuse.allow_other:
             options.add("allow_other")

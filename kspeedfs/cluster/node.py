@@ -10,7 +10,8 @@ Composition (each resource's teardown is the ``async with`` that opened it)::
     nursery ─┬─ rpc.serve(rpc_port)          load-on-demand, have, stats
              ├─ Registration.run             lease keep-alive (nodes/, progress/, stats/)
              ├─ reconcile                    preload + re-replication + rejoin, one loop
-             └─ publish_stats                every 2 s, for ``kspeedfs status``
+             ├─ publish_stats                every 2 s, for ``kspeedfs status``
+             └─ metrics exporter             metrics.node_listen (metrics.py)
 
 Reconcile is the one mechanism behind preload, re-replication and a node taking its
 share back: for every dataset version the cluster should hold (``preload/``), compute
@@ -378,6 +379,19 @@ def _endpoint_statistics(ep: Endpoint) -> EndpointStatistics:
     return EndpointStatistics(list(ep.nics), peers)
 
 
+async def _export_metrics(cfg: Config, node: Node) -> None:
+    """Serve this node's metrics (``metrics.py``) at ``metrics.node_listen`` until cancelled."""
+    from .. import metrics
+
+    def snapshot() -> dict[str, object]:
+        return {"node": node.statistics(), "members": len(node.membership.nodes),
+                "disk_bytes": node.disk.used if node.disk is not None else None}
+
+    with metrics.serve("metrics.node_listen", cfg.metrics.node_listen, snapshot,
+                       metrics.node_families, {"node": node.name}):
+        await trio.sleep_forever()
+
+
 async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | None = None,
                 source_override: str | None = None) -> None:
     """Run a node until cancelled (SIGTERM/SIGINT in the CLI)."""
@@ -429,6 +443,8 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
                             cfg.store.etcd_attempt_timeout, registration.period)
             nursery.start_soon(node.reconcile_forever, name="reconcile")
             nursery.start_soon(node.publish_stats_forever, name="stats")
+            if cfg.metrics.node_listen:
+                nursery.start_soon(_export_metrics, cfg, node, name="metrics")
             log.info("node %s up: NICs %s, port %d, rpc %d, arena %d slots of %d bytes",
                      name, ",".join(ep.nics), port, cfg.cluster.rpc_port, geometry.nslots,
                      geometry.slot_size)
