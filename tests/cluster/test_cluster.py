@@ -6,7 +6,6 @@ a node (re-replication), the node comes back, etcd restarts.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
@@ -16,28 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.cluster import cluster
+from tests.fixtures.cluster import cluster, mount_stats, write_dataset
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, FUSE)")
 
 
 def _make_source(root: Path) -> dict[str, bytes]:
-    rnd = random.Random(11)
-    files = {}
-    for i in range(300):
-        rel = f"train/c{i % 5}/img{i:04d}.jpg"
-        files[rel] = rnd.randbytes(rnd.randint(1_000, 150_000))
-    for s in range(2):
-        files[f"shards/s{s}.bin"] = rnd.randbytes(6 << 20)
-    for rel, data in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-    return files
+    return write_dataset(root, seed=11, files=300, classes=5, shards=2, shard_size=6 << 20)
 
 
-def _stats(mnt: Path) -> dict:
-    return json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
+_stats = mount_stats
 
 
 def _read_all(mnt: Path, files: dict[str, bytes]) -> int:

@@ -16,7 +16,6 @@ this kernel has no ``tc netem`` and nftables cannot delay packets.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import threading
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.cluster import cluster
+from tests.fixtures.cluster import cluster, mount_stats, write_dataset
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, FUSE)")
 
@@ -33,21 +32,10 @@ PEER_TIMEOUT = 0.5          # cluster.peer_timeout default
 
 
 def _make_source(root: Path) -> dict[str, bytes]:
-    rnd = random.Random(19)
-    files = {}
-    for i in range(200):
-        files[f"train/c{i % 4}/img{i:04d}.jpg"] = rnd.randbytes(rnd.randint(1_000, 150_000))
-    for s in range(4):
-        files[f"shards/s{s}.bin"] = rnd.randbytes(8 << 20)
-    for rel, data in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-    return files
+    return write_dataset(root, seed=19, files=200, classes=4, shards=4, shard_size=8 << 20)
 
 
-def _stats(mnt: Path) -> dict:
-    return json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
+_stats = mount_stats
 
 
 class Readers:
