@@ -224,7 +224,8 @@ class ClusterConfig:
     hb_idle_interval: float = _opt(0.100, "heartbeat interval of a peer connection with no READ "
                                    "for 1 s, s (the next READ restores hb_interval at once)")
     peer_timeout: float = _opt(0.5, "all paths to a peer dead this long -> try the next replica, s")
-    hedge: bool = _opt(True, "mount: READ the next replica too when a peer READ is slow "
+    hedge: bool = _opt(True, "READ the next replica too when a peer READ is slow (mounts, and "
+                       "nodes re-replicating) "
                        "(cluster/hedge.py: the rule and its measurements)")
     hedge_factor: float = _opt(2.0, "hedge a READ after p99 x this of the peer's recent READs of its size")
     hedge_floor: float = _opt(0.002, "never hedge a READ younger than this, s")

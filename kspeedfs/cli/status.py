@@ -39,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
               f"up {now - rec['started']:.0f}s")
         print(f"    loads: {c.get('source_loads', 0)} from source, {c.get('peer_loads', 0)} from "
               f"peers, {c.get('demand_loads', 0)} on demand, {c.get('rereplicated', 0)} re-replicated")
+        reads = s.get("reads", {})
+        if reads.get("peer_latency"):
+            print(f"    peer READs: {_latency(reads)}")
         for peer, p in sorted(s.get("endpoint", {}).get("peers", {}).items()):
             paths = ", ".join(f"{k} {v}" for k, v in p["paths"].items())
             print(f"    to {peer}: {p['state']} ({paths}); reads failed over {p['reads_failed_over']}")
@@ -50,3 +53,23 @@ def run(args: argparse.Namespace) -> int:
         cached = sum(v["cached"] for n, v in mine.items() if n in nodes)
         print(f"  {tag}: {100 * cached / owned if owned else 0:.1f}% of {owned:,} chunk replicas cached")
     return 0
+
+
+def _p99(counts: list[int], buckets: list[float]) -> str:
+    """The bucket bound under which 99 % of a peer's READs fell ("> last" past it)."""
+    total, seen = sum(counts), 0
+    for i, n in enumerate(counts):
+        seen += n
+        if seen >= 0.99 * total:
+            return f"{buckets[i]:g} ms" if i < len(buckets) else f"> {buckets[-1]:g} ms"
+    return "-"
+
+
+def _latency(reads: dict) -> str:
+    """One line of a node's READs from its peers: hedges (issue 19) and p99 per peer."""
+    per = ", ".join(
+        f"{peer} p99 ≤ {_p99(p['counts'], reads['peer_latency_buckets_ms'])}"
+        + (" (suspected)" if p.get("suspected") else "")
+        for peer, p in sorted(reads["peer_latency"].items()) if p.get("reads"))
+    return (f"hedged {reads.get('peer_hedges', 0)} (won {reads.get('peer_hedges_won', 0)}), "
+            f"longest wait {reads.get('peer_longest_wait_ms', 0)} ms; {per or 'none yet'}")

@@ -48,6 +48,7 @@ from ..manifest.store.etcd import EtcdStore
 from ..origin import Origin
 from .arena import Arena, ArenaStatistics, Geometry
 from .fetch import Peers, PeerStatistics
+from .hedge import from_config as hedge_from_config
 from .membership import Membership, NodeRecord, PrefixView, Registration
 from .placement import owners
 from . import rpc
@@ -411,7 +412,7 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
         registration = Registration(store, cfg.cluster.lease_ttl)
         async with trio.open_nursery() as nursery:
             peers = Peers(ep, membership, secret, cfg.cluster.replicas, cfg.cluster.slot_size,
-                          nursery=nursery, local_node=name)
+                          nursery=nursery, local_node=name, hedge=hedge_from_config(cfg.cluster))
             arena = Arena(geometry, arena_mr, index_mr)
             # <disk_dir>/<node>: several nodes may share a host (and a disk) in tests
             disk = (DiskCache(os.path.join(cfg.cache.disk_dir, name), cfg.cache.disk)

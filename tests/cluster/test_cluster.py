@@ -302,6 +302,13 @@ def test_node_killed_reads_fail_over_and_rereplicate(world) -> None:
         assert time.monotonic() < deadline, c.ks(["preload", "imgs", "--check"], check=False).stdout
         time.sleep(1)
     assert "re-replication" in c.log_text()
+    # the survivors read n2's share from the remaining replicas: their READ latencies
+    # (and hedges) show in `kspeedfs status` (issue 19), published every 2 s
+    deadline = time.monotonic() + 15
+    while "peer READs: hedged" not in (out := c.ks(["status"]).stdout):
+        assert time.monotonic() < deadline, out
+        time.sleep(1)
+    print(next(line for line in out.splitlines() if "peer READs" in line))
 
 
 def test_node_rejoins_and_takes_its_share_back(world) -> None:
