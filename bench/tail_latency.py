@@ -46,7 +46,7 @@ QUANTILES = (("p50", 0.5), ("p99", 0.99), ("p99.9", 0.999))
 def _row(case: str, mode: str, rd: Readers, hedged: float | None = None) -> str:
     q = [rd.quantile(x) * 1e3 for _, x in QUANTILES]
     share = "" if hedged is None else f"{hedged:.2%}"
-    return (f"| {case} | {mode} | {q[0]:.1f} | {q[1]:.1f} | {q[2]:.1f} | "
+    return (f"| {case} | {mode} | {len(rd.latencies)} | {q[0]:.1f} | {q[1]:.1f} | {q[2]:.1f} | "
             f"{max(rd.latencies, default=0) * 1e3:.0f} | {len(rd.errors)} | {share} |")
 
 
@@ -98,8 +98,8 @@ def main() -> None:
 
     base = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-tail-", dir="/var/tmp"))
     files = _make_source(base / "source")
-    rows = ["| case | hedging | p50 | p99 | p99.9 | max | errors | hedged bytes |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| case | hedging | reads | p50 | p99 | p99.9 | max | errors | hedged bytes |",
+            "|---|---|---|---|---|---|---|---|---|"]
     with cluster(base / "c") as c:
         c.ks(["import", str(base / "source"), "--name", "tail", "--chunk-size", c.chunk_size, "-q"])
         c.ks(["preload", "tail", "--timeout", "60"])
