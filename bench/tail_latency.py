@@ -29,7 +29,7 @@ plus a little; with it, it is within this machine's no-fault noise (the slowest 
 with no fault at all is 16–61 ms here), and p50/p99 are unchanged. A slow-but-alive
 peer is invisible to the old path (p99 = its 20 ms stall); hedged, p99 stays at the
 no-fault p99. The cost with no fault: 0.88–0.92× the reads of hedging off (see the
-results file's ``reads`` column): each hedged read's attempt is a trio task.
+results file's ``reads`` column): Python work per read in the race (docs/design.md).
 """
 from __future__ import annotations
 
