@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.cluster import cluster, mount_stats, write_dataset
+from tests.fixtures.cluster import cluster, mount_stats, verified_read, write_dataset
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, FUSE)")
 
@@ -55,15 +55,8 @@ class Reading:
         while not self._stop.is_set():
             rel = rnd.choice(rels)
             off = rnd.randrange(0, max(1, len(self.files[rel]) - 4096))
-            try:
-                with open(self.mnt / rel, "rb") as f:
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                    f.seek(off)
-                    got = f.read(65536)
-                if got != self.files[rel][off:off + 65536]:
-                    self.errors.append(f"{rel}@{off}: wrong bytes")
-            except OSError as e:
-                self.errors.append(f"{rel}@{off}: {e}")
+            if (err := verified_read(self.mnt, self.files, rel, off)) is not None:
+                self.errors.append(err)
             now = time.monotonic()
             self.max_gap = max(self.max_gap, now - last)
             last = now

@@ -130,7 +130,7 @@ class _Endpoint:
                     self._users[id(client)] = left
                 done = None if left else self._retired.pop(id(client), None)
             if done is not None:
-                done.close()
+                _close(done)
 
     def retire(self, client: etcd3.Etcd3Client | None = None) -> None:
         """Stop handing out ``client`` (default: the current one); close it once unused."""
@@ -143,19 +143,62 @@ class _Endpoint:
             if self._users.get(id(client)):
                 self._retired[id(client)] = client
                 return
-        client.close()
+        _close(client)
+
+
+class _WatchStub:
+    """The Watch stub of one client, stoppable: once ``stopped``, opening a stream raises
+    ``ValueError`` (which ends :class:`_Watcher`'s thread); ``call`` is the open stream."""
+
+    def __init__(self, stub: Any) -> None:
+        self._stub = stub
+        self.stopped = False
+        self.call: Any = None
+
+    def Watch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - the stub's name
+        if self.stopped:
+            raise ValueError("watcher stopped")
+        self.call = self._stub.Watch(*args, **kwargs)
+        return self.call
 
 
 class _Watcher(etcd3.watch.Watcher):
-    """etcd3 0.12's watcher, whose stream thread ends quietly once its channel is closed.
-    (Its loop re-opens the stream forever and died with ``ValueError: Cannot invoke RPC:
-    Channel closed!``, a thread traceback on stderr, each time a client was retired.)"""
+    """etcd3 0.12's watcher, stoppable before its channel is closed. Its thread re-opens
+    the stream forever: on a closed channel it died with ``ValueError: Cannot invoke RPC:
+    Channel closed!`` (a thread traceback), and a channel closed while that thread was
+    opening a stream on it took the whole process down inside gRPC (a trap in cygrpc,
+    seen once in the cluster tests' etcd outage). So a retired client's watcher is
+    stopped, and its thread joined, before the channel is closed (:func:`_close`)."""
+
+    def __init__(self, watchstub: Any, **kwargs: Any) -> None:
+        super().__init__(_WatchStub(watchstub), **kwargs)
 
     def _run(self) -> None:
         try:
             super()._run()
         except ValueError:
             return
+
+    def stop(self, timeout: float) -> None:
+        """Stop the stream thread (cancel its stream; no new one) and wait for it."""
+        stub = self._watch_stub
+        stub.stopped = True
+        if stub.call is not None:
+            stub.call.cancel()
+        thread = self._callback_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
+def _close(client: etcd3.Etcd3Client) -> None:
+    """Close a retired client in a thread of its own: its watcher first (up to 5 s),
+    then the channel, so no gRPC call is ever being opened on a closing channel."""
+    def run() -> None:
+        watcher = getattr(client, "watcher", None)
+        if isinstance(watcher, _Watcher):
+            watcher.stop(timeout=5.0)
+        client.close()
+    threading.Thread(target=run, name="etcd-close", daemon=True).start()
 
 
 class _Unreachable(Exception):
