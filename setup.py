@@ -14,6 +14,10 @@ ext_modules: list[Extension] = [
     Extension("rdma._soft_engine", ["native/soft_engine_py.c", "native/soft_engine.c"],
               depends=["native/soft_engine.h"], include_dirs=["native"],
               extra_compile_args=CFLAGS),
+    # kspeedfs/fuse native engine: /dev/fuse request threads, metadata and tier hits in C
+    Extension("kspeedfs.fuse._engine", ["native/fuse_engine_py.c", "native/fuse_engine.c"],
+              depends=["native/fuse_engine.h"], include_dirs=["native"],
+              extra_compile_args=CFLAGS),
 ]
 
 setup(ext_modules=ext_modules)

@@ -181,8 +181,19 @@ class FuseConfig:
     congestion_threshold: int = _opt(48, "FUSE congestion_threshold via sysfs (default 3/4 of max_background)")
     read_ahead_kb: int = _opt(4096, "bdi read_ahead_kb via sysfs (kernel default 128)")
     workers: int = _opt(16, "threads for blocking source/disk I/O")
+    engine: str = _opt("native", "FUSE engine: 'native' (C request threads answer metadata and "
+                       "cached reads, Python only misses: fuse/native.py) or 'pyfuse3' (the "
+                       "portable reference engine); native falls back to pyfuse3 where it "
+                       "cannot mount (not root, not built)")
+    threads: int = _opt(0, "native engine: request threads; 0 = one per core")
+    max_pages: int = _opt(256, "native engine: pages per FUSE request, negotiated at INIT "
+                          "(256 = 1 MiB READs; pyfuse3 gets the kernel default, 32)")
 
     def validate(self) -> None:
+        if self.engine not in ("native", "pyfuse3"):
+            raise ConfigError(f"fuse.engine: {self.engine!r} must be 'native' or 'pyfuse3'")
+        _range("fuse.threads", self.threads, 0, 256)
+        _range("fuse.max_pages", self.max_pages, 1, 256)
         if self.blksize and (self.blksize < 512 or self.blksize > 1 << 30 or self.blksize & (self.blksize - 1)):
             raise ConfigError(f"fuse.blksize: {self.blksize} must be 0 or a power of two in 512..1GiB")
         _positive("fuse.entry_timeout", self.entry_timeout, _YEAR)

@@ -3,8 +3,11 @@
     store → DatasetInfo → manifest blob → ManifestIndex      (once; never again)
     Origin (source dir) · MemoryCache · DiskCache?
     nursery ─┬─ Reader (loads + prefetch run here)
-             ├─ pyfuse3.main                                 (the request loop)
-             ├─ signals: SIGTERM/SIGINT → pyfuse3.terminate()
+             ├─ the request loop, one of two engines (``fuse.engine``):
+             │    native: C threads on /dev/fuse answer metadata and memory-tier hits,
+             │            NativeSession.serve answers their misses (fuse/native.py)
+             │    pyfuse3: pyfuse3.main, every request in this thread (fuse/operations.py)
+             ├─ signals: SIGTERM/SIGINT → unmount (pyfuse3.terminate / session.terminate)
              ├─ metrics exporter (only with metrics.listen: metrics.py)
              └─ after mount: sysfs knobs, READY=1, ready()
 
@@ -22,7 +25,7 @@ import signal
 import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 import pyfuse3
 import trio
@@ -42,6 +45,7 @@ from .reader import Reader
 
 if TYPE_CHECKING:
     from .cluster.fetch import Peers
+    from .fuse.native import NativeSession
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +78,25 @@ def _systemd_notify(state: str) -> None:
         s.sendall(state.encode())
 
 
-async def _on_signals() -> None:
+async def _on_signals(terminate: Callable[[], None]) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("%s: unmounting", signal.Signals(signum).name)
-            pyfuse3.terminate()
+            terminate()
             return
+
+
+def choose_engine(cfg: Config) -> str:
+    """``fuse.engine``, or pyfuse3 where the native engine cannot mount (said once)."""
+    if cfg.fuse.engine != "native":
+        return cfg.fuse.engine
+    from .fuse import native
+
+    why = native.unavailable()
+    if why:
+        log.warning("fuse.engine native: %s; serving with pyfuse3", why)
+        return "pyfuse3"
+    return "native"
 
 
 @asynccontextmanager
@@ -123,13 +140,14 @@ async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | 
             store.close()
 
 
-async def _export_metrics(cfg: Config, ops: Operations, peers: "Peers | None", path: str) -> None:
+async def _export_metrics(cfg: Config, ops: Operations, peers: "Peers | None", path: str,
+                          op_rows: Callable[[], dict[str, list[object]]]) -> None:
     """Serve this mount's metrics (``metrics.py``) at ``metrics.listen`` until cancelled."""
     from . import metrics
 
     def snapshot() -> dict[str, object]:
         return {"read": ops.reader.statistics(), "peers": peers.statistics() if peers else None,
-                "ops": {op: list(row) for op, row in ops.op_stats.rows.items()},
+                "ops": op_rows(),
                 "bounds": ops.op_stats.BOUNDS,
                 "members": len(peers.membership.nodes) if peers else None}
 
@@ -150,42 +168,81 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     memory = MemoryCache(cfg.cache.memory)
     disk = DiskCache(cfg.cache.disk_dir, cfg.cache.disk) if cfg.cache.disk else None
 
+    engine = choose_engine(cfg)
     async with _cluster(cfg, index) as peers, trio.open_nursery() as nursery:
-        pages = PageCache(index) if cfg.fuse.push_pages else None
+        session: "NativeSession | None" = None
+        pages = None
+        if cfg.fuse.push_pages:
+            pages = PageCache(index, store=pyfuse3.notify_store if engine == "pyfuse3"
+                              else lambda *a: session.notify_store(*a))   # type: ignore[union-attr]
         reader = Reader(index=index, origin=origin, memory=memory, disk=disk, nursery=nursery,
                         peers=peers, dataset=(info.name, info.version), workers=cfg.fuse.workers,
                         prefetch_depth=cfg.fuse.prefetch_chunks,
                         push=pages.push if pages else None)
         ops = Operations(index, reader, info, cfg.fuse, slow_op=cfg.log.slow_op)
+        if engine == "native":
+            from .fuse.native import NativeSession
+
+            session = NativeSession(path, ops, memory, index, info, cfg.fuse, nonempty=req.nonempty)
+            reader.served_elsewhere = session.served
+            op_rows = session.op_rows
+        else:
+            op_rows = lambda: {op: list(row) for op, row in ops.op_stats.rows.items()}  # noqa: E731
         if cfg.metrics.listen:                    # off by default: no thread, no socket
-            nursery.start_soon(_export_metrics, cfg, ops, peers, path, name="metrics")
-        options = set(pyfuse3.default_options) | {"ro", f"fsname=kspeedfs:{info.name}", "subtype=kspeedfs"}
-        if cfg.fuse.allow_other:
-            options.add("allow_other")
-        if req.nonempty:
-            options.add("nonempty")
-        pyfuse3.init(ops, path, options)
-        try:
-            nursery.start_soon(_on_signals, name="signals")
+            nursery.start_soon(_export_metrics, cfg, ops, peers, path, op_rows, name="metrics")
 
-            async def after_mount() -> None:
-                knobs = tuning.KernelKnobs(cfg.fuse.max_background, cfg.fuse.congestion_threshold,
-                                           cfg.fuse.read_ahead_kb)
-                await trio.to_thread.run_sync(tuning.apply, path, knobs)
-                log.info("mounted %s v%d at %s", info.name, info.version, path)
-                _systemd_notify("READY=1")
-                if ready:
-                    ready(path)
+        async def after_mount() -> None:
+            knobs = tuning.KernelKnobs(cfg.fuse.max_background, cfg.fuse.congestion_threshold,
+                                       cfg.fuse.read_ahead_kb)
+            await trio.to_thread.run_sync(tuning.apply, path, knobs)
+            log.info("mounted %s v%d at %s (%s engine)", info.name, info.version, path, engine)
+            _systemd_notify("READY=1")
+            if ready:
+                ready(path)
 
-            nursery.start_soon(after_mount, name="after-mount")
-            await pyfuse3.main()
-        except BaseException:
-            if pages:
-                pages.close()
-            pyfuse3.close(unmount=True)
-            raise
+        if session is not None:
+            try:
+                await _serve_native(session, nursery, after_mount)
+            finally:
+                if pages:
+                    pages.close()
+        else:
+            await _serve_pyfuse3(ops, path, cfg, info, req, nursery, after_mount, pages)
         nursery.cancel_scope.cancel()
-    if pages:
-        pages.close()
-    pyfuse3.close(unmount=True)
     log.info("unmounted %s; %s", path, reader.statistics())
+
+
+async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetInfo,
+                         req: MountRequest, nursery: trio.Nursery,
+                         after_mount: Callable[[], Awaitable[None]], pages: PageCache | None) -> None:
+    """Mount with pyfuse3 and run its request loop until unmounted; then the page-cache
+    pushes stop before the session is destroyed (``pyfuse3.close`` unmounts)."""
+    options = set(pyfuse3.default_options) | {"ro", f"fsname=kspeedfs:{info.name}", "subtype=kspeedfs"}
+    if cfg.fuse.allow_other:
+        options.add("allow_other")
+    if req.nonempty:
+        options.add("nonempty")
+    pyfuse3.init(ops, path, options)
+    try:
+        nursery.start_soon(_on_signals, pyfuse3.terminate, name="signals")
+        nursery.start_soon(after_mount, name="after-mount")
+        await pyfuse3.main()
+    finally:
+        if pages:
+            pages.close()
+        pyfuse3.close(unmount=True)
+
+
+async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
+                        after_mount: Callable[[], Awaitable[None]]) -> None:
+    """Mount with the native engine and answer its queue until unmounted; always leaves
+    the mount gone and the C threads joined."""
+    await trio.to_thread.run_sync(session.mount)
+    try:
+        nursery.start_soon(_on_signals, session.terminate, name="signals")
+        nursery.start_soon(after_mount, name="after-mount")
+        await session.serve()
+    finally:
+        session.terminate()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(session.close)

@@ -113,6 +113,9 @@ class Reader:
         self.nursery = nursery
         self.push = push
         self.counters = Counters()
+        #: ``() -> (reads, bytes, memory hits)`` answered without this object (the native
+        #: engine's C threads serve memory-tier hits), added to ``statistics()``
+        self.served_elsewhere: Callable[[], tuple[int, int, int]] | None = None
         self.policy = ReadPolicy(
             chunk_size=index.chunk_size, block_size=index.block_size, chunks=index.chunks,
             tier_bytes=memory.capacity + (disk.capacity if disk is not None else 0),
@@ -124,10 +127,14 @@ class Reader:
                                landed=self._landed)
 
     def statistics(self) -> ReadStatistics:
-        return self.counters.snapshot(
-            memory_bytes=self.memory.used, memory_resident_bytes=self.memory.resident_used,
-            disk_bytes=self.disk.used if self.disk else 0
-        )
+        gauges = dict(memory_bytes=self.memory.used, memory_resident_bytes=self.memory.resident_used,
+                      disk_bytes=self.disk.used if self.disk else 0)
+        if self.served_elsewhere is not None:     # reads the native engine answered in C
+            reads, nbytes, hits = self.served_elsewhere()
+            c = self.counters
+            gauges.update(reads=c.reads + reads, read_bytes=c.read_bytes + nbytes,
+                          memory_hits=c.memory_hits + hits)
+        return self.counters.snapshot(**gauges)
 
     async def read(self, entry: int, offset: int, size: int, stream: Stream | None = None) -> Data:
         """Up to ``size`` bytes of file ``entry`` at ``offset`` (fewer at its end)."""
@@ -274,6 +281,11 @@ class Reader:
                 self.memory.discard(block_key(key, b))
 
     # -- prefetch --------------------------------------------------------------------------
+
+    def prefetch(self, entry: int, k: int) -> None:
+        """Start loading chunk ``k`` of file ``entry`` ahead of its reader (a hint from the
+        native engine, which tracks sequential streams in C); no-op past the budget."""
+        self._prefetch(entry, k)
 
     def _prefetch(self, entry: int, k: int) -> None:
         """Start loading chunk ``k`` ahead of a sequential reader of ``entry``; with a

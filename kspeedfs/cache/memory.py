@@ -22,11 +22,18 @@ Measured: ImageNet-like, 20k files (2.2 GB), 1 GiB tier, a second shuffled epoch
 bytes 1.80 → 1.34 GB; 896–1,186 → 1,340–1,465 files/s; alternating A/B, 2 rounds).
 
 When the dataset fits, everything is resident and nothing is ever evicted, as before.
+
+Mirror (the native engine, ``fuse/native.py``): with ``mirror_to(m)`` every buffer put
+here is also ``m.put`` and every one that leaves is ``m.discard``-ed, so the engine's C
+threads answer reads from exactly what this tier holds. They cannot reorder the LRU,
+so eviction asks ``m.touched(key)`` first and gives a buffer served since it was last
+asked a second chance (CLOCK); the order is still an LRU for reads answered here.
 """
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +43,20 @@ TRANSIENT_FRACTION = 0.25
 TRANSIENT_MIN = 128 << 20
 
 
+class Mirror(Protocol):
+    """What holds a copy of the tier's index (``fuse.native.TierMirror``)."""
+
+    def put(self, key: bytes, data: Any) -> None: ...
+    def discard(self, key: bytes) -> None: ...
+    def touched(self, key: bytes) -> bool: ...
+
+
 class MemoryCache:
+    """Verified buffers by key (chunk, block or extent digest), bounded in bytes: a
+    resident part kept for the mount's life and a transient LRU (module docstring).
+    ``get`` returns the stored object itself (immutable bytes; never copied). Trio thread
+    only. A ``Mirror`` set with ``mirror_to`` sees every put and every removal."""
+
     def __init__(self, capacity: int, transient_fraction: float = TRANSIENT_FRACTION,
                  transient_min: int = TRANSIENT_MIN) -> None:
         self.capacity = capacity
@@ -47,6 +67,15 @@ class MemoryCache:
         self._resident_used = 0
         self._transient: OrderedDict[bytes, bytes] = OrderedDict()
         self._transient_used = 0
+        self._mirror: Mirror | None = None
+
+    def mirror_to(self, mirror: Mirror | None) -> None:
+        """Mirror every buffer held now and later into ``mirror`` (None: stop)."""
+        self._mirror = mirror
+        if mirror is not None:
+            for part in (self._resident, self._transient):
+                for key, data in part.items():
+                    mirror.put(key, data)
 
     @property
     def used(self) -> int:
@@ -82,20 +111,38 @@ class MemoryCache:
         if self._resident_used + n <= self.resident_capacity:
             self._resident[key] = data
             self._resident_used += n
+        elif n > self.transient_capacity:
             return
-        if n > self.transient_capacity:
-            return
-        self._transient[key] = data
-        self._transient_used += n
+        else:
+            self._transient[key] = data
+            self._transient_used += n
+        if self._mirror is not None:
+            self._mirror.put(key, data)
+        self._evict()
+
+    def _evict(self) -> None:
+        """Trim the transient LRU to its capacity (a mirrored buffer that was served since
+        it was last looked at goes to the young end once instead)."""
+        spared = 0
         while self._transient_used > self.transient_capacity:
-            _, evicted = self._transient.popitem(last=False)
+            key, evicted = self._transient.popitem(last=False)
+            if (self._mirror is not None and spared < len(self._transient)
+                    and self._mirror.touched(key)):
+                self._transient[key] = evicted
+                spared += 1
+                continue
             self._transient_used -= len(evicted)
+            if self._mirror is not None:
+                self._mirror.discard(key)
 
     def discard(self, key: bytes) -> None:
         old = self._resident.pop(key, None)
         if old is not None:
             self._resident_used -= len(old)
-            return
-        old = self._transient.pop(key, None)
-        if old is not None:
+        else:
+            old = self._transient.pop(key, None)
+            if old is None:
+                return
             self._transient_used -= len(old)
+        if self._mirror is not None:
+            self._mirror.discard(key)

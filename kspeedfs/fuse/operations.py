@@ -202,7 +202,8 @@ class Operations(pyfuse3.Operations):
     # 6k entries/s (0.06x a do-nothing pyfuse3 filesystem). ENOSYS, answered once, makes
     # the kernel stop sending GETXATTR/LISTXATTR for the whole mount.
 
-    def _xattrs(self, entry: int) -> dict[bytes, bytes]:
+    def xattr_values(self, entry: int) -> dict[bytes, bytes]:
+        """The ``user.kspeedfs.*`` attributes of ``entry`` (names without the prefix)."""
         ix = self.index
         out = {b"dataset": f"{self.info.name}@{self.info.version}".encode()}
         if ix.is_file(entry) and ix.size[entry]:
@@ -220,7 +221,7 @@ class Operations(pyfuse3.Operations):
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         if not self.xattrs:
             raise pyfuse3.FUSEError(errno.ENOSYS)
-        return [XATTR_PREFIX + k for k in self._xattrs(self._entry(inode))]
+        return [XATTR_PREFIX + k for k in self.xattr_values(self._entry(inode))]
 
     @fuse_op
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
@@ -229,7 +230,7 @@ class Operations(pyfuse3.Operations):
         entry = self._entry(inode)
         if not name.startswith(XATTR_PREFIX):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-        value = self._xattrs(entry).get(name[len(XATTR_PREFIX):])
+        value = self.xattr_values(entry).get(name[len(XATTR_PREFIX):])
         if value is None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return value

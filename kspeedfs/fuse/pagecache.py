@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import pyfuse3
 import trio
@@ -56,8 +56,10 @@ def page_span(index: ManifestIndex, entry: int, chunk: int) -> tuple[int, int]:
 class PageCache:
     """Pushes chunks of open files into the kernel page cache (one instance per mount)."""
 
-    def __init__(self, index: ManifestIndex, threads: int = 2) -> None:
+    def __init__(self, index: ManifestIndex, threads: int = 2,
+                 store: Callable[[int, int, memoryview], None] = pyfuse3.notify_store) -> None:
         self.index = index
+        self.store = store          # the engine's FUSE_NOTIFY_STORE (pyfuse3's, or native's)
         self._limiter = trio.CapacityLimiter(threads)
         self._active = 0
         self._idle = threading.Condition()
@@ -81,7 +83,7 @@ class PageCache:
                 return False
             self._active += 1
         try:
-            pyfuse3.notify_store(inode, offset, view)
+            self.store(inode, offset, view)
             return True
         except OSError as e:
             log.debug("notify_store(inode %d, %d+%d): %s", inode, offset, len(view), e)

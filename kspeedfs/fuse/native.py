@@ -1,0 +1,296 @@
+"""① The native engine's side in Python: what the C request threads hand over.
+
+    kernel ─ /dev/fuse ─► C threads (native/fuse_engine.c), one per core
+        LOOKUP GETATTR READDIR(PLUS) OPEN RELEASE STATFS READLINK EROFS …   answered in C
+        READ whose bytes the memory tier holds                            answered in C
+        READ miss, GETXATTR, LISTXATTR, prefetch hints ─► queue + eventfd ─► NativeSession
+    NativeSession (trio thread): Reader.read → reply on the fd the request came from
+
+The memory tier is shared through ``TierMirror``: every verified buffer that
+``MemoryCache`` holds is also in the engine's table (the engine reads it in place and
+keeps a reference count per reply; the buffer is released only when no reply points into
+it), so a miss answered here is a hit in C the next time.
+
+What stays the same as with pyfuse3 (``operations.py``): the manifest answers metadata,
+``Reader`` answers data with all its guarantees, errors become errnos in
+``boundary.fuse_op`` only, xattrs are ``Operations.xattr_values``. What differs: negative
+lookups are cached by the kernel (the snapshot never changes), directories are opened
+with ``FOPEN_CACHE_DIR``, READs are up to ``fuse.max_pages`` pages (1 MiB) and the INIT
+flags are chosen here (fuse_engine.c ``fe_init``), and the connection is mounted with
+mount(2) directly, so the engine needs root (``daemon.serve`` falls back to pyfuse3).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from typing import Any
+
+import pyfuse3
+import trio
+
+from ..cache.memory import MemoryCache
+from ..cache.prefetch import Stream
+from ..config import FuseConfig
+from ..manifest.index import ManifestIndex
+from ..manifest.store.base import DatasetInfo
+from .boundary import OpStats, fuse_op
+from .operations import XATTR_PREFIX, Operations
+
+log = logging.getLogger(__name__)
+
+try:
+    from . import _engine
+except ImportError as e:            # a checkout whose native code was not built
+    _engine = None
+    _IMPORT_ERROR = str(e)
+else:
+    _IMPORT_ERROR = ""
+
+#: reads longer than this never come (max_pages x 4 KiB); also the mount's max_read
+MAX_READ = 1 << 20
+OP_NAMES = ("lookup", "getattr", "readlink", "open", "read", "release", "opendir", "readdir",
+            "releasedir", "statfs", "forget", "getxattr", "listxattr", "erofs", "enosys", "other")
+
+
+def unavailable() -> str:
+    """Why the native engine cannot serve a mount here ("" if it can)."""
+    if _engine is None:
+        return f"not built ({_IMPORT_ERROR})"
+    if os.geteuid() != 0:
+        return "needs root (it mounts with mount(2))"
+    return ""
+
+
+class TierMirror:
+    """The engine's view of ``MemoryCache``: ``put``/``discard`` keep the engine's table
+    equal to the cache's contents; ``touched`` tells the cache's LRU that a C thread
+    served a buffer since it last asked (a second chance before eviction)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def put(self, key: bytes, data: Any) -> None:
+        self.engine.tier_put(key, data)
+
+    def discard(self, key: bytes) -> None:
+        self.engine.tier_discard(key)
+        self.engine.reap()
+
+    def touched(self, key: bytes) -> bool:
+        return bool(self.engine.tier_touched(key))
+
+
+class NativeSession:
+    """One native-engine mount: mounts ``path``, runs the C threads, answers their queue.
+
+    ``mount()`` (blocking: mount(2), INIT, threads) then ``await serve()`` until the
+    connection ends (unmounted, or ``terminate()``); ``close()`` joins the threads and
+    releases every tier buffer. Misses run ``ops.reader.read`` in this session's nursery
+    and are answered on the fd their request came from; their errors go through
+    ``boundary.fuse_op`` like every pyfuse3 handler's.
+
+    Attributes:
+        path: the mountpoint.
+        ops: the pyfuse3 handlers' object, for its reader, xattrs and config.
+        memory: the memory tier mirrored into the engine.
+        engine: the C engine (``kspeedfs.fuse._engine.Engine``), after ``mount()``.
+        slow_op, op_stats: what ``fuse_op`` needs (Python-side reads and xattrs).
+    """
+
+    def __init__(self, path: str, ops: Operations, memory: MemoryCache, index: ManifestIndex,
+                 info: DatasetInfo, cfg: FuseConfig, *, nonempty: bool = False) -> None:
+        self.path = path
+        self.ops = ops
+        self.memory = memory
+        self.index = index
+        self.info = info
+        self.cfg = cfg
+        self.nonempty = nonempty
+        self.slow_op = ops.slow_op
+        self.op_stats = OpStats()
+        self.engine: Any = None
+        self.fd = -1
+        self.minor: int | None = None
+        self._final: dict[str, Any] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def mount(self) -> None:
+        """mount(2), INIT and the request threads (blocking; OSError on failure, with
+        nothing left mounted)."""
+        assert _engine is not None
+        cfg = self.cfg
+        fd = _engine.mount(self.path, f"kspeedfs:{self.info.name}", cfg.allow_other,
+                           self.nonempty, cfg.max_pages * 4096)
+        try:
+            self.engine = _engine.Engine(
+                fd, self.index, generation=self.info.version, dataset_bytes=self.info.bytes,
+                entry_timeout=cfg.entry_timeout, attr_timeout=cfg.attr_timeout,
+                blksize=cfg.blksize, xattrs=cfg.xattrs, max_background=cfg.max_background,
+                congestion_threshold=cfg.congestion_threshold, max_pages=cfg.max_pages,
+                prefetch_depth=cfg.prefetch_chunks, prefetch_trigger=2)
+        except BaseException:
+            os.close(fd)
+            _engine.unmount(self.path)
+            raise
+        try:
+            self.engine.init()
+            threads = cfg.threads or os.cpu_count() or 1
+            self.engine.start(threads)
+        except BaseException:
+            _engine.unmount(self.path)
+            self.engine.close()
+            raise
+        self.fd = fd
+        self.minor = os.minor(os.stat(self.path).st_dev)    # answered by the C threads
+        self.memory.mirror_to(TierMirror(self.engine))
+        minor, flags, pages, readahead = self.engine.negotiated()
+        log.info("native engine: %d threads, FUSE 7.%d, flags %#x, %d pages per request, "
+                 "readahead %d KiB", threads, minor, flags, pages, readahead >> 10)
+
+    def terminate(self) -> None:
+        """Unmount (lazily) and abort the connection: the C threads end, then ``serve``."""
+        if self.engine is None:
+            return
+        try:
+            _engine.unmount(self.path)
+        except OSError as e:
+            log.debug("unmount %s: %s", self.path, e)
+        if self.minor is not None:
+            try:
+                with open(f"/sys/fs/fuse/connections/{self.minor}/abort", "w") as f:
+                    f.write("1")
+            except OSError as e:
+                log.debug("abort connection %d: %s", self.minor, e)
+
+    def close(self) -> None:
+        """After ``serve``: join the threads, stop mirroring, release every buffer."""
+        if self.engine is None:
+            return
+        self.memory.mirror_to(None)
+        self.engine.join()
+        self._final = self.engine.counters()
+        self.engine.close()
+        self.engine = None
+
+    # -- the queue ---------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Answer queued requests until the connection ends."""
+        efd = self.engine.eventfd
+        async with trio.open_nursery() as nursery:
+            while True:
+                await trio.lowlevel.wait_readable(efd)
+                try:
+                    os.read(efd, 8)
+                except BlockingIOError:
+                    pass
+                while batch := self.engine.take(1024):
+                    for req in batch:
+                        self._dispatch(nursery, req)
+                self.engine.reap()
+                if not self.engine.running:
+                    break
+            nursery.cancel_scope.cancel()      # the connection is gone: nobody to answer
+
+    def _dispatch(self, nursery: trio.Nursery, req: tuple) -> None:
+        kind, fd, unique, entry, offset, size, random, name = req
+        if kind == _engine.READ:
+            nursery.start_soon(self._answer_read, fd, unique, entry, offset, size, random)
+        elif kind == _engine.PREFETCH:
+            for k in range(offset, size):
+                self.ops.reader.prefetch(entry, k)
+        elif kind == _engine.GETXATTR:
+            nursery.start_soon(self._answer_getxattr, fd, unique, entry, name, size)
+        elif kind == _engine.LISTXATTR:
+            nursery.start_soon(self._answer_listxattr, fd, unique, entry, size)
+
+    async def _answer_read(self, fd: int, unique: int, entry: int, offset: int, size: int,
+                           random: int) -> None:
+        # the C thread did the sequential-read bookkeeping; this stream only carries
+        # its verdict (``read_policy.is_random``) and starts no prefetch of its own
+        stream = Stream(next_offset=-1 if random else offset)
+        try:
+            data = await self.read(entry, offset, size, stream)
+        except pyfuse3.FUSEError as e:
+            _engine.reply_error(fd, unique, e.errno)
+            return
+        _engine.reply(fd, unique, data)
+
+    async def _answer_getxattr(self, fd: int, unique: int, entry: int, name: bytes,
+                               size: int) -> None:
+        try:
+            value = await self.getxattr(entry, name)
+        except pyfuse3.FUSEError as e:
+            _engine.reply_error(fd, unique, e.errno)
+            return
+        self._reply_xattr(fd, unique, value, size)
+
+    async def _answer_listxattr(self, fd: int, unique: int, entry: int, size: int) -> None:
+        try:
+            names = await self.listxattr(entry)
+        except pyfuse3.FUSEError as e:
+            _engine.reply_error(fd, unique, e.errno)
+            return
+        self._reply_xattr(fd, unique, b"".join(n + b"\0" for n in names), size)
+
+    @staticmethod
+    def _reply_xattr(fd: int, unique: int, value: bytes, size: int) -> None:
+        if size == 0:
+            _engine.reply_xattr_size(fd, unique, len(value))
+        elif len(value) > size:
+            _engine.reply_error(fd, unique, errno.ERANGE)
+        else:
+            _engine.reply(fd, unique, value)
+
+    # -- the handlers (through the one errno boundary) -----------------------------------
+
+    @fuse_op
+    async def read(self, entry: int, offset: int, size: int, stream: Stream) -> Any:
+        return await self.ops.reader.read(entry, offset, size, stream)
+
+    @fuse_op
+    async def getxattr(self, entry: int, name: bytes) -> bytes:
+        if not name.startswith(XATTR_PREFIX):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        value = self.ops.xattr_values(entry).get(name[len(XATTR_PREFIX):])
+        if value is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return value
+
+    @fuse_op
+    async def listxattr(self, entry: int) -> list[bytes]:
+        return [XATTR_PREFIX + k for k in self.ops.xattr_values(entry)]
+
+    # -- counters ----------------------------------------------------------------------
+
+    def counters(self) -> dict[str, Any]:
+        """The C threads' counters (``Engine.counters()``; their last values once closed)."""
+        return self.engine.counters() if self.engine is not None else self._final
+
+    def served(self) -> tuple[int, int, int]:
+        """Reads, bytes and memory-tier units answered in C (``Reader.served_elsewhere``)."""
+        c = self.counters()
+        return c.get("read_hits", 0), c.get("read_hit_bytes", 0), c.get("memory_hits", 0)
+
+    def notify_store(self, inode: int, offset: int, data: Any) -> None:
+        """``pyfuse3.notify_store`` for this connection (``fuse/pagecache.py``)."""
+        rc = _engine.notify_store(self.fd, inode, offset, data)
+        if rc < 0:
+            raise OSError(-rc, os.strerror(-rc))
+
+    def op_rows(self) -> dict[str, list[Any]]:
+        """Per-operation rows in ``OpStats`` form: C's (hits and metadata) plus Python's
+        (read misses and xattrs), summed."""
+        rows = {name: list(row) for name, row in self.op_stats.rows.items() if row[0]}
+        for name, (n, errs, secs, buckets) in self.counters().get("ops", {}).items():
+            if not n:
+                continue
+            row = rows.setdefault(name, [0, 0, 0.0] + [0] * (len(OpStats.BOUNDS) + 1))
+            row[0] += n
+            row[1] += errs
+            row[2] += secs
+            for i, b in enumerate(buckets):
+                row[3 + i] += b
+        return rows

@@ -1,0 +1,1219 @@
+/* fuse_engine.c — the native FUSE data plane (fuse_engine.h says what and why).
+ *
+ * Map of this file, top to bottom:
+ *   mount            fe_mount / fe_unmount: mount(2) with a /dev/fuse fd (root)
+ *   tier table       fe_tier_*: verified buffers by key, striped locks, refcounted slots
+ *   replies          reply_iov and friends: one writev per reply, header + caller's buffers
+ *   attributes       fill_attr / fill_entry from the index arrays (bounds-checked)
+ *   handlers         one function per opcode; dispatch() picks one and counts it
+ *   READ             stream bookkeeping (prefetch), then tier hit → writev, else queue
+ *   queue            misses and xattrs for Python, an eventfd per engine
+ *   threads          fe_init (INIT), fe_start (clone a /dev/fuse fd per thread), fe_join
+ *
+ * Slot lifetime: a slot in the table holds one reference for the table; a READ that
+ * replies from it takes one under its stripe lock and drops it after writev. Whoever
+ * drops the last reference retires the slot: fe_tier_discard hands the owner straight
+ * back (the binding releases the Python buffer), a request thread puts it on the dead
+ * list that fe_tier_reap empties from Python. No buffer is released while a reply
+ * still points into it, and the request threads never touch a Python object.
+ */
+#define _GNU_SOURCE
+#include "fuse_engine.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/fuse.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef FUSE_DEV_IOC_CLONE
+#define FUSE_DEV_IOC_CLONE _IOR(229, 0, uint32_t)
+#endif
+
+#define FE_MAX_THREADS 256
+#define FE_STRIPES 256
+#define FE_BUCKET_BITS 18
+#define FE_MAX_IOV 64
+#define FE_MAX_WRITE (128 * 1024)
+#define FE_REQ_BUF (FE_MAX_WRITE + 4096)
+#define FE_KEY_MAX 20
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (!err || !errlen)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+/* ------------------------------------------------------------------------- mount */
+
+int fe_mount(const char *path, const char *fsname, int allow_other, int nonempty,
+             uint32_t max_read, char *err, size_t errlen)
+{
+    (void)nonempty;    /* a fusermount rule; mount(2) itself mounts over anything */
+    int fd = open("/dev/fuse", O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+        set_err(err, errlen, "open /dev/fuse: %s", strerror(errno));
+        return -1;
+    }
+    char opts[256];
+    int n = snprintf(opts, sizeof opts,
+                     "fd=%d,rootmode=40000,user_id=%u,group_id=%u,default_permissions%s",
+                     fd, (unsigned)getuid(), (unsigned)getgid(), allow_other ? ",allow_other" : "");
+    if (max_read)
+        n += snprintf(opts + n, sizeof opts - (size_t)n, ",max_read=%u", max_read);
+    if (mount(fsname, path, "fuse.kspeedfs", MS_RDONLY | MS_NOSUID | MS_NODEV, opts) < 0) {
+        int saved = errno;
+        set_err(err, errlen, "mount %s: %s", path, strerror(saved));
+        close(fd);
+        errno = saved;
+        return -1;
+    }
+    return fd;
+}
+
+int fe_unmount(const char *path)
+{
+    return umount2(path, MNT_DETACH) < 0 ? -errno : 0;
+}
+
+/* -------------------------------------------------------------------- the engine */
+
+struct fe_slot {
+    struct fe_slot *next;           /* bucket chain, then the dead list */
+    atomic_int refs;                /* 1 for the table + 1 per reply writing from it */
+    atomic_int touched;
+    uint8_t keylen;
+    uint8_t key[FE_KEY_MAX];
+    const uint8_t *data;
+    size_t len;
+    void *owner;
+};
+
+struct fe_handle {                  /* one open file: the sequential-read state */
+    uint64_t entry;
+    pthread_mutex_t lock;
+    uint64_t next_offset;
+    uint64_t run;
+    int64_t prefetched_to;
+};
+
+struct fe_worker {
+    struct fe_engine *e;
+    pthread_t thread;
+    int fd;
+    int started;
+    uint8_t *in;                    /* FE_REQ_BUF: one request */
+    uint8_t *out;                   /* READDIR replies: max_pages pages */
+    size_t outlen;
+    struct fe_counters c;
+};
+
+struct fe_engine {
+    int fd;
+    int efd;
+    struct fe_index ix;
+    struct fe_options opt;
+    uint32_t *nlink;
+    uint32_t blksize;
+    /* negotiated at INIT */
+    uint32_t minor, max_pages, max_readahead;
+    uint64_t flags;
+    /* tier table */
+    struct fe_slot **buckets;
+    pthread_mutex_t stripes[FE_STRIPES];
+    atomic_size_t slots;
+    pthread_mutex_t dead_lock;
+    struct fe_slot *dead;
+    /* queue */
+    pthread_mutex_t qlock;
+    struct fe_request *q;
+    size_t qhead, qlen, qcap;
+    /* threads */
+    struct fe_worker *workers;
+    int nworkers;
+    atomic_int live;
+};
+
+static int is_dir(uint32_t mode) { return S_ISDIR(mode); }
+
+struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_options *opt,
+                            uint64_t tier_capacity, char *err, size_t errlen)
+{
+    (void)tier_capacity;
+    struct fe_engine *e = calloc(1, sizeof *e);
+    if (!e) {
+        set_err(err, errlen, "out of memory");
+        return NULL;
+    }
+    e->fd = fd;
+    e->ix = *ix;
+    e->opt = *opt;
+    e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    e->buckets = calloc((size_t)1 << FE_BUCKET_BITS, sizeof *e->buckets);
+    e->nlink = calloc(ix->entries ? ix->entries : 1, sizeof *e->nlink);
+    if (e->efd < 0 || !e->buckets || !e->nlink) {
+        set_err(err, errlen, "engine setup: %s", strerror(errno ? errno : ENOMEM));
+        e->fd = -1;                     /* still the caller's */
+        fe_destroy(e);
+        return NULL;
+    }
+    for (int i = 0; i < FE_STRIPES; i++)
+        pthread_mutex_init(&e->stripes[i], NULL);
+    pthread_mutex_init(&e->dead_lock, NULL);
+    pthread_mutex_init(&e->qlock, NULL);
+    /* st_nlink of a directory: 2 + its subdirectories, once, not per GETATTR */
+    for (uint64_t i = 0; i < ix->entries; i++)
+        if (is_dir(ix->mode[i]))
+            e->nlink[i] = 2;
+    for (uint64_t i = 1; i < ix->entries; i++)
+        if (is_dir(ix->mode[i]) && ix->parent[i] < ix->entries)
+            e->nlink[ix->parent[i]]++;
+    e->blksize = opt->blksize ? opt->blksize
+                 : (uint32_t)(ix->block_size ? ix->block_size : ix->chunk_size);
+    return e;
+}
+
+int fe_eventfd(const struct fe_engine *e) { return e->efd; }
+int fe_running(const struct fe_engine *e) { return atomic_load(&e->live) > 0; }
+
+void fe_negotiated(const struct fe_engine *e, uint32_t *minor, uint64_t *flags,
+                   uint32_t *max_pages, uint32_t *max_readahead)
+{
+    *minor = e->minor;
+    *flags = e->flags;
+    *max_pages = e->max_pages;
+    *max_readahead = e->max_readahead;
+}
+
+/* -------------------------------------------------------------------- tier table */
+
+static uint64_t key_hash(const uint8_t *key, size_t keylen)
+{
+    uint64_t h;
+    memcpy(&h, key, 8);                 /* the key is a digest: already uniform */
+    if (keylen > 16) {
+        uint32_t b;
+        memcpy(&b, key + 16, 4);
+        h ^= (uint64_t)(b + 1) * 0x9e3779b97f4a7c15ULL;
+    }
+    return h;
+}
+
+static size_t bucket_of(const uint8_t *key, size_t keylen)
+{
+    return (size_t)(key_hash(key, keylen) >> (64 - FE_BUCKET_BITS));
+}
+
+static pthread_mutex_t *stripe_of(struct fe_engine *e, size_t bucket)
+{
+    return &e->stripes[bucket & (FE_STRIPES - 1)];
+}
+
+/* The slot under ``key`` in bucket ``b`` (stripe held), or NULL; ``prev`` its link. */
+static struct fe_slot *find(struct fe_engine *e, size_t b, const uint8_t *key, size_t keylen,
+                            struct fe_slot ***link)
+{
+    struct fe_slot **p = &e->buckets[b];
+    for (; *p; p = &(*p)->next)
+        if ((*p)->keylen == keylen && memcmp((*p)->key, key, keylen) == 0) {
+            if (link)
+                *link = p;
+            return *p;
+        }
+    return NULL;
+}
+
+/* Drop one reference; the last one retires the slot: returns its owner when the
+ * caller may release it now (``keep_owner``), else puts it on the dead list. */
+static void *unref(struct fe_engine *e, struct fe_slot *s, int keep_owner)
+{
+    if (atomic_fetch_sub(&s->refs, 1) != 1)
+        return NULL;
+    if (keep_owner) {
+        void *owner = s->owner;
+        free(s);
+        return owner;
+    }
+    pthread_mutex_lock(&e->dead_lock);
+    s->next = e->dead;
+    e->dead = s;
+    pthread_mutex_unlock(&e->dead_lock);
+    return NULL;
+}
+
+int fe_tier_put(struct fe_engine *e, const uint8_t *key, size_t keylen, const void *data,
+                size_t len, void *owner)
+{
+    if (keylen < 16 || keylen > FE_KEY_MAX)
+        return -EINVAL;
+    struct fe_slot *s = calloc(1, sizeof *s);
+    if (!s)
+        return -ENOMEM;
+    atomic_init(&s->refs, 1);
+    s->keylen = (uint8_t)keylen;
+    memcpy(s->key, key, keylen);
+    s->data = data;
+    s->len = len;
+    s->owner = owner;
+    size_t b = bucket_of(key, keylen);
+    pthread_mutex_t *m = stripe_of(e, b);
+    pthread_mutex_lock(m);
+    struct fe_slot **link, *old = find(e, b, key, keylen, &link);
+    if (old)
+        *link = old->next;
+    s->next = e->buckets[b];
+    e->buckets[b] = s;
+    pthread_mutex_unlock(m);
+    if (old)
+        unref(e, old, 0);               /* its owner comes back through fe_tier_reap */
+    else
+        atomic_fetch_add(&e->slots, 1);
+    return 0;
+}
+
+void *fe_tier_discard(struct fe_engine *e, const uint8_t *key, size_t keylen, int *found)
+{
+    *found = 0;
+    if (keylen < 16 || keylen > FE_KEY_MAX)
+        return NULL;
+    size_t b = bucket_of(key, keylen);
+    pthread_mutex_t *m = stripe_of(e, b);
+    pthread_mutex_lock(m);
+    struct fe_slot **link, *s = find(e, b, key, keylen, &link);
+    if (s)
+        *link = s->next;
+    pthread_mutex_unlock(m);
+    if (!s)
+        return NULL;
+    *found = 1;
+    atomic_fetch_sub(&e->slots, 1);
+    return unref(e, s, 1);
+}
+
+int fe_tier_touched(struct fe_engine *e, const uint8_t *key, size_t keylen)
+{
+    if (keylen < 16 || keylen > FE_KEY_MAX)
+        return 0;
+    size_t b = bucket_of(key, keylen);
+    pthread_mutex_t *m = stripe_of(e, b);
+    pthread_mutex_lock(m);
+    struct fe_slot *s = find(e, b, key, keylen, NULL);
+    int t = s ? atomic_exchange(&s->touched, 0) : 0;
+    pthread_mutex_unlock(m);
+    return t;
+}
+
+size_t fe_tier_reap(struct fe_engine *e, void **owners, size_t max)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&e->dead_lock);
+    while (e->dead && n < max) {
+        struct fe_slot *s = e->dead;
+        e->dead = s->next;
+        owners[n++] = s->owner;
+        free(s);
+    }
+    pthread_mutex_unlock(&e->dead_lock);
+    return n;
+}
+
+size_t fe_tier_clear(struct fe_engine *e, void **owners, size_t max)
+{
+    size_t n = fe_tier_reap(e, owners, max);
+    for (size_t b = 0; b < ((size_t)1 << FE_BUCKET_BITS) && n < max; b++) {
+        while (e->buckets[b] && n < max) {
+            struct fe_slot *s = e->buckets[b];
+            e->buckets[b] = s->next;
+            owners[n++] = s->owner;
+            free(s);
+            atomic_fetch_sub(&e->slots, 1);
+        }
+    }
+    return n;
+}
+
+size_t fe_tier_count(struct fe_engine *e) { return atomic_load(&e->slots); }
+
+/* A reference to the slot under ``key`` (NULL: not there). The caller unrefs it. */
+static struct fe_slot *tier_get(struct fe_engine *e, const uint8_t *key, size_t keylen)
+{
+    size_t b = bucket_of(key, keylen);
+    pthread_mutex_t *m = stripe_of(e, b);
+    pthread_mutex_lock(m);
+    struct fe_slot *s = find(e, b, key, keylen, NULL);
+    if (s) {
+        atomic_fetch_add(&s->refs, 1);
+        atomic_store_explicit(&s->touched, 1, memory_order_relaxed);
+    }
+    pthread_mutex_unlock(m);
+    return s;
+}
+
+static int tier_has(struct fe_engine *e, const uint8_t *key, size_t keylen)
+{
+    size_t b = bucket_of(key, keylen);
+    pthread_mutex_t *m = stripe_of(e, b);
+    pthread_mutex_lock(m);
+    int found = find(e, b, key, keylen, NULL) != NULL;
+    pthread_mutex_unlock(m);
+    return found;
+}
+
+/* ----------------------------------------------------------------------- replies */
+
+static int write_reply(int fd, struct iovec *iov, int n)
+{
+    for (;;) {
+        ssize_t w = writev(fd, iov, n);
+        if (w >= 0)
+            return 0;
+        if (errno != EINTR)
+            return -errno;          /* ENOENT: the request was interrupted; nothing to do */
+    }
+}
+
+/* ``iov[0]`` is left for the header; the payload is iov[1..n). */
+static int reply_iov(int fd, uint64_t unique, struct iovec *iov, int n)
+{
+    struct fuse_out_header h = {.error = 0, .unique = unique};
+    size_t len = sizeof h;
+    for (int i = 1; i < n; i++)
+        len += iov[i].iov_len;
+    h.len = (uint32_t)len;
+    iov[0].iov_base = &h;
+    iov[0].iov_len = sizeof h;
+    return write_reply(fd, iov, n);
+}
+
+static int reply_buf(int fd, uint64_t unique, const void *buf, size_t len)
+{
+    struct iovec iov[2] = {{0}, {(void *)buf, len}};
+    return reply_iov(fd, unique, iov, len ? 2 : 1);
+}
+
+int fe_reply_error(int fd, uint64_t unique, int err)
+{
+    struct fuse_out_header h = {.len = sizeof h, .error = -err, .unique = unique};
+    struct iovec iov = {&h, sizeof h};
+    return write_reply(fd, &iov, 1);
+}
+
+int fe_reply_data(int fd, uint64_t unique, const void *buf, size_t len)
+{
+    return reply_buf(fd, unique, buf, len);
+}
+
+int fe_reply_iov(int fd, uint64_t unique, const void *const *bufs, const size_t *lens, int n)
+{
+    if (n < 0 || n > FE_MAX_IOV)
+        return -EINVAL;
+    struct iovec iov[FE_MAX_IOV + 1];
+    for (int i = 0; i < n; i++)
+        iov[i + 1] = (struct iovec){(void *)bufs[i], lens[i]};
+    return reply_iov(fd, unique, iov, n + 1);
+}
+
+int fe_reply_xattr_size(int fd, uint64_t unique, uint32_t size)
+{
+    struct fuse_getxattr_out o = {.size = size};
+    return reply_buf(fd, unique, &o, sizeof o);
+}
+
+int fe_notify_store(int fd, uint64_t nodeid, uint64_t offset, const void *buf, size_t len)
+{
+    struct fuse_out_header h = {.error = FUSE_NOTIFY_STORE, .unique = 0};
+    struct fuse_notify_store_out o = {.nodeid = nodeid, .offset = offset, .size = (uint32_t)len};
+    struct iovec iov[3] = {{&h, sizeof h}, {&o, sizeof o}, {(void *)buf, len}};
+    h.len = (uint32_t)(sizeof h + sizeof o + len);
+    return write_reply(fd, iov, 3);
+}
+
+/* -------------------------------------------------------------------- attributes */
+
+static int valid_entry(const struct fe_engine *e, uint64_t nodeid, uint64_t *entry)
+{
+    if (nodeid == 0 || nodeid > e->ix.entries)
+        return 0;
+    *entry = nodeid - 1;
+    return 1;
+}
+
+static void split_time(double t, uint64_t *sec, uint32_t *nsec)
+{
+    if (t <= 0) {
+        *sec = 0;
+        *nsec = 0;
+        return;
+    }
+    *sec = (uint64_t)t;
+    *nsec = (uint32_t)((t - (double)*sec) * 1e9);
+}
+
+static void fill_attr(const struct fe_engine *e, uint64_t entry, struct fuse_attr *a)
+{
+    const struct fe_index *ix = &e->ix;
+    uint32_t mode = ix->mode[entry];
+    memset(a, 0, sizeof *a);
+    a->ino = entry + 1;
+    a->size = is_dir(mode) ? 4096 : ix->size[entry];
+    a->blocks = (a->size + 511) / 512;
+    int64_t t = ix->mtime_ns[entry];
+    int64_t sec = t / 1000000000, nsec = t % 1000000000;
+    if (nsec < 0) {
+        nsec += 1000000000;
+        sec -= 1;
+    }
+    a->atime = a->mtime = a->ctime = (uint64_t)sec;
+    a->atimensec = a->mtimensec = a->ctimensec = (uint32_t)nsec;
+    a->mode = mode;
+    a->nlink = is_dir(mode) ? e->nlink[entry] : 1;
+    a->uid = ix->uid[entry];
+    a->gid = ix->gid[entry];
+    a->blksize = e->blksize;
+}
+
+static void fill_entry(const struct fe_engine *e, uint64_t entry, struct fuse_entry_out *o)
+{
+    memset(o, 0, sizeof *o);
+    o->nodeid = entry + 1;
+    o->generation = e->opt.generation;
+    split_time(e->opt.entry_timeout, &o->entry_valid, &o->entry_valid_nsec);
+    split_time(e->opt.attr_timeout, &o->attr_valid, &o->attr_valid_nsec);
+    fill_attr(e, entry, &o->attr);
+}
+
+/* Name of ``entry`` (bounds-checked; NULL if the index points outside its names). */
+static const uint8_t *entry_name(const struct fe_engine *e, uint64_t entry, size_t *len)
+{
+    uint64_t off = e->ix.name_off[entry], n = e->ix.name_len[entry];
+    if (off > e->ix.names_len || n > e->ix.names_len - off)
+        return NULL;
+    *len = (size_t)n;
+    return e->ix.names + off;
+}
+
+/* The children of directory ``entry`` as [first, end), clipped to the index. */
+static void children(const struct fe_engine *e, uint64_t entry, uint64_t *first, uint64_t *end)
+{
+    uint64_t f = e->ix.data[entry], n = e->ix.size[entry];
+    if (f > e->ix.entries)
+        f = e->ix.entries;
+    if (n > e->ix.entries - f)
+        n = e->ix.entries - f;
+    *first = f;
+    *end = f + n;
+}
+
+/* ---------------------------------------------------------------------- handlers */
+
+/* What a handler returns: < 0 an errno to answer; 0 answered; QUEUED for Python (which
+ * counts it); REPLIED_ENOENT answered, counted as the error the caller sees. */
+enum { QUEUED = 1, REPLIED_ENOENT = 2 };
+
+struct req {
+    struct fe_worker *w;
+    const struct fuse_in_header *h;
+    const uint8_t *arg;             /* after the header */
+    size_t arglen;
+};
+
+static int do_lookup(struct req *r)
+{
+    struct fe_engine *e = r->w->e;
+    uint64_t parent;
+    if (!valid_entry(e, r->h->nodeid, &parent))
+        return -ENOENT;
+    if (!is_dir(e->ix.mode[parent]))
+        return -ENOTDIR;
+    size_t nlen = strnlen((const char *)r->arg, r->arglen);
+    if (nlen > 255)
+        return -ENAMETOOLONG;
+    uint64_t lo, hi;
+    children(e, parent, &lo, &hi);
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        size_t mlen;
+        const uint8_t *m = entry_name(e, mid, &mlen);
+        if (!m)
+            return -EIO;
+        int c = memcmp(m, r->arg, mlen < nlen ? mlen : nlen);
+        if (c == 0)
+            c = mlen < nlen ? -1 : mlen > nlen;
+        if (c < 0)
+            lo = mid + 1;
+        else if (c > 0)
+            hi = mid;
+        else {
+            struct fuse_entry_out o;
+            fill_entry(e, mid, &o);
+            return reply_buf(r->w->fd, r->h->unique, &o, sizeof o), 0;
+        }
+    }
+    /* Not there, and never will be (the snapshot is immutable): a negative entry the
+     * kernel caches for entry_timeout, so a second miss costs no request. */
+    struct fuse_entry_out o = {0};
+    split_time(e->opt.entry_timeout, &o.entry_valid, &o.entry_valid_nsec);
+    reply_buf(r->w->fd, r->h->unique, &o, sizeof o);
+    return REPLIED_ENOENT;
+}
+
+static int do_getattr(struct req *r)
+{
+    struct fe_engine *e = r->w->e;
+    uint64_t entry;
+    if (!valid_entry(e, r->h->nodeid, &entry))
+        return -ENOENT;
+    struct fuse_attr_out o = {0};
+    split_time(e->opt.attr_timeout, &o.attr_valid, &o.attr_valid_nsec);
+    fill_attr(e, entry, &o.attr);
+    reply_buf(r->w->fd, r->h->unique, &o, sizeof o);
+    return 0;
+}
+
+static int do_readlink(struct req *r)
+{
+    struct fe_engine *e = r->w->e;
+    uint64_t entry;
+    if (!valid_entry(e, r->h->nodeid, &entry))
+        return -ENOENT;
+    if (!S_ISLNK(e->ix.mode[entry]))
+        return -EINVAL;
+    uint64_t off = e->ix.data[entry], n = e->ix.size[entry];
+    if (off > e->ix.names_len || n > e->ix.names_len - off)
+        return -EIO;
+    reply_buf(r->w->fd, r->h->unique, e->ix.names + off, (size_t)n);
+    return 0;
+}
+
+static int do_open(struct req *r)
+{
+    struct fe_engine *e = r->w->e;
+    uint64_t entry;
+    if (!valid_entry(e, r->h->nodeid, &entry))
+        return -ENOENT;
+    if (r->arglen < sizeof(struct fuse_open_in))
+        return -EINVAL;
+    const struct fuse_open_in *in = (const void *)r->arg;
+    if ((in->flags & O_ACCMODE) != O_RDONLY || (in->flags & (O_TRUNC | O_APPEND)))
+        return -EROFS;
+    if (is_dir(e->ix.mode[entry]))
+        return -EISDIR;
+    struct fe_handle *fh = calloc(1, sizeof *fh);
+    if (!fh)
+        return -ENOMEM;
+    fh->entry = entry;
+    fh->prefetched_to = -1;
+    pthread_mutex_init(&fh->lock, NULL);
+    struct fuse_open_out o = {.fh = (uint64_t)(uintptr_t)fh, .open_flags = FOPEN_KEEP_CACHE};
+    if (reply_buf(r->w->fd, r->h->unique, &o, sizeof o) < 0) {
+        pthread_mutex_destroy(&fh->lock);   /* interrupted: the kernel never sees this fh */
+        free(fh);
+    }
+    return 0;
+}
+
+static int do_release(struct req *r)
+{
+    if (r->arglen >= sizeof(struct fuse_release_in)) {
+        struct fe_handle *fh = (void *)(uintptr_t)((const struct fuse_release_in *)r->arg)->fh;
+        if (fh) {
+            pthread_mutex_destroy(&fh->lock);
+            free(fh);
+        }
+    }
+    reply_buf(r->w->fd, r->h->unique, NULL, 0);
+    return 0;
+}
+
+static int do_opendir(struct req *r)
+{
+    struct fe_engine *e = r->w->e;
+    uint64_t entry;
+    if (!valid_entry(e, r->h->nodeid, &entry))
+        return -ENOENT;
+    if (!is_dir(e->ix.mode[entry]))
+        return -ENOTDIR;
+    /* the listing never changes: the kernel may cache it (and keep it across opens) */
+    struct fuse_open_out o = {.fh = 0, .open_flags = FOPEN_KEEP_CACHE | FOPEN_CACHE_DIR};
+    reply_buf(r->w->fd, r->h->unique, &o, sizeof o);
+    return 0;
+}
+
+static int do_readdir(struct req *r, int plus)
+{
+    struct fe_engine *e = r->w->e;
+    uint64_t dir;
+    if (!valid_entry(e, r->h->nodeid, &dir))
+        return -ENOENT;
+    if (!is_dir(e->ix.mode[dir]))
+        return -ENOTDIR;
+    if (r->arglen < sizeof(struct fuse_read_in))
+        return -EINVAL;
+    const struct fuse_read_in *in = (const void *)r->arg;
+    size_t room = in->size < r->w->outlen ? in->size : r->w->outlen;
+    uint64_t first, end;
+    children(e, dir, &first, &end);
+    size_t used = 0;
+    for (uint64_t pos = in->offset; pos < end - first; pos++) {
+        uint64_t child = first + pos;
+        size_t nlen;
+        const uint8_t *name = entry_name(e, child, &nlen);
+        if (!name)
+            return -EIO;
+        size_t head = plus ? FUSE_NAME_OFFSET_DIRENTPLUS : FUSE_NAME_OFFSET;
+        size_t rec = FUSE_DIRENT_ALIGN(head + nlen);
+        if (used + rec > room)
+            break;
+        uint8_t *p = r->w->out + used;
+        memset(p, 0, rec);
+        struct fuse_dirent *d;
+        if (plus) {
+            struct fuse_direntplus *dp = (void *)p;
+            fill_entry(e, child, &dp->entry_out);
+            d = &dp->dirent;
+        } else {
+            d = (void *)p;
+        }
+        d->ino = child + 1;
+        d->off = pos + 1;
+        d->namelen = (uint32_t)nlen;
+        d->type = (e->ix.mode[child] & S_IFMT) >> 12;
+        memcpy(d->name, name, nlen);
+        used += rec;
+    }
+    reply_buf(r->w->fd, r->h->unique, r->w->out, used);
+    return 0;
+}
+
+static int do_statfs(struct req *r)
+{
+    struct fe_engine *e = r->w->e;
+    struct fuse_statfs_out o = {0};
+    o.st.bsize = o.st.frsize = 4096;
+    o.st.blocks = (e->opt.dataset_bytes + 4095) / 4096;
+    o.st.files = e->ix.entries;
+    o.st.namelen = 255;
+    reply_buf(r->w->fd, r->h->unique, &o, sizeof o);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------- queue */
+
+static void wake(struct fe_engine *e)
+{
+    uint64_t one = 1;
+    ssize_t rc = write(e->efd, &one, sizeof one);
+    (void)rc;                       /* EAGAIN: the counter is already non-zero */
+}
+
+static int enqueue(struct fe_engine *e, const struct fe_request *q)
+{
+    pthread_mutex_lock(&e->qlock);
+    if (e->qlen == e->qcap) {
+        size_t cap = e->qcap ? e->qcap * 2 : 256;
+        struct fe_request *nq = malloc(cap * sizeof *nq);
+        if (!nq) {
+            pthread_mutex_unlock(&e->qlock);
+            return -ENOMEM;
+        }
+        for (size_t i = 0; i < e->qlen; i++)
+            nq[i] = e->q[(e->qhead + i) % e->qcap];
+        free(e->q);
+        e->q = nq;
+        e->qcap = cap;
+        e->qhead = 0;
+    }
+    e->q[(e->qhead + e->qlen) % e->qcap] = *q;
+    e->qlen++;
+    pthread_mutex_unlock(&e->qlock);
+    wake(e);
+    return 0;
+}
+
+size_t fe_take(struct fe_engine *e, struct fe_request *out, size_t max)
+{
+    pthread_mutex_lock(&e->qlock);
+    size_t n = e->qlen < max ? e->qlen : max;
+    for (size_t i = 0; i < n; i++)
+        out[i] = e->q[(e->qhead + i) % e->qcap];
+    if (n) {
+        e->qhead = (e->qhead + n) % e->qcap;
+        e->qlen -= n;
+    }
+    pthread_mutex_unlock(&e->qlock);
+    return n;
+}
+
+static int do_xattr(struct req *r, int kind)
+{
+    struct fe_engine *e = r->w->e;
+    uint64_t entry;
+    if (!e->opt.xattrs)
+        return -ENOSYS;             /* answered once: the kernel stops asking */
+    if (!valid_entry(e, r->h->nodeid, &entry))
+        return -ENOENT;
+    if (r->arglen < sizeof(struct fuse_getxattr_in))
+        return -EINVAL;
+    const struct fuse_getxattr_in *in = (const void *)r->arg;
+    struct fe_request q = {.kind = kind, .fd = r->w->fd, .unique = r->h->unique,
+                           .entry = entry, .size = in->size};
+    if (kind == FE_GETXATTR) {
+        const char *name = (const char *)(in + 1);
+        size_t n = strnlen(name, r->arglen - sizeof *in);
+        if (n >= sizeof q.name)
+            return -ERANGE;
+        memcpy(q.name, name, n);
+    }
+    r->w->c.queued++;
+    int rc = enqueue(e, &q);
+    return rc < 0 ? rc : QUEUED;
+}
+
+/* -------------------------------------------------------------------------- READ */
+
+static const uint8_t *chunk_key(const struct fe_engine *e, uint64_t k)
+{
+    return e->ix.chunk_digests + k * 16;
+}
+
+/* The sequential-read bookkeeping of cache/prefetch.py ``Prefetcher.advise``, for one
+ * handle: whether this read is random, and the chunks to start loading ahead. */
+static int advise(struct fe_engine *e, struct fe_handle *fh, uint64_t offset, uint64_t size,
+                  uint64_t first, uint64_t last, uint64_t file_last, uint64_t *pstart,
+                  uint64_t *pstop)
+{
+    *pstart = *pstop = 0;
+    pthread_mutex_lock(&fh->lock);
+    fh->run = offset == fh->next_offset ? fh->run + 1 : 0;
+    fh->next_offset = offset + size;
+    int random = fh->run == 0;
+    if (e->opt.prefetch_depth && fh->run >= e->opt.prefetch_trigger) {
+        uint64_t start = last + 1;
+        if (fh->prefetched_to >= 0 && (uint64_t)fh->prefetched_to + 1 > start)
+            start = (uint64_t)fh->prefetched_to + 1;
+        uint64_t stop = last + 1 + e->opt.prefetch_depth;
+        if (stop > file_last + 1)
+            stop = file_last + 1;
+        if (start < stop) {
+            fh->prefetched_to = (int64_t)stop - 1;
+            *pstart = start;
+            *pstop = stop;
+        }
+    }
+    pthread_mutex_unlock(&fh->lock);
+    (void)first;
+    return random;
+}
+
+struct hit {
+    struct iovec iov[FE_MAX_IOV + 1];
+    struct fe_slot *held[FE_MAX_IOV];
+    int n;                          /* iovecs used, from 1 */
+    int nheld;
+    int units;
+};
+
+static int hold(struct hit *h, struct fe_slot *s, size_t at, size_t len)
+{
+    if (h->n > FE_MAX_IOV || at > s->len || len > s->len - at)
+        return 0;
+    h->held[h->nheld++] = s;
+    h->iov[h->n++] = (struct iovec){(void *)(s->data + at), len};
+    h->units++;
+    return 1;
+}
+
+/* Bytes [lo, hi) of chunk ``k`` for file ``entry`` from the tier: the chunk, the small
+ * file's own extent, or every block under the range. 1: held in ``h``; 0: a miss. */
+static int tier_part(struct fe_engine *e, uint64_t entry, uint64_t k, uint64_t lo, uint64_t hi,
+                     struct hit *h)
+{
+    const struct fe_index *ix = &e->ix;
+    if (h->nheld >= FE_MAX_IOV)
+        return 0;
+    struct fe_slot *s = tier_get(e, chunk_key(e, k), 16);
+    if (s) {
+        if (hold(h, s, lo, hi - lo))
+            return 1;
+        unref(e, s, 0);
+        return 0;
+    }
+    uint64_t base = ix->data[entry], c = ix->chunk_size;
+    if (ix->size[entry] && base / c == (base + ix->size[entry] - 1) / c) {
+        uint64_t x = ix->ext[entry];         /* a file in one chunk: one extent, its key */
+        if (x < ix->extents && (s = tier_get(e, ix->ext_digests + x * 16, 16))) {
+            if (hold(h, s, k * c + lo - base, hi - lo))
+                return 1;
+            unref(e, s, 0);
+            return 0;
+        }
+    }
+    uint64_t B = ix->block_size;
+    if (!B)
+        return 0;
+    for (uint64_t b = lo / B; b <= (hi - 1) / B; b++) {
+        uint8_t key[20];
+        memcpy(key, chunk_key(e, k), 16);
+        uint32_t b32 = (uint32_t)b;
+        memcpy(key + 16, &b32, 4);            /* little-endian, as reader.block_key */
+        if (h->nheld >= FE_MAX_IOV || !(s = tier_get(e, key, 20)))
+            return 0;
+        uint64_t from = lo > b * B ? lo - b * B : 0;
+        uint64_t to = (hi < (b + 1) * B ? hi : (b + 1) * B) - b * B;
+        if (!hold(h, s, from, to - from)) {
+            unref(e, s, 0);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static void release_hit(struct fe_engine *e, struct hit *h)
+{
+    for (int i = 0; i < h->nheld; i++)
+        unref(e, h->held[i], 0);
+    h->nheld = 0;
+}
+
+static int do_read(struct req *r)
+{
+    struct fe_engine *e = r->w->e;
+    const struct fe_index *ix = &e->ix;
+    uint64_t entry;
+    if (!valid_entry(e, r->h->nodeid, &entry))
+        return -ENOENT;
+    if (r->arglen < sizeof(struct fuse_read_in))
+        return -EINVAL;
+    const struct fuse_read_in *in = (const void *)r->arg;
+    uint64_t fsize = ix->size[entry], offset = in->offset;
+    uint64_t end = offset + in->size < fsize ? offset + in->size : fsize;
+    if (offset >= end)
+        return reply_buf(r->w->fd, r->h->unique, NULL, 0), 0;
+    uint64_t c = ix->chunk_size, base = ix->data[entry];
+    uint64_t first = (base + offset) / c, last = (base + end - 1) / c;
+    uint64_t file_last = (base + fsize - 1) / c;
+    if (last >= ix->chunks)
+        return -EIO;
+    struct fe_handle *fh = (void *)(uintptr_t)in->fh;
+    int random = 0;
+    uint64_t pstart = 0, pstop = 0;
+    if (fh)
+        random = advise(e, fh, offset, in->size, first, last, file_last, &pstart, &pstop);
+    struct hit h;
+    h.n = 1;
+    h.nheld = 0;
+    h.units = 0;
+    int hit = 1, queued = 0;
+    for (uint64_t k = first; k <= last && hit; k++) {
+        uint64_t lo = (base + offset > k * c ? base + offset : k * c) - k * c;
+        uint64_t hi = (base + end < (k + 1) * c ? base + end : (k + 1) * c) - k * c;
+        hit = tier_part(e, entry, k, lo, hi, &h);
+    }
+    if (hit) {
+        reply_iov(r->w->fd, r->h->unique, h.iov, h.n);
+        release_hit(e, &h);
+        r->w->c.read_hits++;
+        r->w->c.read_hit_bytes += end - offset;
+        r->w->c.memory_hits += (uint64_t)h.units;
+    } else {
+        release_hit(e, &h);
+        struct fe_request q = {.kind = FE_READ, .fd = r->w->fd, .unique = r->h->unique,
+                               .entry = entry, .offset = offset, .size = in->size,
+                               .random = random};
+        r->w->c.read_misses++;
+        r->w->c.queued++;
+        if (enqueue(e, &q) < 0)
+            return -ENOMEM;
+        queued = QUEUED;
+    }
+    if (pstop > pstart) {
+        for (uint64_t k = pstart; k < pstop; k++)
+            if (!tier_has(e, chunk_key(e, k), 16)) {
+                struct fe_request q = {.kind = FE_PREFETCH, .fd = -1, .entry = entry,
+                                       .offset = k, .size = pstop};
+                r->w->c.prefetch_hints++;
+                enqueue(e, &q);
+                break;
+            }
+    }
+    return queued;
+}
+
+/* ---------------------------------------------------------------------- dispatch */
+
+static const uint64_t bounds_ns[FE_BUCKETS - 1] = {
+    100000, 250000, 500000, 1000000, 2500000, 5000000, 10000000, 25000000, 50000000,
+    100000000, 250000000, 500000000, 1000000000, 2500000000ULL, 10000000000ULL};
+
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ULL + (uint64_t)t.tv_nsec;
+}
+
+static void count(struct fe_worker *w, int op, uint64_t t0, int err)
+{
+    uint64_t dt = now_ns() - t0;
+    int b = 0;
+    while (b < FE_BUCKETS - 1 && dt > bounds_ns[b])
+        b++;
+    w->c.count[op]++;
+    w->c.ns[op] += dt;
+    w->c.buckets[op][b]++;
+    if (err)
+        w->c.errors[op]++;
+}
+
+static void dispatch(struct fe_worker *w, const uint8_t *buf, size_t n)
+{
+    if (n < sizeof(struct fuse_in_header))
+        return;
+    const struct fuse_in_header *h = (const void *)buf;
+    struct req r = {w, h, buf + sizeof *h, n - sizeof *h};
+    uint64_t t0 = now_ns();
+    int op, rc;
+    switch (h->opcode) {
+    case FUSE_LOOKUP: op = FE_OP_LOOKUP; rc = do_lookup(&r); break;
+    case FUSE_GETATTR: op = FE_OP_GETATTR; rc = do_getattr(&r); break;
+    case FUSE_READLINK: op = FE_OP_READLINK; rc = do_readlink(&r); break;
+    case FUSE_OPEN: op = FE_OP_OPEN; rc = do_open(&r); break;
+    case FUSE_READ: op = FE_OP_READ; rc = do_read(&r); break;
+    case FUSE_RELEASE: op = FE_OP_RELEASE; rc = do_release(&r); break;
+    case FUSE_OPENDIR: op = FE_OP_OPENDIR; rc = do_opendir(&r); break;
+    case FUSE_READDIR: op = FE_OP_READDIR; rc = do_readdir(&r, 0); break;
+    case FUSE_READDIRPLUS: op = FE_OP_READDIR; rc = do_readdir(&r, 1); break;
+    case FUSE_RELEASEDIR:
+        op = FE_OP_RELEASEDIR;
+        reply_buf(w->fd, h->unique, NULL, 0);
+        rc = 0;
+        break;
+    case FUSE_STATFS: op = FE_OP_STATFS; rc = do_statfs(&r); break;
+    case FUSE_GETXATTR: op = FE_OP_GETXATTR; rc = do_xattr(&r, FE_GETXATTR); break;
+    case FUSE_LISTXATTR: op = FE_OP_LISTXATTR; rc = do_xattr(&r, FE_LISTXATTR); break;
+    case FUSE_FORGET:
+    case FUSE_BATCH_FORGET:         /* inodes are entry numbers: nothing to forget */
+        w->c.count[FE_OP_FORGET]++;
+        return;
+    case FUSE_INTERRUPT:            /* requests are short or queued; the reply comes anyway */
+    case FUSE_NOTIFY_REPLY:
+        return;
+    case FUSE_DESTROY:
+        op = FE_OP_OTHER;
+        reply_buf(w->fd, h->unique, NULL, 0);
+        rc = 0;
+        break;
+    case FUSE_SETATTR: case FUSE_SYMLINK: case FUSE_MKNOD: case FUSE_MKDIR: case FUSE_UNLINK:
+    case FUSE_RMDIR: case FUSE_RENAME: case FUSE_LINK: case FUSE_WRITE: case FUSE_SETXATTR:
+    case FUSE_REMOVEXATTR: case FUSE_CREATE: case FUSE_FALLOCATE: case FUSE_RENAME2:
+    case FUSE_COPY_FILE_RANGE: case FUSE_TMPFILE:
+        op = FE_OP_EROFS;
+        rc = -EROFS;
+        break;
+    default:                        /* flush, fsync, locks, ioctl, lseek, …: the kernel's own */
+        op = FE_OP_ENOSYS;
+        rc = -ENOSYS;
+        break;
+    }
+    if (rc < 0)
+        fe_reply_error(w->fd, h->unique, -rc);
+    if (rc != QUEUED)
+        count(w, op, t0, rc == REPLIED_ENOENT || (rc < 0 && op != FE_OP_ENOSYS));
+}
+
+/* ----------------------------------------------------------------------- threads */
+
+static void *worker_main(void *arg)
+{
+    struct fe_worker *w = arg;
+    struct fe_engine *e = w->e;
+    for (;;) {
+        ssize_t n = read(w->fd, w->in, FE_REQ_BUF);
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == ENOENT)
+                continue;           /* ENOENT: a request interrupted before we read it */
+            break;                  /* ENODEV: unmounted or aborted */
+        }
+        dispatch(w, w->in, (size_t)n);
+    }
+    if (atomic_fetch_sub(&e->live, 1) == 1)
+        wake(e);                    /* the last one out tells Python */
+    return NULL;
+}
+
+int fe_init(struct fe_engine *e, char *err, size_t errlen)
+{
+    uint8_t *buf = malloc(FE_REQ_BUF);
+    if (!buf)
+        return -ENOMEM;
+    ssize_t n;
+    do
+        n = read(e->fd, buf, FE_REQ_BUF);
+    while (n < 0 && errno == EINTR);
+    int rc = 0;
+    const struct fuse_in_header *h = (const void *)buf;
+    if (n < (ssize_t)(sizeof *h + 16) || h->opcode != FUSE_INIT) {
+        set_err(err, errlen, "no INIT from the kernel (%s)", n < 0 ? strerror(errno) : "short");
+        rc = n < 0 ? -errno : -EPROTO;
+        goto out;
+    }
+    struct fuse_init_in in = {0};
+    memcpy(&in, h + 1, (size_t)n - sizeof *h < sizeof in ? (size_t)n - sizeof *h : sizeof in);
+    struct fuse_init_out o = {.major = FUSE_KERNEL_VERSION, .minor = FUSE_KERNEL_MINOR_VERSION};
+    if (in.major != FUSE_KERNEL_VERSION || in.minor < 31) {
+        reply_buf(e->fd, h->unique, &o, sizeof o);
+        set_err(err, errlen, "kernel FUSE %u.%u: need 7.31 or later", in.major, in.minor);
+        rc = -EPROTO;
+        goto out;
+    }
+    uint64_t offered = in.flags | (in.flags & FUSE_INIT_EXT ? (uint64_t)in.flags2 << 32 : 0);
+    uint64_t wanted = FUSE_ASYNC_READ | FUSE_PARALLEL_DIROPS | FUSE_DO_READDIRPLUS |
+                      FUSE_MAX_PAGES | FUSE_CACHE_SYMLINKS | FUSE_INIT_EXT;
+    uint64_t flags = offered & wanted;
+    uint32_t pages = e->opt.max_pages ? e->opt.max_pages : 256;
+    o.minor = in.minor < FUSE_KERNEL_MINOR_VERSION ? in.minor : FUSE_KERNEL_MINOR_VERSION;
+    o.max_readahead = in.max_readahead;
+    o.flags = (uint32_t)flags;
+    o.flags2 = (uint32_t)(flags >> 32);
+    o.max_background = (uint16_t)(e->opt.max_background ? e->opt.max_background : 64);
+    o.congestion_threshold = (uint16_t)(e->opt.congestion_threshold
+                                        ? e->opt.congestion_threshold : o.max_background * 3 / 4);
+    o.max_write = FE_MAX_WRITE;
+    o.time_gran = 1;
+    o.max_pages = (uint16_t)pages;
+    if (reply_buf(e->fd, h->unique, &o, sizeof o) < 0) {
+        set_err(err, errlen, "INIT reply: %s", strerror(errno));
+        rc = -EIO;
+        goto out;
+    }
+    e->minor = o.minor;
+    e->flags = flags;
+    e->max_pages = flags & FUSE_MAX_PAGES ? pages : 32;
+    e->max_readahead = o.max_readahead;
+out:
+    free(buf);
+    return rc;
+}
+
+static int clone_fd(int master)
+{
+    int fd = open("/dev/fuse", O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    uint32_t m = (uint32_t)master;
+    if (ioctl(fd, FUSE_DEV_IOC_CLONE, &m) < 0) {
+        int saved = errno;
+        close(fd);
+        errno = saved;
+        return -1;
+    }
+    return fd;
+}
+
+int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen)
+{
+    if (nthreads < 1)
+        nthreads = 1;
+    if (nthreads > FE_MAX_THREADS)
+        nthreads = FE_MAX_THREADS;
+    e->workers = calloc((size_t)nthreads, sizeof *e->workers);
+    if (!e->workers)
+        return -ENOMEM;
+    size_t outlen = (size_t)(e->max_pages ? e->max_pages : 32) * 4096;
+    for (int i = 0; i < nthreads; i++) {
+        struct fe_worker *w = &e->workers[i];
+        w->e = e;
+        w->fd = i == 0 ? e->fd : clone_fd(e->fd);
+        w->in = malloc(FE_REQ_BUF);
+        w->out = malloc(outlen);
+        w->outlen = outlen;
+        if (w->fd < 0 || !w->in || !w->out) {
+            set_err(err, errlen, "thread %d: %s", i, w->fd < 0 ? strerror(errno) : "out of memory");
+            if (i && w->fd >= 0)
+                close(w->fd);
+            free(w->in);
+            free(w->out);
+            w->in = w->out = NULL;
+            break;
+        }
+        e->nworkers = i + 1;
+    }
+    if (e->nworkers < nthreads && e->nworkers == 0)
+        return -EIO;
+    atomic_store(&e->live, e->nworkers);
+    for (int i = 0; i < e->nworkers; i++) {
+        struct fe_worker *w = &e->workers[i];
+        if (pthread_create(&w->thread, NULL, worker_main, w) != 0) {
+            atomic_fetch_sub(&e->live, 1);
+            continue;
+        }
+        w->started = 1;
+    }
+    return 0;
+}
+
+void fe_join(struct fe_engine *e)
+{
+    for (int i = 0; i < e->nworkers; i++)
+        if (e->workers[i].started) {
+            pthread_join(e->workers[i].thread, NULL);
+            e->workers[i].started = 0;
+        }
+}
+
+void fe_counters(struct fe_engine *e, struct fe_counters *sum)
+{
+    memset(sum, 0, sizeof *sum);
+    for (int i = 0; i < e->nworkers; i++) {
+        const struct fe_counters *c = &e->workers[i].c;   /* racy reads of plain u64s */
+        for (int op = 0; op < FE_NOPS; op++) {
+            sum->count[op] += c->count[op];
+            sum->errors[op] += c->errors[op];
+            sum->ns[op] += c->ns[op];
+            for (int b = 0; b < FE_BUCKETS; b++)
+                sum->buckets[op][b] += c->buckets[op][b];
+        }
+        sum->read_hits += c->read_hits;
+        sum->read_hit_bytes += c->read_hit_bytes;
+        sum->memory_hits += c->memory_hits;
+        sum->read_misses += c->read_misses;
+        sum->queued += c->queued;
+        sum->prefetch_hints += c->prefetch_hints;
+    }
+}
+
+void fe_destroy(struct fe_engine *e)
+{
+    if (!e)
+        return;
+    for (int i = 0; i < e->nworkers; i++) {
+        struct fe_worker *w = &e->workers[i];
+        if (i && w->fd >= 0)
+            close(w->fd);
+        free(w->in);
+        free(w->out);
+    }
+    free(e->workers);
+    if (e->fd >= 0)
+        close(e->fd);
+    if (e->efd >= 0)
+        close(e->efd);
+    free(e->q);
+    free(e->nlink);
+    free(e->buckets);
+    free(e);
+}

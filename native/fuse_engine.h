@@ -1,0 +1,140 @@
+/* The native FUSE data plane: a multi-threaded request loop on /dev/fuse that answers
+ * from an immutable manifest snapshot and a table of verified memory-tier buffers,
+ * and hands what it cannot answer (READ misses, xattrs) to Python.
+ *
+ *   kernel ── /dev/fuse (one cloned fd per thread) ──► fe_thread: read one request
+ *     LOOKUP GETATTR READLINK OPEN RELEASE OPENDIR      answered here, from fe_index
+ *     READDIR(PLUS) RELEASEDIR STATFS, EROFS, ENOSYS     (no lock, no allocation)
+ *     READ: every byte in fe_tier?                       writev(header, tier buffers)
+ *           else                                        ─► fe_queue ─► eventfd ─► trio
+ *     GETXATTR LISTXATTR (when xattrs are on)           ─► fe_queue (same path)
+ *   Python answers a queued request with fe_reply_* on the fd it came from.
+ *
+ * Nothing in this file touches Python: the threads never take the GIL. The binding
+ * (fuse_engine_py.c) owns the Python objects behind the index arrays and the tier
+ * buffers and releases them only when the engine says nothing points into them
+ * (fe_tier_discard / fe_tier_reap).
+ *
+ * Trust: the kernel is trusted (it is the only peer of /dev/fuse); the manifest is
+ * signed and validated by Python, and every index read here is bounds-checked anyway,
+ * so a malformed manifest answers EIO instead of reading outside an array.
+ */
+#ifndef KSPEEDFS_FUSE_ENGINE_H
+#define KSPEEDFS_FUSE_ENGINE_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* The manifest index: pointers into the arrays Python holds (kspeedfs/manifest/model.py). */
+struct fe_index {
+    uint64_t entries, chunks, extents, names_len, nfiles;
+    uint64_t chunk_size, block_size, block_stride;  /* stride: blocks per chunk */
+    const uint32_t *parent, *mode, *uid, *gid;
+    const uint64_t *size;
+    const int64_t *mtime_ns;
+    const uint64_t *name_off;
+    const uint16_t *name_len;
+    const uint64_t *data;
+    const uint32_t *ext;
+    const uint32_t *chunk_len;
+    const uint8_t *names;
+    const uint8_t *ext_digests;     /* 16 bytes per extent */
+    const uint8_t *chunk_digests;   /* 16 bytes per chunk */
+};
+
+/* What the engine answers with, from the validated config. */
+struct fe_options {
+    uint64_t generation;            /* the dataset version */
+    uint64_t dataset_bytes;         /* for STATFS */
+    double entry_timeout, attr_timeout;
+    uint32_t blksize;               /* st_blksize */
+    int xattrs;                     /* hand GETXATTR/LISTXATTR to Python; else ENOSYS */
+    uint32_t max_background, congestion_threshold;
+    uint32_t max_pages;             /* pages per request (256 = 1 MiB) */
+    uint32_t prefetch_depth, prefetch_trigger;
+};
+
+/* A queued request for Python. */
+enum fe_kind { FE_READ = 1, FE_GETXATTR = 2, FE_LISTXATTR = 3, FE_PREFETCH = 4 };
+
+struct fe_request {
+    int kind;
+    int fd;                 /* reply on this fd (the clone that read it) */
+    uint64_t unique;
+    uint64_t entry;         /* manifest entry (inode - 1) */
+    uint64_t offset;        /* READ: offset; PREFETCH: first chunk */
+    uint64_t size;          /* READ: size; xattr: the caller's buffer size; PREFETCH: stop chunk */
+    int random;             /* READ: not continuing the previous read of its handle */
+    char name[256];         /* GETXATTR: the attribute's name */
+};
+
+/* Counters, per thread, summed on demand. Op slots follow enum fe_op. */
+enum fe_op {
+    FE_OP_LOOKUP, FE_OP_GETATTR, FE_OP_READLINK, FE_OP_OPEN, FE_OP_READ, FE_OP_RELEASE,
+    FE_OP_OPENDIR, FE_OP_READDIR, FE_OP_RELEASEDIR, FE_OP_STATFS, FE_OP_FORGET,
+    FE_OP_GETXATTR, FE_OP_LISTXATTR, FE_OP_EROFS, FE_OP_ENOSYS, FE_OP_OTHER, FE_NOPS
+};
+#define FE_BUCKETS 16   /* latency buckets: the bounds of boundary.OpStats, then the rest */
+
+struct fe_counters {
+    uint64_t count[FE_NOPS], errors[FE_NOPS], ns[FE_NOPS], buckets[FE_NOPS][FE_BUCKETS];
+    uint64_t read_hits, read_hit_bytes, memory_hits, read_misses, queued, prefetch_hints;
+};
+
+struct fe_engine;
+
+/* Mounting (root: mount(2) with an fd of /dev/fuse; non-root callers use the pyfuse3
+ * engine). Returns the fd, or -1 with ``err`` set. ``fe_unmount`` is umount2(MNT_DETACH):
+ * the request threads then read ENODEV and end. */
+int fe_mount(const char *path, const char *fsname, int allow_other, int nonempty,
+             uint32_t max_read, char *err, size_t errlen);
+int fe_unmount(const char *path);
+
+/* Lifecycle. fe_create parses nothing: ``ix`` must point at arrays that outlive the
+ * engine. ``fd`` is the /dev/fuse fd of a fresh mount; fe_init reads and answers INIT
+ * on it (blocking). fe_start runs ``nthreads`` request threads; fe_stop aborts nothing
+ * (the caller unmounts or aborts the connection) and joins them. */
+struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_options *opt,
+                            uint64_t tier_capacity, char *err, size_t errlen);
+int fe_init(struct fe_engine *e, char *err, size_t errlen);
+int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen);
+void fe_join(struct fe_engine *e);
+void fe_destroy(struct fe_engine *e);
+int fe_eventfd(const struct fe_engine *e);
+int fe_running(const struct fe_engine *e);
+void fe_negotiated(const struct fe_engine *e, uint32_t *minor, uint64_t *flags,
+                   uint32_t *max_pages, uint32_t *max_readahead);
+
+/* The queue: up to ``max`` requests, oldest first (the eventfd is drained by Python). */
+size_t fe_take(struct fe_engine *e, struct fe_request *out, size_t max);
+
+/* Replies to a queued request. */
+int fe_reply_data(int fd, uint64_t unique, const void *buf, size_t len);
+int fe_reply_iov(int fd, uint64_t unique, const void *const *bufs, const size_t *lens, int n);
+int fe_reply_error(int fd, uint64_t unique, int err);
+int fe_reply_xattr_size(int fd, uint64_t unique, uint32_t size);
+
+/* The memory tier's verified buffers, by key (16-byte digest, or 20: digest + block).
+ * ``owner`` is the binding's handle for the buffer; it comes back from fe_tier_discard
+ * (0 references: release it now) or later from fe_tier_reap (a reply was still
+ * writing from it). */
+int fe_tier_put(struct fe_engine *e, const uint8_t *key, size_t keylen, const void *data,
+                size_t len, void *owner);
+/* Returns the owner if it may be released now, NULL if a reply still holds it (or
+ * the key was not there). */
+void *fe_tier_discard(struct fe_engine *e, const uint8_t *key, size_t keylen, int *found);
+size_t fe_tier_reap(struct fe_engine *e, void **owners, size_t max);
+/* Every owner, the table emptied (at teardown, threads joined). */
+size_t fe_tier_clear(struct fe_engine *e, void **owners, size_t max);
+size_t fe_tier_count(struct fe_engine *e);
+/* Whether the buffer under ``key`` was read since the last call (and clear it): the
+ * memory tier's LRU gives a second chance to what C threads served. */
+int fe_tier_touched(struct fe_engine *e, const uint8_t *key, size_t keylen);
+
+/* FUSE_NOTIFY_STORE: put verified bytes of inode ``nodeid`` into the page cache. */
+int fe_notify_store(int fd, uint64_t nodeid, uint64_t offset, const void *buf, size_t len);
+
+void fe_counters(struct fe_engine *e, struct fe_counters *sum);
+
+#endif
