@@ -104,6 +104,8 @@ struct fe_slot {
 };
 
 struct fe_handle {                  /* one open file: the sequential-read state */
+    struct fe_handle *prev, *next;  /* every open handle, freed at fe_destroy if the
+                                     * kernel never released it (an aborted connection) */
     uint64_t entry;
     pthread_mutex_t lock;
     uint64_t next_offset;
@@ -138,6 +140,9 @@ struct fe_engine {
     atomic_size_t slots;
     pthread_mutex_t dead_lock;
     struct fe_slot *dead;
+    /* open file handles */
+    pthread_mutex_t hlock;
+    struct fe_handle *handles;
     /* queue */
     pthread_mutex_t qlock;
     struct fe_request *q;
@@ -175,6 +180,7 @@ struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_o
         pthread_mutex_init(&e->stripes[i], NULL);
     pthread_mutex_init(&e->dead_lock, NULL);
     pthread_mutex_init(&e->qlock, NULL);
+    pthread_mutex_init(&e->hlock, NULL);
     /* st_nlink of a directory: 2 + its subdirectories, once, not per GETATTR */
     for (uint64_t i = 0; i < ix->entries; i++)
         if (is_dir(ix->mode[i]))
@@ -599,6 +605,30 @@ static int do_readlink(struct req *r)
     return 0;
 }
 
+static void handle_link(struct fe_engine *e, struct fe_handle *fh)
+{
+    pthread_mutex_lock(&e->hlock);
+    fh->next = e->handles;
+    if (fh->next)
+        fh->next->prev = fh;
+    e->handles = fh;
+    pthread_mutex_unlock(&e->hlock);
+}
+
+static void handle_free(struct fe_engine *e, struct fe_handle *fh)
+{
+    pthread_mutex_lock(&e->hlock);
+    if (fh->prev)
+        fh->prev->next = fh->next;
+    else
+        e->handles = fh->next;
+    if (fh->next)
+        fh->next->prev = fh->prev;
+    pthread_mutex_unlock(&e->hlock);
+    pthread_mutex_destroy(&fh->lock);
+    free(fh);
+}
+
 static int do_open(struct req *r)
 {
     struct fe_engine *e = r->w->e;
@@ -618,11 +648,10 @@ static int do_open(struct req *r)
     fh->entry = entry;
     fh->prefetched_to = -1;
     pthread_mutex_init(&fh->lock, NULL);
+    handle_link(e, fh);
     struct fuse_open_out o = {.fh = (uint64_t)(uintptr_t)fh, .open_flags = FOPEN_KEEP_CACHE};
-    if (reply_buf(r->w->fd, r->h->unique, &o, sizeof o) < 0) {
-        pthread_mutex_destroy(&fh->lock);   /* interrupted: the kernel never sees this fh */
-        free(fh);
-    }
+    if (reply_buf(r->w->fd, r->h->unique, &o, sizeof o) < 0)
+        handle_free(e, fh);                 /* interrupted: the kernel never sees this fh */
     return 0;
 }
 
@@ -630,10 +659,8 @@ static int do_release(struct req *r)
 {
     if (r->arglen >= sizeof(struct fuse_release_in)) {
         struct fe_handle *fh = (void *)(uintptr_t)((const struct fuse_release_in *)r->arg)->fh;
-        if (fh) {
-            pthread_mutex_destroy(&fh->lock);
-            free(fh);
-        }
+        if (fh)
+            handle_free(r->w->e, fh);
     }
     reply_buf(r->w->fd, r->h->unique, NULL, 0);
     return 0;
@@ -906,8 +933,10 @@ static int do_read(struct req *r)
     uint64_t c = ix->chunk_size, base = ix->data[entry];
     uint64_t first = (base + offset) / c, last = (base + end - 1) / c;
     uint64_t file_last = (base + fsize - 1) / c;
-    if (last >= ix->chunks)
+    if (last >= ix->chunks || first > last)
         return -EIO;
+    if (file_last >= ix->chunks)
+        file_last = ix->chunks - 1;
     struct fe_handle *fh = (void *)(uintptr_t)in->fh;
     int random = 0;
     uint64_t pstart = 0, pstop = 0;
@@ -1043,6 +1072,8 @@ static void *worker_main(void *arg)
     struct fe_engine *e = w->e;
     for (;;) {
         ssize_t n = read(w->fd, w->in, FE_REQ_BUF);
+        if (n == 0)
+            break;                  /* not /dev/fuse (the fuzzer's socket): its end */
         if (n < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == ENOENT)
                 continue;           /* ENOENT: a request interrupted before we read it */
@@ -1208,6 +1239,8 @@ void fe_destroy(struct fe_engine *e)
         free(w->out);
     }
     free(e->workers);
+    while (e->handles)
+        handle_free(e, e->handles);
     if (e->fd >= 0)
         close(e->fd);
     if (e->efd >= 0)
