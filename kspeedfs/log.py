@@ -2,9 +2,15 @@
 
 Foreground: one line per record on stderr without timestamps (journald adds its own).
 Background: a file per mount in ``log.dir``, with timestamps.
+
+A crash that Python cannot raise (SIGSEGV, SIGILL, SIGABRT, SIGBUS, SIGFPE: in native
+code, ours or gRPC's) still leaves every thread's Python stack in the log file, or on
+stderr without one (``faulthandler``): a node that died inside gRPC used to leave only
+its exit status.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import re
@@ -32,3 +38,6 @@ def setup(level: str, stderr: bool = True, file: str | None = None) -> None:
         fh = logging.FileHandler(file)
         fh.setFormatter(logging.Formatter(_FILE_FORMAT))
         root.addHandler(fh)
+        faulthandler.enable(fh.stream, all_threads=True)
+    elif stderr:
+        faulthandler.enable(sys.stderr, all_threads=True)
