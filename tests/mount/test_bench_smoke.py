@@ -42,9 +42,12 @@ def test_quick_imagenet_reports_ratios(tmp_path: Path) -> None:
     assert not data["errors"]
     (row,) = [r for r in data["summary"] if r["workload"] == "imagenet"]
     assert set(row["targets"]) == {"source-cold", "source-warm", "kspeedfs-cold", "kspeedfs-warm",
-                                   "ramfs-py", "ramfs-c"}
+                                   "pyfuse3:kspeedfs-cold", "pyfuse3:kspeedfs-warm",
+                                   "ramfs-py", "ramfs-c", "ramfs-c-mt"}
     for pair in ("kspeedfs-cold / source-cold", "kspeedfs-warm / source-warm",
-                 "kspeedfs-warm / ramfs-py", "kspeedfs-warm / ramfs-c", "ramfs-py / ramfs-c"):
+                 "kspeedfs-warm / ramfs-py", "kspeedfs-warm / ramfs-c", "ramfs-py / ramfs-c",
+                 "kspeedfs-warm / pyfuse3:kspeedfs-warm", "kspeedfs-cold / pyfuse3:kspeedfs-cold",
+                 "kspeedfs-warm / ramfs-c-mt"):
         assert row["ratios"][pair]["median"] > 0, pair
     # the warm kspeedfs target really was warm: served from its chunk cache, not the source
     warm = [r for r in data["runs"] if r["target"] == "kspeedfs-warm"]
