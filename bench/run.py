@@ -139,6 +139,16 @@ def _check_fresh_memory(name: str, results: Results) -> None:
         results.meta.setdefault("warnings", []).append(msg)
 
 
+def _ops(figures: dict) -> float:
+    """The operations a run's reader issued, where it counts them: files read whole or
+    stat'ed, records, ls entries, fio's I/Os (its read calls; 0 when unknown). Not FUSE
+    requests: one op can be several READs (a whole file, readahead) or none (a cache hit)."""
+    for k in ("files", "records", "entries", "ios"):
+        if figures.get(k):
+            return float(figures[k])
+    return 0.0
+
+
 def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
     t0 = time.monotonic()
     if wl.needs:
@@ -181,6 +191,8 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                             figures["daemon_cpu_%"] = 100 * cpu / (figures.get("seconds") or wall)
                             if figures.get("bytes"):
                                 figures["daemon_cpu_s_per_GB"] = cpu / (figures["bytes"] / 1e9)
+                            if ops := _ops(figures):
+                                figures["daemon_cpu_us_per_op"] = 1e6 * cpu / ops
                     except Exception as e:       # record, go on: one broken target is a finding
                         log.error("%s/%s on %s: %s", wl.name, case.name, t.name, e)
                         results.errors.append({"workload": wl.name, "case": case.name, "target": t.name,

@@ -178,6 +178,6 @@ def run_fio(job: str, env: dict[str, str], extra: Sequence[str] = ()) -> dict:
     data = json.loads(out[out.index("{"):])        # fio may print notes before the JSON
     read = data["jobs"][0]["read"]                 # group_reporting: one summed job
     return {"bytes": read["io_bytes"], "seconds": read["runtime"] / 1000.0,
-            "MB/s": read["bw_bytes"] / 1e6, "IOPS": read["iops"],
+            "MB/s": read["bw_bytes"] / 1e6, "IOPS": read["iops"], "ios": read.get("total_ios", 0),
             "lat_p99_us": read.get("clat_ns", {}).get("percentile", {}).get("99.000000", 0) / 1000.0}
 

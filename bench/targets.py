@@ -1,21 +1,36 @@
 """What a workload runs against: kspeedfs and its baselines, each in a named state.
 
-=================  ==========================================================  =====================
-target             state before every measured run                             ceiling of
-=================  ==========================================================  =====================
-``source-cold``    the source directory; page cache dropped                    the disk
-``source-warm``    the source directory; every file read just before           the page cache
-``kspeedfs-cold``  a fresh mount (empty chunk cache); page cache dropped       (kspeedfs, first epoch)
-``kspeedfs-warm``  a mount whose chunk cache holds the dataset; page cache     (kspeedfs, later epochs
-                   dropped: every byte crosses FUSE and the Python daemon       evicted from the kernel)
-``ramfs-py``       bench/ramfs_py.py, bytes preloaded; page cache dropped      a Python FUSE daemon
-``ramfs-c``        bench/ramfs_c.c (libfuse3 low level); page cache dropped  any FUSE daemon
-=================  ==========================================================  =====================
+=========================  ==========================================================  =====================
+target                     state before every measured run                             ceiling of
+=========================  ==========================================================  =====================
+``source-cold``            the source directory; page cache dropped                    the disk
+``source-warm``            the source directory; every file read just before           the page cache
+``kspeedfs-cold``          a fresh mount (empty chunk cache); page cache dropped       (kspeedfs, first epoch)
+``kspeedfs-warm``          a mount whose chunk cache holds the dataset; page cache     (kspeedfs, later epochs
+                           dropped: every byte crosses FUSE and the daemon             evicted from the kernel)
+``pyfuse3:kspeedfs-cold``  kspeedfs-cold with ``fuse.engine=pyfuse3`` (the old         (the pyfuse3 engine,
+                           single-Python-thread engine)                                first epoch)
+``pyfuse3:kspeedfs-warm``  kspeedfs-warm with ``fuse.engine=pyfuse3``                  (the pyfuse3 engine,
+                                                                                       later epochs)
+``ramfs-py``               bench/ramfs_py.py, bytes preloaded; page cache dropped      a Python FUSE daemon
+``ramfs-c``                bench/ramfs_c.c (libfuse3 low level, single-threaded        any FUSE daemon
+                           loop); page cache dropped
+``ramfs-c-mt``             bench/ramfs_c.c, libfuse's multi-threaded loop: one worker  a multi-threaded FUSE
+                           per CPU, a cloned /dev/fuse fd each (``RAMFS_C_THREADS``,   daemon
+                           ``RAMFS_C_CLONE_FD``); page cache dropped
+=========================  ==========================================================  =====================
+
+``kspeedfs-*`` run the configured default engine (``fuse.engine``: native, C request
+threads answering metadata and memory-tier hits). The metadata workloads (stat, ls-l)
+mount one warm, unpreloaded ``kspeedfs`` without xattrs and its ``pyfuse3:kspeedfs``
+twin instead of the cold/warm pairs.
 
 All FUSE targets get the same mount options family (``ro``, default_permissions),
 keep_cache, day-long entry/attr timeouts and the same sysfs knobs
 (``kspeedfs.fuse.tuning`` with kspeedfs's configured values), so differences are
-the daemons, not the kernel settings.
+the daemons, not the kernel settings - except the request size: the native engine
+negotiates ``fuse.max_pages`` at INIT (256 pages, 1 MiB READs, by default), the
+pyfuse3 engine gets the kernel default (32).
 
 A target is set up once per workload (``setup``), put in its state before every
 measured run (``prepare``), and torn down by the suite's :class:`~bench.system.Mounts`.
@@ -228,26 +243,33 @@ class RamFS(Target):
     holds_dataset = True
 
     def __init__(self, ds: Dataset, kind: str, binary: Path | None = None,
-                 knobs: dict[str, str] | None = None) -> None:
+                 knobs: dict[str, str] | None = None, env: dict[str, str] | None = None,
+                 label: str = "") -> None:
+        """``env``: extra environment for the daemon (ramfs_c.c reads ``RAMFS_C_THREADS``
+        and ``RAMFS_C_CLONE_FD``); ``label``: the target's name (default ``ramfs-KIND``),
+        which also names its mountpoint and log, so two instances of one kind need two."""
         super().__init__(ds)
         self.kind = kind
-        self.name = f"ramfs-{kind}"
+        self.name = label or f"ramfs-{kind}"
         self.binary = binary
         self.knob_overrides = knobs
+        self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
 
     def setup(self, mounts: Mounts, work: Path) -> None:
         from kspeedfs.fuse import tuning
 
-        mp = work / "mnt" / self.name
+        mp = work / "mnt" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", self.name)
         mp.mkdir(parents=True, exist_ok=True)
         if self.kind == "py":
             cmd = [PY, str(BENCH / "ramfs_py.py"), str(self.ds.root), str(mp)]
         else:
             assert self.binary is not None
             cmd = [str(self.binary), str(self.ds.root), str(mp)]
-        errlog = open(work / "log" / f"{self.name}.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog)
+        errlog = open(work / "log" / f"{mp.name}.log", "ab")
+        env = {**os.environ, **self.env} if self.env else None
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog,
+                                     env=env)
         proc = self.proc
         mounts.add(mp, lambda: proc.pid if proc.poll() is None else None)
         wait_mounted(mp, self.proc, timeout=1800)

@@ -86,15 +86,24 @@ class Context:
 
 AB_RATIOS = [("B:kspeedfs-cold", "kspeedfs-cold"), ("B:kspeedfs-warm", "kspeedfs-warm"),
              ("B:kspeedfs-warm", "ramfs-py")]
+# kspeedfs-* run the default engine (native); pyfuse3:* the same mount with
+# fuse.engine=pyfuse3. A pair whose target a run lacks (--no-c) is dropped
+# (run_workload keeps the pairs whose both targets exist).
 STANDARD_RATIOS = [
     ("kspeedfs-cold", "source-cold"),
     ("kspeedfs-warm", "source-warm"),
     ("kspeedfs-warm", "ramfs-py"),
     ("kspeedfs-warm", "ramfs-c"),
+    ("kspeedfs-warm", "ramfs-c-mt"),
+    ("kspeedfs-warm", "pyfuse3:kspeedfs-warm"),
+    ("kspeedfs-cold", "pyfuse3:kspeedfs-cold"),     # cold paths: no slower than pyfuse3
+    ("pyfuse3:kspeedfs-warm", "ramfs-c"),
     ("ramfs-py", "ramfs-c"),
+    ("ramfs-c-mt", "ramfs-c"),
 ]
 META_RATIOS = [("kspeedfs", "source-cold"), ("kspeedfs", "source-warm"), ("kspeedfs", "ramfs-py"),
-               ("kspeedfs", "ramfs-c"), ("ramfs-py", "ramfs-c")]
+               ("kspeedfs", "ramfs-c"), ("kspeedfs", "ramfs-c-mt"), ("kspeedfs", "pyfuse3:kspeedfs"),
+               ("pyfuse3:kspeedfs", "ramfs-c"), ("ramfs-py", "ramfs-c"), ("ramfs-c-mt", "ramfs-c")]
 
 
 @dataclass
@@ -128,15 +137,40 @@ def _bigdir(ctx: Context) -> Dataset:
 
 # -- targets -----------------------------------------------------------------------------
 
+PYFUSE3 = {"fuse.engine": "pyfuse3"}
+
+
+def has_engines() -> bool:
+    """The kspeedfs under test has ``fuse.engine`` (a --kspeedfs-rev from before the
+    native engine has not, and is pyfuse3 anyway: no pyfuse3:* twins then)."""
+    from kspeedfs import config
+
+    return hasattr(config.Config().fuse, "engine")
+
+
+def ramfs_c_targets(ds: Dataset, ctx: Context) -> list[Target]:
+    """ramfs-c (libfuse's single-threaded loop) and ramfs-c-mt (its multi-threaded loop,
+    one worker per CPU, a cloned /dev/fuse fd each); none with --no-c."""
+    if not ctx.ramfs_c:
+        return []
+    # at least 2: ramfs_c.c runs the single-threaded loop for RAMFS_C_THREADS <= 1
+    mt = {"RAMFS_C_THREADS": str(max(2, os.cpu_count() or 1)), "RAMFS_C_CLONE_FD": "1"}
+    return [RamFS(ds, "c", ctx.ramfs_c), RamFS(ds, "c", ctx.ramfs_c, env=mt, label="ramfs-c-mt")]
+
+
 def standard_targets(ds: Dataset, ctx: Context) -> list[Target]:
     store = KspeedfsStore(ctx.work, ds)
+    # kspeedfs-* run the default engine (native); pyfuse3:* the same store, old engine
     out: list[Target] = [SourceCold(ds), SourceWarm(ds), Kspeedfs(ds, store, warm=False),
-                         Kspeedfs(ds, store, warm=True), RamFS(ds, "py")]
-    if ctx.ab_tree:
-        out[4:4] = [Kspeedfs(ds, store, warm=False, label="B:kspeedfs-cold", tree=ctx.ab_tree),
-                    Kspeedfs(ds, store, warm=True, label="B:kspeedfs-warm", tree=ctx.ab_tree)]
-    if ctx.ramfs_c:
-        out.append(RamFS(ds, "c", ctx.ramfs_c))
+                         Kspeedfs(ds, store, warm=True)]
+    if has_engines():
+        out += [Kspeedfs(ds, store, warm=False, label="pyfuse3:kspeedfs-cold", settings=PYFUSE3),
+                Kspeedfs(ds, store, warm=True, label="pyfuse3:kspeedfs-warm", settings=PYFUSE3)]
+    if ctx.ab_tree:     # after the kspeedfs targets, before the ramfs ceilings
+        out += [Kspeedfs(ds, store, warm=False, label="B:kspeedfs-cold", tree=ctx.ab_tree),
+                Kspeedfs(ds, store, warm=True, label="B:kspeedfs-warm", tree=ctx.ab_tree)]
+    out.append(RamFS(ds, "py"))
+    out += ramfs_c_targets(ds, ctx)
     return out
 
 
@@ -145,9 +179,14 @@ def metadata_targets(ds: Dataset, ctx: Context) -> list[Target]:
     # as a user mounts it: no xattrs (ls -l would send 2 GETXATTRs per entry), no counters
     ks = Kspeedfs(ds, store, warm=True, label="kspeedfs", settings={"fuse.xattrs": "false"})
     ks.preload = False
-    out: list[Target] = [SourceCold(ds), SourceWarm(ds), ks, RamFS(ds, "py")]
-    if ctx.ramfs_c:
-        out.append(RamFS(ds, "c", ctx.ramfs_c))
+    out: list[Target] = [SourceCold(ds), SourceWarm(ds), ks]
+    if has_engines():
+        py3 = Kspeedfs(ds, store, warm=True, label="pyfuse3:kspeedfs",
+                       settings={"fuse.xattrs": "false", **PYFUSE3})
+        py3.preload = False
+        out.append(py3)
+    out.append(RamFS(ds, "py"))
+    out += ramfs_c_targets(ds, ctx)
     return out
 
 
