@@ -34,6 +34,7 @@ from . import mountpoint as mp
 from .cache.disk import DiskCache
 from .cache.memory import MemoryCache
 from .config import Config
+from .errors import MountError
 from .fuse import tuning
 from .fuse.operations import Operations
 from .fuse.pagecache import PageCache
@@ -57,6 +58,7 @@ class MountRequest:
     version: int | None = None
     source: str | None = None        # override the source recorded at import
     nonempty: bool = False
+    upgrade: bool = False            # take the live mount over from its daemon (fuse/upgrade.py)
 
 
 def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, ManifestIndex]:
@@ -158,7 +160,12 @@ async def _export_metrics(cfg: Config, ops: Operations, peers: "Peers | None", p
 
 
 async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | None = None) -> None:
-    path = mp.prepare(req.mountpoint, req.nonempty)
+    if req.upgrade:
+        path = os.path.abspath(req.mountpoint)
+        if not mp.is_mounted(path):
+            raise MountError(f"--upgrade: {path} is not mounted")
+    else:
+        path = mp.prepare(req.mountpoint, req.nonempty)
     info, index = await trio.to_thread.run_sync(load_dataset, cfg, req)
     log.info("dataset %s v%d: %d entries, %d bytes, %d chunks of %d; index %d bytes",
              info.name, info.version, info.entries, info.bytes, info.chunks, info.chunk_size,
@@ -169,6 +176,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     disk = DiskCache(cfg.cache.disk_dir, cfg.cache.disk) if cfg.cache.disk else None
 
     engine = choose_engine(cfg)
+    if req.upgrade and engine != "native":
+        raise MountError("--upgrade needs the native FUSE engine (fuse.engine=native, root)")
     async with _cluster(cfg, index) as peers, trio.open_nursery() as nursery:
         session: "NativeSession | None" = None
         pages = None
@@ -188,10 +197,11 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
             op_rows = session.op_rows
         else:
             op_rows = lambda: {op: list(row) for op, row in ops.op_stats.rows.items()}  # noqa: E731
-        if cfg.metrics.listen:                    # off by default: no thread, no socket
-            nursery.start_soon(_export_metrics, cfg, ops, peers, path, op_rows, name="metrics")
-
         async def after_mount() -> None:
+            if cfg.metrics.listen:                # off by default: no thread, no socket
+                if req.upgrade and session is not None:
+                    await session.predecessor_gone()      # it holds the port until it exits
+                nursery.start_soon(_export_metrics, cfg, ops, peers, path, op_rows, name="metrics")
             knobs = tuning.KernelKnobs(cfg.fuse.max_background, cfg.fuse.congestion_threshold,
                                        cfg.fuse.read_ahead_kb)
             await trio.to_thread.run_sync(tuning.apply, path, knobs)
@@ -202,14 +212,15 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
 
         if session is not None:
             try:
-                await _serve_native(session, nursery, after_mount)
+                await _serve_native(session, nursery, after_mount, req.upgrade)
             finally:
                 if pages:
                     pages.close()
         else:
             await _serve_pyfuse3(ops, path, cfg, info, req, nursery, after_mount, pages)
         nursery.cancel_scope.cancel()
-    log.info("unmounted %s; %s", path, reader.statistics())
+    log.info("%s %s; %s", "handed over" if session is not None and session.handed_over
+             else "unmounted", path, reader.statistics())
 
 
 async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetInfo,
@@ -234,10 +245,17 @@ async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetI
 
 
 async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
-                        after_mount: Callable[[], Awaitable[None]]) -> None:
-    """Mount with the native engine and answer its queue until unmounted; always leaves
-    the mount gone and the C threads joined."""
-    await trio.to_thread.run_sync(session.mount)
+                        after_mount: Callable[[], Awaitable[None]], upgrade: bool) -> None:
+    """Mount with the native engine (or take the live mount over from its daemon) and
+    answer its queue until unmounted or handed over; always leaves the C threads joined,
+    and the mount gone unless a successor serves it."""
+    if upgrade:
+        from .fuse import upgrade as handover
+
+        await handover.take_over(session.path, session.info.name, session.info.version,
+                                 session.adopt)
+    else:
+        await trio.to_thread.run_sync(session.mount)
     try:
         nursery.start_soon(_on_signals, session.terminate, name="signals")
         nursery.start_soon(after_mount, name="after-mount")

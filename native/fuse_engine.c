@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
@@ -104,9 +105,7 @@ struct fe_slot {
 };
 
 struct fe_handle {                  /* one open file: the sequential-read state */
-    struct fe_handle *prev, *next;  /* every open handle, freed at fe_destroy if the
-                                     * kernel never released it (an aborted connection) */
-    uint64_t entry;
+    uint64_t fh;                    /* what the kernel holds: generation << 32 | slot + 1 */
     pthread_mutex_t lock;
     uint64_t next_offset;
     uint64_t run;
@@ -118,6 +117,7 @@ struct fe_worker {
     pthread_t thread;
     int fd;
     int started;
+    atomic_int done;
     uint8_t *in;                    /* FE_REQ_BUF: one request */
     uint8_t *out;                   /* READDIR replies: max_pages pages */
     size_t outlen;
@@ -140,9 +140,13 @@ struct fe_engine {
     atomic_size_t slots;
     pthread_mutex_t dead_lock;
     struct fe_slot *dead;
-    /* open file handles */
+    /* open file handles: a slot table, so an fh is validated, never dereferenced (after
+     * an upgrade the kernel sends the previous daemon's fhs: unknown here, no stream) */
     pthread_mutex_t hlock;
-    struct fe_handle *handles;
+    struct fe_handle **hslots;
+    uint32_t nhslots, hgen;
+    /* stopping for a successor (fe_stop) */
+    atomic_int stopping;
     /* queue */
     pthread_mutex_t qlock;
     struct fe_request *q;
@@ -605,28 +609,65 @@ static int do_readlink(struct req *r)
     return 0;
 }
 
-static void handle_link(struct fe_engine *e, struct fe_handle *fh)
+/* A new handle in a free slot (NULL: out of memory). */
+static struct fe_handle *handle_new(struct fe_engine *e)
 {
+    struct fe_handle *fh = calloc(1, sizeof *fh);
+    if (!fh)
+        return NULL;
+    fh->prefetched_to = -1;
+    pthread_mutex_init(&fh->lock, NULL);
     pthread_mutex_lock(&e->hlock);
-    fh->next = e->handles;
-    if (fh->next)
-        fh->next->prev = fh;
-    e->handles = fh;
+    uint32_t i = 0;
+    while (i < e->nhslots && e->hslots[i])
+        i++;
+    if (i == e->nhslots) {
+        uint32_t n = e->nhslots ? e->nhslots * 2 : 64;
+        struct fe_handle **t = realloc(e->hslots, n * sizeof *t);
+        if (!t) {
+            pthread_mutex_unlock(&e->hlock);
+            pthread_mutex_destroy(&fh->lock);
+            free(fh);
+            return NULL;
+        }
+        memset(t + e->nhslots, 0, (n - e->nhslots) * sizeof *t);
+        e->hslots = t;
+        e->nhslots = n;
+    }
+    fh->fh = (uint64_t)++e->hgen << 32 | (i + 1);
+    e->hslots[i] = fh;
     pthread_mutex_unlock(&e->hlock);
+    return fh;
 }
 
-static void handle_free(struct fe_engine *e, struct fe_handle *fh)
+/* The handle the kernel calls ``id``, or NULL if it is not one of ours. The kernel
+ * sends no READ on a handle after its RELEASE, so the pointer stays valid for the
+ * request that asked. */
+static struct fe_handle *handle_get(struct fe_engine *e, uint64_t id)
 {
+    uint32_t i = (uint32_t)id;
+    struct fe_handle *fh = NULL;
     pthread_mutex_lock(&e->hlock);
-    if (fh->prev)
-        fh->prev->next = fh->next;
-    else
-        e->handles = fh->next;
-    if (fh->next)
-        fh->next->prev = fh->prev;
+    if (i >= 1 && i <= e->nhslots && e->hslots[i - 1] && e->hslots[i - 1]->fh == id)
+        fh = e->hslots[i - 1];
     pthread_mutex_unlock(&e->hlock);
-    pthread_mutex_destroy(&fh->lock);
-    free(fh);
+    return fh;
+}
+
+static void handle_free(struct fe_engine *e, uint64_t id)
+{
+    uint32_t i = (uint32_t)id;
+    struct fe_handle *fh = NULL;
+    pthread_mutex_lock(&e->hlock);
+    if (i >= 1 && i <= e->nhslots && e->hslots[i - 1] && e->hslots[i - 1]->fh == id) {
+        fh = e->hslots[i - 1];
+        e->hslots[i - 1] = NULL;
+    }
+    pthread_mutex_unlock(&e->hlock);
+    if (fh) {
+        pthread_mutex_destroy(&fh->lock);
+        free(fh);
+    }
 }
 
 static int do_open(struct req *r)
@@ -642,25 +683,19 @@ static int do_open(struct req *r)
         return -EROFS;
     if (is_dir(e->ix.mode[entry]))
         return -EISDIR;
-    struct fe_handle *fh = calloc(1, sizeof *fh);
+    struct fe_handle *fh = handle_new(e);
     if (!fh)
         return -ENOMEM;
-    fh->entry = entry;
-    fh->prefetched_to = -1;
-    pthread_mutex_init(&fh->lock, NULL);
-    handle_link(e, fh);
-    struct fuse_open_out o = {.fh = (uint64_t)(uintptr_t)fh, .open_flags = FOPEN_KEEP_CACHE};
+    struct fuse_open_out o = {.fh = fh->fh, .open_flags = FOPEN_KEEP_CACHE};
     if (reply_buf(r->w->fd, r->h->unique, &o, sizeof o) < 0)
-        handle_free(e, fh);                 /* interrupted: the kernel never sees this fh */
+        handle_free(e, fh->fh);             /* interrupted: the kernel never sees this fh */
     return 0;
 }
 
 static int do_release(struct req *r)
 {
     if (r->arglen >= sizeof(struct fuse_release_in)) {
-        struct fe_handle *fh = (void *)(uintptr_t)((const struct fuse_release_in *)r->arg)->fh;
-        if (fh)
-            handle_free(r->w->e, fh);
+        handle_free(r->w->e, ((const struct fuse_release_in *)r->arg)->fh);
     }
     reply_buf(r->w->fd, r->h->unique, NULL, 0);
     return 0;
@@ -937,7 +972,7 @@ static int do_read(struct req *r)
         return -EIO;
     if (file_last >= ix->chunks)
         file_last = ix->chunks - 1;
-    struct fe_handle *fh = (void *)(uintptr_t)in->fh;
+    struct fe_handle *fh = handle_get(e, in->fh);
     int random = 0;
     uint64_t pstart = 0, pstop = 0;
     if (fh)
@@ -1071,6 +1106,8 @@ static void *worker_main(void *arg)
     struct fe_worker *w = arg;
     struct fe_engine *e = w->e;
     for (;;) {
+        if (atomic_load(&e->stopping))
+            break;                  /* fe_stop: a successor reads the connection now */
         ssize_t n = read(w->fd, w->in, FE_REQ_BUF);
         if (n == 0)
             break;                  /* not /dev/fuse (the fuzzer's socket): its end */
@@ -1081,6 +1118,7 @@ static void *worker_main(void *arg)
         }
         dispatch(w, w->in, (size_t)n);
     }
+    atomic_store(&w->done, 1);
     if (atomic_fetch_sub(&e->live, 1) == 1)
         wake(e);                    /* the last one out tells Python */
     return NULL;
@@ -1138,6 +1176,40 @@ int fe_init(struct fe_engine *e, char *err, size_t errlen)
 out:
     free(buf);
     return rc;
+}
+
+void fe_adopt(struct fe_engine *e, uint32_t minor, uint64_t flags, uint32_t max_pages,
+              uint32_t max_readahead)
+{
+    e->minor = minor;
+    e->flags = flags;
+    e->max_pages = max_pages ? max_pages : 32;
+    e->max_readahead = max_readahead;
+}
+
+static void on_stop_signal(int sig) { (void)sig; }   /* only to interrupt read(2) */
+
+static void install_stop_signal(void)
+{
+    struct sigaction sa = {0};
+    sa.sa_handler = on_stop_signal;         /* no SA_RESTART: read returns EINTR */
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGUSR2, &sa, NULL);
+}
+
+void fe_stop(struct fe_engine *e)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, install_stop_signal);
+    atomic_store(&e->stopping, 1);
+    /* a thread between its check and read(2) misses one signal: send until all are out */
+    for (int round = 0; atomic_load(&e->live) > 0 && round < 5000; round++) {
+        for (int i = 0; i < e->nworkers; i++)
+            if (e->workers[i].started && !atomic_load(&e->workers[i].done))
+                pthread_kill(e->workers[i].thread, SIGUSR2);
+        usleep(1000);
+    }
+    fe_join(e);
 }
 
 static int clone_fd(int master)
@@ -1239,8 +1311,12 @@ void fe_destroy(struct fe_engine *e)
         free(w->out);
     }
     free(e->workers);
-    while (e->handles)
-        handle_free(e, e->handles);
+    for (uint32_t i = 0; i < e->nhslots; i++)
+        if (e->hslots[i]) {
+            pthread_mutex_destroy(&e->hslots[i]->lock);
+            free(e->hslots[i]);
+        }
+    free(e->hslots);
     if (e->fd >= 0)
         close(e->fd);
     if (e->efd >= 0)

@@ -101,6 +101,14 @@ int fe_init(struct fe_engine *e, char *err, size_t errlen);
 int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen);
 void fe_join(struct fe_engine *e);
 void fe_destroy(struct fe_engine *e);
+/* Upgrade (instead of fe_init): ``fd`` is a live connection another process negotiated;
+ * take its INIT results as ours. */
+void fe_adopt(struct fe_engine *e, uint32_t minor, uint64_t flags, uint32_t max_pages,
+              uint32_t max_readahead);
+/* Hand over to a successor reading the same connection: every request thread finishes
+ * the request it holds and ends (a signal interrupts the ones waiting in read); returns
+ * when they are joined. Nothing is unmounted or aborted; queued requests stay queued. */
+void fe_stop(struct fe_engine *e);
 int fe_eventfd(const struct fe_engine *e);
 int fe_running(const struct fe_engine *e);
 void fe_negotiated(const struct fe_engine *e, uint32_t *minor, uint64_t *flags,

@@ -399,6 +399,38 @@ static PyObject *Engine_init_fuse(EngineObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* adopt(minor, flags, max_pages, max_readahead): instead of init() on a connection a
+ * predecessor negotiated (an upgrade: its INIT results come with the fd). */
+static PyObject *Engine_adopt(EngineObject *self, PyObject *args)
+{
+    unsigned int minor, max_pages, max_readahead;
+    unsigned long long flags;
+    if (!PyArg_ParseTuple(args, "IKII:adopt", &minor, &flags, &max_pages, &max_readahead))
+        return NULL;
+    struct fe_engine *e = engine_idle(self, "adopt");
+    if (!e)
+        return NULL;
+    if (self->initialised)
+        return raise_errno(EALREADY, "adopt: already initialised");
+    fe_adopt(e, minor, flags, max_pages, max_readahead);
+    self->initialised = 1;
+    Py_RETURN_NONE;
+}
+
+/* stop(): hand over to a successor: the request threads end (GIL released), joined. */
+static PyObject *Engine_stop(EngineObject *self, PyObject *unused)
+{
+    struct fe_engine *e = engine_idle(self, "stop");
+    if (!e)
+        return NULL;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    fe_stop(e);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_RETURN_NONE;
+}
+
 /* start(nthreads): the request threads. */
 static PyObject *Engine_start(EngineObject *self, PyObject *args)
 {
@@ -665,6 +697,10 @@ static PyMethodDef Engine_methods[] = {
     {"init", (PyCFunction)Engine_init_fuse, METH_NOARGS,
      "init(): read and answer the kernel's INIT (blocking, GIL released)"},
     {"start", (PyCFunction)Engine_start, METH_VARARGS, "start(nthreads): the request threads"},
+    {"adopt", (PyCFunction)Engine_adopt, METH_VARARGS,
+     "adopt(minor, flags, max_pages, max_readahead): a predecessor's INIT, instead of init()"},
+    {"stop", (PyCFunction)Engine_stop, METH_NOARGS,
+     "stop(): the request threads end for a successor (nothing unmounted), joined"},
     {"join", (PyCFunction)Engine_join, METH_NOARGS,
      "join(): wait for the request threads to end (after unmount)"},
     {"close", (PyCFunction)Engine_close, METH_NOARGS,

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-disk", metavar="SIZE", help="disk cache tier size (cache.disk)")
     p.add_argument("--allow-other", action="store_true", default=None, help="let other users access the mount")
     p.add_argument("--nonempty", action="store_true", help="allow mounting over a non-empty directory")
+    p.add_argument("--upgrade", action="store_true",
+                   help="take the live mount at MOUNTPOINT over from the daemon serving it, "
+                        "without unmounting (same dataset and version; native engine)")
     p.add_argument("-o", dest="options", metavar="OPTS", action="append", default=[],
                    help="comma-separated mount options: ro, allow_other, nonempty, config=PATH, "
                         "version=N, source=DIR, cache_mem=SIZE, cache_dir=DIR, cache_disk=SIZE, "
@@ -86,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         cfg.cluster.secret()
     from ..daemon import MountRequest             # after the checks: a bad flag fails fast
 
-    req = MountRequest(args.dataset, args.mountpoint, args.dataset_version, args.source, args.nonempty)
+    req = MountRequest(args.dataset, args.mountpoint, args.dataset_version, args.source, args.nonempty,
+                       args.upgrade)
     logfile = logsetup.log_path(cfg.log.dir, args.dataset, os.path.abspath(args.mountpoint))
     if args.foreground:
         logsetup.setup(cfg.log.level, stderr=True, file=logfile)

@@ -32,10 +32,12 @@ import trio
 from ..cache.memory import MemoryCache
 from ..cache.prefetch import Stream
 from ..config import FuseConfig
+from ..errors import MountError
 from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from .boundary import OpStats, fuse_op
 from .operations import XATTR_PREFIX, Operations
+from .upgrade import HandoverServer
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,8 @@ class NativeSession:
         self.fd = -1
         self.minor: int | None = None
         self._final: dict[str, Any] = {}
+        self.handover: HandoverServer | None = None
+        self.predecessor = 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -120,38 +124,88 @@ class NativeSession:
         """mount(2), INIT and the request threads (blocking; OSError on failure, with
         nothing left mounted)."""
         assert _engine is not None
-        cfg = self.cfg
-        fd = _engine.mount(self.path, f"kspeedfs:{self.info.name}", cfg.allow_other,
-                           self.nonempty, cfg.max_pages * 4096)
+        fd = _engine.mount(self.path, f"kspeedfs:{self.info.name}", self.cfg.allow_other,
+                           self.nonempty, self.cfg.max_pages * 4096)
         try:
-            self.engine = _engine.Engine(
-                fd, self.index, generation=self.info.version, dataset_bytes=self.info.bytes,
-                entry_timeout=cfg.entry_timeout, attr_timeout=cfg.attr_timeout,
-                blksize=cfg.blksize, xattrs=cfg.xattrs, max_background=cfg.max_background,
-                congestion_threshold=cfg.congestion_threshold, max_pages=cfg.max_pages,
-                prefetch_depth=cfg.prefetch_chunks, prefetch_trigger=2)
+            self.engine = self._engine(fd)
         except BaseException:
             os.close(fd)
             _engine.unmount(self.path)
             raise
+        self.fd = fd
         try:
             self.engine.init()
-            threads = cfg.threads or os.cpu_count() or 1
-            self.engine.start(threads)
+            self._start()
         except BaseException:
             _engine.unmount(self.path)
             self.engine.close()
+            self.engine = None
             raise
-        self.fd = fd
         self.minor = os.minor(os.stat(self.path).st_dev)    # answered by the C threads
+
+    def adopt(self, fd: int, state: dict[str, Any]) -> None:
+        """Serve a live connection a predecessor hands over (``fuse/upgrade.py``):
+        its INIT results instead of a new INIT (blocking; the fd is ours on success)."""
+        try:
+            minor, flags = int(state["minor"]), int(state["flags"])
+            pages, readahead = int(state["max_pages"]), int(state["max_readahead"])
+            connection = int(state["connection"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise MountError(f"upgrade: handover state unusable: {e!r}") from None
+        self.engine = self._engine(fd)
+        self.fd = fd
+        try:
+            self.engine.adopt(minor, flags, pages, readahead)
+            self._start()
+        except BaseException:
+            self.engine.close()
+            self.engine = None
+            raise
+        self.minor = connection
+        self.predecessor = int(state.get("pid") or 0)
+
+    async def predecessor_gone(self, timeout: float = 15.0) -> None:
+        """After an upgrade: wait (bounded) until the old daemon has exited."""
+        with trio.move_on_after(timeout):
+            while self.predecessor and os.path.exists(f"/proc/{self.predecessor}"):
+                await trio.sleep(0.05)
+
+    def _engine(self, fd: int) -> Any:
+        cfg = self.cfg
+        return _engine.Engine(
+            fd, self.index, generation=self.info.version, dataset_bytes=self.info.bytes,
+            entry_timeout=cfg.entry_timeout, attr_timeout=cfg.attr_timeout,
+            blksize=cfg.blksize, xattrs=cfg.xattrs, max_background=cfg.max_background,
+            congestion_threshold=cfg.congestion_threshold, max_pages=cfg.max_pages,
+            prefetch_depth=cfg.prefetch_chunks, prefetch_trigger=2)
+
+    def _start(self) -> None:
+        threads = self.cfg.threads or os.cpu_count() or 1
+        self.engine.start(threads)
         self.memory.mirror_to(TierMirror(self.engine))
         minor, flags, pages, readahead = self.engine.negotiated()
         log.info("native engine: %d threads, FUSE 7.%d, flags %#x, %d pages per request, "
                  "readahead %d KiB", threads, minor, flags, pages, readahead >> 10)
 
+    def state(self) -> dict[str, Any]:
+        """What a successor needs to serve this connection (``upgrade.py``, format 1)."""
+        minor, flags, pages, readahead = self.engine.negotiated()
+        return {"dataset": self.info.name, "version": self.info.version, "minor": minor,
+                "flags": flags, "max_pages": pages, "max_readahead": readahead,
+                "connection": self.minor, "pid": os.getpid()}
+
+    async def _hand_over(self) -> None:
+        """A successor serves the connection now: end this daemon's C threads."""
+        await trio.to_thread.run_sync(self.engine.stop)
+
+    @property
+    def handed_over(self) -> bool:
+        return self.handover is not None and self.handover.handed_over.is_set()
+
     def terminate(self) -> None:
-        """Unmount (lazily) and abort the connection: the C threads end, then ``serve``."""
-        if self.engine is None:
+        """Unmount (lazily) and abort the connection: the C threads end, then ``serve``
+        (not after a handover: the connection is the successor's)."""
+        if self.engine is None or self.handed_over:
             return
         try:
             _engine.unmount(self.path)
@@ -177,9 +231,13 @@ class NativeSession:
     # -- the queue ---------------------------------------------------------------------
 
     async def serve(self) -> None:
-        """Answer queued requests until the connection ends."""
+        """Answer queued requests until the connection ends, or until a successor took
+        it over (then the requests already queued here are answered first)."""
         efd = self.engine.eventfd
         async with trio.open_nursery() as nursery:
+            self.handover = HandoverServer(self.path, self.info.name, self.info.version,
+                                           self.fd, self.state, self._hand_over)
+            await nursery.start(self.handover.run)
             while True:
                 await trio.lowlevel.wait_readable(efd)
                 try:
@@ -192,7 +250,12 @@ class NativeSession:
                 self.engine.reap()
                 if not self.engine.running:
                     break
-            nursery.cancel_scope.cancel()      # the connection is gone: nobody to answer
+            if self.handed_over:                # what the last threads queued, then done
+                while batch := self.engine.take(1024):
+                    for req in batch:
+                        self._dispatch(nursery, req)
+            else:
+                nursery.cancel_scope.cancel()  # the connection is gone: nobody to answer
 
     def _dispatch(self, nursery: trio.Nursery, req: tuple) -> None:
         kind, fd, unique, entry, offset, size, random, name = req

@@ -201,7 +201,7 @@ static void random_request(int fd, const struct fe_index *ix, uint64_t unique)
         break;
     case FUSE_READ: case FUSE_READDIR: case FUSE_READDIRPLUS: {
         struct fuse_read_in *r = (void *)arg;
-        r->fh = h->opcode == FUSE_READ && nhandles ? handles[below(nhandles)] : 0;
+        r->fh = h->opcode == FUSE_READ && nhandles ? handles[below(nhandles)] : rnd();
         r->offset = below(2) ? below(3 * ix->chunk_size) : rnd() >> 1;
         r->size = (uint32_t)(below(2) ? 4096 : below(1 << 20));
         alen = sizeof *r;
@@ -342,7 +342,10 @@ static void one_case(void)
         answer_queue(e);
         drain(sv[1], 0);
     }
-    shutdown(sv[1], SHUT_WR);                              /* the worker reads 0 and ends */
+    if (below(2))
+        fe_stop(e);                    /* a handover: threads interrupted in read, joined */
+    else
+        shutdown(sv[1], SHUT_WR);      /* the worker reads 0 and ends */
     for (int spins = 0; fe_running(e); spins++) {
         answer_queue(e);
         drain(sv[1], 1);

@@ -1,0 +1,189 @@
+"""Handing a live FUSE connection to a new mount daemon (``kspeedfs mount --upgrade``).
+
+    new daemon                                   old daemon (native engine)
+    connect  /run/kspeedfs/mounts/<slug>.sock ─► listening since its mount
+    {"format": 1, "dataset", "version"}       ─►
+                                              ◄─ {"format": 1, "state": {...}} + the /dev/fuse fd
+    adopt the state, start its C threads          (SCM_RIGHTS: the same open connection)
+    {"taken": true}                           ─►  stop its C threads (each finishes the
+                                                  request it holds), answer its queued misses
+                                              ◄─ {"done": true}, then exit without unmounting
+
+Both daemons serve the same immutable snapshot, so for the moment both read the
+connection every request is answered correctly by whichever reads it; the kernel never
+sees the connection without a reader, so readers see a pause at most (no INIT is sent
+again: the new engine adopts the old one's INIT results). File handles the old daemon
+gave out are unknown to the new one (the engine validates every fh; an unknown one
+reads as a handle without sequential history), and the new daemon's memory tier starts
+empty: the first reads after an upgrade are misses served by the peers or the source.
+
+The state is JSON, versioned by ``format``: a daemon refuses a format it does not know
+(the old one keeps serving), and refuses a different dataset or version than it serves
+(the kernel caches the old version's inodes and pages).
+
+Format 1 ``state``: ``dataset``, ``version``, ``minor`` (FUSE protocol minor),
+``flags`` (negotiated INIT flags, 64-bit), ``max_pages``, ``max_readahead``,
+``connection`` (the fusectl connection number), ``pid`` (the old daemon).
+"""
+from __future__ import annotations
+
+import array
+import json
+import logging
+import os
+import re
+import socket
+from typing import Any, Awaitable, Callable
+
+import trio
+
+from ..errors import MountError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+RUN_DIR = "/run/kspeedfs/mounts"
+MAX_MESSAGE = 64 << 10
+
+
+def socket_path(mountpoint: str) -> str:
+    """The handover socket of the daemon serving ``mountpoint``."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.abspath(mountpoint).strip("/")) or "root"
+    return os.path.join(RUN_DIR, f"{slug}.sock")
+
+
+def _message(data: bytes) -> dict[str, Any]:
+    """A handover message: one JSON object (``MountError`` for anything else)."""
+    try:
+        msg = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise MountError(f"upgrade: unreadable handover message: {e}") from None
+    if not isinstance(msg, dict):
+        raise MountError("upgrade: handover message is not an object")
+    return msg
+
+
+async def _recv(sock: trio.socket.SocketType, timeout: float) -> tuple[dict[str, Any], list[int]]:
+    with trio.fail_after(timeout):
+        data, anc, _, _ = await sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+    fds: list[int] = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(payload[:len(payload) - len(payload) % a.itemsize])
+            fds.extend(a)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        raise MountError("upgrade: the other daemon closed the handover")
+    return _message(data), fds
+
+
+async def _send(sock: trio.socket.SocketType, msg: dict[str, Any], fds: list[int] = ()) -> None:
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    await sock.sendmsg([json.dumps(msg).encode()], anc)
+
+
+# -- the new daemon ------------------------------------------------------------------------
+
+async def take_over(mountpoint: str, dataset: str, version: int,
+                    adopt: Callable[[int, dict[str, Any]], None], timeout: float = 10.0) -> None:
+    """Ask the daemon serving ``mountpoint`` for its connection; ``adopt(fd, state)``
+    must start serving it (blocking, run in a thread); returns once the old daemon has
+    stopped reading. ``MountError`` (the old daemon keeps serving) if anything is off."""
+    path = socket_path(mountpoint)
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with sock:
+        try:
+            await sock.connect(path)
+        except OSError as e:
+            raise MountError(f"upgrade: no kspeedfs daemon to take {mountpoint} over from "
+                             f"({path}: {e.strerror})") from None
+        await _send(sock, {"format": FORMAT, "dataset": dataset, "version": version})
+        reply, fds = await _recv(sock, timeout)
+        if "error" in reply or reply.get("format") != FORMAT or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            why = reply.get("error") or f"format {reply.get('format')!r} with {len(fds)} fds"
+            raise MountError(f"upgrade refused by the serving daemon: {why}")
+        state = reply.get("state")
+        if not isinstance(state, dict):
+            os.close(fds[0])
+            raise MountError("upgrade: handover state missing")
+        try:
+            await trio.to_thread.run_sync(adopt, fds[0], state)
+        except BaseException:
+            os.close(fds[0])
+            raise
+        await _send(sock, {"taken": True})
+        done, _ = await _recv(sock, timeout)
+        log.info("upgrade: took %s over from pid %s (%s)", mountpoint, state.get("pid"),
+                 "it stopped" if done.get("done") else done)
+
+
+# -- the old daemon ------------------------------------------------------------------------
+
+class HandoverServer:
+    """The serving daemon's side: listens on ``socket_path(mountpoint)`` and hands the
+    connection over once (``state()`` and ``fd`` describe it; ``stop()`` ends this
+    daemon's reading, blocking, run in a thread). ``handed_over`` is set when the
+    successor took it; the caller then exits without unmounting."""
+
+    def __init__(self, mountpoint: str, dataset: str, version: int, fd: int,
+                 state: Callable[[], dict[str, Any]], stop: Callable[[], Awaitable[None]]) -> None:
+        self.path = socket_path(mountpoint)
+        self.dataset = dataset
+        self.version = version
+        self.fd = fd
+        self.state = state
+        self.stop = stop
+        self.handed_over = trio.Event()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        os.makedirs(RUN_DIR, mode=0o700, exist_ok=True)
+        listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with listener:
+            try:
+                os.unlink(self.path)      # a dead predecessor's; a live one was handed over
+            except FileNotFoundError:
+                pass
+            await listener.bind(self.path)
+            os.chmod(self.path, 0o600)
+            listener.listen(4)
+            task_status.started()
+            try:
+                while not self.handed_over.is_set():
+                    conn, _ = await listener.accept()
+                    with conn:
+                        try:
+                            await self._serve_one(conn)
+                        except (MountError, OSError, trio.TooSlowError) as e:
+                            log.warning("upgrade: handover not done: %s", e)
+            finally:
+                if not self.handed_over.is_set():
+                    with trio.CancelScope(shield=True):
+                        try:
+                            os.unlink(self.path)
+                        except OSError:
+                            pass
+
+    async def _serve_one(self, conn: trio.socket.SocketType) -> None:
+        ask, fds = await _recv(conn, 10.0)
+        for fd in fds:
+            os.close(fd)
+        if ask.get("format") != FORMAT:
+            await _send(conn, {"error": f"handover format {ask.get('format')!r} unknown here "
+                                        f"(this daemon speaks {FORMAT})"})
+            return
+        if (ask.get("dataset"), ask.get("version")) != (self.dataset, self.version):
+            await _send(conn, {"error": f"this mount serves {self.dataset}@{self.version}, not "
+                                        f"{ask.get('dataset')}@{ask.get('version')}"})
+            return
+        await _send(conn, {"format": FORMAT, "state": self.state()}, [self.fd])
+        taken, _ = await _recv(conn, 30.0)
+        if not taken.get("taken"):
+            return
+        log.info("upgrade: a successor serves this mount; stopping")
+        self.handed_over.set()
+        await self.stop()
+        await _send(conn, {"done": True})
