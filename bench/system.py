@@ -15,7 +15,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -105,19 +105,28 @@ class Mounts:
                 log.error("unmounting %s: %s", path, e)
 
 
+def _processes() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, argv) of every process."""
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                yield int(d.name), (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+
+
 def daemon_pid(mountpoint: Path) -> int | None:
     """The kspeedfs daemon serving ``mountpoint`` (it daemonizes, so not our child)."""
     want = str(mountpoint).encode()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"kspeedfs.cli.app" in b" ".join(argv) and b"mount" in argv and want in argv:
-            return int(d.name)
-    return None
+    return next((pid for pid, argv in _processes()
+                 if b"kspeedfs.cli.app" in b" ".join(argv) and b"mount" in argv and want in argv), None)
+
+
+def supervisor_pid(mountpoint: Path) -> int | None:
+    """The supervisor a daemonized native mount leaves behind (kspeedfs/fuse/supervisor.py)."""
+    want = str(mountpoint).encode()
+    return next((pid for pid, argv in _processes()
+                 if b"kspeedfs.fuse.supervisor" in argv and want in argv), None)
 
 
 def process_cpu(pid: int | None) -> float | None:

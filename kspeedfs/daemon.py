@@ -19,6 +19,7 @@ failed ``kspeedfs mount`` leaves nothing half-mounted.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -59,6 +60,10 @@ class MountRequest:
     source: str | None = None        # override the source recorded at import
     nonempty: bool = False
     upgrade: bool = False            # take the live mount over from its daemon (fuse/upgrade.py)
+    resume: str | None = None        # take it over from its supervisor (fuse/supervisor.py)
+    supervise: bool = False          # leave a supervisor behind (daemonized native mounts)
+    argv: tuple[str, ...] = ()       # the kspeedfs arguments that mount it (for the supervisor)
+    logfile: str = ""
 
 
 def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, ManifestIndex]:
@@ -160,7 +165,7 @@ async def _export_metrics(cfg: Config, ops: Operations, peers: "Peers | None", p
 
 
 async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | None = None) -> None:
-    if req.upgrade:
+    if req.upgrade or req.resume:
         path = os.path.abspath(req.mountpoint)
         if not mp.is_mounted(path):
             raise MountError(f"--upgrade: {path} is not mounted")
@@ -176,7 +181,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     disk = DiskCache(cfg.cache.disk_dir, cfg.cache.disk) if cfg.cache.disk else None
 
     engine = choose_engine(cfg)
-    if req.upgrade and engine != "native":
+    if (req.upgrade or req.resume) and engine != "native":
         raise MountError("--upgrade needs the native FUSE engine (fuse.engine=native, root)")
     async with _cluster(cfg, index) as peers, trio.open_nursery() as nursery:
         session: "NativeSession | None" = None
@@ -212,7 +217,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
 
         if session is not None:
             try:
-                await _serve_native(session, nursery, after_mount, req.upgrade)
+                await _serve_native(session, nursery, after_mount, req)
             finally:
                 if pages:
                     pages.close()
@@ -245,17 +250,28 @@ async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetI
 
 
 async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
-                        after_mount: Callable[[], Awaitable[None]], upgrade: bool) -> None:
-    """Mount with the native engine (or take the live mount over from its daemon) and
-    answer its queue until unmounted or handed over; always leaves the C threads joined,
-    and the mount gone unless a successor serves it."""
-    if upgrade:
-        from .fuse import upgrade as handover
+                        after_mount: Callable[[], Awaitable[None]], req: MountRequest) -> None:
+    """Mount with the native engine (or take the live mount over from its daemon, or
+    from its supervisor after a crash) and answer its queue until unmounted or handed
+    over; always leaves the C threads joined, and the mount gone unless a successor
+    serves it. A supervised mount tells its supervisor "bye" when it ends cleanly."""
+    from .fuse import supervisor
+    from .fuse import upgrade as handover
 
-        await handover.take_over(session.path, session.info.name, session.info.version,
-                                 session.adopt)
+    control = None
+    if req.upgrade or req.resume:
+        sock = await handover.take_over(session.path, session.info.name, session.info.version,
+                                        session.adopt, path=req.resume)
+        if req.resume:
+            control = sock                    # the supervisor stays on this socket
+            await sock.send(json.dumps({"state": session.state()}).encode())
+        else:
+            sock.close()
     else:
         await trio.to_thread.run_sync(session.mount)
+    if control is None and req.supervise:
+        control = supervisor.spawn(session.path, session.engine.fds(), session.state(),
+                                   list(req.argv), req.logfile)
     try:
         nursery.start_soon(_on_signals, session.terminate, name="signals")
         nursery.start_soon(after_mount, name="after-mount")
@@ -264,3 +280,14 @@ async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
         session.terminate()
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(session.close)
+    if control is not None:                   # a clean end: the supervisor may go
+        why = "handed over" if session.handed_over else "unmounted"
+        msg = json.dumps({"bye": True, "why": why}).encode()
+        try:
+            if isinstance(control, trio.socket.SocketType):
+                await control.send(msg)
+            else:
+                control.send(msg)
+        except OSError:
+            pass
+        control.close()

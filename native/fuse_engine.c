@@ -37,6 +37,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#define FE_NOTIFY_RESEND 7          /* kernel 6.9+ (include/uapi/linux/fuse.h, 7.40) */
+
 #ifndef FUSE_DEV_IOC_CLONE
 #define FUSE_DEV_IOC_CLONE _IOR(229, 0, uint32_t)
 #endif
@@ -145,6 +147,9 @@ struct fe_engine {
     pthread_mutex_t hlock;
     struct fe_handle **hslots;
     uint32_t nhslots, hgen;
+    /* fds handed in for the request threads (fe_give_fds) */
+    int given[FE_MAX_THREADS];
+    int ngiven;
     /* stopping for a successor (fe_stop) */
     atomic_int stopping;
     /* queue */
@@ -1050,6 +1055,8 @@ static void dispatch(struct fe_worker *w, const uint8_t *buf, size_t n)
     const struct fuse_in_header *h = (const void *)buf;
     struct req r = {w, h, buf + sizeof *h, n - sizeof *h};
     uint64_t t0 = now_ns();
+    if (h->unique >> 63)
+        w->c.resent++;              /* a dead predecessor read it; the kernel sent it again */
     int op, rc;
     switch (h->opcode) {
     case FUSE_LOOKUP: op = FE_OP_LOOKUP; rc = do_lookup(&r); break;
@@ -1227,8 +1234,34 @@ static int clone_fd(int master)
     return fd;
 }
 
+int fe_give_fds(struct fe_engine *e, const int *fds, int n)
+{
+    if (n < 1 || n > FE_MAX_THREADS || fds[0] != e->fd || e->workers)
+        return -EINVAL;
+    memcpy(e->given, fds, (size_t)n * sizeof *fds);
+    e->ngiven = n;
+    return 0;
+}
+
+int fe_fds(const struct fe_engine *e, int *out, int max)
+{
+    int n = 0;
+    for (int i = 0; i < e->nworkers && n < max; i++)
+        out[n++] = e->workers[i].fd;
+    return n;
+}
+
+int fe_notify_resend(int fd)
+{
+    struct fuse_out_header h = {.len = sizeof h, .error = FE_NOTIFY_RESEND, .unique = 0};
+    struct iovec iov = {&h, sizeof h};
+    return write_reply(fd, &iov, 1);
+}
+
 int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen)
 {
+    if (nthreads < e->ngiven)
+        nthreads = e->ngiven;           /* every handed-in fd is read (its requests too) */
     if (nthreads < 1)
         nthreads = 1;
     if (nthreads > FE_MAX_THREADS)
@@ -1240,7 +1273,7 @@ int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen)
     for (int i = 0; i < nthreads; i++) {
         struct fe_worker *w = &e->workers[i];
         w->e = e;
-        w->fd = i == 0 ? e->fd : clone_fd(e->fd);
+        w->fd = i == 0 ? e->fd : i < e->ngiven ? e->given[i] : clone_fd(e->fd);
         w->in = malloc(FE_REQ_BUF);
         w->out = malloc(outlen);
         w->outlen = outlen;
@@ -1296,6 +1329,7 @@ void fe_counters(struct fe_engine *e, struct fe_counters *sum)
         sum->read_misses += c->read_misses;
         sum->queued += c->queued;
         sum->prefetch_hints += c->prefetch_hints;
+        sum->resent += c->resent;
     }
 }
 

@@ -80,6 +80,7 @@ enum fe_op {
 struct fe_counters {
     uint64_t count[FE_NOPS], errors[FE_NOPS], ns[FE_NOPS], buckets[FE_NOPS][FE_BUCKETS];
     uint64_t read_hits, read_hit_bytes, memory_hits, read_misses, queued, prefetch_hints;
+    uint64_t resent;        /* requests the kernel sent again (FUSE_NOTIFY_RESEND) */
 };
 
 struct fe_engine;
@@ -109,6 +110,16 @@ void fe_adopt(struct fe_engine *e, uint32_t minor, uint64_t flags, uint32_t max_
  * the request it holds and ends (a signal interrupts the ones waiting in read); returns
  * when they are joined. Nothing is unmounted or aborted; queued requests stay queued. */
 void fe_stop(struct fe_engine *e);
+/* Resume after a crash: the request threads read these fds (the dead daemon's master
+ * and clones, kept open by the supervisor; ``fds[0]`` is the engine's fd) instead of
+ * cloning new ones. Before fe_start; the engine owns them from then on. */
+int fe_give_fds(struct fe_engine *e, const int *fds, int n);
+/* The fds the request threads read (the supervisor keeps a copy of each). */
+int fe_fds(const struct fe_engine *e, int *out, int max);
+/* FUSE_NOTIFY_RESEND (kernel 6.9+): every request read from the connection and not yet
+ * answered is queued again (its unique gets bit 63). 0, or -errno (-EINVAL: the kernel
+ * does not know it). */
+int fe_notify_resend(int fd);
 int fe_eventfd(const struct fe_engine *e);
 int fe_running(const struct fe_engine *e);
 void fe_negotiated(const struct fe_engine *e, uint32_t *minor, uint64_t *flags,

@@ -417,6 +417,50 @@ static PyObject *Engine_adopt(EngineObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* give_fds([fd, ...]): the request threads read these (a resume: fds[0] is the engine's) */
+static PyObject *Engine_give_fds(EngineObject *self, PyObject *arg)
+{
+    int fds[256];
+    PyObject *seq = PySequence_Fast(arg, "give_fds: a sequence of fds");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > 256) {
+        Py_DECREF(seq);
+        return raise_errno(EINVAL, "give_fds: 1..256 fds");
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        fds[i] = (int)v;
+    }
+    Py_DECREF(seq);
+    struct fe_engine *e = engine_idle(self, "give_fds");
+    if (!e)
+        return NULL;
+    int rc = fe_give_fds(e, fds, (int)n);
+    if (rc < 0)
+        return raise_errno(-rc, "give_fds: the first must be the engine's fd, before start");
+    Py_RETURN_NONE;
+}
+
+/* fds() -> [fd, ...]: what the request threads read */
+static PyObject *Engine_fds(EngineObject *self, PyObject *unused)
+{
+    int fds[256];
+    struct fe_engine *e = engine_of(self, "fds");
+    if (!e)
+        return NULL;
+    int n = fe_fds(e, fds, 256);
+    PyObject *out = PyList_New(n);
+    for (int i = 0; out && i < n; i++)
+        PyList_SET_ITEM(out, i, PyLong_FromLong(fds[i]));
+    return out;
+}
+
 /* stop(): hand over to a successor: the request threads end (GIL released), joined. */
 static PyObject *Engine_stop(EngineObject *self, PyObject *unused)
 {
@@ -682,13 +726,14 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
     PyObject *ops = ops_dict(&c);
     if (!ops)
         return NULL;
-    return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
+    return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
                          "read_hits", (unsigned long long)c.read_hits,
                          "read_hit_bytes", (unsigned long long)c.read_hit_bytes,
                          "memory_hits", (unsigned long long)c.memory_hits,
                          "read_misses", (unsigned long long)c.read_misses,
                          "queued", (unsigned long long)c.queued,
-                         "prefetch_hints", (unsigned long long)c.prefetch_hints);
+                         "prefetch_hints", (unsigned long long)c.prefetch_hints,
+                         "resent", (unsigned long long)c.resent);
 }
 
 /* ------------------------------------------------------------------ the Engine type */
@@ -699,6 +744,9 @@ static PyMethodDef Engine_methods[] = {
     {"start", (PyCFunction)Engine_start, METH_VARARGS, "start(nthreads): the request threads"},
     {"adopt", (PyCFunction)Engine_adopt, METH_VARARGS,
      "adopt(minor, flags, max_pages, max_readahead): a predecessor's INIT, instead of init()"},
+    {"give_fds", (PyCFunction)Engine_give_fds, METH_O,
+     "give_fds(fds): the request threads read these (resume after a crash), before start"},
+    {"fds", (PyCFunction)Engine_fds, METH_NOARGS, "fds(): the fds the request threads read"},
     {"stop", (PyCFunction)Engine_stop, METH_NOARGS,
      "stop(): the request threads end for a successor (nothing unmounted), joined"},
     {"join", (PyCFunction)Engine_join, METH_NOARGS,
@@ -864,6 +912,18 @@ static PyObject *mod_reply(PyObject *m, PyObject *args)
     return ret;
 }
 
+/* notify_resend(fd) -> 0 or -errno: the kernel queues again what a dead daemon held */
+static PyObject *mod_notify_resend(PyObject *m, PyObject *args)
+{
+    int fd, rc;
+    if (!PyArg_ParseTuple(args, "i:notify_resend", &fd))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fe_notify_resend(fd);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
 /* reply_error(fd, unique, err) -> 0 or -errno */
 static PyObject *mod_reply_error(PyObject *m, PyObject *args)
 {
@@ -901,6 +961,8 @@ static PyMethodDef mod_methods[] = {
     {"reply", mod_reply, METH_VARARGS,
      "reply(fd, unique, data or [data, ...]) -> 0 or -errno"},
     {"reply_error", mod_reply_error, METH_VARARGS, "reply_error(fd, unique, err) -> 0 or -errno"},
+    {"notify_resend", mod_notify_resend, METH_VARARGS,
+     "notify_resend(fd) -> 0 or -errno: unanswered requests of the connection are queued again"},
     {"reply_xattr_size", mod_reply_xattr_size, METH_VARARGS,
      "reply_xattr_size(fd, unique, size) -> 0 or -errno"},
     {NULL, NULL, 0, NULL},

@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upgrade", action="store_true",
                    help="take the live mount at MOUNTPOINT over from the daemon serving it, "
                         "without unmounting (same dataset and version; native engine)")
+    p.add_argument("--resume", metavar="SOCKET", help=argparse.SUPPRESS)   # the supervisor's
     p.add_argument("-o", dest="options", metavar="OPTS", action="append", default=[],
                    help="comma-separated mount options: ro, allow_other, nonempty, config=PATH, "
                         "version=N, source=DIR, cache_mem=SIZE, cache_dir=DIR, cache_disk=SIZE, "
@@ -89,13 +90,29 @@ def run(args: argparse.Namespace) -> int:
         cfg.cluster.secret()
     from ..daemon import MountRequest             # after the checks: a bad flag fails fast
 
-    req = MountRequest(args.dataset, args.mountpoint, args.dataset_version, args.source, args.nonempty,
-                       args.upgrade)
     logfile = logsetup.log_path(cfg.log.dir, args.dataset, os.path.abspath(args.mountpoint))
+    req = MountRequest(args.dataset, args.mountpoint, args.dataset_version, args.source, args.nonempty,
+                       upgrade=args.upgrade, resume=args.resume, supervise=not args.foreground,
+                       argv=_remount_argv(sys.argv[1:]), logfile=logfile)
     if args.foreground:
         logsetup.setup(cfg.log.level, stderr=True, file=logfile)
         return _serve(cfg, req, None)
     return _daemonize(cfg, req, logfile)
+
+
+def _remount_argv(argv: list[str]) -> tuple[str, ...]:
+    """These arguments without --upgrade/--resume: what the supervisor runs to mount again
+    (in this process's working directory, which it inherits)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = True
+        elif a != "--upgrade" and not a.startswith("--resume="):
+            out.append(a)
+    return tuple(out)
 
 
 def _serve(cfg: Any, req: Any, ready: Any) -> int:

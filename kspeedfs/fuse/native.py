@@ -117,6 +117,7 @@ class NativeSession:
         self._final: dict[str, Any] = {}
         self.handover: HandoverServer | None = None
         self.predecessor = 0
+        self.resumed = False
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -143,26 +144,43 @@ class NativeSession:
             raise
         self.minor = os.minor(os.stat(self.path).st_dev)    # answered by the C threads
 
-    def adopt(self, fd: int, state: dict[str, Any]) -> None:
-        """Serve a live connection a predecessor hands over (``fuse/upgrade.py``):
-        its INIT results instead of a new INIT (blocking; the fd is ours on success)."""
+    def adopt(self, fds: list[int], state: dict[str, Any], resume: bool) -> None:
+        """Serve a live connection handed over (``fuse/upgrade.py``): its INIT results
+        instead of a new INIT (blocking). An upgrade hands the master fd; a resume (the
+        supervisor, after a crash) every fd the dead daemon read, which the threads read
+        again, then FUSE_NOTIFY_RESEND queues what it left unanswered. The fds are this
+        session's from the call on (closed here on failure)."""
         try:
             minor, flags = int(state["minor"]), int(state["flags"])
             pages, readahead = int(state["max_pages"]), int(state["max_readahead"])
             connection = int(state["connection"])
+            self.engine = self._engine(fds[0])
         except (KeyError, TypeError, ValueError) as e:
+            for fd in fds:
+                os.close(fd)
             raise MountError(f"upgrade: handover state unusable: {e!r}") from None
-        self.engine = self._engine(fd)
-        self.fd = fd
+        self.fd = fds[0]
         try:
             self.engine.adopt(minor, flags, pages, readahead)
+            if resume:
+                self.engine.give_fds(fds)
             self._start()
         except BaseException:
-            self.engine.close()
+            self.engine.close()                 # closes fds[0]
+            for fd in fds[1:]:
+                os.close(fd)
             self.engine = None
             raise
         self.minor = connection
-        self.predecessor = int(state.get("pid") or 0)
+        self.predecessor = 0 if resume else int(state.get("pid") or 0)
+        if resume:
+            rc = _engine.notify_resend(self.fd)
+            if rc < 0:
+                log.error("resume: FUSE_NOTIFY_RESEND failed (%s): the requests the dead daemon "
+                          "had read stay unanswered (kernel before 6.9?)", os.strerror(-rc))
+            else:
+                log.info("resume: the kernel queued again what the dead daemon left unanswered")
+                self.resumed = True
 
     async def predecessor_gone(self, timeout: float = 15.0) -> None:
         """After an upgrade: wait (bounded) until the old daemon has exited."""
@@ -238,6 +256,8 @@ class NativeSession:
             self.handover = HandoverServer(self.path, self.info.name, self.info.version,
                                            self.fd, self.state, self._hand_over)
             await nursery.start(self.handover.run)
+            if self.resumed:
+                nursery.start_soon(self._report_resent)
             while True:
                 await trio.lowlevel.wait_readable(efd)
                 try:
@@ -297,6 +317,12 @@ class NativeSession:
             _engine.reply_error(fd, unique, e.errno)
             return
         self._reply_xattr(fd, unique, b"".join(n + b"\0" for n in names), size)
+
+    async def _report_resent(self) -> None:
+        await trio.sleep(2.0)          # the re-queued requests come first, at once
+        if self.engine is not None:
+            log.info("resume: answered %d requests the dead daemon had left unanswered",
+                     self.engine.counters().get("resent", 0))
 
     @staticmethod
     def _reply_xattr(fd: int, unique: int, value: bytes, size: int) -> None:

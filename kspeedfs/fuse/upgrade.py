@@ -63,15 +63,30 @@ def _message(data: bytes) -> dict[str, Any]:
     return msg
 
 
-async def _recv(sock: trio.socket.SocketType, timeout: float) -> tuple[dict[str, Any], list[int]]:
-    with trio.fail_after(timeout):
-        data, anc, _, _ = await sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+#: room for the fds of one message: a master and a clone per request thread (at most 256)
+FD_ROOM = socket.CMSG_SPACE(4 * 256)
+
+
+def fds_in(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The fds an SCM_RIGHTS message carried (they are open in this process now)."""
     fds: list[int] = []
-    for level, kind, payload in anc:
+    for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             a = array.array("i")
             a.frombytes(payload[:len(payload) - len(payload) % a.itemsize])
             fds.extend(a)
+    return fds
+
+
+def with_fds(fds: list[int]) -> list[tuple[int, int, array.array]]:
+    """The ancillary data that passes ``fds`` (none: an empty list)."""
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+
+
+async def _recv(sock: trio.socket.SocketType, timeout: float) -> tuple[dict[str, Any], list[int]]:
+    with trio.fail_after(timeout):
+        data, anc, _, _ = await sock.recvmsg(MAX_MESSAGE, FD_ROOM)
+    fds = fds_in(anc)
     if not data:
         for fd in fds:
             os.close(fd)
@@ -80,20 +95,22 @@ async def _recv(sock: trio.socket.SocketType, timeout: float) -> tuple[dict[str,
 
 
 async def _send(sock: trio.socket.SocketType, msg: dict[str, Any], fds: list[int] = ()) -> None:
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-    await sock.sendmsg([json.dumps(msg).encode()], anc)
+    await sock.sendmsg([json.dumps(msg).encode()], with_fds(fds))
 
 
 # -- the new daemon ------------------------------------------------------------------------
 
 async def take_over(mountpoint: str, dataset: str, version: int,
-                    adopt: Callable[[int, dict[str, Any]], None], timeout: float = 10.0) -> None:
-    """Ask the daemon serving ``mountpoint`` for its connection; ``adopt(fd, state)``
-    must start serving it (blocking, run in a thread); returns once the old daemon has
-    stopped reading. ``MountError`` (the old daemon keeps serving) if anything is off."""
-    path = socket_path(mountpoint)
+                    adopt: Callable[[list[int], dict[str, Any], bool], None], *,
+                    path: str | None = None, timeout: float = 10.0) -> trio.socket.SocketType:
+    """Ask the daemon serving ``mountpoint`` (or the supervisor listening at ``path``,
+    after a crash) for its connection; ``adopt(fds, state, resume)`` must start serving
+    it (blocking, run in a thread); returns once the old daemon has stopped reading, with
+    the socket (a supervisor's: the new daemon's control channel; else just close it).
+    ``MountError`` (the old daemon keeps serving) if anything is off."""
+    path = path or socket_path(mountpoint)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with sock:
+    try:
         try:
             await sock.connect(path)
         except OSError as e:
@@ -101,24 +118,30 @@ async def take_over(mountpoint: str, dataset: str, version: int,
                              f"({path}: {e.strerror})") from None
         await _send(sock, {"format": FORMAT, "dataset": dataset, "version": version})
         reply, fds = await _recv(sock, timeout)
-        if "error" in reply or reply.get("format") != FORMAT or len(fds) != 1:
+        if "error" in reply or reply.get("format") != FORMAT or not fds:
             for fd in fds:
                 os.close(fd)
             why = reply.get("error") or f"format {reply.get('format')!r} with {len(fds)} fds"
             raise MountError(f"upgrade refused by the serving daemon: {why}")
         state = reply.get("state")
+        resume = bool(reply.get("resume"))
         if not isinstance(state, dict):
-            os.close(fds[0])
-            raise MountError("upgrade: handover state missing")
-        try:
-            await trio.to_thread.run_sync(adopt, fds[0], state)
-        except BaseException:
-            os.close(fds[0])
-            raise
+            state = {}
+        if (state.get("dataset"), state.get("version")) != (dataset, version):
+            for fd in fds:
+                os.close(fd)
+            raise MountError(f"upgrade: the connection serves {state.get('dataset')}@"
+                             f"{state.get('version')}, not {dataset}@{version}")
+        await trio.to_thread.run_sync(adopt, fds, state, resume)    # the fds are its now
         await _send(sock, {"taken": True})
         done, _ = await _recv(sock, timeout)
-        log.info("upgrade: took %s over from pid %s (%s)", mountpoint, state.get("pid"),
+        log.info("%s: took %s over from %s (%s)", "resume" if resume else "upgrade", mountpoint,
+                 "the supervisor" if resume else f"pid {state.get('pid')}",
                  "it stopped" if done.get("done") else done)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
 
 
 # -- the old daemon ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.system import supervisor_pid
 from tests.fixtures.mounts import Cluster1, cluster1, daemon_pid, is_mounted, kspeedfs, make_tree
 
 
@@ -84,9 +85,14 @@ def test_sigterm_unmounts_cleanly(node) -> None:
 
 
 def test_crashed_daemon_is_cleaned_by_next_mount(node) -> None:
+    """Daemon and supervisor both SIGKILLed (a lone daemon is restarted: test_upgrade.py):
+    the mount is dead, and the next mount cleans it up."""
     c, src = node
     mnt = c.mount("ds")
     pid = daemon_pid(mnt)
+    sup = supervisor_pid(mnt)
+    if sup is not None:                           # the native engine leaves one behind
+        os.kill(sup, signal.SIGKILL)
     os.kill(pid, signal.SIGKILL)
     _wait(lambda: daemon_pid(mnt) is None)
     with pytest.raises(OSError):

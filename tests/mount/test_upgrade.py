@@ -1,18 +1,24 @@
-"""Upgrading a live mount's daemon (``kspeedfs mount --upgrade``, fuse/upgrade.py): the new
-daemon takes the /dev/fuse connection over, the old one stops reading and exits, and
-readers going through the daemon the whole time (O_DIRECT: every read is a FUSE READ,
-not a page-cache hit) see at most a pause — no error, no wrong byte, no hung reader."""
+"""A mount's daemon replaced under its readers: upgraded (``kspeedfs mount --upgrade``,
+fuse/upgrade.py: the new daemon takes the /dev/fuse connection over, the old one stops
+reading and exits) or SIGKILLed (fuse/supervisor.py: the supervisor holds the
+connection's fds, starts a daemon that resumes them, FUSE_NOTIFY_RESEND re-queues what
+the dead one held). Readers go through the daemon the whole time (O_DIRECT: every read
+is a FUSE READ, not a page-cache hit) and see at most a pause — no error, no wrong
+byte, no hung reader."""
 from __future__ import annotations
 
 import hashlib
 import mmap
 import os
+import re
+import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from bench.system import supervisor_pid
 from tests.fixtures.mounts import Cluster1, cluster1, daemon_pid, is_mounted, kspeedfs
 
 pytestmark = pytest.mark.skipif(
@@ -117,6 +123,44 @@ def test_upgrade_five_times_under_readers_loses_no_read(served) -> None:
     print(f"\n{readers.reads} reads of 128 KiB through 5 upgrades, longest {readers.longest * 1e3:.0f} ms")
 
 
+def test_daemon_sigkilled_five_times_under_readers_loses_no_read(served) -> None:
+    c, src, mnt = served
+    sup = supervisor_pid(mnt)
+    assert sup is not None
+    with Readers(src, mnt) as readers:
+        time.sleep(1.0)
+        for _ in range(5):
+            pid = daemon_pid(mnt)
+            before = readers.reads
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while daemon_pid(mnt) in (pid, None) and time.monotonic() < deadline:
+                time.sleep(0.05)                       # the supervisor starts a new one
+            assert daemon_pid(mnt) not in (pid, None), "no daemon after the crash"
+            time.sleep(1.0)
+            assert readers.reads > before
+    assert readers.errors == [], readers.errors[:5]
+    assert readers.wrong == 0
+    assert is_mounted(mnt) and supervisor_pid(mnt) == sup   # one supervisor throughout
+    log = c.log_text()
+    assert log.count("resume: took") == 5 and "Traceback" not in log
+    resent = sum(int(m) for m in re.findall(r"resume: answered (\d+) requests", log))
+    print(f"\n{readers.reads} reads of 128 KiB through 5 SIGKILLs, longest "
+          f"{readers.longest * 1e3:.0f} ms, {resent} requests answered after a resend")
+
+
+def test_supervisor_leaves_with_its_mount(served) -> None:
+    c, _, mnt = served
+    sup = supervisor_pid(mnt)
+    assert sup is not None
+    kspeedfs(["umount", str(mnt)])
+    deadline = time.monotonic() + 10
+    while supervisor_pid(mnt) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert supervisor_pid(mnt) is None and not is_mounted(mnt)
+    assert "ended cleanly (unmounted)" in c.log_text()
+
+
 def test_upgrade_refuses_another_version_and_the_mount_goes_on(served) -> None:
     c, src, mnt = served
     (src / "d" / "new.bin").write_bytes(b"v2")
@@ -139,3 +183,59 @@ def test_upgrade_of_a_path_nothing_serves_is_one_clear_error(tmp_path: Path, ser
     r = _upgrade(c, empty)
     assert r.returncode != 0 and "is not mounted" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_requests_a_killed_daemon_held_are_answered_after_resend(tmp_path: Path) -> None:
+    """Deterministic FUSE_NOTIFY_RESEND: the source is a FUSE mount (bench/ramfs_py.py)
+    that is SIGSTOPped, so cold reads are held by the kspeedfs daemon (read from
+    /dev/fuse, waiting on the source) when it is SIGKILLed; after the resume the kernel
+    sends them again and the readers get their bytes."""
+    import subprocess
+    import sys
+
+    from bench.system import unmount, wait_mounted
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rnd = __import__("random").Random(5)
+    data = {f"f{i}.bin": rnd.randbytes(300_000) for i in range(4)}
+    for name, b in data.items():
+        (src / name).write_bytes(b)
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    ramfs = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parents[2] / "bench" / "ramfs_py.py"), str(src), str(slow)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_mounted(slow, ramfs, timeout=30)
+        with cluster1(tmp_path) as c:
+            c.import_(slow, "held")
+            mnt = c.mount("held")
+            got: dict[str, bytes | str] = {}
+
+            def read(name: str) -> None:
+                try:
+                    got[name] = (mnt / name).read_bytes()
+                except OSError as e:
+                    got[name] = str(e)
+
+            os.kill(ramfs.pid, signal.SIGSTOP)         # the source hangs: misses wait on it
+            threads = [threading.Thread(target=read, args=(n,), daemon=True) for n in data]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)                            # read by the daemon, now held there
+            os.kill(daemon_pid(mnt), signal.SIGKILL)
+            time.sleep(0.5)
+            os.kill(ramfs.pid, signal.SIGCONT)
+            for t in threads:
+                t.join(timeout=30)
+            assert not any(t.is_alive() for t in threads), "a reader hung"
+            assert got == data
+            deadline = time.monotonic() + 10
+            while "resume: answered" not in c.log_text() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            resent = re.search(r"resume: answered (\d+) requests", c.log_text())
+            assert resent and int(resent.group(1)) >= 1, c.log_text()[-2000:]
+    finally:
+        os.kill(ramfs.pid, signal.SIGCONT)
+        unmount(slow, ramfs.pid)
+        ramfs.wait(timeout=10)

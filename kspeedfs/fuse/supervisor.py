@@ -1,0 +1,191 @@
+"""The mount's supervisor: the FUSE connection outlives a crashed daemon.
+
+    kspeedfs mount ─► daemon (native engine) ─ spawns ─► supervisor (this, a small process)
+                          │  control socket: the daemon's fds (master + clones) and state
+                          ▼
+    daemon dies without saying "bye" (SIGKILL, OOM, a crash)
+        the supervisor still holds every /dev/fuse fd, so the kernel connection lives and
+        the requests the dead daemon had read stay queued on them (nothing is aborted)
+        ─► spawns ``kspeedfs mount … --resume SOCKET``; the new daemon takes the fds over
+           (fuse/upgrade.py, resume flavour: every fd, its threads read exactly those),
+           sends FUSE_NOTIFY_RESEND (kernel 6.9+): the kernel queues again every request
+           read but not answered, and the new daemon answers them. Readers see a pause.
+    daemon says "bye" (unmounted, or handed over to an upgraded daemon) ─► exit 0
+
+Why a process of our own and not systemd's fd store: ``kspeedfs mount`` daemonizes and
+is used from fstab and by hand, outside any unit; a foreground mount under systemd
+(``mount/kspeedfs@.service``) is not supervised (systemd restarts it; the mount is
+cleaned up and made again). Restarts are limited (``MAX_RESTARTS`` in ``WINDOW`` s): a
+daemon that keeps dying is left dead, its fds closed, so the mount fails with ENOTCONN
+and the next ``kspeedfs mount`` cleans it up as it always did.
+
+Without FUSE_NOTIFY_RESEND (kernels before 6.9) the new daemon still serves every new
+request, but the requests the dead one had read stay unanswered: their readers hang
+until the mount is unmounted (``kspeedfs umount -l``). The daemon logs that at ERROR.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from .. import log as logsetup
+from .. import mountpoint as mp
+from .upgrade import FD_ROOM, FORMAT, MAX_MESSAGE, fds_in, socket_path, with_fds
+
+log = logging.getLogger("kspeedfs.supervisor")
+
+MAX_RESTARTS = 5
+WINDOW = 60.0
+
+
+def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
+    """One message and the fds that came with it; ({}, []) at EOF."""
+    data, anc, _, _ = sock.recvmsg(MAX_MESSAGE, FD_ROOM)
+    fds = fds_in(anc)
+    if not data:
+        return {}, fds
+    try:
+        msg = json.loads(data)
+    except ValueError:
+        msg = {}
+    return (msg if isinstance(msg, dict) else {}), fds
+
+
+def _send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:
+    sock.sendmsg([json.dumps(msg).encode()], with_fds(fds))
+
+
+class Supervisor:
+    """Holds a mount's /dev/fuse fds and restarts its daemon when it dies unannounced.
+
+    ``control`` is the live daemon's socket; ``fds`` and ``state`` what it reported
+    (the engine's master fd first); ``argv`` the ``kspeedfs`` arguments that mount it
+    again (``--resume`` is added)."""
+
+    def __init__(self, mountpoint: str, control: socket.socket, argv: list[str]) -> None:
+        self.mountpoint = mountpoint
+        self.control = control
+        self.argv = argv
+        self.fds: list[int] = []
+        self.state: dict = {}
+        self.restarts: list[float] = []
+
+    def run(self) -> int:
+        while True:
+            msg, fds = _recv(self.control)
+            if fds:                                   # the daemon's fds: keep ours, drop old
+                for fd in self.fds:
+                    os.close(fd)
+                self.fds, self.state = fds, msg.get("state", {})
+                log.info("supervising %s: daemon pid %s, %d fds", self.mountpoint,
+                         self.state.get("pid"), len(fds))
+                continue
+            if "state" in msg:                        # a resumed daemon reports itself
+                self.state = msg["state"]
+                continue
+            if msg.get("bye"):
+                log.info("daemon of %s ended cleanly (%s); supervisor exits", self.mountpoint,
+                         msg.get("why", ""))
+                return 0
+            if msg:
+                continue
+            self.control.close()                      # EOF without bye: it died
+            if not self._restart():
+                return 1
+
+    def _restart(self) -> bool:
+        """Start a daemon that resumes the connection; False when giving up."""
+        if not self.fds or not mp.is_mounted(self.mountpoint):
+            log.warning("daemon of %s died and nothing is left to resume", self.mountpoint)
+            return False
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < WINDOW] + [now]
+        if len(self.restarts) > MAX_RESTARTS:
+            log.error("daemon of %s died %d times in %.0f s: giving up; the mount is dead "
+                      "(the next kspeedfs mount cleans it up)", self.mountpoint,
+                      len(self.restarts), WINDOW)
+            return False
+        log.warning("daemon of %s (pid %s) died: starting a new one to resume its connection",
+                    self.mountpoint, self.state.get("pid"))
+        path = socket_path(self.mountpoint) + ".resume"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            listener.bind(path)
+            os.chmod(path, 0o600)
+            listener.listen(1)
+            proc = subprocess.Popen([sys.executable, "-m", "kspeedfs.cli.app", *self.argv,
+                                     "--resume", path], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            listener.settimeout(60)
+            try:
+                conn, _ = listener.accept()
+            except OSError as e:
+                log.error("the new daemon of %s did not call: %s", self.mountpoint, e)
+                proc.kill()
+                return self._restart()
+            finally:
+                os.unlink(path)
+        conn.settimeout(60)
+        try:
+            ask, _ = _recv(conn)
+            if ask.get("format") != FORMAT:
+                _send(conn, {"error": f"handover format {ask.get('format')!r} unknown here"})
+                conn.close()
+                return self._restart()
+            _send(conn, {"format": FORMAT, "state": self.state, "resume": True}, self.fds)
+            taken, _ = _recv(conn)
+            if not taken.get("taken"):
+                conn.close()
+                return self._restart()
+            _send(conn, {"done": True})
+        except OSError as e:
+            log.error("resuming %s: %s", self.mountpoint, e)
+            conn.close()
+            return self._restart()
+        conn.settimeout(None)
+        self.control = conn                           # the new daemon's control channel
+        proc.wait()                                    # its CLI parent exits once it serves
+        log.info("daemon of %s resumed", self.mountpoint)
+        return True
+
+
+def spawn(mountpoint: str, fds: list[int], state: dict, argv: list[str], logfile: str) -> socket.socket:
+    """Start the supervisor of this daemon's mount; returns the daemon's control socket
+    (send ``{"bye": true}`` on it before a clean exit)."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    subprocess.Popen([sys.executable, "-m", "kspeedfs.fuse.supervisor", "--mountpoint", mountpoint,
+                      "--control", str(theirs.fileno()), "--log", logfile, "--", *argv],
+                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    theirs.close()
+    _send(mine, {"state": state}, fds)
+    return mine
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kspeedfs-supervisor")
+    p.add_argument("--mountpoint", required=True)
+    p.add_argument("--control", type=int, required=True)
+    p.add_argument("--log", required=True)
+    p.add_argument("argv", nargs="*")
+    args = p.parse_args(argv)
+    logsetup.setup("INFO", stderr=False, file=args.log)
+    control = socket.socket(fileno=args.control)
+    try:
+        return Supervisor(args.mountpoint, control, args.argv).run()
+    except Exception:
+        log.exception("supervisor of %s failed", args.mountpoint)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
