@@ -211,7 +211,9 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
                                        cfg.fuse.read_ahead_kb)
             await trio.to_thread.run_sync(tuning.apply, path, knobs)
             log.info("mounted %s v%d at %s (%s engine)", info.name, info.version, path, engine)
-            _systemd_notify("READY=1")
+            # MAINPID: after `systemctl reload` (an upgrade) this daemon is the unit's main
+            # process, not the one that started it (mount/kspeedfs@.service)
+            _systemd_notify(f"MAINPID={os.getpid()}\nREADY=1")
             if ready:
                 ready(path)
 

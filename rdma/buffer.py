@@ -9,6 +9,7 @@ page two. The soft engine's receive copy cost ~20 % less per GB with huge pages.
 from __future__ import annotations
 
 import mmap
+import os
 
 #: buffers of at least this size ask for transparent huge pages (best effort)
 HUGE = 2 << 20
@@ -24,3 +25,25 @@ def anonymous(length: int) -> mmap.mmap:
         except OSError:          # THP disabled or unsupported: plain pages
             pass
     return buf
+
+
+def shared_file(path: str, length: int) -> tuple[mmap.mmap, bool]:
+    """``length`` bytes of a file (``MAP_SHARED``, so what is written outlives this
+    process: a node's arena in /dev/shm survives its restart), and whether its content
+    was kept (the file existed with this length; else it is made and zeroed). Huge pages
+    are asked for, but shmem gets them only where ``shmem_enabled`` allows."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        kept = os.fstat(fd).st_size == length
+        if not kept:
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, length)
+        buf = mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    if length >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return buf, kept

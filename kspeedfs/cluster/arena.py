@@ -22,6 +22,11 @@ index once, then treats the chunk as missing. So no read can return wrong bytes,
 no coordination is needed for one to be safe. Slots are written only by this process
 (``put``), in the order data → index entry.
 
+Restart (``adopt``): the arena and index may live in files that outlive the node
+(``cluster.arena_dir``); a restarted node scans the index and keeps every entry whose
+slot's bytes still hash to its key, clearing the others (a slot torn by the crash, or
+changed while the node was down), so it serves again without reloading what it held.
+
 Eviction order when the arena is full: chunks this node no longer owns (placement
 moved them elsewhere) first, then the oldest. Owned chunks are the node's share of the
 pooled cache; evicting them only happens when the share exceeds the arena, which
@@ -116,6 +121,34 @@ class Arena:
         self.evictions = 0
         self.puts = 0
         self.used_bytes = 0
+
+    def adopt(self, verify: Callable[[bytes, memoryview | bytes], bool]) -> tuple[int, int]:
+        """Take over what a previous process left in ``data``/``index`` (files that
+        outlived it): every entry whose slot's bytes ``verify`` against its key is kept,
+        every other entry cleared. Returns (kept, dropped). Call on an empty arena."""
+        assert not self._slots
+        kept = dropped = 0
+        used: set[int] = set()
+        for b in range(self.g.nbuckets):
+            bucket = self.index.read(BUCKET_BYTES, b * BUCKET_BYTES)
+            for way in range(WAYS):
+                key, slot, length, _ = ENTRY.unpack_from(bucket, way * ENTRY.size)
+                if not length and key == bytes(16):
+                    continue
+                ok = (0 < length <= self.g.slot_size and slot < self.g.nslots and slot not in used
+                      and key not in self._slots
+                      and verify(key, self.data.read(length, slot * self.g.slot_size)))
+                if not ok:
+                    self.index.write(bytes(ENTRY.size), (b * WAYS + way) * ENTRY.size)
+                    dropped += 1
+                    continue
+                used.add(slot)
+                self._ways.setdefault(b, [None] * WAYS)[way] = key
+                self._slots[key] = (slot, length, way)
+                self.used_bytes += length
+                kept += 1
+        self._free = [s for s in range(self.g.nslots - 1, -1, -1) if s not in used]
+        return kept, dropped
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._slots

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import time
 from dataclasses import asdict, dataclass, replace
@@ -37,6 +38,7 @@ import trio
 
 from rdma.vrdma import Endpoint
 
+from .. import checksum
 from ..cache.disk import DiskCache
 from ..cache.singleflight import SingleFlight
 from ..cache.tiers import Loaded, TierChain
@@ -393,6 +395,25 @@ async def _export_metrics(cfg: Config, node: Node) -> None:
         await trio.sleep_forever()
 
 
+def _arena_memory(directory: str, name: str, g: Geometry) -> tuple[mmap.mmap | None, mmap.mmap | None, bool]:
+    """The arena's and index's memory: files in ``directory`` that outlive this process
+    (and whether both kept their content: same geometry as last time), or anonymous
+    memory when ``directory`` is empty."""
+    if not directory:
+        return None, None, False
+    from rdma.buffer import shared_file
+
+    os.makedirs(directory, exist_ok=True)
+    base = os.path.join(directory, f"kspeedfs-{name}")
+    arena, arena_kept = shared_file(base + ".arena", g.arena_bytes)
+    index, index_kept = shared_file(base + ".index", g.index_bytes)
+    return arena, index, arena_kept and index_kept      # an arena without its index: fresh
+
+
+def _slot_ok(key: bytes, data: memoryview | bytes) -> bool:
+    return checksum.chunk_matches(data, key)
+
+
 async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | None = None,
                 source_override: str | None = None) -> None:
     """Run a node until cancelled (SIGTERM/SIGINT in the CLI)."""
@@ -403,8 +424,9 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
     geometry = Geometry.for_memory(cfg.cluster.memory, cfg.cluster.slot_size)
     async with Endpoint(secret, node=name, addrs=cfg.cluster.nics or None,
                         provider=cfg.cluster.provider or None, cfg=cfg.cluster.heartbeat()) as ep:
-        arena_mr = ep.alloc(geometry.arena_bytes, name="arena", remote_read=True)
-        index_mr = ep.alloc(geometry.index_bytes, name="index", remote_read=True)
+        arena_mem, index_mem, kept = _arena_memory(cfg.cluster.arena_dir, name, geometry)
+        arena_mr = ep.alloc(geometry.arena_bytes, name="arena", remote_read=True, memory=arena_mem)
+        index_mr = ep.alloc(geometry.index_bytes, name="index", remote_read=True, memory=index_mem)
         ep.export("arena", arena_mr)
         ep.export("index", index_mr)
         port = await ep.listen(port=cfg.cluster.port)
@@ -414,6 +436,11 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
             peers = Peers(ep, membership, secret, cfg.cluster.replicas, cfg.cluster.slot_size,
                           nursery=nursery, local_node=name, hedge=hedge_from_config(cfg.cluster))
             arena = Arena(geometry, arena_mr, index_mr)
+            if kept:                              # a restart: what the last run verified
+                t0 = time.monotonic()
+                held, dropped = await trio.to_thread.run_sync(arena.adopt, _slot_ok)
+                log.info("arena: %d chunks kept from the last run (%d dropped: failed their "
+                         "checksum), verified in %.2fs", held, dropped, time.monotonic() - t0)
             # <disk_dir>/<node>: several nodes may share a host (and a disk) in tests
             disk = (DiskCache(os.path.join(cfg.cache.disk_dir, name), cfg.cache.disk)
                     if cfg.cache.disk else None)

@@ -49,6 +49,8 @@ keepalive (a few seconds) reaps leases of clients that vanished without a FIN.
 """
 from __future__ import annotations
 
+import mmap
+
 import hmac
 import itertools
 import logging
@@ -263,12 +265,15 @@ class Endpoint:
             raise PathClosed(f"endpoint has no (open) NIC {addr}") from None
 
     # ------------------------------------------------------------------ memory
-    def alloc(self, length: int, name: str = "", *, remote_read: bool = False) -> VMR:
-        """A buffer registered on every local NIC.  Landing buffers stay local
-        (``LOCAL_WRITE`` only): nobody can READ them, whatever QP they reach.  Memory to
-        :meth:`export` needs ``remote_read=True``."""
+    def alloc(self, length: int, name: str = "", *, remote_read: bool = False,
+              memory: "mmap.mmap | None" = None) -> VMR:
+        """A buffer registered on every local NIC (``memory``: this mapping, else fresh
+        anonymous memory).  Landing buffers stay local (``LOCAL_WRITE`` only): nobody can
+        READ them, whatever QP they reach.  Memory to :meth:`export` needs
+        ``remote_read=True``."""
         access = IBV_ACCESS_LOCAL_WRITE | (IBV_ACCESS_REMOTE_READ if remote_read else 0)
-        v = VMR({a: n.pd for a, n in self.nics.items()}, length, access=access, name=name)
+        v = VMR({a: n.pd for a, n in self.nics.items()}, length, access=access, name=name,
+                memory=memory)
         self._vmrs.append(v)
         return v
 

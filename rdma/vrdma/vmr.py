@@ -62,13 +62,17 @@ class VMR:
 
     def __init__(self, pds: "dict[str, PD]", length: int,
                  access: int = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ,
-                 name: str = "") -> None:
+                 name: str = "", memory: "mmap.mmap | None" = None) -> None:
         if length <= 0:
             raise RdmaUserError(f"vMR length {length}: must be > 0")
+        if memory is not None and len(memory) != length:
+            raise RdmaUserError(f"vMR {name!r}: memory of {len(memory)} bytes for length {length}")
         self.name = name
         self.length = length
         self.access = access
-        self._map = anonymous(length)       # private; huge pages when large
+        # private anonymous (huge pages when large), or the caller's mapping (a file that
+        # outlives the process: rdma/buffer.py shared_file)
+        self._map = memory if memory is not None else anonymous(length)
         self.view = memoryview(self._map)
         self.mrs: dict[str, MR] = {}
         self._closed = False

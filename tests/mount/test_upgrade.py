@@ -239,3 +239,41 @@ def test_requests_a_killed_daemon_held_are_answered_after_resend(tmp_path: Path)
         os.kill(ramfs.pid, signal.SIGCONT)
         unmount(slow, ramfs.pid)
         ramfs.wait(timeout=10)
+
+
+def test_reload_as_systemd_runs_it_hands_the_unit_to_the_new_daemon(tmp_path: Path) -> None:
+    """mount/kspeedfs@.service: ExecStart runs the mount in the foreground (Type=notify),
+    ExecReload runs ``--upgrade``; the new daemon must report itself as the unit's main
+    process (MAINPID=) and the foreground one exit 0. Played here with a NOTIFY_SOCKET of
+    our own (no systemd in the test machine)."""
+    import socket
+    import subprocess
+
+    from tests.fixtures.mounts import KSPEEDFS
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(os.urandom(100_000))
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    notify.settimeout(60)
+    env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify")}
+    with cluster1(tmp_path) as c:
+        c.import_(src, "unit")
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        c.mounts.append(mnt)
+        main = subprocess.Popen([*KSPEEDFS, "mount", "unit", str(mnt), "--foreground", *c.common()],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert notify.recv(256).decode() == f"MAINPID={main.pid}\nREADY=1"
+            r = subprocess.run([*KSPEEDFS, "mount", "unit", str(mnt), "--upgrade", *c.common()],
+                               env=env, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            msg = notify.recv(256).decode()
+            assert main.wait(timeout=30) == 0                  # handed over, exits cleanly
+            assert msg == f"MAINPID={daemon_pid(mnt)}\nREADY=1"
+            assert (mnt / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
+        finally:
+            if main.poll() is None:
+                main.kill()

@@ -78,3 +78,51 @@ def test_unowned_chunks_are_evicted_first() -> None:
     a.put(keys[4], b"x" * 16)                               # full: evict the unowned one
     assert keys[1] not in a and all(k in a for k in keys[:1] + keys[2:])
     assert a.statistics().evictions == 1
+
+
+def _verify(key: bytes, data: bytes) -> bool:
+    return xxhash.xxh3_128_digest(data) == key
+
+
+def test_adopt_keeps_what_verifies_and_drops_the_rest() -> None:
+    """A restarted node's arena (the same memory, a new Arena) keeps every chunk whose
+    slot still hashes to its key; a changed slot, a torn entry and a slot claimed twice
+    are cleared, and the adopted arena then behaves like the old one."""
+    g = Geometry.for_memory(8 * 64, 64)
+    data, index = Mem(g.arena_bytes), Mem(g.index_bytes)
+    old = Arena(g, data, index)
+    chunks = {xxhash.xxh3_128_digest(bytes([i]) * (10 + i)): bytes([i]) * (10 + i) for i in range(6)}
+    for key, value in chunks.items():
+        old.put(key, value)
+    victim = next(iter(chunks))
+    b = bucket_of(victim, g.nbuckets)
+    slot, _ = find_in_bucket(index.read(BUCKET_BYTES, b * BUCKET_BYTES), victim)
+    data.b[slot * g.slot_size] ^= 0xFF                  # changed while the node was down
+    new = Arena(g, data, index)
+    kept, dropped = new.adopt(_verify)
+    assert (kept, dropped) == (5, 1)
+    assert victim not in new and remote_lookup(g, index, data, victim) is None
+    for key, value in chunks.items():
+        if key != victim:
+            assert new.get(key) == value and remote_lookup(g, index, data, key) == value
+    assert new.used_bytes == sum(len(v) for k, v in chunks.items() if k != victim)
+    new.put(victim, chunks[victim])                     # reloaded into a free slot
+    assert remote_lookup(g, index, data, victim) == chunks[victim]
+    assert new.statistics().used_slots == 6
+    new.put(xxhash.xxh3_128_digest(b"x"), b"x")         # two free slots left, no reuse
+    new.put(xxhash.xxh3_128_digest(b"y"), b"y")
+    assert all(new.get(k) == v for k, v in chunks.items())
+
+
+def test_adopt_of_garbage_keeps_nothing() -> None:
+    import random
+
+    g = Geometry.for_memory(8 * 64, 64)
+    rnd = random.Random(1)
+    data = Mem(g.arena_bytes)
+    index = Mem(g.index_bytes)
+    index.b[:] = rnd.randbytes(g.index_bytes)
+    data.b[:] = rnd.randbytes(g.arena_bytes)
+    kept, dropped = Arena(g, data, index).adopt(_verify)
+    assert kept == 0 and dropped > 0
+    assert index.b == bytearray(g.index_bytes)          # every entry cleared
