@@ -15,8 +15,9 @@ ext_modules: list[Extension] = [
               depends=["native/soft_engine.h"], include_dirs=["native"],
               extra_compile_args=CFLAGS),
     # kspeedfs/fuse native engine: /dev/fuse request threads, metadata and tier hits in C
-    Extension("kspeedfs.fuse._engine", ["native/fuse_engine_py.c", "native/fuse_engine.c"],
-              depends=["native/fuse_engine.h"], include_dirs=["native"],
+    Extension("kspeedfs.fuse._engine", ["native/fuse_engine_py.c", "native/fuse_engine.c",
+                                        "native/fuse_tier.c"],
+              depends=["native/fuse_engine.h", "native/fuse_tier.h"], include_dirs=["native"],
               extra_compile_args=CFLAGS),
 ]
 

@@ -2,7 +2,7 @@
  *
  * Map of this file, top to bottom:
  *   mount            fe_mount / fe_unmount: mount(2) with a /dev/fuse fd (root)
- *   tier table       fe_tier_*: verified buffers by key, striped locks, refcounted slots
+ *   tier             fe_tier_*: the table of fuse_tier.c (verified buffers by key), for Python
  *   replies          reply_iov and friends: one writev per reply, header + caller's buffers
  *   attributes       fill_attr / fill_entry from the index arrays (bounds-checked)
  *   handlers         one function per opcode; dispatch() picks one and counts it
@@ -19,6 +19,7 @@
  */
 #define _GNU_SOURCE
 #include "fuse_engine.h"
+#include "fuse_tier.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -44,12 +45,9 @@
 #endif
 
 #define FE_MAX_THREADS 256
-#define FE_STRIPES 256
-#define FE_BUCKET_BITS 18
 #define FE_MAX_IOV 64
 #define FE_MAX_WRITE (128 * 1024)
 #define FE_REQ_BUF (FE_MAX_WRITE + 4096)
-#define FE_KEY_MAX 20
 
 static void set_err(char *err, size_t errlen, const char *fmt, ...)
 {
@@ -95,17 +93,6 @@ int fe_unmount(const char *path)
 
 /* -------------------------------------------------------------------- the engine */
 
-struct fe_slot {
-    struct fe_slot *next;           /* bucket chain, then the dead list */
-    atomic_int refs;                /* 1 for the table + 1 per reply writing from it */
-    atomic_int touched;
-    uint8_t keylen;
-    uint8_t key[FE_KEY_MAX];
-    const uint8_t *data;
-    size_t len;
-    void *owner;
-};
-
 struct fe_handle {                  /* one open file: the sequential-read state */
     uint64_t fh;                    /* what the kernel holds: generation << 32 | slot + 1 */
     pthread_mutex_t lock;
@@ -136,12 +123,7 @@ struct fe_engine {
     /* negotiated at INIT */
     uint32_t minor, max_pages, max_readahead;
     uint64_t flags;
-    /* tier table */
-    struct fe_slot **buckets;
-    pthread_mutex_t stripes[FE_STRIPES];
-    atomic_size_t slots;
-    pthread_mutex_t dead_lock;
-    struct fe_slot *dead;
+    struct fe_tier *tier;           /* the memory tier's buffers (fuse_tier.c) */
     /* open file handles: a slot table, so an fh is validated, never dereferenced (after
      * an upgrade the kernel sends the previous daemon's fhs: unknown here, no stream) */
     pthread_mutex_t hlock;
@@ -177,17 +159,14 @@ struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_o
     e->ix = *ix;
     e->opt = *opt;
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    e->buckets = calloc((size_t)1 << FE_BUCKET_BITS, sizeof *e->buckets);
+    e->tier = tier_new();
     e->nlink = calloc(ix->entries ? ix->entries : 1, sizeof *e->nlink);
-    if (e->efd < 0 || !e->buckets || !e->nlink) {
+    if (e->efd < 0 || !e->tier || !e->nlink) {
         set_err(err, errlen, "engine setup: %s", strerror(errno ? errno : ENOMEM));
         e->fd = -1;                     /* still the caller's */
         fe_destroy(e);
         return NULL;
     }
-    for (int i = 0; i < FE_STRIPES; i++)
-        pthread_mutex_init(&e->stripes[i], NULL);
-    pthread_mutex_init(&e->dead_lock, NULL);
     pthread_mutex_init(&e->qlock, NULL);
     pthread_mutex_init(&e->hlock, NULL);
     /* st_nlink of a directory: 2 + its subdirectories, once, not per GETATTR */
@@ -214,179 +193,35 @@ void fe_negotiated(const struct fe_engine *e, uint32_t *minor, uint64_t *flags,
     *max_readahead = e->max_readahead;
 }
 
-/* -------------------------------------------------------------------- tier table */
-
-static uint64_t key_hash(const uint8_t *key, size_t keylen)
-{
-    uint64_t h;
-    memcpy(&h, key, 8);                 /* the key is a digest: already uniform */
-    if (keylen > 16) {
-        uint32_t b;
-        memcpy(&b, key + 16, 4);
-        h ^= (uint64_t)(b + 1) * 0x9e3779b97f4a7c15ULL;
-    }
-    return h;
-}
-
-static size_t bucket_of(const uint8_t *key, size_t keylen)
-{
-    return (size_t)(key_hash(key, keylen) >> (64 - FE_BUCKET_BITS));
-}
-
-static pthread_mutex_t *stripe_of(struct fe_engine *e, size_t bucket)
-{
-    return &e->stripes[bucket & (FE_STRIPES - 1)];
-}
-
-/* The slot under ``key`` in bucket ``b`` (stripe held), or NULL; ``prev`` its link. */
-static struct fe_slot *find(struct fe_engine *e, size_t b, const uint8_t *key, size_t keylen,
-                            struct fe_slot ***link)
-{
-    struct fe_slot **p = &e->buckets[b];
-    for (; *p; p = &(*p)->next)
-        if ((*p)->keylen == keylen && memcmp((*p)->key, key, keylen) == 0) {
-            if (link)
-                *link = p;
-            return *p;
-        }
-    return NULL;
-}
-
-/* Drop one reference; the last one retires the slot: returns its owner when the
- * caller may release it now (``keep_owner``), else puts it on the dead list. */
-static void *unref(struct fe_engine *e, struct fe_slot *s, int keep_owner)
-{
-    if (atomic_fetch_sub(&s->refs, 1) != 1)
-        return NULL;
-    if (keep_owner) {
-        void *owner = s->owner;
-        free(s);
-        return owner;
-    }
-    pthread_mutex_lock(&e->dead_lock);
-    s->next = e->dead;
-    e->dead = s;
-    pthread_mutex_unlock(&e->dead_lock);
-    return NULL;
-}
+/* ---------------------------------------------------------- the tier, for Python */
 
 int fe_tier_put(struct fe_engine *e, const uint8_t *key, size_t keylen, const void *data,
                 size_t len, void *owner)
 {
-    if (keylen < 16 || keylen > FE_KEY_MAX)
-        return -EINVAL;
-    struct fe_slot *s = calloc(1, sizeof *s);
-    if (!s)
-        return -ENOMEM;
-    atomic_init(&s->refs, 1);
-    s->keylen = (uint8_t)keylen;
-    memcpy(s->key, key, keylen);
-    s->data = data;
-    s->len = len;
-    s->owner = owner;
-    size_t b = bucket_of(key, keylen);
-    pthread_mutex_t *m = stripe_of(e, b);
-    pthread_mutex_lock(m);
-    struct fe_slot **link, *old = find(e, b, key, keylen, &link);
-    if (old)
-        *link = old->next;
-    s->next = e->buckets[b];
-    e->buckets[b] = s;
-    pthread_mutex_unlock(m);
-    if (old)
-        unref(e, old, 0);               /* its owner comes back through fe_tier_reap */
-    else
-        atomic_fetch_add(&e->slots, 1);
-    return 0;
+    return tier_put(e->tier, key, keylen, data, len, owner);
 }
 
 void *fe_tier_discard(struct fe_engine *e, const uint8_t *key, size_t keylen, int *found)
 {
-    *found = 0;
-    if (keylen < 16 || keylen > FE_KEY_MAX)
-        return NULL;
-    size_t b = bucket_of(key, keylen);
-    pthread_mutex_t *m = stripe_of(e, b);
-    pthread_mutex_lock(m);
-    struct fe_slot **link, *s = find(e, b, key, keylen, &link);
-    if (s)
-        *link = s->next;
-    pthread_mutex_unlock(m);
-    if (!s)
-        return NULL;
-    *found = 1;
-    atomic_fetch_sub(&e->slots, 1);
-    return unref(e, s, 1);
+    return tier_discard(e->tier, key, keylen, found);
 }
 
 int fe_tier_touched(struct fe_engine *e, const uint8_t *key, size_t keylen)
 {
-    if (keylen < 16 || keylen > FE_KEY_MAX)
-        return 0;
-    size_t b = bucket_of(key, keylen);
-    pthread_mutex_t *m = stripe_of(e, b);
-    pthread_mutex_lock(m);
-    struct fe_slot *s = find(e, b, key, keylen, NULL);
-    int t = s ? atomic_exchange(&s->touched, 0) : 0;
-    pthread_mutex_unlock(m);
-    return t;
+    return tier_touched(e->tier, key, keylen);
 }
 
 size_t fe_tier_reap(struct fe_engine *e, void **owners, size_t max)
 {
-    size_t n = 0;
-    pthread_mutex_lock(&e->dead_lock);
-    while (e->dead && n < max) {
-        struct fe_slot *s = e->dead;
-        e->dead = s->next;
-        owners[n++] = s->owner;
-        free(s);
-    }
-    pthread_mutex_unlock(&e->dead_lock);
-    return n;
+    return tier_reap(e->tier, owners, max);
 }
 
 size_t fe_tier_clear(struct fe_engine *e, void **owners, size_t max)
 {
-    size_t n = fe_tier_reap(e, owners, max);
-    for (size_t b = 0; b < ((size_t)1 << FE_BUCKET_BITS) && n < max; b++) {
-        while (e->buckets[b] && n < max) {
-            struct fe_slot *s = e->buckets[b];
-            e->buckets[b] = s->next;
-            owners[n++] = s->owner;
-            free(s);
-            atomic_fetch_sub(&e->slots, 1);
-        }
-    }
-    return n;
+    return tier_clear(e->tier, owners, max);
 }
 
-size_t fe_tier_count(struct fe_engine *e) { return atomic_load(&e->slots); }
-
-/* A reference to the slot under ``key`` (NULL: not there). The caller unrefs it. */
-static struct fe_slot *tier_get(struct fe_engine *e, const uint8_t *key, size_t keylen)
-{
-    size_t b = bucket_of(key, keylen);
-    pthread_mutex_t *m = stripe_of(e, b);
-    pthread_mutex_lock(m);
-    struct fe_slot *s = find(e, b, key, keylen, NULL);
-    if (s) {
-        atomic_fetch_add(&s->refs, 1);
-        atomic_store_explicit(&s->touched, 1, memory_order_relaxed);
-    }
-    pthread_mutex_unlock(m);
-    return s;
-}
-
-static int tier_has(struct fe_engine *e, const uint8_t *key, size_t keylen)
-{
-    size_t b = bucket_of(key, keylen);
-    pthread_mutex_t *m = stripe_of(e, b);
-    pthread_mutex_lock(m);
-    int found = find(e, b, key, keylen, NULL) != NULL;
-    pthread_mutex_unlock(m);
-    return found;
-}
+size_t fe_tier_count(struct fe_engine *e) { return tier_count(e->tier); }
 
 /* ----------------------------------------------------------------------- replies */
 
@@ -912,20 +747,20 @@ static int tier_part(struct fe_engine *e, uint64_t entry, uint64_t k, uint64_t l
     const struct fe_index *ix = &e->ix;
     if (h->nheld >= FE_MAX_IOV)
         return 0;
-    struct fe_slot *s = tier_get(e, chunk_key(e, k), 16);
+    struct fe_slot *s = tier_get(e->tier, chunk_key(e, k), 16);
     if (s) {
         if (hold(h, s, lo, hi - lo))
             return 1;
-        unref(e, s, 0);
+        tier_unref(e->tier, s);
         return 0;
     }
     uint64_t base = ix->data[entry], c = ix->chunk_size;
     if (ix->size[entry] && base / c == (base + ix->size[entry] - 1) / c) {
         uint64_t x = ix->ext[entry];         /* a file in one chunk: one extent, its key */
-        if (x < ix->extents && (s = tier_get(e, ix->ext_digests + x * 16, 16))) {
+        if (x < ix->extents && (s = tier_get(e->tier, ix->ext_digests + x * 16, 16))) {
             if (hold(h, s, k * c + lo - base, hi - lo))
                 return 1;
-            unref(e, s, 0);
+            tier_unref(e->tier, s);
             return 0;
         }
     }
@@ -937,12 +772,12 @@ static int tier_part(struct fe_engine *e, uint64_t entry, uint64_t k, uint64_t l
         memcpy(key, chunk_key(e, k), 16);
         uint32_t b32 = (uint32_t)b;
         memcpy(key + 16, &b32, 4);            /* little-endian, as reader.block_key */
-        if (h->nheld >= FE_MAX_IOV || !(s = tier_get(e, key, 20)))
+        if (h->nheld >= FE_MAX_IOV || !(s = tier_get(e->tier, key, 20)))
             return 0;
         uint64_t from = lo > b * B ? lo - b * B : 0;
         uint64_t to = (hi < (b + 1) * B ? hi : (b + 1) * B) - b * B;
         if (!hold(h, s, from, to - from)) {
-            unref(e, s, 0);
+            tier_unref(e->tier, s);
             return 0;
         }
     }
@@ -952,7 +787,7 @@ static int tier_part(struct fe_engine *e, uint64_t entry, uint64_t k, uint64_t l
 static void release_hit(struct fe_engine *e, struct hit *h)
 {
     for (int i = 0; i < h->nheld; i++)
-        unref(e, h->held[i], 0);
+        tier_unref(e->tier, h->held[i]);
     h->nheld = 0;
 }
 
@@ -1011,7 +846,7 @@ static int do_read(struct req *r)
     }
     if (pstop > pstart) {
         for (uint64_t k = pstart; k < pstop; k++)
-            if (!tier_has(e, chunk_key(e, k), 16)) {
+            if (!tier_has(e->tier, chunk_key(e, k), 16)) {
                 struct fe_request q = {.kind = FE_PREFETCH, .fd = -1, .entry = entry,
                                        .offset = k, .size = pstop};
                 r->w->c.prefetch_hints++;
@@ -1357,6 +1192,6 @@ void fe_destroy(struct fe_engine *e)
         close(e->efd);
     free(e->q);
     free(e->nlink);
-    free(e->buckets);
+    tier_free(e->tier);
     free(e);
 }

@@ -275,5 +275,6 @@ def test_reload_as_systemd_runs_it_hands_the_unit_to_the_new_daemon(tmp_path: Pa
             assert msg == f"MAINPID={daemon_pid(mnt)}\nREADY=1"
             assert (mnt / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
         finally:
+            notify.close()
             if main.poll() is None:
                 main.kill()

@@ -16,7 +16,8 @@ from tests.fixtures import fuzz
 
 @pytest.fixture(scope="module")
 def fuzzer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return fuzz.build([fuzz.NATIVE / "fuzz" / "fuzz_fuse_engine.c", fuzz.NATIVE / "fuse_engine.c"],
+    return fuzz.build([fuzz.NATIVE / "fuzz" / "fuzz_fuse_engine.c", fuzz.NATIVE / "fuse_engine.c",
+                       fuzz.NATIVE / "fuse_tier.c"],
                       tmp_path_factory.mktemp("fuzz") / "fuzz_fuse_engine")
 
 
