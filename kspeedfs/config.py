@@ -169,10 +169,13 @@ class FuseConfig:
     entry_timeout: float = _opt(86400.0, "kernel dentry cache lifetime, s (the snapshot is immutable)")
     attr_timeout: float = _opt(86400.0, "kernel attribute cache lifetime, s")
     prefetch_chunks: int = _opt(4, "chunks fetched ahead of a sequential reader")
-    blksize: int = _size("0", "st_blksize reported for files; 0 = the manifest's block size "
-                               "(import.block_size; the chunk size for a manifest without blocks). "
-                               "Python's open() buffers st_blksize bytes per read: with the chunk "
-                               "size a 4 KiB record read loaded a whole chunk (sweep-blksize)")
+    blksize: int = _size("0", "st_blksize reported for files; 0 = automatic: 4 KiB with the "
+                               "native engine, the manifest's block size (import.block_size) with "
+                               "pyfuse3. Python's open() buffers st_blksize bytes per read: 4 KiB "
+                               "records read 2.66x faster warm, 1.71x cold with 4 KiB than with "
+                               "the block size on the native engine, where a small READ costs "
+                               "microseconds; on pyfuse3 4 KiB lost warm (0.45x); the chunk "
+                               "size loses everywhere (sweep-blksize)")
     xattrs: bool = _opt(False, "serve user.kspeedfs.* xattrs (stats, checksums); off: the kernel "
                                "stops asking, and ls -l sends no 2 GETXATTRs per entry")
     push_pages: bool = _opt(False, "store prefetched chunks in the kernel page cache (FUSE_NOTIFY_STORE) "

@@ -49,6 +49,8 @@ except ImportError as e:            # a checkout whose native code was not built
 else:
     _IMPORT_ERROR = ""
 
+#: st_blksize when ``fuse.blksize`` is 0 (config.py says why: sweep-blksize)
+SMALL_BLKSIZE = 4096
 #: reads longer than this never come (max_pages x 4 KiB); also the mount's max_read
 MAX_READ = 1 << 20
 OP_NAMES = ("lookup", "getattr", "readlink", "open", "read", "release", "opendir", "readdir",
@@ -193,7 +195,7 @@ class NativeSession:
         return _engine.Engine(
             fd, self.index, generation=self.info.version, dataset_bytes=self.info.bytes,
             entry_timeout=cfg.entry_timeout, attr_timeout=cfg.attr_timeout,
-            blksize=cfg.blksize, xattrs=cfg.xattrs, max_background=cfg.max_background,
+            blksize=cfg.blksize or SMALL_BLKSIZE, xattrs=cfg.xattrs, max_background=cfg.max_background,
             congestion_threshold=cfg.congestion_threshold, max_pages=cfg.max_pages,
             prefetch_depth=cfg.prefetch_chunks, prefetch_trigger=2)
 
