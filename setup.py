@@ -12,12 +12,12 @@ CFLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-std=gnu11"]
 ext_modules: list[Extension] = [
     # rdma/ soft provider: socket I/O into registered memory, eventfd completions, no GIL
     Extension("rdma._soft_engine", ["native/soft_engine_py.c", "native/soft_engine.c"],
-              depends=["native/soft_engine.h"], include_dirs=["native"],
+              depends=["native/soft_engine.h", "native/py_errno.h"], include_dirs=["native"],
               extra_compile_args=CFLAGS),
     # kspeedfs/fuse native engine: /dev/fuse request threads, metadata and tier hits in C
     Extension("kspeedfs.fuse._engine", ["native/fuse_engine_py.c", "native/fuse_engine.c",
                                         "native/fuse_tier.c"],
-              depends=["native/fuse_engine.h", "native/fuse_tier.h"], include_dirs=["native"],
+              depends=["native/fuse_engine.h", "native/fuse_tier.h", "native/py_errno.h"], include_dirs=["native"],
               extra_compile_args=CFLAGS),
 ]
 

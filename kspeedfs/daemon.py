@@ -272,8 +272,8 @@ async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
     else:
         await trio.to_thread.run_sync(session.mount)
     if control is None and req.supervise:
-        control = supervisor.spawn(session.path, session.engine.fds(), session.state(),
-                                   list(req.argv), req.logfile)
+        control = trio.socket.from_stdlib_socket(supervisor.spawn(
+            session.path, session.engine.fds(), session.state(), list(req.argv), req.logfile))
     try:
         nursery.start_soon(_on_signals, session.terminate, name="signals")
         nursery.start_soon(after_mount, name="after-mount")
@@ -284,12 +284,8 @@ async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
             await trio.to_thread.run_sync(session.close)
     if control is not None:                   # a clean end: the supervisor may go
         why = "handed over" if session.handed_over else "unmounted"
-        msg = json.dumps({"bye": True, "why": why}).encode()
         try:
-            if isinstance(control, trio.socket.SocketType):
-                await control.send(msg)
-            else:
-                control.send(msg)
+            await control.send(json.dumps({"bye": True, "why": why}).encode())
         except OSError:
             pass
         control.close()

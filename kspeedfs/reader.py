@@ -146,7 +146,7 @@ class Reader:
         if stream is not None:
             last = (ix.data[entry] + ix.size[entry] - 1) // ix.chunk_size   # the file's last chunk
             for k in self.prefetcher.advise(stream, offset, size, chunks, last):
-                self._prefetch(entry, k)
+                self.prefetch(entry, k)
         start = ix.data[entry] + offset
         end = ix.data[entry] + min(offset + size, ix.size[entry])
         c = ix.chunk_size
@@ -283,13 +283,9 @@ class Reader:
     # -- prefetch --------------------------------------------------------------------------
 
     def prefetch(self, entry: int, k: int) -> None:
-        """Start loading chunk ``k`` of file ``entry`` ahead of its reader (a hint from the
-        native engine, which tracks sequential streams in C); no-op past the budget."""
-        self._prefetch(entry, k)
-
-    def _prefetch(self, entry: int, k: int) -> None:
-        """Start loading chunk ``k`` ahead of a sequential reader of ``entry``; with a
-        page-cache push, hand it to the kernel once it is here."""
+        """Start loading chunk ``k`` ahead of a sequential reader of ``entry`` (``read``'s
+        prefetcher, or a hint from the native engine, which tracks streams in C); with a
+        page-cache push, hand it to the kernel once it is here. No-op past the budget."""
         key = self.index.chunk_digest(k)
         loading = key not in self.memory and not self.tiers.in_flight(key)
         if loading and not self.policy.room_ahead(self._room(), self._held_or_loading):

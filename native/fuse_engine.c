@@ -147,9 +147,8 @@ struct fe_engine {
 static int is_dir(uint32_t mode) { return S_ISDIR(mode); }
 
 struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_options *opt,
-                            uint64_t tier_capacity, char *err, size_t errlen)
+                            char *err, size_t errlen)
 {
-    (void)tier_capacity;
     struct fe_engine *e = calloc(1, sizeof *e);
     if (!e) {
         set_err(err, errlen, "out of memory");
@@ -695,7 +694,7 @@ static const uint8_t *chunk_key(const struct fe_engine *e, uint64_t k)
 /* The sequential-read bookkeeping of cache/prefetch.py ``Prefetcher.advise``, for one
  * handle: whether this read is random, and the chunks to start loading ahead. */
 static int advise(struct fe_engine *e, struct fe_handle *fh, uint64_t offset, uint64_t size,
-                  uint64_t first, uint64_t last, uint64_t file_last, uint64_t *pstart,
+                  uint64_t last, uint64_t file_last, uint64_t *pstart,
                   uint64_t *pstop)
 {
     *pstart = *pstop = 0;
@@ -717,7 +716,6 @@ static int advise(struct fe_engine *e, struct fe_handle *fh, uint64_t offset, ui
         }
     }
     pthread_mutex_unlock(&fh->lock);
-    (void)first;
     return random;
 }
 
@@ -816,7 +814,7 @@ static int do_read(struct req *r)
     int random = 0;
     uint64_t pstart = 0, pstop = 0;
     if (fh)
-        random = advise(e, fh, offset, in->size, first, last, file_last, &pstart, &pstop);
+        random = advise(e, fh, offset, in->size, last, file_last, &pstart, &pstop);
     struct hit h;
     h.n = 1;
     h.nheld = 0;

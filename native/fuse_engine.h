@@ -94,10 +94,10 @@ int fe_unmount(const char *path);
 
 /* Lifecycle. fe_create parses nothing: ``ix`` must point at arrays that outlive the
  * engine. ``fd`` is the /dev/fuse fd of a fresh mount; fe_init reads and answers INIT
- * on it (blocking). fe_start runs ``nthreads`` request threads; fe_stop aborts nothing
- * (the caller unmounts or aborts the connection) and joins them. */
+ * on it (blocking). fe_start runs ``nthreads`` request threads; fe_join waits for them
+ * to end (the caller unmounts or aborts the connection first). */
 struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_options *opt,
-                            uint64_t tier_capacity, char *err, size_t errlen);
+                            char *err, size_t errlen);
 int fe_init(struct fe_engine *e, char *err, size_t errlen);
 int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen);
 void fe_join(struct fe_engine *e);

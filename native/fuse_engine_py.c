@@ -45,26 +45,13 @@
 #include <string.h>
 
 #include "fuse_engine.h"
+#include "py_errno.h"
 
 #define MAX_IOV 64          /* fe_reply_iov's limit; more parts are joined into one */
 #define MAX_TAKE 1024       /* requests per take() */
 #define OWNER_BATCH 256     /* owners per fe_tier_reap / fe_tier_clear call */
 
 /* ------------------------------------------------------------------------ helpers */
-
-static PyObject *raise_errno(int err, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    PyObject *msg = PyUnicode_FromFormatV(fmt, ap);
-    va_end(ap);
-    PyObject *args = msg ? Py_BuildValue("(iN)", err, msg) : NULL;
-    if (args) {
-        PyErr_SetObject(PyExc_OSError, args);
-        Py_DECREF(args);
-    }
-    return NULL;
-}
 
 /* The engine's message if it wrote one, else strerror(err). */
 static const char *reason(const char *err, int errnum)
@@ -367,7 +354,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
     if (check_timeouts(&opt) < 0 || index_load(self, index, &ix) < 0)
         return -1;
     errno = 0;
-    struct fe_engine *e = fe_create(fd, &ix, &opt, 0, err, sizeof err);
+    struct fe_engine *e = fe_create(fd, &ix, &opt, err, sizeof err);
     int saved = errno ? errno : EINVAL;
     if (!e) {
         views_release(self);

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 
 #include "soft_engine.h"
+#include "py_errno.h"
 
 typedef struct {
     PyObject_HEAD
@@ -34,20 +35,6 @@ typedef struct {
 } EngineObject;
 
 /* ------------------------------------------------------------------------ replies */
-
-static PyObject *raise_errno(int err, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    PyObject *msg = PyUnicode_FromFormatV(fmt, ap);
-    va_end(ap);
-    PyObject *args = msg ? Py_BuildValue("(iN)", err, msg) : NULL;
-    if (args) {
-        PyErr_SetObject(PyExc_OSError, args);
-        Py_DECREF(args);
-    }
-    return NULL;
-}
 
 /* An engine call's result: None, or its error (MemoryError for -ENOMEM without a why). */
 static PyObject *reply_none(int rc, const char *why)

@@ -51,10 +51,6 @@ else:
 
 #: st_blksize when ``fuse.blksize`` is 0 (config.py says why: sweep-blksize)
 SMALL_BLKSIZE = 4096
-#: reads longer than this never come (max_pages x 4 KiB); also the mount's max_read
-MAX_READ = 1 << 20
-OP_NAMES = ("lookup", "getattr", "readlink", "open", "read", "release", "opendir", "readdir",
-            "releasedir", "statfs", "forget", "getxattr", "listxattr", "erofs", "enosys", "other")
 
 
 def unavailable() -> str:

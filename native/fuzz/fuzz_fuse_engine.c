@@ -310,7 +310,7 @@ static void one_case(void)
                              .attr_timeout = 86400, .xattrs = (int)below(2), .max_pages = 256,
                              .prefetch_depth = (uint32_t)below(5), .prefetch_trigger = 2};
     char err[256];
-    struct fe_engine *e = fe_create(sv[0], &ix, &opt, 0, err, sizeof err);
+    struct fe_engine *e = fe_create(sv[0], &ix, &opt, err, sizeof err);
     if (!e)
         FAIL("fe_create: %s", err);
     struct { struct fuse_in_header h; struct fuse_init_in in; } init = {
