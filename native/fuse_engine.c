@@ -378,7 +378,29 @@ struct req {
     const struct fuse_in_header *h;
     const uint8_t *arg;             /* after the header */
     size_t arglen;
+    int op;                         /* its counter slot (enum fe_op) */
+    uint64_t t0;                    /* when it was read, ns */
+    int counted;
 };
+
+static void count(struct fe_worker *w, int op, uint64_t t0, int err);
+
+/* Count ``r`` (once) — before its reply, so a reader that sees the answer sees it counted
+ * too, as pyfuse3's boundary.fuse_op does. */
+static void counted(struct req *r, int err)
+{
+    if (!r->counted) {
+        count(r->w, r->op, r->t0, err);
+        r->counted = 1;
+    }
+}
+
+/* Count, then answer ``r`` with ``buf`` (``err``: count it as the error the caller sees). */
+static int answer(struct req *r, const void *buf, size_t len, int err)
+{
+    counted(r, err);
+    return reply_buf(r->w->fd, r->h->unique, buf, len);
+}
 
 static int do_lookup(struct req *r)
 {
@@ -409,14 +431,14 @@ static int do_lookup(struct req *r)
         else {
             struct fuse_entry_out o;
             fill_entry(e, mid, &o);
-            return reply_buf(r->w->fd, r->h->unique, &o, sizeof o), 0;
+            return answer(r, &o, sizeof o, 0), 0;
         }
     }
     /* Not there, and never will be (the snapshot is immutable): a negative entry the
      * kernel caches for entry_timeout, so a second miss costs no request. */
     struct fuse_entry_out o = {0};
     split_time(e->opt.entry_timeout, &o.entry_valid, &o.entry_valid_nsec);
-    reply_buf(r->w->fd, r->h->unique, &o, sizeof o);
+    answer(r, &o, sizeof o, 1);
     return REPLIED_ENOENT;
 }
 
@@ -429,7 +451,7 @@ static int do_getattr(struct req *r)
     struct fuse_attr_out o = {0};
     split_time(e->opt.attr_timeout, &o.attr_valid, &o.attr_valid_nsec);
     fill_attr(e, entry, &o.attr);
-    reply_buf(r->w->fd, r->h->unique, &o, sizeof o);
+    answer(r, &o, sizeof o, 0);
     return 0;
 }
 
@@ -444,7 +466,7 @@ static int do_readlink(struct req *r)
     uint64_t off = e->ix.data[entry], n = e->ix.size[entry];
     if (off > e->ix.names_len || n > e->ix.names_len - off)
         return -EIO;
-    reply_buf(r->w->fd, r->h->unique, e->ix.names + off, (size_t)n);
+    answer(r, e->ix.names + off, (size_t)n, 0);
     return 0;
 }
 
@@ -526,7 +548,7 @@ static int do_open(struct req *r)
     if (!fh)
         return -ENOMEM;
     struct fuse_open_out o = {.fh = fh->fh, .open_flags = FOPEN_KEEP_CACHE};
-    if (reply_buf(r->w->fd, r->h->unique, &o, sizeof o) < 0)
+    if (answer(r, &o, sizeof o, 0) < 0)
         handle_free(e, fh->fh);             /* interrupted: the kernel never sees this fh */
     return 0;
 }
@@ -536,7 +558,7 @@ static int do_release(struct req *r)
     if (r->arglen >= sizeof(struct fuse_release_in)) {
         handle_free(r->w->e, ((const struct fuse_release_in *)r->arg)->fh);
     }
-    reply_buf(r->w->fd, r->h->unique, NULL, 0);
+    answer(r, NULL, 0, 0);
     return 0;
 }
 
@@ -550,7 +572,7 @@ static int do_opendir(struct req *r)
         return -ENOTDIR;
     /* the listing never changes: the kernel may cache it (and keep it across opens) */
     struct fuse_open_out o = {.fh = 0, .open_flags = FOPEN_KEEP_CACHE | FOPEN_CACHE_DIR};
-    reply_buf(r->w->fd, r->h->unique, &o, sizeof o);
+    answer(r, &o, sizeof o, 0);
     return 0;
 }
 
@@ -596,7 +618,7 @@ static int do_readdir(struct req *r, int plus)
         memcpy(d->name, name, nlen);
         used += rec;
     }
-    reply_buf(r->w->fd, r->h->unique, r->w->out, used);
+    answer(r, r->w->out, used, 0);
     return 0;
 }
 
@@ -608,7 +630,7 @@ static int do_statfs(struct req *r)
     o.st.blocks = (e->opt.dataset_bytes + 4095) / 4096;
     o.st.files = e->ix.entries;
     o.st.namelen = 255;
-    reply_buf(r->w->fd, r->h->unique, &o, sizeof o);
+    answer(r, &o, sizeof o, 0);
     return 0;
 }
 
@@ -802,7 +824,7 @@ static int do_read(struct req *r)
     uint64_t fsize = ix->size[entry], offset = in->offset;
     uint64_t end = offset + in->size < fsize ? offset + in->size : fsize;
     if (offset >= end)
-        return reply_buf(r->w->fd, r->h->unique, NULL, 0), 0;
+        return answer(r, NULL, 0, 0), 0;
     uint64_t c = ix->chunk_size, base = ix->data[entry];
     uint64_t first = (base + offset) / c, last = (base + end - 1) / c;
     uint64_t file_last = (base + fsize - 1) / c;
@@ -826,11 +848,12 @@ static int do_read(struct req *r)
         hit = tier_part(e, entry, k, lo, hi, &h);
     }
     if (hit) {
-        reply_iov(r->w->fd, r->h->unique, h.iov, h.n);
-        release_hit(e, &h);
         r->w->c.read_hits++;
         r->w->c.read_hit_bytes += end - offset;
         r->w->c.memory_hits += (uint64_t)h.units;
+        counted(r, 0);
+        reply_iov(r->w->fd, r->h->unique, h.iov, h.n);
+        release_hit(e, &h);
     } else {
         release_hit(e, &h);
         struct fe_request q = {.kind = FE_READ, .fd = r->w->fd, .unique = r->h->unique,
@@ -886,29 +909,28 @@ static void dispatch(struct fe_worker *w, const uint8_t *buf, size_t n)
     if (n < sizeof(struct fuse_in_header))
         return;
     const struct fuse_in_header *h = (const void *)buf;
-    struct req r = {w, h, buf + sizeof *h, n - sizeof *h};
-    uint64_t t0 = now_ns();
+    struct req r = {w, h, buf + sizeof *h, n - sizeof *h, FE_OP_OTHER, now_ns(), 0};
     if (h->unique >> 63)
         w->c.resent++;              /* a dead predecessor read it; the kernel sent it again */
-    int op, rc;
+    int rc;
     switch (h->opcode) {
-    case FUSE_LOOKUP: op = FE_OP_LOOKUP; rc = do_lookup(&r); break;
-    case FUSE_GETATTR: op = FE_OP_GETATTR; rc = do_getattr(&r); break;
-    case FUSE_READLINK: op = FE_OP_READLINK; rc = do_readlink(&r); break;
-    case FUSE_OPEN: op = FE_OP_OPEN; rc = do_open(&r); break;
-    case FUSE_READ: op = FE_OP_READ; rc = do_read(&r); break;
-    case FUSE_RELEASE: op = FE_OP_RELEASE; rc = do_release(&r); break;
-    case FUSE_OPENDIR: op = FE_OP_OPENDIR; rc = do_opendir(&r); break;
-    case FUSE_READDIR: op = FE_OP_READDIR; rc = do_readdir(&r, 0); break;
-    case FUSE_READDIRPLUS: op = FE_OP_READDIR; rc = do_readdir(&r, 1); break;
+    case FUSE_LOOKUP: r.op = FE_OP_LOOKUP; rc = do_lookup(&r); break;
+    case FUSE_GETATTR: r.op = FE_OP_GETATTR; rc = do_getattr(&r); break;
+    case FUSE_READLINK: r.op = FE_OP_READLINK; rc = do_readlink(&r); break;
+    case FUSE_OPEN: r.op = FE_OP_OPEN; rc = do_open(&r); break;
+    case FUSE_READ: r.op = FE_OP_READ; rc = do_read(&r); break;
+    case FUSE_RELEASE: r.op = FE_OP_RELEASE; rc = do_release(&r); break;
+    case FUSE_OPENDIR: r.op = FE_OP_OPENDIR; rc = do_opendir(&r); break;
+    case FUSE_READDIR: r.op = FE_OP_READDIR; rc = do_readdir(&r, 0); break;
+    case FUSE_READDIRPLUS: r.op = FE_OP_READDIR; rc = do_readdir(&r, 1); break;
     case FUSE_RELEASEDIR:
-        op = FE_OP_RELEASEDIR;
-        reply_buf(w->fd, h->unique, NULL, 0);
+        r.op = FE_OP_RELEASEDIR;
+        answer(&r, NULL, 0, 0);
         rc = 0;
         break;
-    case FUSE_STATFS: op = FE_OP_STATFS; rc = do_statfs(&r); break;
-    case FUSE_GETXATTR: op = FE_OP_GETXATTR; rc = do_xattr(&r, FE_GETXATTR); break;
-    case FUSE_LISTXATTR: op = FE_OP_LISTXATTR; rc = do_xattr(&r, FE_LISTXATTR); break;
+    case FUSE_STATFS: r.op = FE_OP_STATFS; rc = do_statfs(&r); break;
+    case FUSE_GETXATTR: r.op = FE_OP_GETXATTR; rc = do_xattr(&r, FE_GETXATTR); break;
+    case FUSE_LISTXATTR: r.op = FE_OP_LISTXATTR; rc = do_xattr(&r, FE_LISTXATTR); break;
     case FUSE_FORGET:
     case FUSE_BATCH_FORGET:         /* inodes are entry numbers: nothing to forget */
         w->c.count[FE_OP_FORGET]++;
@@ -917,26 +939,28 @@ static void dispatch(struct fe_worker *w, const uint8_t *buf, size_t n)
     case FUSE_NOTIFY_REPLY:
         return;
     case FUSE_DESTROY:
-        op = FE_OP_OTHER;
-        reply_buf(w->fd, h->unique, NULL, 0);
+        r.op = FE_OP_OTHER;
+        answer(&r, NULL, 0, 0);
         rc = 0;
         break;
     case FUSE_SETATTR: case FUSE_SYMLINK: case FUSE_MKNOD: case FUSE_MKDIR: case FUSE_UNLINK:
     case FUSE_RMDIR: case FUSE_RENAME: case FUSE_LINK: case FUSE_WRITE: case FUSE_SETXATTR:
     case FUSE_REMOVEXATTR: case FUSE_CREATE: case FUSE_FALLOCATE: case FUSE_RENAME2:
     case FUSE_COPY_FILE_RANGE: case FUSE_TMPFILE:
-        op = FE_OP_EROFS;
+        r.op = FE_OP_EROFS;
         rc = -EROFS;
         break;
     default:                        /* flush, fsync, locks, ioctl, lseek, …: the kernel's own */
-        op = FE_OP_ENOSYS;
+        r.op = FE_OP_ENOSYS;
         rc = -ENOSYS;
         break;
     }
-    if (rc < 0)
+    if (rc < 0) {
+        counted(&r, r.op != FE_OP_ENOSYS);
         fe_reply_error(w->fd, h->unique, -rc);
-    if (rc != QUEUED)
-        count(w, op, t0, rc == REPLIED_ENOENT || (rc < 0 && op != FE_OP_ENOSYS));
+    } else if (rc != QUEUED) {
+        counted(&r, 0);             /* answered without answer(): nothing to count late */
+    }
 }
 
 /* ----------------------------------------------------------------------- threads */
