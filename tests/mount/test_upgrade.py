@@ -142,6 +142,9 @@ def test_daemon_sigkilled_five_times_under_readers_loses_no_read(served) -> None
     assert readers.errors == [], readers.errors[:5]
     assert readers.wrong == 0
     assert is_mounted(mnt) and supervisor_pid(mnt) == sup   # one supervisor throughout
+    deadline = time.monotonic() + 30               # the last one logs once it has taken over
+    while c.log_text().count("resume: took") < 5 and time.monotonic() < deadline:
+        time.sleep(0.1)
     log = c.log_text()
     assert log.count("resume: took") == 5 and "Traceback" not in log
     resent = sum(int(m) for m in re.findall(r"resume: answered (\d+) requests", log))
