@@ -39,7 +39,6 @@ import ipaddress
 import json
 import logging
 import math
-import queue
 import socket
 import threading
 import time
@@ -266,35 +265,6 @@ class Registration:
                 log.warning("cannot revoke lease %x: %s", lease_id, e)
 
 
-def _watch_once(client: Any, prefix: str, timeout: float, start_revision: int) -> None:
-    """Block until a key under ``prefix`` changes after ``start_revision`` or ``timeout``.
-
-    A watch not created within the client's attempt timeout is a connection failure
-    (the store tries the next endpoint); a failed stream (etcd restarting, an expired
-    token) is raised as the gRPC error it is, for the store to classify; a compacted
-    start revision just means "list again"."""
-    import etcd3.exceptions
-
-    answers: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    try:
-        watch_id = client.add_watch_prefix_callback(prefix, answers.put,
-                                                    start_revision=start_revision)
-    except etcd3.exceptions.WatchTimedOut as e:
-        raise etcd3.exceptions.ConnectionTimeoutError("watch not created in time") from e
-    except etcd3.exceptions.RevisionCompactedError:
-        return
-    try:
-        answer = answers.get(timeout=timeout)
-    except queue.Empty:
-        return
-    finally:
-        client.cancel_watch(watch_id)
-    if isinstance(answer, etcd3.exceptions.RevisionCompactedError):
-        return
-    if isinstance(answer, Exception):
-        raise answer
-
-
 class PrefixView:
     """An in-memory copy of every key under a prefix, kept current by a watch.
 
@@ -343,7 +313,7 @@ class PrefixView:
                 down = False
                 assert self._token is not None
                 trio.from_thread.run_sync(self._publish, values, trio_token=self._token)
-                self.store.call(lambda c: _watch_once(c, self.prefix, self.resync, rev + 1))
+                self.store.watch_prefix(self.prefix, rev + 1, self.resync)
             except trio.RunFinishedError:
                 return
             except Exception as e:          # StoreError, or an etcd3 client bug

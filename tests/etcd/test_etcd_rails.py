@@ -22,7 +22,7 @@ from typing import Iterator
 import pytest
 import trio
 
-from kspeedfs.cluster.membership import Membership, NodeRecord, Registration, _watch_once
+from kspeedfs.cluster.membership import Membership, NodeRecord, Registration
 from kspeedfs.config import StoreConfig
 from kspeedfs.errors import StoreError, StoreUnavailable
 from kspeedfs.manifest.store.etcd import EtcdStore
@@ -109,9 +109,64 @@ def test_watch_works_with_auth_over_http() -> None:
             rev = store.call(lambda c: c.get_prefix_response(store.prefix)).header.revision
             threading.Timer(0.3, lambda: store.call(lambda c: c.put(store.prefix + "k", "v"))).start()
             t0 = time.monotonic()
-            store.call(lambda c: _watch_once(c, store.prefix, 5.0, rev + 1))
+            store.watch_prefix(store.prefix, rev + 1, 5.0)
             assert time.monotonic() - t0 < 3, "the watch did not see the put"
             assert store.authenticated
+
+
+def test_watch_sees_a_change_and_ends_on_its_deadline(etcd_server: EtcdServer,
+                                                     silent: str) -> None:
+    """A bounded watch returns on a change, returns after its timeout without one, costs
+    one attempt timeout on a silent endpoint, and leaves no thread behind (etcd3's own
+    watcher kept a request-iterator thread per channel blocked inside gRPC)."""
+    with EtcdStore(_cfg([silent, etcd_server.endpoint], etcd_attempt_timeout=0.5)) as store:
+        rev = store.call(lambda c: c.get_prefix_response(store.prefix)).header.revision
+        threading.Timer(0.3, lambda: store.call(lambda c: c.put(store.prefix + "k", "v"))).start()
+        t0 = time.monotonic()
+        store.watch_prefix(store.prefix, rev + 1, 5.0)        # silent first: 0.5 s, then live
+        assert time.monotonic() - t0 < 2.0, "the watch did not see the put"
+        threads = threading.active_count()
+        for _ in range(20):
+            t0 = time.monotonic()
+            store.watch_prefix(store.prefix + "none/", rev + 1, 0.1)
+            assert time.monotonic() - t0 < 0.6, "a watch outlived its timeout"
+        time.sleep(0.2)
+        assert threading.active_count() <= threads, "watches left threads behind"
+
+
+def test_etcd_restarts_under_watches_and_closes(etcd_server_private: EtcdServer) -> None:
+    """Watches running while etcd restarts (their channels fail, are retired and closed)
+    and while the store closes: every error is a StoreError and the process survives.
+    Before: a channel closed after an etcd restart crashed nodes inside gRPC."""
+    server = etcd_server_private
+    bad: list[BaseException] = []
+    stop = threading.Event()
+    cfg = _cfg([server.endpoint, f"http://127.0.0.1:{free_port()}"],
+               etcd_attempt_timeout=0.5, etcd_timeout=2.0)
+    for round_ in range(3):
+        with EtcdStore(cfg) as store:
+            def watch() -> None:
+                while not stop.is_set():
+                    try:
+                        store.watch_prefix(store.prefix, 1, 0.3)
+                    except StoreError:
+                        pass
+                    except BaseException as e:      # noqa: BLE001 - what the test looks for
+                        bad.append(e)
+            threads = [threading.Thread(target=watch) for _ in range(4)]
+            for t in threads:
+                t.start()
+            time.sleep(0.5)
+            server.restart()
+            time.sleep(1.0)
+            if round_ == 2:
+                stop.set()
+        # (rounds 0, 1: the store closes under running watches)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        stop.clear()
+    assert bad == [], bad[:3]
 
 
 def test_tls_failure_is_named_tls(tmp_path: Path) -> None:

@@ -52,7 +52,7 @@ import re
 import time
 from typing import Any, Callable, TypeVar
 
-from .etcd_client import EtcdClient  # first: it sets gRPC's fork option before grpc loads
+from .etcd_client import EtcdClient, watch_once  # first: it sets gRPC's fork option before grpc loads
 
 import etcd3.transactions as tx  # noqa: E402
 
@@ -114,6 +114,13 @@ class EtcdStore(MetadataStore):
     def race(self, op: Callable[[Any], T], budget: float | None = None) -> T:
         """An idempotent ``op(client)`` on every endpoint at once (:meth:`EtcdClient.race`)."""
         return self.client.race(op, budget)
+
+    def watch_prefix(self, prefix: str, start_revision: int, timeout: float) -> None:
+        """Block until a key under ``prefix`` (a full key) changes at or after
+        ``start_revision``, or ``timeout`` s pass; a bounded watch (:func:`watch_once`)
+        sent like any :meth:`call`, so a cut rail costs one attempt timeout."""
+        self.client.call(lambda c: watch_once(c, prefix, start_revision, timeout,
+                                              self.client.attempt_timeout))
 
     @property
     def authenticated(self) -> bool:

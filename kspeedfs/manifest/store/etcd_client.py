@@ -22,7 +22,7 @@ client re-authenticates when etcd says the token expired (simple tokens last 5 m
 watches included; ``https://`` endpoints use TLS with ``store.etcd_ca_cert`` (default:
 the system CA bundle) and optionally a client certificate/key for mutual TLS. A gRPC
 channel that failed is retired and closed by its last user, never under a concurrent
-call.
+call; a watch is such a call too, one bounded stream (:func:`watch_once`).
 
 The client. This uses the ``etcd3`` 0.12 gRPC client as Debian ships it
 (python3-etcd3 0.12.0-2) with Debian's python3-protobuf 3.21.12 (Python package
@@ -53,6 +53,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -68,7 +69,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import etcd3  # noqa: E402
 import etcd3.exceptions as etcd_exc  # noqa: E402
-import etcd3.watch  # noqa: E402
+import etcd3.utils  # noqa: E402
 import grpc  # noqa: E402
 from etcd3 import etcdrpc  # noqa: E402
 
@@ -88,6 +89,8 @@ _GRPC_OPTIONS = [
 ]
 _UNREACHABLE = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError)
 _UNREACHABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_MIN_CHANNEL_AGE = 3.0     # s: a failing channel is re-dialled at most this often (retire)
+_DIAL_BACKOFF_MIN, _DIAL_BACKOFF_MAX = 0.25, 4.0    # s, after a failed dial (_Endpoint._dial)
 
 
 class _Endpoint:
@@ -110,6 +113,10 @@ class _Endpoint:
         self.tls = u.scheme == "https"
         self.lock = threading.Lock()
         self.client: etcd3.Etcd3Client | None = None   # protected by lock
+        self._born = 0.0                                   # when ``client`` was dialled
+        self._next_dial = 0.0                              # no dial before (after a failed one)
+        self._dial_backoff = _DIAL_BACKOFF_MIN
+        self._dial_error: _Unreachable | None = None
         self._users: dict[int, int] = {}                  # id(client) -> calls using it
         self._retired: dict[int, etcd3.Etcd3Client] = {}  # failed, closed by the last user
 
@@ -118,7 +125,7 @@ class _Endpoint:
         """The current client (made by ``connect`` if there is none), held for the call."""
         with self.lock:
             if self.client is None:
-                self.client = connect(self)
+                self.client = self._dial(connect)
             client = self.client
             self._users[id(client)] = self._users.get(id(client), 0) + 1
         try:
@@ -132,11 +139,41 @@ class _Endpoint:
             if done is not None:
                 _close(done)
 
-    def retire(self, client: etcd3.Etcd3Client | None = None) -> None:
-        """Stop handing out ``client`` (default: the current one); close it once unused."""
+    def _dial(self, connect: Callable[["_Endpoint"], etcd3.Etcd3Client]) -> etcd3.Etcd3Client:
+        """``connect``, unless the last dial failed less than a backoff ago (0.25 s,
+        doubling to 4 s, jittered): then ``_Unreachable`` at once. Why: with auth, a dial
+        is an Authenticate, a bcrypt on the server; after an etcd restart a dozen
+        processes re-dialling on every 0.1 s retry kept etcd's two cores busy past every
+        attempt's deadline, so every dial failed and was retried (etcd not healthy 20 s
+        after its restart, in the cluster test). Caller holds ``lock``."""
+        now = time.monotonic()
+        if now < self._next_dial and self._dial_error is not None:
+            raise _Unreachable(f"{self._dial_error} (not dialled again for "
+                               f"{self._next_dial - now:.2f}s)", tls=self._dial_error.tls)
+        try:
+            client = connect(self)
+        except _Unreachable as e:
+            self._dial_error = e
+            self._next_dial = time.monotonic() + self._dial_backoff * random.uniform(0.5, 1.5)
+            self._dial_backoff = min(self._dial_backoff * 2, _DIAL_BACKOFF_MAX)
+            raise
+        self._dial_backoff = _DIAL_BACKOFF_MIN
+        self._next_dial, self._dial_error = 0.0, None
+        self._born = time.monotonic()
+        return client
+
+    def retire(self, client: etcd3.Etcd3Client | None = None, *, failed: bool = False) -> None:
+        """Stop handing out ``client`` (default: the current one); close it once unused.
+        A ``failed`` channel younger than ``_MIN_CHANNEL_AGE`` is kept (gRPC reconnects
+        it on its own, backoff ≤ 1 s): a fresh channel per failed attempt was a TLS
+        handshake per retry, and when etcd came back a dozen processes' handshakes
+        starved it past their attempt timeouts, which aborted them and dialled again
+        (etcd "rejected connection ... EOF" for 20 s on this 2-core machine)."""
         with self.lock:
             client = client if client is not None else self.client
             if client is None:
+                return
+            if failed and self.client is client and time.monotonic() - self._born < _MIN_CHANNEL_AGE:
                 return
             if self.client is client:
                 self.client = None
@@ -146,59 +183,60 @@ class _Endpoint:
         _close(client)
 
 
-class _WatchStub:
-    """The Watch stub of one client, stoppable: once ``stopped``, opening a stream raises
-    ``ValueError`` (which ends :class:`_Watcher`'s thread); ``call`` is the open stream."""
-
-    def __init__(self, stub: Any) -> None:
-        self._stub = stub
-        self.stopped = False
-        self.call: Any = None
-
-    def Watch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - the stub's name
-        if self.stopped:
-            raise ValueError("watcher stopped")
-        self.call = self._stub.Watch(*args, **kwargs)
-        return self.call
-
-
-class _Watcher(etcd3.watch.Watcher):
-    """etcd3 0.12's watcher, stoppable before its channel is closed. Its thread re-opens
-    the stream forever: on a closed channel it died with ``ValueError: Cannot invoke RPC:
-    Channel closed!`` (a thread traceback), and a channel closed while that thread was
-    opening a stream on it took the whole process down inside gRPC (a trap in cygrpc,
-    seen once in the cluster tests' etcd outage). So a retired client's watcher is
-    stopped, and its thread joined, before the channel is closed (:func:`_close`)."""
-
-    def __init__(self, watchstub: Any, **kwargs: Any) -> None:
-        super().__init__(_WatchStub(watchstub), **kwargs)
-
-    def _run(self) -> None:
-        try:
-            super()._run()
-        except ValueError:
-            return
-
-    def stop(self, timeout: float) -> None:
-        """Stop the stream thread (cancel its stream; no new one) and wait for it."""
-        stub = self._watch_stub
-        stub.stopped = True
-        if stub.call is not None:
-            stub.call.cancel()
-        thread = self._callback_thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-
-
 def _close(client: etcd3.Etcd3Client) -> None:
-    """Close a retired client in a thread of its own: its watcher first (up to 5 s),
-    then the channel, so no gRPC call is ever being opened on a closing channel."""
-    def run() -> None:
-        watcher = getattr(client, "watcher", None)
-        if isinstance(watcher, _Watcher):
-            watcher.stop(timeout=5.0)
-        client.close()
-    threading.Thread(target=run, name="etcd-close", daemon=True).start()
+    """Close a retired client's channel. Called only once no request holds it; watches
+    are requests like any other here (:func:`watch_once`), so no stream outlives its
+    holder. (etcd3's own Watcher kept one stream per channel open forever, with a
+    request-iterator thread inside gRPC blocked on a queue; closing that channel after
+    an etcd restart crashed nodes inside gRPC's native code, SIGSEGV/SIGILL, in the
+    cluster tests' etcd outage. That watcher is never started now.)"""
+    client.close()
+
+
+def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, timeout: float,
+               create_timeout: float) -> None:
+    """Block until a key under ``prefix`` changes at or after ``start_revision``, or for
+    ``timeout`` seconds; meant to run as ``EtcdClient.call(lambda c: watch_once(c, ...))``.
+
+    One bounded gRPC stream per call, held like any unary request: the request side is
+    one create request, then closed (etcd keeps a watch stream open after the client's
+    half-close), so gRPC's request-iterator thread ends at once; the stream's deadline is
+    ``timeout``; it is cancelled before this returns. A watch not created within
+    ``create_timeout`` (a cut rail) raises ``ConnectionTimeoutError``: the client tries
+    the next endpoint. A compacted start revision returns (the caller lists again); a
+    failed stream raises its gRPC error for :meth:`EtcdClient._classify`."""
+    key = prefix.encode()
+    create = etcdrpc.WatchCreateRequest(key=key, range_end=etcd3.utils.increment_last_byte(key),
+                                        start_revision=start_revision)
+    stream = etcdrpc.WatchStub(client.channel).Watch(
+        iter([etcdrpc.WatchRequest(create_request=create)]), timeout=timeout,
+        credentials=client.call_credentials, metadata=client.metadata)
+    created = threading.Event()
+    timed_out = threading.Event()
+
+    def give_up() -> None:
+        if not created.is_set():
+            timed_out.set()
+            stream.cancel()
+    timer = threading.Timer(create_timeout, give_up)
+    timer.start()
+    try:
+        for rs in stream:
+            created.set()
+            if rs.compact_revision or rs.events:
+                return                       # compacted: list again; or a change
+            if rs.canceled:
+                raise StoreError(f"etcd refused a watch of {prefix!r}: {rs.cancel_reason}")
+    except grpc.RpcError as e:
+        if timed_out.is_set():
+            raise etcd_exc.ConnectionTimeoutError("watch not created in time") from e
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and created.is_set():
+            return                           # no change within timeout
+        raise
+    finally:
+        timer.cancel()
+        timer.join()                         # its cancel() has returned, if it ran
+        stream.cancel()
 
 
 class _Unreachable(Exception):
@@ -310,11 +348,6 @@ class EtcdClient:
             # have a sufficient security level", python-etcd3 #1876/#2713), so over
             # plain http keep only the metadata, which etcd reads just the same.
             client.call_credentials = None
-        # The watcher copied the credentials when the client was made (over http with
-        # auth every watch then failed "UNAUTHENTICATED ... call credential"): a new one.
-        client.watcher = _Watcher(etcdrpc.WatchStub(client.channel), timeout=self.attempt_timeout,
-                                  call_credentials=client.call_credentials,
-                                  metadata=client.metadata)
         self.authenticated = bool(user)
         return client
 
@@ -334,9 +367,10 @@ class EtcdClient:
                   attempt: int) -> None:
         """Raise what ``e`` means for this call; return to re-authenticate and retry."""
         if isinstance(e, _UNREACHABLE) or (isinstance(e, ValueError) and "closed channel" in str(e)):
-            # A fresh channel next time: seen here, a channel whose server restarted in
-            # another network namespace kept failing long after etcd was back.
-            ep.retire(client)
+            # A fresh channel next time (at most every _MIN_CHANNEL_AGE): seen here, a
+            # channel whose server restarted in another network namespace kept failing
+            # long after etcd was back. A closed channel is replaced at once.
+            ep.retire(client, failed=isinstance(e, _UNREACHABLE))
             if self._closed:
                 raise StoreError("etcd store is closed") from e
             cause = e.__context__        # etcd3 translates the gRPC error, dropping details
@@ -346,7 +380,7 @@ class EtcdClient:
         if isinstance(e, grpc.RpcError):
             code, details = e.code(), e.details() or ""
             if code in _UNREACHABLE_CODES or code == grpc.StatusCode.CANCELLED:
-                ep.retire(client)
+                ep.retire(client, failed=True)
                 raise _unreachable(code, details) from e
             if code == grpc.StatusCode.UNAUTHENTICATED and attempt == 0:
                 log.info("etcd %s: %s; re-authenticating", ep.url, details)
@@ -400,7 +434,8 @@ class EtcdClient:
                     self._prefer(ep)
                 return result
             self._give_up(start, self.timeout, errors)
-            time.sleep(min(delay, max(0.0, self.timeout - (time.monotonic() - start))))
+            time.sleep(min(delay * random.uniform(0.5, 1.5),
+                           max(0.0, self.timeout - (time.monotonic() - start))))
             delay = min(delay * 2, 0.5)
 
     def call(self, op: Callable[[etcd3.Etcd3Client], T]) -> T:
@@ -432,7 +467,8 @@ class EtcdClient:
                     raise value                  # etcd answered: the same from every endpoint
                 errors[ep.url] = value
             self._give_up(start, budget, errors)
-            time.sleep(min(0.1, max(0.0, budget - (time.monotonic() - start))))
+            # jittered: a dozen processes retrying in step is a storm when etcd comes back
+            time.sleep(min(random.uniform(0.05, 0.15), max(0.0, budget - (time.monotonic() - start))))
 
     def _attempt(self, ep: _Endpoint, op: Callable[[etcd3.Etcd3Client], T],
                  answers: "queue.SimpleQueue[tuple[_Endpoint, bool, Any]]") -> None:
