@@ -93,6 +93,8 @@ class StoreConfig:
     etcd_timeout: float = _opt(5.0, "seconds before an etcd request counts as unavailable")
     etcd_attempt_timeout: float = _opt(1.0, "deadline of one etcd request to one endpoint, s; "
                                        "the next endpoint (rail) is tried after it")
+    keep_versions: int = _opt(3, "versions of a dataset `kspeedfs gc` (and import) keeps besides "
+                              "mounted and preloaded ones; 0 = keep every version")
 
     def validate(self) -> None:
         _choice("store.backend", self.backend, ("embedded", "etcd"))
@@ -107,6 +109,8 @@ class StoreConfig:
         if not self.etcd_prefix or len(self.etcd_prefix) > 256:
             raise ConfigError(f"store.etcd_prefix: {self.etcd_prefix!r} must be 1..256 characters")
         _positive("store.etcd_timeout", self.etcd_timeout, 3600)
+        if type(self.keep_versions) is not int or not 0 <= self.keep_versions <= 100000:
+            raise ConfigError(f"store.keep_versions: {self.keep_versions} must be in 0..100000")
         _positive("store.etcd_attempt_timeout", self.etcd_attempt_timeout, 3600)
         if self.etcd_attempt_timeout > self.etcd_timeout:
             raise ConfigError(f"store.etcd_attempt_timeout: {self.etcd_attempt_timeout} must be "

@@ -9,6 +9,9 @@
              │    pyfuse3: pyfuse3.main, every request in this thread (fuse/operations.py)
              ├─ signals: SIGTERM/SIGINT → unmount (pyfuse3.terminate / session.terminate)
              ├─ metrics exporter (only with metrics.listen: metrics.py)
+             ├─ hold: mounts/<ds>@<v>/<host>:<pid> on this mount's lease, with its read
+             │        counters (cluster mounts: cluster/lifecycle.py); on exit the
+             │        --unload-on-exit preload is released if no other mount holds it
              └─ after mount: sysfs knobs, READY=1, ready()
 
 ``serve`` returns when the filesystem is unmounted (``fusermount3 -u``,
@@ -34,6 +37,7 @@ import trio
 from . import mountpoint as mp
 from .cache.disk import DiskCache
 from .cache.memory import MemoryCache
+from .cluster.lifecycle import MountRecord
 from .config import Config
 from .errors import MountError
 from .fuse import tuning
@@ -47,6 +51,7 @@ from .reader import Reader
 
 if TYPE_CHECKING:
     from .cluster.fetch import Peers
+    from .manifest.store.etcd import EtcdStore
     from .fuse.native import NativeSession
 
 log = logging.getLogger(__name__)
@@ -62,6 +67,7 @@ class MountRequest:
     upgrade: bool = False            # take the live mount over from its daemon (fuse/upgrade.py)
     resume: str | None = None        # take it over from its supervisor (fuse/supervisor.py)
     supervise: bool = False          # leave a supervisor behind (daemonized native mounts)
+    unload_on_exit: bool = False     # release the preload when the last mount of it goes
     argv: tuple[str, ...] = ()       # the kspeedfs arguments that mount it (for the supervisor)
     logfile: str = ""
 
@@ -107,13 +113,13 @@ def choose_engine(cfg: Config) -> str:
 
 
 @asynccontextmanager
-async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | None"]:
+async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator[tuple["Peers | None", "EtcdStore | None"]]:
     """Peers to read chunks from, when this mount belongs to a cluster (etcd store and
     ``cluster.peers``); None otherwise. The mount talks to the nodes directly — its own
     vRDMA endpoint and one-sided READs into its own buffers — so a read from a peer
     crosses the network once and the local node's CPU is never on the path."""
     if cfg.store.backend != "etcd" or not cfg.cluster.peers:
-        yield None
+        yield None, None
         return
     from rdma.vrdma import Endpoint
 
@@ -139,12 +145,59 @@ async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator["Peers | 
                       landing_slots=cfg.cache.memory // slot,
                       hedge=hedge_from_config(cfg.cluster))
         try:
-            yield peers
+            yield peers, store
         finally:
             with trio.CancelScope(shield=True):
                 await peers.aclose()
             nursery.cancel_scope.cancel()
             store.close()
+
+
+_HELD_COUNTERS = ("reads", "read_bytes", "memory_hits", "disk_hits", "peer_hits", "source_loads",
+                  "source_extents", "source_blocks")
+
+
+def _read_counters(reader: Reader) -> dict[str, int]:
+    s = reader.statistics()
+    return {name: int(getattr(s, name)) for name in _HELD_COUNTERS}
+
+
+async def _hold(store: "EtcdStore", record: MountRecord, ttl: int,
+                counters: Callable[[], dict[str, int]], handed_over: Callable[[], bool],
+                period: float = 5.0) -> None:
+    """Hold ``record``'s version for this mount's life: its ``mounts/`` key on a lease
+    of its own, the read counters refreshed every ``period`` s (``kspeedfs status``
+    shows hit ratios from them). On the way out: the lease is revoked (the key goes) and,
+    with ``--unload-on-exit``, the preload released if no other mount holds it; not
+    after a handover (the new daemon holds it now). Never fails the mount: etcd
+    trouble is logged."""
+    from dataclasses import replace
+
+    from .cluster import lifecycle
+    from .cluster.membership import Registration
+    from .errors import StoreError
+
+    reg = Registration(store, ttl)
+    key = record.key(store.prefix)
+    try:
+        async with trio.open_nursery() as n:
+            n.start_soon(reg.run)
+            while True:
+                try:
+                    await trio.to_thread.run_sync(
+                        reg.put, key, replace(record, reads=counters()).to_json())
+                except StoreError as e:
+                    log.warning("cannot publish this mount's hold %s: %s", key, e)
+                await trio.sleep(period)
+    finally:
+        with trio.CancelScope(shield=True):
+            try:
+                await trio.to_thread.run_sync(reg.revoke)
+                if record.unload_on_exit and not handed_over():
+                    await trio.to_thread.run_sync(lifecycle.release_if_unheld, store,
+                                                  record.dataset, 0.0)
+            except StoreError as e:
+                log.warning("leaving: %s (the nodes release the preload after its grace)", e)
 
 
 async def _export_metrics(cfg: Config, ops: Operations, peers: "Peers | None", path: str,
@@ -183,7 +236,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     engine = choose_engine(cfg)
     if (req.upgrade or req.resume) and engine != "native":
         raise MountError("--upgrade needs the native FUSE engine (fuse.engine=native, root)")
-    async with _cluster(cfg, index) as peers, trio.open_nursery() as nursery:
+    async with _cluster(cfg, index) as (peers, store), trio.open_nursery() as nursery:
         session: "NativeSession | None" = None
         pages = None
         if cfg.fuse.push_pages:
@@ -199,14 +252,18 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
 
             session = NativeSession(path, ops, memory, index, info, cfg.fuse, nonempty=req.nonempty)
             reader.served_elsewhere = session.served
-            op_rows = session.op_rows
-        else:
-            op_rows = lambda: {op: list(row) for op, row in ops.op_stats.rows.items()}  # noqa: E731
+        if store is not None:                     # held from now: a --preload is not released
+            record = MountRecord(info.name, info.version, os.uname().nodename, path,
+                                 os.getpid(), unload_on_exit=req.unload_on_exit)
+            handed_over = lambda: session is not None and session.handed_over  # noqa: E731
+            nursery.start_soon(_hold, store, record, cfg.cluster.lease_ttl,
+                               lambda: _read_counters(reader), handed_over, name="hold")
+
         async def after_mount() -> None:
             if cfg.metrics.listen:                # off by default: no thread, no socket
                 if req.upgrade and session is not None:
                     await session.predecessor_gone()      # it holds the port until it exits
-                nursery.start_soon(_export_metrics, cfg, ops, peers, path, op_rows, name="metrics")
+                nursery.start_soon(_export_metrics, cfg, ops, peers, path, ops.op_rows, name="metrics")
             knobs = tuning.KernelKnobs(cfg.fuse.max_background, cfg.fuse.congestion_threshold,
                                        cfg.fuse.read_ahead_kb)
             await trio.to_thread.run_sync(tuning.apply, path, knobs)

@@ -55,6 +55,14 @@ class VersionConflict(StoreError, errno=_errno.EAGAIN):
     """Someone else published the same version first (compare-and-swap lost)."""
 
 
+class DatasetInUse(StoreError, errno=_errno.EBUSY):
+    """A dataset version a live mount holds (``kspeedfs rm`` without ``--force``)."""
+
+
+class CapacityExceeded(KspeedfsError, errno=_errno.ENOSPC):
+    """A preload does not fit in the cluster beside what it holds (``cluster/lifecycle.py``)."""
+
+
 class ManifestCorrupt(StoreError):
     """A manifest blob does not decode or does not match its recorded digest."""
 

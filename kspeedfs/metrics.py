@@ -74,8 +74,8 @@ def _peer_families(f: _Families, p: Any) -> None:
     f.counter("peer_unreachable_total", "peer READs that found no live path", p.peer_unreachable)
     f.gauge("peer_longest_stall_seconds", "longest replica stall seen (failover wait)",
             p.peer_longest_stall_ms / 1000)
-    f.gauge("peer_connection_up", "1 if the vQP to the peer is up", by="peer",
-            values={n: float(str(s).rpartition(".")[2].upper() == "UP") for n, s in p.vqps.items()})
+    f.gauge("peer_connection_up", "1 if the vQP to the peer is up (reachable or degraded: a path is alive)", by="peer",
+            values={n: float(s in ("reachable", "degraded")) for n, s in p.vqps.items()})
     for field, doc in (("peer_hedges", "second-replica READs issued (hedging)"),
                        ("peer_hedges_won", "hedged READs that verified first")):
         if hasattr(p, field):

@@ -25,6 +25,7 @@ class ReadStatistics:
     read_bytes: int = 0            # bytes returned to readers
     memory_hits: int = 0           # chunk requests served by the memory tier
     disk_hits: int = 0             # ... by the disk tier (verified on load)
+    disk_hit_bytes: int = 0
     peer_hits: int = 0             # ... READ from a replica's arena over vRDMA (verified)
     peer_bytes: int = 0
     source_loads: int = 0          # chunks assembled from the source

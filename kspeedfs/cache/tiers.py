@@ -170,6 +170,7 @@ class TierChain:
             data = await trio.to_thread.run_sync(self.from_disk, key, limiter=self.limiter)
             if data is not None:
                 self.counters.add("disk_hits")
+                self.counters.add("disk_hit_bytes", len(data))
                 return Loaded(data, "disk")
         data = await self.from_peers(k, key)
         if data is not None:

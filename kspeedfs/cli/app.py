@@ -29,6 +29,10 @@ COMMANDS = {
     "node": ("node", "run this machine's cluster node (memory arena, vRDMA endpoint)"),
     "preload": ("preload", "load a dataset into the cluster's pooled cache (--check: verify)"),
     "status": ("status", "nodes, NICs and paths, cache use, datasets cached, hit ratios"),
+    "stats": ("stats", "a live view of a mount (or --cluster): throughput per tier, ops/s, hits"),
+    "unload": ("unload", "take a dataset out of the pooled cache (its versions stay in the store)"),
+    "rm": ("rm", "remove a dataset version (or all versions) from the store and the cache"),
+    "gc": ("gc", "remove old dataset versions by the keep rule (store.keep_versions)"),
     "secret": ("secret", "cluster secret: generate writes a new random one (mode 0600)"),
 }
 EX_SOFTWARE = 70     # sysexits.h: an internal error (a bug)

@@ -1,12 +1,15 @@
-"""``kspeedfs import SOURCE --name NAME``: a new dataset version, with a progress line."""
+"""``kspeedfs import SOURCE --name NAME``: a new dataset version, with a progress bar
+(``cli/terminal.py``: one line every few seconds when stderr is not a terminal)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Callable
 
 from .options import cli_logging, dataset_name, load_config
+from .terminal import ProgressBar, progress_bar
 
 
 if TYPE_CHECKING:
@@ -21,42 +24,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random-read block size, e.g. 128KiB (import.block_size)")
     p.add_argument("--threads", type=int, help="reader/hasher threads (import.threads)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("--json", action="store_true",
+                   help="no progress; the new version's summary as one JSON document")
 
 
-class ProgressLine:
-    """Redraws one terminal line at most 10 times a second: files/s, MB/s, ETA."""
+def _progress(bar: ProgressBar) -> Callable[[ImportProgress], None]:
+    """The importer's callback: its phases on ``bar`` (files/s, MB/s and ETA while hashing)."""
 
-    def __init__(self, stream: TextIO = sys.stderr) -> None:
-        self.stream = stream
-        self.last = 0.0
-        self.phase = ""
-        self.tty = stream.isatty()
-
-    def __call__(self, p: ImportProgress) -> None:
-        now = time.monotonic()
-        if p.phase == self.phase and now - self.last < (0.1 if self.tty else 5.0):
-            return
-        self.last = now
-        self.phase = p.phase
+    def show(p: ImportProgress) -> None:
         el = max(p.elapsed, 1e-6)
         if p.phase == "scan":
-            line = f"scanning: {p.files_done:,} entries, {p.bytes_done / 1e6:,.0f} MB"
+            bar.update("scanning", p.files_done, None,
+                       f"{p.files_done:,} entries, {p.bytes_done / 1e6:,.0f} MB")
         elif p.phase == "publish":
-            line = f"publishing the manifest of {p.files_total:,} files"
-        else:
+            bar.update("publishing", p.bytes_total, p.bytes_total,
+                       f"the manifest of {p.files_total:,} files")
+        elif p.phase != "done":
             rate = p.bytes_done / el
-            eta = (p.bytes_total - p.bytes_done) / rate if rate else 0
-            pct = 100 * p.bytes_done / p.bytes_total if p.bytes_total else 100
-            line = (f"{p.phase}: {pct:5.1f}%  {p.files_done:,}/{p.files_total:,} files  "
-                    f"{p.files_done / el:,.0f} files/s  {rate / 1e6:,.1f} MB/s  ETA {eta:,.0f}s")
-        if self.tty:
-            self.stream.write("\r\033[K" + line + ("\n" if p.phase == "done" else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+            eta = f"{(p.bytes_total - p.bytes_done) / rate:,.0f}s" if rate else "-"
+            bar.update(p.phase, p.bytes_done, p.bytes_total,
+                       f"{p.files_done:,}/{p.files_total:,} files  {p.files_done / el:,.0f} files/s  "
+                       f"{rate / 1e6:,.1f} MB/s  ETA {eta}")
+
+    return show
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..cluster import lifecycle
     from ..manifest.importer import import_tree
     from ..manifest.store import open_configured
 
@@ -65,11 +59,22 @@ def run(args: argparse.Namespace) -> int:
                                  "import.block_size": args.block_size,
                                  "import.threads": args.threads})
     t0 = time.monotonic()
-    with open_configured(cfg) as store:
+    quiet = args.quiet or args.json
+    with open_configured(cfg) as store, progress_bar() as bar:
         info = import_tree(args.source, args.name, store, cfg.import_.chunk_size, cfg.import_.threads,
-                           progress=None if args.quiet else ProgressLine(),
+                           progress=None if quiet else _progress(bar),
                            block_size=cfg.import_.block_size)
-    dt = time.monotonic() - t0
+        dt = time.monotonic() - t0
+        # the version rule (cluster/lifecycle.py): older versions beyond store.keep_versions
+        # go, unless mounted or preloaded
+        gone = lifecycle.collect(store, info.name, cfg.store.keep_versions)
+    if args.json:
+        print(json.dumps({**info.to_json(), "seconds": round(dt, 3),
+                          "removed_versions": gone}, indent=2))
+        return 0
+    if gone:
+        print(f"gc: removed {', '.join(f'{info.name}@{v}' for v in gone)} "
+              f"(store.keep_versions={cfg.store.keep_versions})", file=sys.stderr)
     print(f"imported {info.name} v{info.version}: {info.files:,} files, {info.bytes / 1e6:,.1f} MB, "
           f"{info.chunks:,} chunks of {info.chunk_size >> 20} MiB in {dt:.1f}s "
           f"({info.bytes / 1e6 / max(dt, 1e-9):,.0f} MB/s); manifest {info.manifest_size:,} bytes")

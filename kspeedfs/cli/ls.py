@@ -7,6 +7,7 @@ import time
 
 from ..config import format_size
 from .options import cli_logging, load_config
+from .terminal import Table, print_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,12 +35,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([i.to_json() for i in infos], indent=2))
         return 0
-    rows = [("NAME", "VERSION", "FILES", "BYTES", "CHUNKS", "CHUNK", "IMPORTED", "SOURCE")]
+    table = Table(["NAME", "VERSION", "FILES", "BYTES", "CHUNKS", "CHUNK", "IMPORTED", "SOURCE"],
+                  right=(1, 2, 3, 4, 5))
     for i in infos:
-        rows.append((i.name, str(i.version), f"{i.files:,}", _human(i.bytes), f"{i.chunks:,}",
-                     format_size(i.chunk_size),
-                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.imported_at)), i.source))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+        table.add(i.name, i.version, f"{i.files:,}", _human(i.bytes), f"{i.chunks:,}",
+                  format_size(i.chunk_size),
+                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.imported_at)), i.source)
+    print_table(table)
     return 0

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError, KspeedfsError
-from .options import cli_logging, dataset_name, load_config, version
+from .options import cli_logging, dataset_name, load_config, priority, version
 
 # -o options mount(8)/fstab pass that mean nothing to us.
 _IGNORED = {"ro", "defaults", "auto", "noauto", "user", "nouser", "users", "_netdev", "nofail",
@@ -38,9 +38,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upgrade", action="store_true",
                    help="take the live mount at MOUNTPOINT over from the daemon serving it, "
                         "without unmounting (same dataset and version; native engine)")
+    p.add_argument("--preload", action="store_true",
+                   help="also ask the cluster to hold this version (capacity-planned like "
+                        "`kspeedfs preload`; etcd store)")
+    p.add_argument("--unload-on-exit", action="store_true",
+                   help="--preload, released when the last mount of this version goes "
+                        "(a crashed mount's hold lapses with its lease)")
+    p.add_argument("--priority", type=priority, default=0,
+                   help="with --preload: eviction priority (higher stays; default 0)")
     p.add_argument("--resume", metavar="SOCKET", help=argparse.SUPPRESS)   # the supervisor's
     p.add_argument("-o", dest="options", metavar="OPTS", action="append", default=[],
-                   help="comma-separated mount options: ro, allow_other, nonempty, config=PATH, "
+                   help="comma-separated mount options: ro, allow_other, nonempty, preload, "
+                        "unload_on_exit, priority=N, config=PATH, "
                         "version=N, source=DIR, cache_mem=SIZE, cache_dir=DIR, cache_disk=SIZE, "
                         "etcd=URL, store=DIR, SECTION.KEY=VALUE")
 
@@ -57,6 +66,13 @@ def _apply_o(args: argparse.Namespace) -> None:
             args.allow_other = True
         elif opt == "nonempty":
             args.nonempty = True
+        elif opt in ("preload", "unload_on_exit"):
+            setattr(args, opt, True)
+        elif key == "priority" and sep:
+            try:
+                args.priority = priority(value)
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(f"-o {opt}: {e}") from None
         elif key in ("config", "source", "store", "cache_dir") and sep:
             setattr(args, key, value)
         elif key == "version" and sep:
@@ -90,14 +106,40 @@ def run(args: argparse.Namespace) -> int:
         cfg.cluster.secret()
     from ..daemon import MountRequest             # after the checks: a bad flag fails fast
 
+    if (args.preload or args.unload_on_exit) and not (args.upgrade or args.resume):
+        _preload(cfg, args)
+
     logfile = logsetup.log_path(cfg.log.dir, args.dataset, os.path.abspath(args.mountpoint))
     req = MountRequest(args.dataset, args.mountpoint, args.dataset_version, args.source, args.nonempty,
                        upgrade=args.upgrade, resume=args.resume, supervise=not args.foreground,
+                       unload_on_exit=args.unload_on_exit,
                        argv=_remount_argv(sys.argv[1:]), logfile=logfile)
     if args.foreground:
         logsetup.setup(cfg.log.level, stderr=True, file=logfile)
         return _serve(cfg, req, None)
     return _daemonize(cfg, req, logfile)
+
+
+def _preload(cfg: Any, args: argparse.Namespace) -> None:
+    """``--preload``/``--unload-on-exit``: request the preload before mounting, so a
+    dataset that does not fit fails here, in one line, with nothing mounted."""
+    if cfg.store.backend != "etcd" or not cfg.cluster.peers:
+        raise ConfigError("--preload/--unload-on-exit need a cluster (the etcd store, "
+                          "cluster.peers on)")
+    from ..cluster import lifecycle
+    from .options import cluster_store
+
+    store = cluster_store(cfg, "mount --preload")
+    try:
+        info = store.dataset(args.dataset, args.dataset_version)
+        plan, unloaded = lifecycle.request_planned(
+            store, info.name, info.version, info.chunks, cfg.cluster.replicas, args.priority,
+            "last-mount" if args.unload_on_exit else "manual")
+    finally:
+        store.close()
+    for tag in unloaded:
+        print(f"unloaded {tag} to make room", file=sys.stderr)
+    args.dataset_version = info.version           # mount exactly what was preloaded
 
 
 def _remount_argv(argv: list[str]) -> tuple[str, ...]:

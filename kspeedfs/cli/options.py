@@ -47,6 +47,17 @@ def node_name(text: str) -> str:
     return text
 
 
+def priority(text: str) -> int:
+    """argparse type: a preload priority, -1000..1000 (``cluster/lifecycle.py``)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 1 << 20
+    if not -1000 <= n <= 1000:
+        raise argparse.ArgumentTypeError(f"invalid priority {text!r}: an integer in -1000..1000")
+    return n
+
+
 def version(text: str) -> int:
     """argparse type: a dataset version, 1.."""
     try:

@@ -5,7 +5,9 @@ import argparse
 import json
 import time
 
+from ..errors import KspeedfsError
 from .options import cli_logging, cluster_store, load_config
+from .terminal import Table, print_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,6 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
+    from ..cluster import lifecycle
     from ..cluster.membership import NodeRecord, list_json as _prefix
 
     cli_logging(args)
@@ -24,9 +27,11 @@ def run(args: argparse.Namespace) -> int:
     nodes = {n: asdict(r) for n, r in NodeRecord.list_verified(store).items()}
     stats = _prefix(store, "stats/")
     preload, progress = _prefix(store, "preload/"), _prefix(store, "progress/")
+    held = {tag: [asdict(r) for r in recs] for tag, recs in lifecycle.mounts(store).items()}
+    datasets = _datasets(store, cfg.cluster.replicas, nodes, preload, progress, held)
     if args.json:
-        print(json.dumps({"nodes": nodes, "stats": stats, "preload": preload, "progress": progress},
-                         indent=2))
+        print(json.dumps({"nodes": nodes, "stats": stats, "preload": preload, "progress": progress,
+                          "mounts": held, "datasets": datasets}, indent=2))
         return 0
     now = time.time()
     print(f"{len(nodes)} live node(s)")
@@ -34,25 +39,67 @@ def run(args: argparse.Namespace) -> int:
         s = stats.get(name, {})
         a = s.get("arena", {})
         c = s.get("counters", {})
+        d = s.get("disk") or {}
+        ssd = (f"; SSD {d.get('used', 0) / 2**30:.2f}/{d['capacity'] / 2**30:.2f} GiB"
+               if d.get("capacity") else "")
         print(f"  {name}: NICs {', '.join(rec['nics'])}; cache {a.get('used_bytes', 0) / 2**30:.2f}/"
-              f"{rec['capacity'] / 2**30:.2f} GiB ({a.get('used_slots', 0)} chunks); "
+              f"{rec['capacity'] / 2**30:.2f} GiB ({a.get('used_slots', 0)} chunks){ssd}; "
               f"up {now - rec['started']:.0f}s")
         print(f"    loads: {c.get('source_loads', 0)} from source, {c.get('peer_loads', 0)} from "
-              f"peers, {c.get('demand_loads', 0)} on demand, {c.get('rereplicated', 0)} re-replicated")
+              f"peers, {c.get('demand_loads', 0)} on demand, {c.get('rereplicated', 0)} re-replicated"
+              + (f"; {c['unloaded']} dropped by unloads" if c.get("unloaded") else ""))
         reads = s.get("reads", {})
         if reads.get("peer_latency"):
             print(f"    peer READs: {_latency(reads)}")
         for peer, p in sorted(s.get("endpoint", {}).get("peers", {}).items()):
             paths = ", ".join(f"{k} {v}" for k, v in p["paths"].items())
             print(f"    to {peer}: {p['state']} ({paths}); reads failed over {p['reads_failed_over']}")
-    print("datasets held by the cluster:")
+    table = Table(["DATASET", "PRIO", "CACHED", "MEMORY", "SSD", "R", "HIT", "MOUNTS"],
+                  right=(1, 2, 3, 4, 5, 6), title="datasets held by the cluster:")
+    for d in datasets:
+        table.add(d["tag"], d["priority"], f"{d['cached_pct']:.1f}%",
+                  f"{d['memory_bytes'] / 2**30:.2f} GiB", f"{d['disk_bytes'] / 2**30:.2f} GiB",
+                  f"{d['r_achieved']:.2f}/{d['r']}",
+                  "-" if d["hit_ratio"] is None else f"{100 * d['hit_ratio']:.1f}%",
+                  ", ".join(d["mounts"]) or "-")
+    print_table(table)
+    return 0
+
+
+def _datasets(store, replicas: int, nodes: dict, preload: dict, progress: dict,
+              held: dict[str, list[dict]]) -> list[dict]:
+    """Per preloaded dataset: chunk replicas cached (of those the live nodes own), bytes
+    per tier (chunks in memory / on SSD × the mean chunk size), R achieved (replicas
+    cached per chunk, on average), the hit ratio of its mounts (reads served by memory
+    or a peer's arena, of chunk requests) and which mounts use it."""
+    out = []
     for name, req in sorted(preload.items()):
+        if not isinstance(req, dict) or "version" not in req:
+            continue
         tag = f"{name}@{req['version']}"
         mine = {k.split("/", 1)[1]: v for k, v in progress.items() if k.startswith(tag + "/")}
-        owned = sum(v["owned"] for n, v in mine.items() if n in nodes)
-        cached = sum(v["cached"] for n, v in mine.items() if n in nodes)
-        print(f"  {tag}: {100 * cached / owned if owned else 0:.1f}% of {owned:,} chunk replicas cached")
-    return 0
+        live = [v for n, v in mine.items() if n in nodes and isinstance(v, dict)]
+        owned = sum(v.get("owned", 0) for v in live)
+        cached = sum(v.get("cached", 0) for v in live)
+        try:
+            info = store.dataset(name, int(req["version"]))
+            chunks, mean = info.chunks, info.bytes / max(info.chunks, 1)
+        except KspeedfsError:
+            chunks, mean = 0, 0.0
+        reads = [r.get("reads", {}) for r in held.get(tag, [])]
+        hits = sum(r.get("memory_hits", 0) + r.get("peer_hits", 0) for r in reads)
+        total = hits + sum(r.get("disk_hits", 0) + r.get("source_loads", 0) + r.get("source_extents", 0)
+                           for r in reads)
+        out.append({
+            "tag": tag, "priority": req.get("priority", 0), "release": req.get("release", "manual"),
+            "owned": owned, "cached": cached, "cached_pct": 100 * cached / owned if owned else 0.0,
+            "memory_bytes": int(sum(v.get("in_memory", 0) for v in live) * mean),
+            "disk_bytes": int(sum(v.get("on_disk", 0) for v in live) * mean),
+            "r": replicas, "r_achieved": cached / chunks if chunks else 0.0,
+            "hit_ratio": hits / total if total else None,
+            "mounts": [f"{r['host']}:{r['mountpoint']}" for r in held.get(tag, [])],
+        })
+    return out
 
 
 def _p99(counts: list[int], buckets: list[float]) -> str:

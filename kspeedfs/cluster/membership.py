@@ -224,6 +224,12 @@ class Registration:
             lease_id = self.lease_id
             self.store.race(lambda c: c.put(key, value, lease=lease_id))
 
+    def forget(self, key: str) -> None:
+        """Stop re-attaching ``key`` after a re-grant (no etcd request: whoever removed
+        the thing it describes deletes the key)."""
+        with self._lock:
+            self._keys.pop(key, None)
+
     def _refresh(self) -> None:
         if self.lease_id is None:
             self._grant()

@@ -4,12 +4,13 @@ Composition (each resource's teardown is the ``async with`` that opened it)::
 
     EtcdStore ─ Membership (watch nodes/) ─ PrefixView (watch preload/)
     Endpoint(NICs) ─ vMRs "arena" + "index" exported to authenticated peers ─ listen(port)
-    Arena(geometry, vMRs, owned = placement says this node is an owner)
+    Arena(geometry, vMRs, rank = my share by dataset priority, lifecycle.py)
     DiskCache (optional SSD tier: owned chunks evicted from the arena, promoted on demand)
     Peers (to copy chunks from other replicas)
     nursery ─┬─ rpc.serve(rpc_port)          load-on-demand, have, stats
              ├─ Registration.run             lease keep-alive (nodes/, progress/, stats/)
-             ├─ reconcile                    preload + re-replication + rejoin, one loop
+             ├─ reconcile                    preload + re-replication + rejoin + unload, one loop
+             ├─ release                      --unload-on-exit preloads no mount holds (lifecycle.py)
              ├─ publish_stats                every 2 s, for ``kspeedfs status``
              └─ metrics exporter             metrics.node_listen (metrics.py)
 
@@ -51,6 +52,8 @@ from ..origin import Origin
 from .arena import Arena, ArenaStatistics, Geometry
 from .fetch import Peers, PeerStatistics
 from .hedge import from_config as hedge_from_config
+from . import lifecycle
+from .lifecycle import PreloadRequest
 from .membership import Membership, NodeRecord, PrefixView, Registration
 from .placement import owners
 from . import rpc
@@ -80,6 +83,7 @@ class NodeCounters:
     disk_loads: int = 0              # chunks promoted from the SSD tier back to the arena
     spilled: int = 0                 # evicted owned chunks written to the SSD tier
     spills_inline: int = 0           # ... written in the loop because the SSD queue was full
+    unloaded: int = 0                # chunks dropped because their dataset was unloaded
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ class NodeStatistics:
     reads: PeerStatistics            # this node's own peer reads (re-replication)
     endpoint: EndpointStatistics
     progress: dict[str, dict[str, int]]  # "<ds>@<v>" → owned/cached/... (reconcile)
+    disk: dict[str, int]             # the SSD tier: capacity, used (bytes); zeros if none
 
 
 class Node:
@@ -167,6 +172,8 @@ class Node:
         self.preload = PrefixView(store, "preload/")
         self.progress: dict[str, dict[str, int]] = {}
         self._last_members: list[str] = []
+        self._rank: dict[bytes, int] = {}    # my share: key -> priority of its dataset
+        self._held: dict[str, int] = {}      # dataset -> version reconcile last filled
 
     # -- datasets --------------------------------------------------------------------------
 
@@ -196,6 +203,11 @@ class Node:
 
     def owns(self, key: bytes) -> bool:
         return self.name in owners(key, self.membership.members, self.cfg.cluster.replicas)
+
+    def rank(self, key: bytes) -> int:
+        """The arena's eviction class of ``key``: the highest priority of the preloaded
+        datasets in my share that hold it; -1 outside my share (evicted first)."""
+        return self._rank.get(key, -1)
 
     # -- loading one chunk --------------------------------------------------------------------
 
@@ -270,7 +282,9 @@ class Node:
         return NodeStatistics(node=self.name, time=time.time(), arena=self.arena.statistics(),
                               counters=replace(self.counters), reads=self.peers.statistics(),
                               endpoint=_endpoint_statistics(self.ep),
-                              progress={tag: dict(p) for tag, p in self.progress.items()})
+                              progress={tag: dict(p) for tag, p in self.progress.items()},
+                              disk={"capacity": self.disk.capacity if self.disk else 0,
+                                    "used": self.disk.used if self.disk else 0})
 
     # -- reconcile: preload, re-replication, rejoin ----------------------------------------
 
@@ -294,12 +308,12 @@ class Node:
             await trio.sleep(0.2)                    # debounce a burst of changes
 
     async def reconcile(self) -> None:
-        wanted = {}
+        wanted: dict[str, PreloadRequest] = {}
         for name, raw in self.preload.values.items():
             try:
-                wanted[name] = int(json.loads(raw)["version"])
-            except (ValueError, KeyError, TypeError):
-                log.warning("ignoring malformed preload request for %s", name)
+                wanted[name] = PreloadRequest.from_json(raw)
+            except ValueError as e:
+                log.warning("ignoring malformed preload request for %s: %s", name, e)
         members = [m.node for m in self.membership.members]
         rereplicating = bool(set(self._last_members) - set(members))
         if members != self._last_members and self._last_members:
@@ -308,9 +322,81 @@ class Node:
         self._last_members = members
         if self.name not in members:
             return                                   # not registered (yet): own nothing
-        for name, version in sorted(wanted.items()):
-            ds = await self.dataset(name, version)
-            await self._fill(ds, rereplicating)
+        rank: dict[bytes, int] = {}
+        datasets = {}
+        for name, req in wanted.items():
+            ds = datasets[name] = await self.dataset(name, req.version)
+            ix = ds.index
+            for k in range(ix.chunks):
+                key = ix.chunk_digest(k)
+                if self.owns(key) and rank.get(key, req.priority - 1) < req.priority:
+                    rank[key] = req.priority
+        self._rank = rank
+        self._drop_unloaded({n: r.version for n, r in wanted.items()})
+        # highest priority first: when memory is short, what matters most is loaded first
+        for name, req in sorted(wanted.items(), key=lambda nr: (-nr[1].priority, nr[0])):
+            await self._fill(datasets[name], rereplicating)
+            self._held[name] = req.version
+
+    def _drop_unloaded(self, wanted: dict[str, int]) -> None:
+        """Forget the chunks of every version reconcile filled before and no preload
+        names now (``kspeedfs unload``/``rm``, or a new version preloaded), except
+        chunks a wanted version shares; from the arena and the SSD tier."""
+        for name, version in list(self._held.items()):
+            if wanted.get(name) == version:
+                continue
+            del self._held[name]
+            tag = f"{name}@{version}"
+            self.progress.pop(tag, None)
+            self.registration.forget(f"{self.store.prefix}progress/{tag}/{self.name}")
+            ds = self.datasets.pop((name, version), None)
+            if ds is None:
+                continue
+            chunks = nbytes = 0
+            for k in range(ds.index.chunks):
+                key = ds.index.chunk_digest(k)
+                if key in self._rank:
+                    continue                     # a wanted version has it too
+                length = self.arena.drop(key)
+                if self.disk is not None and key in self.disk:
+                    self.disk.discard(key)
+                    length = length or ds.index.chunk_len[k]
+                if length:
+                    chunks, nbytes = chunks + 1, nbytes + length
+            self.counters.unloaded += chunks
+            log.info("%s unloaded: dropped %d chunks (%d bytes) from the arena and SSD tier",
+                     tag, chunks, nbytes)
+
+    async def release_forever(self) -> None:
+        """The first live node releases an ``--unload-on-exit`` preload once no mount has
+        held it for ``RELEASE_GRACE_TTLS`` lease TTLs (a crashed mount's hold went with
+        its lease; a supervisor's resumed daemon holds it again well within that)."""
+        grace = lifecycle.RELEASE_GRACE_TTLS * self.cfg.cluster.lease_ttl
+        unheld: dict[str, float] = {}            # dataset -> when first seen with no hold
+        while True:
+            await trio.sleep(max(1.0, self.cfg.cluster.lease_ttl / 2))
+            members = [m.node for m in self.membership.members]
+            if not members or min(members) != self.name:
+                unheld.clear()
+                continue
+            for name, raw in list(self.preload.values.items()):
+                try:
+                    req = PreloadRequest.from_json(raw)
+                    if req.release != "last-mount":
+                        continue
+                    held = await trio.to_thread.run_sync(lifecycle.mounts, self.store, name)
+                    if held.get(f"{name}@{req.version}"):
+                        unheld.pop(name, None)
+                        continue
+                    since = unheld.setdefault(name, time.monotonic())
+                    if time.monotonic() - since >= grace:
+                        await trio.to_thread.run_sync(lifecycle.release_if_unheld, self.store,
+                                                      name, grace)
+                        unheld.pop(name, None)
+                except ValueError:
+                    continue
+                except KspeedfsError as e:
+                    log.warning("cannot check the mounts of %s: %s", name, e)
 
     async def _fill(self, ds: Dataset, rereplicating: bool) -> None:
         ix = ds.index
@@ -319,9 +405,9 @@ class Node:
         tag = f"{ds.info.name}@{ds.info.version}"
         prog = self.progress[tag] = {"owned": len(mine), "cached": len(mine) - len(missing),
                                      "owned_bytes": sum(ix.chunk_len[k] for k in mine),
-                                     "from_source": 0, "from_peer": 0}
+                                     "from_source": 0, "from_peer": 0, "refused": 0}
         if not missing:
-            await self._publish_progress(tag)
+            await self._publish_progress(tag, ds)
             return
         log.info("%s: %d of my %d chunks missing; loading (%s)", tag, len(missing), len(mine),
                  "re-replication" if rereplicating else "preload")
@@ -333,6 +419,9 @@ class Node:
             nonlocal last_pub
             for k in todo:
                 where = await self.load_chunk(ds, k)
+                if not self.has(ix.chunk_digest(k)):
+                    prog["refused"] += 1             # no room beside higher priorities
+                    continue
                 prog["cached"] += 1
                 if where == "source":
                     prog["from_source"] += 1
@@ -347,14 +436,25 @@ class Node:
         async with trio.open_nursery() as n:
             for _ in range(self.cfg.cluster.preload_workers):
                 n.start_soon(worker)
-        await self._publish_progress(tag)
+        await self._publish_progress(tag, ds)
         dt = time.monotonic() - t0
-        log.info("%s: my share is cached: %d chunks (%d from peers, %d from the source) in %.1fs",
-                 tag, len(mine), prog["from_peer"], prog["from_source"], dt)
+        if prog["refused"]:
+            log.warning("%s: %d of my %d chunks do not fit beside higher-priority datasets "
+                        "(preloaded with --force?)", tag, prog["refused"], len(mine))
+        else:
+            log.info("%s: my share is cached: %d chunks (%d from peers, %d from the source) "
+                     "in %.1fs", tag, len(mine), prog["from_peer"], prog["from_source"], dt)
 
-    async def _publish_progress(self, tag: str) -> None:
+    async def _publish_progress(self, tag: str, ds: Dataset | None = None) -> None:
         key = f"{self.store.prefix}progress/{tag}/{self.name}"
-        value = json.dumps(self.progress[tag]).encode()
+        prog = self.progress[tag]
+        if ds is not None:                       # per tier, once a fill pass ended
+            ix = ds.index
+            mine = [ix.chunk_digest(k) for k in range(ix.chunks) if ix.chunk_digest(k) in self._rank]
+            prog["in_memory"] = sum(1 for key_ in mine if key_ in self.arena)
+            prog["on_disk"] = sum(1 for key_ in mine if key_ not in self.arena
+                                  and self.disk is not None and key_ in self.disk)
+        value = json.dumps(prog).encode()
         try:
             await trio.to_thread.run_sync(self.registration.put, key, value)
         except KspeedfsError as e:
@@ -446,7 +546,7 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
                     if cfg.cache.disk else None)
             node = Node(cfg, name, store, ep, arena, membership, peers, registration, nursery,
                         source_override, disk)
-            arena.owned = node.owns
+            arena.rank = node.rank
             if disk is not None:
                 arena.on_evict = node.spill
                 nursery.start_soon(node.spill_forever, name="ssd-tier")
@@ -470,6 +570,7 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
                             "%.2gs (cluster.lease_ttl/3): a cut rail can cost a refresh",
                             cfg.store.etcd_attempt_timeout, registration.period)
             nursery.start_soon(node.reconcile_forever, name="reconcile")
+            nursery.start_soon(node.release_forever, name="release")
             nursery.start_soon(node.publish_stats_forever, name="stats")
             if cfg.metrics.node_listen:
                 nursery.start_soon(_export_metrics, cfg, node, name="metrics")

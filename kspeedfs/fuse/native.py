@@ -109,6 +109,7 @@ class NativeSession:
         self.nonempty = nonempty
         self.slow_op = ops.slow_op
         self.op_stats = OpStats()
+        ops.op_rows = self.op_rows           # the stats xattr counts what C answered too
         self.engine: Any = None
         self.fd = -1
         self.minor: int | None = None

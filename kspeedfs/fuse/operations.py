@@ -63,6 +63,9 @@ class Operations(pyfuse3.Operations):
         slow_op: operations slower than this (s) are logged as WARNINGs (``log.slow_op``).
         op_stats: per-operation counts, errors and latency buckets (``boundary.OpStats``),
             read by the metrics exporter at scrape time.
+        op_rows: the rows every engine answered, ``{op: [count, errors, seconds, *buckets]}``
+            (pyfuse3: ``op_stats``; the native engine's session puts its C + Python sum
+            here); their counts are the ``ops`` of the ``stats`` xattr.
     """
 
     supports_dot_lookup = False
@@ -81,6 +84,8 @@ class Operations(pyfuse3.Operations):
         self.blksize = cfg.blksize
         self.slow_op = slow_op
         self.op_stats = OpStats()
+        self.op_rows: Callable[[], dict[str, list[Any]]] = \
+            lambda: {op: list(row) for op, row in self.op_stats.rows.items()}
         self._streams: dict[int, tuple[int, Stream]] = {}   # fh -> (entry, sequential state)
         self._next_fh = 1
 
@@ -214,6 +219,7 @@ class Operations(pyfuse3.Operations):
             stats = asdict(self.reader.statistics())
             if self.reader.peers is not None:          # a cluster mount: its peer reads too
                 stats.update(asdict(self.reader.peers.statistics()))
+            stats["ops"] = {op: row[0] for op, row in self.op_rows().items() if row[0]}
             out[b"stats"] = json.dumps(stats).encode()
         return out
 

@@ -34,23 +34,43 @@ def remote_lookup(g: Geometry, index: Mem, data: Mem, key: bytes) -> bytes | Non
 
 
 class ArenaModel(RuleBasedStateMachine):
+    """Random puts of chunks of random ranks (-1: outside the share, 0..2: priorities)
+    and drops: the index always agrees with the arena, a put is refused only when
+    every possible victim outranks it, and a refused put evicts nothing."""
+
     def __init__(self) -> None:
         super().__init__()
         self.g = Geometry.for_memory(6 * 64, 64)            # 6 slots of 64 bytes
         self.data, self.index = Mem(self.g.arena_bytes), Mem(self.g.index_bytes)
-        self.pinned: set[bytes] = set()
-        self.arena = Arena(self.g, self.data, self.index, owned=lambda k: k in self.pinned)
+        self.ranks: dict[bytes, int] = {}
+        self.arena = Arena(self.g, self.data, self.index, rank=lambda k: self.ranks.get(k, -1))
         self.blobs: dict[bytes, bytes] = {}
 
-    @rule(seed=st.integers(0, 30), size=st.integers(1, 64), pin=st.booleans())
-    def put(self, seed: int, size: int, pin: bool) -> None:
+    @rule(seed=st.integers(0, 30), size=st.integers(1, 64), rank=st.integers(-1, 2))
+    def put(self, seed: int, size: int, rank: int) -> None:
         blob = bytes([seed]) * size
         key = xxhash.xxh3_128_digest(blob)
         self.blobs[key] = blob
-        if pin:
-            self.pinned.add(key)
-        self.arena.put(key, blob)
-        assert key in self.arena
+        if key not in self.arena:
+            self.ranks[key] = rank
+        before = set(self.arena.keys())
+        stored = self.arena.put(key, blob)
+        if stored:
+            assert key in self.arena
+        else:
+            assert set(self.arena.keys()) == before, "a refused put evicted something"
+            b = bucket_of(key, self.g.nbuckets)
+            # refused: the arena (or the key's bucket) is full of higher ranks
+            others = [k for k in before if len(before) == self.g.nslots
+                      or bucket_of(k, self.g.nbuckets) == b]
+            assert others and min(self.ranks.get(k, -1) for k in others) > self.ranks[key]
+
+    @rule(seed=st.integers(0, 30), size=st.integers(1, 64))
+    def drop(self, seed: int, size: int) -> None:
+        key = xxhash.xxh3_128_digest(bytes([seed]) * size)
+        was = key in self.arena
+        assert self.arena.drop(key) == (size if was else 0)
+        assert key not in self.arena
 
     @invariant()
     def index_agrees(self) -> None:
@@ -66,18 +86,40 @@ class ArenaModel(RuleBasedStateMachine):
 TestArenaModel = ArenaModel.TestCase
 
 
-def test_unowned_chunks_are_evicted_first() -> None:
+def test_chunks_outside_the_share_are_evicted_first() -> None:
     g = Geometry.for_memory(4 * 16, 16)
-    owned: set[bytes] = set()
-    a = Arena(g, Mem(g.arena_bytes), Mem(g.index_bytes), owned=lambda k: k in owned)
+    ranks: dict[bytes, int] = {}
+    a = Arena(g, Mem(g.arena_bytes), Mem(g.index_bytes), rank=lambda k: ranks.get(k, -1))
     keys = [xxhash.xxh3_128_digest(bytes([i])) for i in range(5)]
     for i, k in enumerate(keys[:4]):
         if i != 1:
-            owned.add(k)
+            ranks[k] = 0
         a.put(k, bytes([i]) * 16)
-    a.put(keys[4], b"x" * 16)                               # full: evict the unowned one
+    assert a.put(keys[4], b"x" * 16)                        # full: evict the one outside
     assert keys[1] not in a and all(k in a for k in keys[:1] + keys[2:])
     assert a.statistics().evictions == 1
+
+
+def test_lower_priority_goes_first_and_never_evicts_a_higher_one() -> None:
+    g = Geometry.for_memory(4 * 16, 16)
+    ranks: dict[bytes, int] = {}
+    spilled: list[bytes] = []
+    a = Arena(g, Mem(g.arena_bytes), Mem(g.index_bytes), rank=lambda k: ranks.get(k, -1),
+              on_evict=lambda k, d: spilled.append(k))
+    keys = [xxhash.xxh3_128_digest(bytes([i])) for i in range(6)]
+    for i, k in enumerate(keys[:4]):
+        ranks[k] = 5 if i % 2 else 1                        # 0, 2: priority 1; 1, 3: priority 5
+        a.put(k, bytes([i]) * 16)
+    ranks[keys[4]] = 5
+    assert a.put(keys[4], b"x" * 16)                        # evicts the oldest priority-1 one
+    assert keys[0] not in a and spilled == [keys[0]]
+    ranks[keys[5]] = 1
+    assert a.put(keys[5], b"y" * 16)                        # a priority-1 one is still there
+    assert keys[2] not in a
+    ranks[keys[0]] = 0
+    assert not a.put(keys[0], b"z" * 16), "a priority-0 chunk evicted a higher one"
+    assert keys[0] not in a and a.statistics().refused == 1
+    assert spilled[-1] == keys[0], "a refused chunk goes to the SSD tier as if evicted"
 
 
 def _verify(key: bytes, data: bytes) -> bool:

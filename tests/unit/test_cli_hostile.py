@@ -52,9 +52,13 @@ BAD_OPTION_VALUES: dict[str, list[str]] = {
     "--nic": ["198.18.99.99", "::1::", "eth0", "", "999.1.1.1"],
     "--version": NUMBERS,
     "--timeout": ["-1", "nan", "inf", "1e400", "abc", ""],
+    "--interval": ["0", "0.01", "-1", "nan", "inf", "1e400", "abc", ""],   # stats
+    "--count": ["-1", "1.5", "nan", "abc", "", HUGE],
+    "--priority": ["1001", "-1001", "1.5", "abc", "", HUGE],          # preload, mount
+    "--keep": ["0", "-1", "abc", ""],                                   # gc
     "--threads": NUMBERS[:1] + ["100000", "nan", "abc", ""],
     "-o": ["rw", "version=abc", "version=-1", "bogus", "cache_mem=-1", "etcd=ftp://x",
-           "cluster.port=70000", "nope.x=1"],
+           "cluster.port=70000", "nope.x=1", "priority=abc", "priority=5000"],
 }
 for _opt in ("--cache-mem", "--cache-disk", "--chunk-size", "--block-size"):
     BAD_OPTION_VALUES[_opt] = SIZES
@@ -125,8 +129,8 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_every_subcommand_is_covered() -> None:
     commands = {" ".join(w) for w, _ in _commands(build_parser())}
-    assert {"import", "mount", "umount", "ls", "config", "node", "preload", "status",
-            "secret generate"} <= commands
+    assert {"import", "mount", "umount", "ls", "config", "node", "preload", "status", "stats",
+            "unload", "rm", "gc", "secret generate"} <= commands
     assert len(CASES) > 150
 
 
@@ -155,6 +159,16 @@ def test_hostile_arguments(tmp_path: Path) -> None:
     (["config", "--etcd", "ftp://x"], "store.etcd"),
     (["mount", LONG, "/nonexistent/m"], "invalid dataset name"),
     (["node", "--nic", "198.18.99.99", *BASE], "198.18.99.99 is not an address of this host"),
+    (["stats", "/proc"], "/proc is not a kspeedfs mount (it is a proc mount)"),
+    (["stats", "/nonexistent/m"], "/nonexistent/m: no such directory"),
+    (["stats"], "one of the arguments mountpoint --cluster is required"),
+    (["stats", "--cluster"], "stats --cluster needs the cluster's etcd store (--etcd URL)"),
+    (["rm", "imgs@abc"], "the version after @ must be a positive integer"),
+    (["unload", "imgs"], "unload needs the cluster's etcd store (--etcd URL)"),
+    (["gc", "--keep", "0"], "keep at least 1 version"),
+    (["preload", "imgs", "--priority", "5000"], "invalid priority '5000': an integer in -1000..1000"),
+    (["mount", "imgs", "/nonexistent/m", "--unload-on-exit", "--store", "/nonexistent/s"],
+     "--preload/--unload-on-exit need a cluster"),
 ])
 def test_errors_say_what_is_wrong(tmp_path: Path, argv: list[str], needle: str) -> None:
     r = _run(argv, tmp_path)

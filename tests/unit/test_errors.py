@@ -32,6 +32,8 @@ ERRNO = {
     "StoreUnavailable": errno.EHOSTUNREACH,
     "DatasetNotFound": errno.ENOENT,
     "VersionConflict": errno.EAGAIN,
+    "DatasetInUse": errno.EBUSY,
+    "CapacityExceeded": errno.ENOSPC,
     "ManifestCorrupt": errno.EIO,
     "RecordUnverified": errno.EIO,
     "SourceError": errno.ENOENT,

@@ -25,7 +25,7 @@ ALLOWED = {"dataset", "version", "mountpoint", "node", "peer", "tier", "op", "le
 def peers() -> SimpleNamespace:
     return SimpleNamespace(peer_hits=3, per_peer_bytes={"n1": 10, "n2": 20}, peer_misses=1,
                            peer_loads_requested=2, peer_unreachable=0, peer_longest_stall_ms=1.5,
-                           vqps={"n1": "UP", "n2": "DOWN"}, peer_checksum_retries=1,
+                           vqps={"n1": "reachable", "n2": "unreachable"}, peer_checksum_retries=1,
                            peer_hedges=4, peer_hedges_won=2, peer_latency_buckets_ms=(1.0, 10.0),
                            peer_latency={"n1": SimpleNamespace(counts=(2, 1, 1), threshold_ms=4.0,
                                                                suspected=False)})
@@ -66,6 +66,7 @@ def test_mount_exposition() -> None:
     assert v["kspeedfs_chunk_requests_total[" + lab + "('tier', 'memory'), ('version', '1')]"] == 2
     assert v["kspeedfs_peer_read_bytes_total[" + lab + "('peer', 'n2'), ('version', '1')]"] == 20
     assert v["kspeedfs_peer_connection_up[" + lab + "('peer', 'n2'), ('version', '1')]"] == 0
+    assert v["kspeedfs_peer_connection_up[" + lab + "('peer', 'n1'), ('version', '1')]"] == 1
     assert v["kspeedfs_fuse_errors_total[" + lab + "('op', 'lookup'), ('version', '1')]"] == 1
     b = "kspeedfs_fuse_operation_seconds_bucket[('dataset', 'ds'), ('le', '{}'), " \
         "('mountpoint', '/mnt/x'), ('op', 'read'), ('version', '1')]"

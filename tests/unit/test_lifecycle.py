@@ -1,0 +1,105 @@
+"""The dataset lifecycle's pure parts (``cluster/lifecycle.py``): the capacity plan, the
+version rule, and the parsers of the ``preload/`` and ``mounts/`` records, fuzzed
+(they read what etcd holds: any JSON, or any bytes, gives a record or ``ValueError``)."""
+from __future__ import annotations
+
+import json
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kspeedfs.cluster.lifecycle import (Holding, MountRecord, PreloadRequest, collectable,
+                                        plan)
+
+SLOT = 256 << 10
+
+
+def test_a_dataset_that_fits_beside_the_others_fits() -> None:
+    p = plan(Holding("b", 1, 40, 0), [Holding("a", 1, 50, 0)], 2, SLOT, memory_slots=192,
+             disk_bytes=0)
+    assert p.fits and p.in_memory and p.need == 80 and p.used == 100
+    assert "fits in memory" in p.describe()
+
+
+def test_the_ssd_tier_counts_but_is_named() -> None:
+    p = plan(Holding("b", 1, 60, 0), [Holding("a", 1, 50, 0)], 2, SLOT, memory_slots=192,
+             disk_bytes=40 * SLOT)
+    assert p.fits and not p.in_memory and "partly on the SSD tier" in p.describe()
+
+
+def test_equal_priority_is_never_evicted() -> None:
+    p = plan(Holding("b", 1, 60, 0), [Holding("a", 1, 50, 0)], 2, SLOT, 192, 0)
+    assert not p.fits and p.evict == []
+    assert "does not fit" in p.describe() and "a@1" in p.describe()
+
+
+def test_higher_priority_names_the_fewest_lowest_victims() -> None:
+    held = [Holding("x", 1, 30, 3, requested=1), Holding("y", 1, 30, 1, requested=2),
+            Holding("z", 1, 30, 1, requested=1)]
+    p = plan(Holding("new", 1, 50, 5), held, 2, SLOT, 192, 0)
+    assert not p.fits and [h.tag for h in p.evict] == ["z@1", "y@1"]   # lowest, oldest first
+    assert "--evict" in p.describe()
+    # a new version of the same dataset replaces the old one, it is not counted twice
+    assert plan(Holding("x", 2, 36, 0), held, 2, SLOT, 192, 0).fits        # 72 + 120 slots
+
+
+def test_the_version_rule_keeps_the_newest_and_the_pinned() -> None:
+    assert collectable([1, 2, 3, 4, 5], 2, set()) == [1, 2, 3]
+    assert collectable([1, 2, 3, 4, 5], 2, {1, 3}) == [2]
+    assert collectable([1, 2], 5, set()) == []
+    assert collectable([1, 2, 3], 0, set()) == []          # 0: keep every version
+
+
+def test_old_preload_records_still_parse() -> None:
+    r = PreloadRequest.from_json(b'{"version": 3, "requested": 1700000000.5}')
+    assert (r.version, r.priority, r.release) == (3, 0, "manual")
+    assert PreloadRequest.from_json(r.to_json()) == r
+
+
+def test_a_mount_record_round_trips() -> None:
+    m = MountRecord("imgs", 2, "host", "/mnt/x", 123, 5.0, True, {"reads": 7})
+    assert MountRecord.from_json(m.to_json()) == m
+    assert m.key("/p/") == "/p/mounts/imgs@2/host:123"
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=12), inner, max_size=6), max_leaves=20)
+FIELDS = st.fixed_dictionaries({}, optional={
+    "version": st.integers() | JSON, "requested": st.floats() | JSON, "priority": st.integers() | JSON,
+    "release": st.sampled_from(["manual", "last-mount", "x"]) | JSON,
+    "dataset": st.text(max_size=300) | JSON, "host": st.text(max_size=8) | JSON,
+    "mountpoint": st.text(max_size=8) | JSON, "pid": st.integers() | JSON,
+    "started": st.floats() | JSON, "unload_on_exit": st.booleans() | JSON,
+    "reads": st.dictionaries(st.text(max_size=8), st.integers()) | JSON})
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(FIELDS, JSON))
+def test_parsers_take_any_json(obj: object) -> None:
+    raw = json.dumps(obj).encode()
+    for parse in (PreloadRequest.from_json, MountRecord.from_json):
+        try:
+            rec = parse(raw)
+        except ValueError:
+            continue
+        assert type(rec).from_json(rec.to_json()) == rec
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64))
+def test_parsers_take_any_bytes(raw: bytes) -> None:
+    for parse in (PreloadRequest.from_json, MountRecord.from_json):
+        try:
+            parse(raw)
+        except ValueError:
+            pass
+
+
+def test_deep_nesting_is_a_value_error() -> None:
+    for parse in (PreloadRequest.from_json, MountRecord.from_json):
+        try:
+            parse(b"[" * 100_000)
+        except ValueError:
+            continue
+        raise AssertionError("accepted")
