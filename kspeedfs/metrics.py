@@ -99,10 +99,41 @@ def _peer_families(f: _Families, p: Any) -> None:
                 by="peer", values={n: float(lat.suspected) for n, lat in latency.items()})
 
 
+def _path_families(f: _Families, links: list[Any] | None) -> None:
+    """Every path of every vQP (``rdma.vrdma`` VQPStats): by ``peer`` and ``nic`` (the
+    local NIC address; one per rail, so bounded). Failovers are READs this path lost to
+    another path; rebuilds are its vRDMA reconnects."""
+    if links is None:
+        return
+    rows = [(v.peer, p) for v in links for p in v.paths]
+    for name, kind, doc, value in (
+            ("path_up", GaugeMetricFamily, "1 while the path is UP (heartbeats answered)",
+             lambda p: float(p.state == "UP")),
+            ("path_reads_total", CounterMetricFamily, "peer READs completed on the path",
+             lambda p: p.reads_ok),
+            ("path_read_bytes_total", CounterMetricFamily, "bytes READ on the path",
+             lambda p: p.bytes_ok),
+            ("path_failovers_total", CounterMetricFamily,
+             "READs moved off the path to a surviving one", lambda p: p.reads_failed_over),
+            ("path_downs_total", CounterMetricFamily, "times the path went DOWN",
+             lambda p: p.downs),
+            ("path_reconnects_total", CounterMetricFamily, "vRDMA rebuilds of the path",
+             lambda p: p.rebuilds)):
+        fam = kind(f"kspeedfs_{name}", doc, labels=f.names + ["peer", "nic"])
+        for peer, p in sorted(rows, key=lambda r: (r[0], r[1].local_nic, r[1].path_id)):
+            fam.add_metric(f.values + [peer, p.local_nic], value(p))
+        f.out.append(fam)
+
+
+def _etcd_family(f: _Families, reachable: bool | None) -> None:
+    if reachable is not None:
+        f.gauge("etcd_reachable", "1 if the last etcd request was answered", float(reachable))
+
+
 def mount_families(snap: dict[str, Any], labels: dict[str, str]) -> Families:
     """``snap``: {"read": ReadStatistics, "peers": PeerStatistics | None,
     "ops": {op: [count, errors, seconds, *buckets]}, "bounds": OpStats.BOUNDS,
-    "members": int | None}."""
+    "members": int | None, optional "links": [VQPStats], "etcd_reachable": bool}."""
     f = _Families(labels)
     r = snap["read"]
     f.counter("read_requests_total", "FUSE read requests", r.reads)
@@ -134,6 +165,8 @@ def mount_families(snap: dict[str, Any], labels: dict[str, str]) -> Families:
         _peer_families(f, snap["peers"])
     if snap.get("members") is not None:
         f.gauge("membership_nodes", "nodes in this process's membership view", snap["members"])
+    _path_families(f, snap.get("links"))
+    _etcd_family(f, snap.get("etcd_reachable"))
     ops: dict[str, list[Any]] = snap["ops"]
     f.counter("fuse_operations_total", "FUSE operations answered", by="op",
               values={op: row[0] for op, row in ops.items()})
@@ -154,7 +187,8 @@ def mount_families(snap: dict[str, Any], labels: dict[str, str]) -> Families:
 
 
 def node_families(snap: dict[str, Any], labels: dict[str, str]) -> Families:
-    """``snap``: {"node": NodeStatistics, "disk_bytes": int | None, "members": int}."""
+    """``snap``: {"node": NodeStatistics, "disk_bytes": int | None, "members": int,
+    optional "links": [VQPStats], "etcd_reachable": bool}."""
     f = _Families(labels)
     s = snap["node"]
     a, c = s.arena, s.counters
@@ -164,6 +198,10 @@ def node_families(snap: dict[str, Any], labels: dict[str, str]) -> Families:
     f.gauge("arena_used_slots", "arena slots holding a chunk", a.used_slots)
     f.counter("arena_evictions_total", "chunks evicted from the arena", a.evictions)
     f.counter("arena_puts_total", "chunks stored into the arena", a.puts)
+    f.counter("arena_refused_total", "chunks not stored: room would have evicted a higher "
+              "priority (cluster/lifecycle.py)", a.refused)
+    f.counter("node_unloaded_chunks_total", "chunks dropped because their dataset was unloaded",
+              c.unloaded)
     f.counter("node_chunk_loads_total", "chunks this node loaded into its arena, by tier read",
               by="tier", values={"source": c.source_loads, "peer": c.peer_loads,
                                  "disk": c.disk_loads})
@@ -191,6 +229,8 @@ def node_families(snap: dict[str, Any], labels: dict[str, str]) -> Families:
         fam.add_metric(f.values + [ds, v], p.get("owned_bytes", 0))
     f.out.append(fam)
     _peer_families(f, s.reads)
+    _path_families(f, snap.get("links"))
+    _etcd_family(f, snap.get("etcd_reachable"))
     return f.out
 
 

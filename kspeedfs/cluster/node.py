@@ -323,19 +323,20 @@ class Node:
         if self.name not in members:
             return                                   # not registered (yet): own nothing
         rank: dict[bytes, int] = {}
-        datasets = {}
+        datasets, shares = {}, {}
         for name, req in wanted.items():
             ds = datasets[name] = await self.dataset(name, req.version)
             ix = ds.index
-            for k in range(ix.chunks):
+            mine = shares[name] = [k for k in range(ix.chunks) if self.owns(ix.chunk_digest(k))]
+            for k in mine:
                 key = ix.chunk_digest(k)
-                if self.owns(key) and rank.get(key, req.priority - 1) < req.priority:
+                if rank.get(key, req.priority - 1) < req.priority:
                     rank[key] = req.priority
         self._rank = rank
         self._drop_unloaded({n: r.version for n, r in wanted.items()})
         # highest priority first: when memory is short, what matters most is loaded first
         for name, req in sorted(wanted.items(), key=lambda nr: (-nr[1].priority, nr[0])):
-            await self._fill(datasets[name], rereplicating)
+            await self._fill(datasets[name], shares[name], rereplicating)
             self._held[name] = req.version
 
     def _drop_unloaded(self, wanted: dict[str, int]) -> None:
@@ -398,9 +399,9 @@ class Node:
                 except KspeedfsError as e:
                     log.warning("cannot check the mounts of %s: %s", name, e)
 
-    async def _fill(self, ds: Dataset, rereplicating: bool) -> None:
+    async def _fill(self, ds: Dataset, mine: list[int], rereplicating: bool) -> None:
+        """Load the chunks of ``ds`` this node owns (``mine``) that it does not hold."""
         ix = ds.index
-        mine = [k for k in range(ix.chunks) if self.owns(ix.chunk_digest(k))]
         missing = [k for k in mine if not self.has(ix.chunk_digest(k))]
         tag = f"{ds.info.name}@{ds.info.version}"
         prog = self.progress[tag] = {"owned": len(mine), "cached": len(mine) - len(missing),
@@ -488,7 +489,9 @@ async def _export_metrics(cfg: Config, node: Node) -> None:
 
     def snapshot() -> dict[str, object]:
         return {"node": node.statistics(), "members": len(node.membership.nodes),
-                "disk_bytes": node.disk.used if node.disk is not None else None}
+                "disk_bytes": node.disk.used if node.disk is not None else None,
+                "links": [v.statistics() for v in list(node.ep.vqps)],
+                "etcd_reachable": node.store.reachable}
 
     with metrics.serve("metrics.node_listen", cfg.metrics.node_listen, snapshot,
                        metrics.node_families, {"node": node.name}):

@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,26 @@ def test_nodes_and_a_mount_serve_metrics(tmp_path: Path) -> None:
         assert total(m, "kspeedfs_peer_read_seconds_bucket", le="+Inf") \
             >= total(m, "kspeedfs_peer_reads_total") > 0                   # the hedger's view
         assert total(m, "kspeedfs_chunk_requests_total", tier="source") == 0
+        # per NIC: both paths to each peer up, etcd answered; then rail 1 of the client
+        # dies: its paths go down (and count it) while rail 2 and etcd stay up
+        rail1, rail2 = c.client.address(1), c.client.address(2)
+        for nic in (rail1, rail2):
+            assert total(m, "kspeedfs_path_up", nic=nic) == 2, m.get("kspeedfs_path_up")
+        assert total(m, "kspeedfs_etcd_reachable") == 1
+        assert total(m, "kspeedfs_peer_connection_up") == 2
+        c.client.nic_down(1)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                r = subprocess.run(c.client_argv([sys.executable, "-c", SCRAPE % 9480]),
+                                   capture_output=True, text=True, timeout=30, check=True)
+                m = parse(r.stdout)
+                if total(m, "kspeedfs_path_up", nic=rail1) == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert total(m, "kspeedfs_path_up", nic=rail1) == 0
+            assert total(m, "kspeedfs_path_up", nic=rail2) == 2
+            assert total(m, "kspeedfs_path_downs_total", nic=rail1) >= 2
+            assert total(m, "kspeedfs_peer_connection_up") == 2          # degraded, not down
+        finally:
+            c.client.nic_up(1)

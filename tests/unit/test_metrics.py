@@ -19,7 +19,7 @@ from kspeedfs.errors import ConfigError
 from kspeedfs.fuse.boundary import OpStats
 from kspeedfs.stats import ReadStatistics
 
-ALLOWED = {"dataset", "version", "mountpoint", "node", "peer", "tier", "op", "le"}
+ALLOWED = {"dataset", "version", "mountpoint", "node", "peer", "nic", "tier", "op", "le"}
 
 
 def peers() -> SimpleNamespace:
@@ -29,6 +29,18 @@ def peers() -> SimpleNamespace:
                            peer_hedges=4, peer_hedges_won=2, peer_latency_buckets_ms=(1.0, 10.0),
                            peer_latency={"n1": SimpleNamespace(counts=(2, 1, 1), threshold_ms=4.0,
                                                                suspected=False)})
+
+
+def links() -> list:
+    """Two vQPs as rdma.vrdma reports them: n1 with both paths UP, n2 with rail 2 DOWN."""
+    def path(nic: str, state: str, fo: int, rebuilds: int) -> SimpleNamespace:
+        return SimpleNamespace(path_id=int(nic[-1]), local_nic=nic, state=state, reads_ok=5,
+                               bytes_ok=500, reads_failed_over=fo, downs=rebuilds,
+                               rebuilds=rebuilds)
+    return [SimpleNamespace(peer="n1", paths=(path("198.18.1.1", "UP", 0, 0),
+                                              path("198.18.2.1", "UP", 0, 0))),
+            SimpleNamespace(peer="n2", paths=(path("198.18.1.1", "UP", 0, 0),
+                                              path("198.18.2.1", "DOWN", 3, 2)))]
 
 
 def exposition(families: list) -> str:
@@ -82,13 +94,19 @@ def test_node_exposition() -> None:
     s = SimpleNamespace(arena=ArenaStatistics(**fields), counters=NodeCounters(source_loads=7),
                         reads=peers(),
                         progress={"imagenet@3": {"owned": 10, "cached": 4, "owned_bytes": 99}})
-    text = exposition(list(metrics.node_families({"node": s, "members": 3, "disk_bytes": 5},
+    text = exposition(list(metrics.node_families({"node": s, "members": 3, "disk_bytes": 5,
+                                                  "links": links(), "etcd_reachable": False},
                                                  {"node": "n1"})))
     v = check(text)
     assert v["kspeedfs_preload_cached_chunks[('dataset', 'imagenet'), ('node', 'n1'), "
              "('version', '3')]"] == 4
     assert v["kspeedfs_node_chunk_loads_total[('node', 'n1'), ('tier', 'source')]"] == 7
     assert v["kspeedfs_cache_used_bytes[('node', 'n1'), ('tier', 'disk')]"] == 5
+    path = "[('nic', '198.18.2.1'), ('node', 'n1'), ('peer', 'n2')]"
+    assert v["kspeedfs_path_up" + path] == 0 and v["kspeedfs_path_failovers_total" + path] == 3
+    assert v["kspeedfs_path_reconnects_total" + path] == 2
+    assert v["kspeedfs_path_up[('nic', '198.18.2.1'), ('node', 'n1'), ('peer', 'n1')]"] == 1
+    assert v["kspeedfs_etcd_reachable[('node', 'n1')]"] == 0
 
 
 @pytest.mark.parametrize("value,want", [("", None), (":9470", ("0.0.0.0", 9470)),
@@ -127,7 +145,8 @@ def test_the_grafana_dashboard_queries_only_exported_names() -> None:
     ops = OpStats()
     ops.record("read", 0.001, 0)
     mount = metrics.mount_families({"read": ReadStatistics(), "peers": peers(), "ops": ops.rows,
-                                    "bounds": OpStats.BOUNDS, "members": 1}, {})
+                                    "bounds": OpStats.BOUNDS, "members": 1, "links": links(),
+                                    "etcd_reachable": True}, {})
     node = metrics.node_families({"node": SimpleNamespace(
         arena=ArenaStatistics(**{f.name: 0 for f in dataclasses.fields(ArenaStatistics)}),
         counters=NodeCounters(), reads=peers(), progress={}), "members": 1, "disk_bytes": 0}, {})

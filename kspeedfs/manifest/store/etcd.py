@@ -126,6 +126,11 @@ class EtcdStore(MetadataStore):
     def authenticated(self) -> bool:
         return self.client.authenticated
 
+    @property
+    def reachable(self) -> bool | None:
+        """Whether the last request was answered (None before the first)."""
+        return self.client.reachable
+
     def _get(self, key: str) -> tuple[bytes | None, Any]:
         return self.client.call(lambda c: c.get(key))
 

@@ -284,6 +284,7 @@ class EtcdClient:
             log.warning("store.etcd_ca_cert/etcd_cert are set but no endpoint is https://; "
                         "TLS options are ignored")
         self.authenticated = False   # set once a client authenticated (store.etcd_user)
+        self.reachable: bool | None = None   # the last request was answered (None: none yet)
         self._auth_off = False       # etcd said auth is not enabled: dial without a user
         self._lock = threading.Lock()
         self._preferred = 0      # index of the endpoint that last answered; guarded by _lock
@@ -403,9 +404,11 @@ class EtcdClient:
         elapsed = time.monotonic() - start
         detail = "; ".join(f"{url}: {err}" for url, err in errors.items()) or "no answer"
         if len(errors) == len(self._endpoints) and all(e.tls for e in errors.values()):
+            self.reachable = False
             raise StoreError(f"etcd TLS failure with every endpoint (check store.etcd_ca_cert, "
                              f"etcd_cert, etcd_key and the server's certificate): {detail}")
         if elapsed >= budget:
+            self.reachable = False
             raise StoreUnavailable(f"etcd unreachable after {elapsed:.1f}s (store.etcd_timeout="
                                    f"{self.timeout:g}): {detail}")
 
@@ -432,6 +435,7 @@ class EtcdClient:
                     continue
                 if k:
                     self._prefer(ep)
+                self.reachable = True
                 return result
             self._give_up(start, self.timeout, errors)
             time.sleep(min(delay * random.uniform(0.5, 1.5),
@@ -462,6 +466,7 @@ class EtcdClient:
                     break
                 if ok:
                     self._prefer(ep)
+                    self.reachable = True
                     return value
                 if not isinstance(value, _Unreachable):
                     raise value                  # etcd answered: the same from every endpoint
