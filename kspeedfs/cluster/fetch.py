@@ -59,7 +59,6 @@ overrun repeatedly are tried last (``Hedger.order``).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -279,15 +278,9 @@ class Peers:
             self.nursery.start_soon(self._attempt, att, dataset, version, chunk, key, length,
                                     part, ask_owner)
 
-        # The racer sleeps until the earliest armed deadline, or a re-check time when none
-        # is armed; an attempt wakes it only for a deadline earlier than that (arm), for
-        # an outcome, or a failure. Why: a wake per READ armed was a scheduler hop per
-        # READ, the no-fault cost of hedging (0.88-0.92x the reads of hedging off).
-        recheck = self.hedger.threshold(recs[0].node, BUCKET_BYTES)
         launch(False)
         while True:
             race.wake = trio.Event()
-            race.until = math.inf
             if race.winner is not None:
                 break
             live = [a for a in running if not a.finished]
@@ -312,9 +305,11 @@ class Peers:
                                      (now - a.read_since) * 1e3, queue[0].node)
                             launch(True)
                 continue
-            race.until = deadline if deadline is not None else now + recheck
-            with trio.move_on_after(race.until - now):
+            if deadline is None:
                 await race.wake.wait()
+            else:
+                with trio.move_on_after(deadline - now):
+                    await race.wake.wait()
         failed = any(a.failed for a in running)
         win = race.winner
         if win is None:
@@ -501,13 +496,12 @@ class _Race:
     """One hedged read_chunk: ``winner`` (the first attempt whose bytes verified) and
     ``wake``, set by an attempt whenever its state changes."""
 
-    __slots__ = ("winner", "wake", "error", "until")
+    __slots__ = ("winner", "wake", "error")
 
     def __init__(self) -> None:
         self.winner: _Attempt | None = None
         self.wake = trio.Event()
         self.error: Exception | None = None     # an attempt's unexpected exception
-        self.until = math.inf                   # the racer wakes by then on its own
 
 
 class _Attempt:
@@ -530,9 +524,9 @@ class _Attempt:
 
     def arm(self, since: float, deadline: float) -> None:
         """A READ (or connect) started at ``since``: hedge it at ``deadline``. The race
-        is woken only if that is earlier than it would wake on its own (``until``)."""
+        is woken to take the new deadline into account."""
         self.read_since, self.deadline = since, deadline
-        if self.race is not None and deadline < self.race.until:
+        if self.race is not None:
             self.race.wake.set()
 
     @property
