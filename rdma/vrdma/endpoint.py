@@ -502,7 +502,11 @@ class Endpoint:
             path.qp.to_reset()
         ch: Channel | None = None
         try:
-            with trio.fail_after(self.cfg.connect_timeout):
+            # The budget of one build doubles after a build that ran out of it (up to
+            # 8 × connect_timeout) and is reset by one that succeeds: a fixed 1 s that a
+            # slow host never meets (a one-vCPU TCG guest after a NIC flap: every
+            # rebuild took longer) would keep a repaired path down forever.
+            with trio.fail_after(path.build_budget):
                 ch = await self._open_channel(path.remote_nic, peer.port, path.local_nic)
                 info = path.qp.local_info()
                 reply = await ch.request({"op": "path", "vqp": str(vqp_id), "path": path.id,
@@ -519,7 +523,9 @@ class Endpoint:
                     timeout_ms=self.cfg.qp_timeout_ms,
                     private_data=qp_token(ch.key, info.qp_num)))
                 await ch.request({"op": "ready"})
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, trio.TooSlowError):
+                path.build_budget = min(path.build_budget * 2, 8 * self.cfg.connect_timeout)
             if ch is not None:
                 await ch.aclose()
             if path.qp is not None and not path.qp.closed \
@@ -527,6 +533,7 @@ class Endpoint:
                 path.qp.to_reset()
             raise
         path.control = ch
+        path.build_budget = self.cfg.connect_timeout
 
     def served_qp_nums(self) -> list[int]:
         """QPNs of the QPs this endpoint serves to peers (tests, diagnostics)."""

@@ -268,6 +268,7 @@ class Path:
         self.failed_over = 0
         self.heartbeats_ok = 0
         self.control: Any = None        # the open control stream that leases the peer QP
+        self.build_budget = cfg.connect_timeout   # s for one (re)build; grows when too slow
         self.remote_control: tuple[int, int] | None = None   # (addr, rkey) heartbeat word
         self.hb_slot = 0                 # offset of this path's probe target, local scratch
 

@@ -60,6 +60,7 @@ class Rebuilder:
         self.clock = clock
         self.connect_path = connect_path
         self._running: set[int] = set()
+        self._told: dict[int, str] = {}          # path id -> the last failure logged at INFO
 
     def claim(self, path: Path, now: float) -> bool:
         """Is a rebuild of ``path`` due now (DOWN, backoff over, none running)?  If so
@@ -80,10 +81,15 @@ class Rebuilder:
                 await self.connect_path(path)
             except Exception as e:
                 reason = f"rebuild failed: {type(e).__name__}: {e}"
-                log.debug("vqp %s: path %s %s", self.paths.peer, path.name, reason)
+                # INFO once per distinct reason (a path that keeps failing to come back
+                # says why, without a line per attempt)
+                level = logging.DEBUG if self._told.get(path.id) == reason else logging.INFO
+                self._told[path.id] = reason
+                log.log(level, "vqp %s: path %s %s", self.paths.peer, path.name, reason)
                 self.paths.note(path.m.rebuild_failed(reason, self.clock()))
                 return False
             self.paths.note(path.m.rebuild_connected(self.clock()))
+            self._told.pop(path.id, None)
             return True
         finally:
             self._running.discard(path.id)

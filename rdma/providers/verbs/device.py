@@ -170,16 +170,23 @@ class VerbsContext(Context):
         with mapped(f"open {self.ibv_name}", NoDeviceError):
             self.raw = d.Context(name=self.ibv_name)
         self.gid_index: int | None = None
-        for idx, ipv4, _nd in roce_v2_gids(self.ibv_name, raw_ctx=self.raw):
-            if device.ipv4 is None or ipv4 == device.ipv4:
-                self.gid_index = idx
-                break
+        self.refresh_gid()
         with mapped("ibv_query_device"):
             vendor = int(self.raw.query_device().vendor_id)
         #: Soft-RoCE (rxe): vendor id 0xFFFFFF; its retry_cnt=7 means "forever" (qp.py)
         self.is_rxe = vendor == RXE_VENDOR_ID or self.ibv_name.startswith("rxe")
         self._poller_lock = threading.Lock()
         self._poller: object | None = None
+
+    def refresh_gid(self) -> int | None:
+        """Look up this device's RoCE v2 GID index again (``gid_index``). Called at every
+        connect: the kernel rebuilds a netdev's GIDs when its link goes down and up, and
+        the index an IPv4 address gets then need not be the one it had (a rebuilt path
+        that kept the old index never came up after a NIC flap in the rxe guests)."""
+        want = self.device.ipv4
+        self.gid_index = next((idx for idx, ipv4, _nd in roce_v2_gids(self.ibv_name, raw_ctx=self.raw)
+                               if want is None or ipv4 == want), None)
+        return self.gid_index
 
     @property
     def poller(self) -> "object":

@@ -175,7 +175,7 @@ class VerbsQP(QP):
         """qpn, PSN, this device's RoCE v2 GID, port 1's LID (0 on RoCE)."""
         self._check_open()
         ctx = self._vpd.ctx
-        if ctx.gid_index is None:                       # type: ignore[attr-defined]
+        if ctx.refresh_gid() is None:                   # type: ignore[attr-defined]
             raise NotSupportedError(f"{ctx.name}: no RoCE v2 GID with an IPv4 address "
                                     "(InfiniBand / LID addressing is not supported)")
         self._local_psn = random_psn() if psn is None else psn & 0xFFFFFF
