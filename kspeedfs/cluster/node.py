@@ -55,7 +55,7 @@ from .hedge import from_config as hedge_from_config
 from . import lifecycle
 from .lifecycle import PreloadRequest
 from .membership import Membership, NodeRecord, PrefixView, Registration
-from .placement import owners
+from .placement import Member, owners
 from . import rpc
 
 log = logging.getLogger(__name__)
@@ -324,10 +324,11 @@ class Node:
             return                                   # not registered (yet): own nothing
         rank: dict[bytes, int] = {}
         datasets, shares = {}, {}
+        member_list = list(self.membership.members)     # one placement for the whole pass
         for name, req in wanted.items():
             ds = datasets[name] = await self.dataset(name, req.version)
             ix = ds.index
-            mine = shares[name] = [k for k in range(ix.chunks) if self.owns(ix.chunk_digest(k))]
+            mine = shares[name] = await trio.to_thread.run_sync(self._share, ix, member_list)
             for k in mine:
                 key = ix.chunk_digest(k)
                 if rank.get(key, req.priority - 1) < req.priority:
@@ -338,6 +339,13 @@ class Node:
         for name, req in sorted(wanted.items(), key=lambda nr: (-nr[1].priority, nr[0])):
             await self._fill(datasets[name], shares[name], rereplicating)
             self._held[name] = req.version
+
+    def _share(self, ix: ManifestIndex, members: list[Member]) -> list[int]:
+        """The chunks of ``ix`` placement gives this node under ``members``. In a worker
+        thread: a hash per chunk and member, seconds for a million chunks, which the
+        trio thread (RPCs, leases) must not spend."""
+        r = self.cfg.cluster.replicas
+        return [k for k in range(ix.chunks) if self.name in owners(ix.chunk_digest(k), members, r)]
 
     def _drop_unloaded(self, wanted: dict[str, int]) -> None:
         """Forget the chunks of every version reconcile filled before and no preload
