@@ -201,14 +201,13 @@ async def _hold(store: "EtcdStore", record: MountRecord, ttl: int,
 
 
 async def _export_metrics(cfg: Config, ops: Operations, peers: "Peers | None",
-                          store: "EtcdStore | None", path: str,
-                          op_rows: Callable[[], dict[str, list[object]]]) -> None:
+                          store: "EtcdStore | None", path: str) -> None:
     """Serve this mount's metrics (``metrics.py``) at ``metrics.listen`` until cancelled."""
     from . import metrics
 
     def snapshot() -> dict[str, object]:
         return {"read": ops.reader.statistics(), "peers": peers.statistics() if peers else None,
-                "ops": op_rows(),
+                "ops": ops.op_rows(),
                 "bounds": ops.op_stats.BOUNDS,
                 "members": len(peers.membership.nodes) if peers else None,
                 "links": peers.links() if peers else None,
@@ -266,8 +265,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
             if cfg.metrics.listen:                # off by default: no thread, no socket
                 if req.upgrade and session is not None:
                     await session.predecessor_gone()      # it holds the port until it exits
-                nursery.start_soon(_export_metrics, cfg, ops, peers, store, path, ops.op_rows,
-                                   name="metrics")
+                nursery.start_soon(_export_metrics, cfg, ops, peers, store, path, name="metrics")
             knobs = tuning.KernelKnobs(cfg.fuse.max_background, cfg.fuse.congestion_threshold,
                                        cfg.fuse.read_ahead_kb)
             await trio.to_thread.run_sync(tuning.apply, path, knobs)

@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "etcd=URL, store=DIR, SECTION.KEY=VALUE")
 
 
+# -o KEY=VALUE options checked by an argparse type: key -> (attribute, type)
+_TYPED = {"version": ("dataset_version", version), "priority": ("priority", priority)}
+
+
 def _apply_o(args: argparse.Namespace) -> None:
     for opt in ",".join(args.options).split(","):
         opt = opt.strip()
@@ -68,16 +72,12 @@ def _apply_o(args: argparse.Namespace) -> None:
             args.nonempty = True
         elif opt in ("preload", "unload_on_exit"):
             setattr(args, opt, True)
-        elif key == "priority" and sep:
-            try:
-                args.priority = priority(value)
-            except argparse.ArgumentTypeError as e:
-                raise ConfigError(f"-o {opt}: {e}") from None
         elif key in ("config", "source", "store", "cache_dir") and sep:
             setattr(args, key, value)
-        elif key == "version" and sep:
+        elif key in _TYPED and sep:
+            dest, parse = _TYPED[key]
             try:
-                args.dataset_version = version(value)
+                setattr(args, dest, parse(value))
             except argparse.ArgumentTypeError as e:
                 raise ConfigError(f"-o {opt}: {e}") from None
         elif key in ("cache_mem", "cache_disk") and sep:

@@ -201,8 +201,10 @@ class Node:
         """Cached on this node: in the arena (READable by peers) or on its SSD tier."""
         return key in self.arena or (self.disk is not None and key in self.disk)
 
-    def owns(self, key: bytes) -> bool:
-        return self.name in owners(key, self.membership.members, self.cfg.cluster.replicas)
+    def owns(self, key: bytes, members: list[Member] | None = None) -> bool:
+        """Placement gives ``key`` to this node (under ``members``; default: now)."""
+        members = self.membership.members if members is None else members
+        return self.name in owners(key, members, self.cfg.cluster.replicas)
 
     def rank(self, key: bytes) -> int:
         """The arena's eviction class of ``key``: the highest priority of the preloaded
@@ -331,8 +333,7 @@ class Node:
             mine = shares[name] = await trio.to_thread.run_sync(self._share, ix, member_list)
             for k in mine:
                 key = ix.chunk_digest(k)
-                if rank.get(key, req.priority - 1) < req.priority:
-                    rank[key] = req.priority
+                rank[key] = max(rank.get(key, req.priority), req.priority)
         self._rank = rank
         self._drop_unloaded({n: r.version for n, r in wanted.items()})
         # highest priority first: when memory is short, what matters most is loaded first
@@ -344,8 +345,7 @@ class Node:
         """The chunks of ``ix`` placement gives this node under ``members``. In a worker
         thread: a hash per chunk and member, seconds for a million chunks, which the
         trio thread (RPCs, leases) must not spend."""
-        r = self.cfg.cluster.replicas
-        return [k for k in range(ix.chunks) if self.name in owners(ix.chunk_digest(k), members, r)]
+        return [k for k in range(ix.chunks) if self.owns(ix.chunk_digest(k), members)]
 
     def _drop_unloaded(self, wanted: dict[str, int]) -> None:
         """Forget the chunks of every version reconcile filled before and no preload
@@ -416,7 +416,7 @@ class Node:
                                      "owned_bytes": sum(ix.chunk_len[k] for k in mine),
                                      "from_source": 0, "from_peer": 0, "refused": 0}
         if not missing:
-            await self._publish_progress(tag, ds)
+            await self._publish_progress(tag, [ix.chunk_digest(k) for k in mine])
             return
         log.info("%s: %d of my %d chunks missing; loading (%s)", tag, len(missing), len(mine),
                  "re-replication" if rereplicating else "preload")
@@ -445,7 +445,7 @@ class Node:
         async with trio.open_nursery() as n:
             for _ in range(self.cfg.cluster.preload_workers):
                 n.start_soon(worker)
-        await self._publish_progress(tag, ds)
+        await self._publish_progress(tag, [ix.chunk_digest(k) for k in mine])
         dt = time.monotonic() - t0
         if prog["refused"]:
             log.warning("%s: %d of my %d chunks do not fit beside higher-priority datasets "
@@ -454,15 +454,15 @@ class Node:
             log.info("%s: my share is cached: %d chunks (%d from peers, %d from the source) "
                      "in %.1fs", tag, len(mine), prog["from_peer"], prog["from_source"], dt)
 
-    async def _publish_progress(self, tag: str, ds: Dataset | None = None) -> None:
+    async def _publish_progress(self, tag: str, mine: list[bytes] | None = None) -> None:
+        """Publish ``progress/<tag>/<node>``; with ``mine`` (the keys of my share, once a
+        fill pass ended) also how many of them are in memory and on the SSD tier."""
         key = f"{self.store.prefix}progress/{tag}/{self.name}"
         prog = self.progress[tag]
-        if ds is not None:                       # per tier, once a fill pass ended
-            ix = ds.index
-            mine = [ix.chunk_digest(k) for k in range(ix.chunks) if ix.chunk_digest(k) in self._rank]
-            prog["in_memory"] = sum(1 for key_ in mine if key_ in self.arena)
-            prog["on_disk"] = sum(1 for key_ in mine if key_ not in self.arena
-                                  and self.disk is not None and key_ in self.disk)
+        if mine is not None:
+            prog["in_memory"] = sum(1 for k in mine if k in self.arena)
+            prog["on_disk"] = sum(1 for k in mine if k not in self.arena
+                                  and self.disk is not None and k in self.disk)
         value = json.dumps(prog).encode()
         try:
             await trio.to_thread.run_sync(self.registration.put, key, value)
