@@ -38,28 +38,31 @@ Buffers: a whole chunk lands in a slot of :class:`~.landing.Landing`, and once v
 that slot *is* the chunk the memory tier keeps (no copy; the slot is reused when the
 last view of it is gone). A small file's extent (and a chunk when every landing slot
 is held) lands in one of ``nbuf`` staging slots and is copied out as ``bytes``.
-Cancellation: a cancelled read keeps its slot until the READ has completed (vRDMA owns
-the buffer until its completion), which ``VQP.read`` guarantees by shielding the wait
-for the completion.
+Cancellation: a cancelled READ keeps its buffers until its completion (vRDMA owns them
+until then): without hedging ``VQP.read`` waits for it, shielded; with hedging it is
+detached (the attempt returns at once, its staging and landing slots come back from the
+completion, ``_Attempt.on_free``), so a reader never waits on a hung peer's READ.
 
 Hedging (issue 19, ``cluster.hedge``; the rule and its numbers: :mod:`.hedge`). Without
 it a replica that stops answering (SIGSTOP, SIGKILL, a stall) costs every read waiting
 on it ``cluster.peer_timeout`` before the next replica is asked (531–614 ms measured).
-With it, each replica's attempt runs as a task in ``nursery``; when its current READ
-(or its connect) is older than ``Hedger.threshold`` the same bytes are READ from the
-next replica, at most once per read and within the byte budget; the first attempt whose
-bytes verify wins. The loser is never cancelled: it runs until its READ completes or
-fails (so its buffers are handed back only then, the cancellation contract), then gives
-its landing and staging slots back without keeping or copying anything. Staging slots
-are therefore two counts: ``nbuf`` reads in progress (a semaphore per read_chunk) and
-physical slots, registered lazily in segments of ``nbuf`` up to ``3 × nbuf``, so
-losers still held by a hung peer do not block the reads that follow. Peers whose READs
-overrun repeatedly are tried last (``Hedger.order``).
+With it, the first replica is still READ in the reader's own task, each READ (and a
+connect) with a deadline of ``Hedger.threshold`` on its wait; when one passes, the same
+bytes are READ from the next replica in a task of ``nursery``, at most once per read and
+within the byte budget, while the first READ goes on. The first attempt whose bytes
+verify wins and cancels the other. A read that is not late costs one timer per READ
+and no task: the first version ran every attempt as a task, and cost 0.81–0.91× the
+reads of hedging off on this machine (+57–153 µs daemon CPU per read). Staging slots
+are two counts: ``nbuf`` reads in progress (a semaphore per read_chunk; a hedge takes
+none: the budget bounds it) and physical slots, registered lazily in segments of
+``nbuf`` up to ``3 × nbuf``, so buffers a hung peer still holds do not block the reads
+that follow. Peers whose READs overrun repeatedly are tried last (``Hedger.order``).
 """
 from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -226,110 +229,73 @@ class Peers:
 
         ``part = (offset, length, digest)`` READs only that extent (or block) of the
         chunk and verifies it against its own digest: a small file, or a random read's
-        block, costs a READ of its bytes, not of the 4 MiB chunk that holds it."""
+        block, costs a READ of its bytes, not of the 4 MiB chunk that holds it.
+
+        Replicas in turn, each in this task; with hedging, a READ (or connect) that
+        overruns its threshold starts the next replica as a task, once per read; the
+        first bytes that verify win and the other attempt is cancelled (module
+        docstring)."""
         if length > self.slot_size:
             return None
         t0 = time.monotonic()
         recs = [r for r in self.order(key, exclude) if self._skip_until.get(r.node, 0.0) <= t0]
-        if self.hedge is not None and recs:
-            data, failed = await self._race(recs, dataset, version, chunk, key, length,
-                                            part, ask_owner)
-        else:
-            data, failed = await self._one_by_one(recs, dataset, version, chunk, key,
-                                                  length, part, ask_owner)
-        if data is None:
+        race = _Race(recs, (dataset, version, chunk, key, length, part, ask_owner),
+                     BUCKET_BYTES + (part[1] if part is not None else length), self._overran)
+        failed = False
+        while race.queue and race.winner is None:
+            att = _Attempt(race.queue.pop(0), race)
+            race.first = att
+            with att.scope:
+                await self._attempt(att)
+            failed |= att.failed
+            hedge = race.hedge
+            if race.winner is None and hedge is not None and not hedge.ended.is_set():
+                await hedge.ended.wait()      # this replica is done; the hedge may still win
+            if hedge is not None:
+                failed |= hedge.failed
+        win = race.winner
+        if win is None and race.error is not None:
+            raise race.error
+        if win is None:
             self.counters.misses += 1
             return None
+        if win.is_hedge:
+            self.hedger.hedge_won(win.rec.node)
         took = time.monotonic() - t0
         self.counters.longest_wait = max(self.counters.longest_wait, took)
         if failed:
             self.counters.longest_stall = max(self.counters.longest_stall, took)
-        return data
+        return win.data
 
-    async def _one_by_one(self, recs: list[NodeRecord], dataset: str, version: int, chunk: int,
-                          key: bytes, length: int, part: tuple[int, int, bytes] | None,
-                          ask_owner: bool) -> tuple[bytes | memoryview | None, bool]:
-        """No hedging: each replica in turn, in this task. (data or None, a replica failed)."""
-        failed = False
-        for rec in recs:
-            att = _Attempt(rec, None)
-            await self._attempt(att, dataset, version, chunk, key, length, part, ask_owner)
-            if att.data is not None:
-                return att.data, failed
-            failed |= att.failed
-        return None, failed
+    def _overran(self, att: "_Attempt") -> None:
+        """``att``'s READ (or connect) passed its threshold: note it against the peer and,
+        once per read and within the budget, start the next replica as a hedge."""
+        now = time.monotonic()
+        race = att.race
+        self.hedger.overran(att.rec.node, now)
+        if race.hedge is not None or not race.queue or race.winner is not None \
+                or not self.hedger.may_hedge(race.nbytes):
+            return
+        hedge = race.hedge = _Attempt(race.queue.pop(0), race, is_hedge=True)
+        self.hedger.hedged(att.rec.node)
+        log.debug("chunk %d of %s: READ from %s overran %.1f ms; hedging to %s",
+                  race.args[2], race.args[0], att.rec.node, (now - att.read_since) * 1e3,
+                  hedge.rec.node)
+        self.nursery.start_soon(self._hedge, hedge)
 
-    async def _race(self, recs: list[NodeRecord], dataset: str, version: int, chunk: int,
-                    key: bytes, length: int, part: tuple[int, int, bytes] | None,
-                    ask_owner: bool) -> tuple[bytes | memoryview | None, bool]:
-        """Hedged: replicas in turn, each attempt a task in ``nursery``; when the running
-        attempt's READ passes its threshold, the next replica starts too (once). The
-        first verified bytes win; losers finish on their own (module docstring)."""
-        assert self.hedge is not None
-        race = _Race()
-        queue = list(recs)
-        running: list[_Attempt] = []
-        hedged = False
-        nbytes = BUCKET_BYTES + (part[1] if part is not None else length)
+    async def _hedge(self, att: "_Attempt") -> None:
+        try:
+            with att.scope:
+                await self._attempt(att)
+        finally:
+            att.ended.set()
 
-        def launch(is_hedge: bool) -> None:
-            att = _Attempt(queue.pop(0), race, is_hedge)
-            running.append(att)
-            self.nursery.start_soon(self._attempt, att, dataset, version, chunk, key, length,
-                                    part, ask_owner)
-
-        launch(False)
-        while True:
-            race.wake = trio.Event()
-            if race.winner is not None:
-                break
-            live = [a for a in running if not a.finished]
-            if not live:
-                if not queue:
-                    break
-                launch(False)                  # the replica failed or lacks it: next one
-                continue
-            deadline = min((a.deadline for a in live if a.deadline is not None
-                            and not a.overran), default=None)
-            now = time.monotonic()
-            if deadline is not None and deadline <= now:
-                for a in live:
-                    if a.deadline is not None and a.deadline <= now and not a.overran:
-                        a.overran = True
-                        self.hedge.overran(a.rec.node, now)
-                        if not hedged and queue and self.hedge.may_hedge(nbytes):
-                            hedged = True
-                            self.hedge.hedged(a.rec.node)
-                            log.debug("chunk %d of %s: READ from %s overran %.1f ms; hedging "
-                                     "to %s", chunk, dataset, a.rec.node,
-                                     (now - a.read_since) * 1e3, queue[0].node)
-                            launch(True)
-                continue
-            if deadline is None:
-                await race.wake.wait()
-            else:
-                with trio.move_on_after(deadline - now):
-                    await race.wake.wait()
-        failed = any(a.failed for a in running)
-        win = race.winner
-        if win is None:
-            if race.error is not None:
-                raise race.error
-            return None, failed
-        for a in running:
-            if a.token and a is not win:       # a loser: no longer a read in progress
-                a.token = False
-                self._slot_free.release()
-        if win.is_hedge:
-            self.hedge.hedge_won(win.rec.node)
-        return win.data, failed
-
-    async def _attempt(self, att: "_Attempt", dataset: str, version: int, chunk: int,
-                       key: bytes, length: int, part: tuple[int, int, bytes] | None,
-                       ask_owner: bool) -> None:
+    async def _attempt(self, att: "_Attempt") -> None:
         """One replica: READ, else ask its owner to load it and READ again. Sets
-        ``att.data`` (verified bytes; the race's winner), or ``att.failed``."""
+        ``att.data`` and makes it the race's winner (cancelling the other attempt), or
+        sets ``att.failed``; an unexpected exception is the race's ``error``."""
         rec = att.rec
+        dataset, version, chunk, key, length, part, ask_owner = att.race.args
         try:
             data = await self._read_from(rec, key, length, part, att)
             if data is None and ask_owner and not att.lost:
@@ -337,13 +303,12 @@ class Peers:
                 await self.rpc(rec).request({"op": "load", "dataset": dataset,
                                              "version": version, "chunk": chunk})
                 data = await self._read_from(rec, key, length, part, att)
-            if data is not None:
+            if data is not None and not att.lost:
                 att.data = data
                 self.counters.hits += 1
                 self.counters.bytes += len(data)
                 self.counters.per_peer[rec.node] += len(data)
-                if att.race is not None:
-                    att.race.winner = att
+                att.race.won(att)
         except _FAILED as e:
             self.counters.unreachable += 1
             self._skip_until[rec.node] = time.monotonic() + SKIP
@@ -360,29 +325,27 @@ class Peers:
             log.warning("chunk %d of %s: replica %s misbehaved (%r); trying the next",
                         chunk, dataset, rec.node, e, exc_info=True)
         except Exception as e:
-            if att.race is None:
-                raise                   # in the caller's task: as it always did
-            att.failed = True           # a task of the race: the reader gets it (_race)
+            if not att.is_hedge:
+                raise                   # in the reader's task: as it always did
+            att.failed = True           # the hedge's task: the reader raises it
             att.race.error = e
-        finally:
-            att.finished = True
-            att.deadline = None
-            if att.race is not None:
-                att.race.wake.set()
 
-    async def _read(self, att: "_Attempt | None", vqp: VQP, rec: NodeRecord, dst: VMR, at: int,
+    async def _read(self, att: "_Attempt", vqp: VQP, rec: NodeRecord, dst: VMR, at: int,
                     remote: str, nbytes: int, remote_off: int) -> None:
         """One timed vqp.read: its latency goes to the hedger (a sample only if it came
-        within its threshold); while it runs, ``att.deadline`` is when to hedge it."""
-        t = time.monotonic()
+        within its threshold); hedging, it calls ``_overran`` when it passes the threshold
+        and, when cancelled, returns at once (``att.in_flight`` until its WC)."""
+        t = att.read_since = time.monotonic()
         limit = self.hedger.threshold(rec.node, nbytes)
-        if att is not None:
-            att.arm(t, t + limit)
-        await vqp.read(dst, at, remote, nbytes, remote_off)
+        if self.hedge is None:
+            await vqp.read(dst, at, remote, nbytes, remote_off)
+        else:
+            att.in_flight = True
+            await vqp.read(dst, at, remote, nbytes, remote_off, overrun=(limit, att.overran),
+                           detach=att.freed)
+            att.in_flight = False
         took = time.monotonic() - t
         self.hedger.done(rec.node, nbytes, took, sample=took <= limit)
-        if att is not None:
-            att.deadline = None
 
     async def _take_staging(self) -> tuple[VMR, int]:
         """A physical staging slot, registering another segment of ``nbuf`` if none is
@@ -401,17 +364,20 @@ class Peers:
         """Index bucket READ, then slot READ, then verify; None if the node lacks the chunk
         (or, in a race, another attempt has won: nothing is kept or copied then)."""
         off, want, digest = part if part is not None else (0, length, key)
-        if att is not None and rec.node not in self._vqps:
-            now = time.monotonic()                     # a connect is hedged like a READ
-            att.arm(now, now + self.hedger.cap)
-        vqp = await self._vqp(rec)
-        if att is not None:
-            att.deadline = None
         if att is None:
-            att = _Attempt(rec, None)
-        if not att.is_hedge:           # a hedge is bounded by the budget, not by nbuf
+            att = _Attempt(rec, _Race([], (), 0, self._overran))
+        vqp = None
+        if self.hedge is not None and rec.node not in self._vqps:
+            att.read_since = time.monotonic()          # a connect is hedged like a READ
+            with trio.move_on_after(self.hedger.cap):
+                vqp = await self._vqp(rec)             # (a cancelled joiner: the connect
+            if vqp is None:                            #  goes on in its single-flight)
+                att.overran()
+        if vqp is None:
+            vqp = await self._vqp(rec)
+        token = not att.is_hedge       # a hedge is bounded by the budget, not by nbuf
+        if token:
             await self._slot_free.acquire()
-            att.token = True
         staging = await self._take_staging()
         sbuf, base = staging
         landing = self.landing.take() if part is None else None
@@ -427,7 +393,7 @@ class Peers:
                     b = bucket_of(key, rec.nbuckets)
                     await self._read(att, vqp, rec, sbuf, base, "index", BUCKET_BYTES,
                                      b * BUCKET_BYTES)
-                    if att is not None and att.lost:
+                    if att.lost:
                         return None
                     found = find_in_bucket(sbuf.view[base:base + BUCKET_BYTES], key)
                     if found is None or found[1] != length:
@@ -435,7 +401,7 @@ class Peers:
                     rslot = found[0]
                 await self._read(att, vqp, rec, dst, at, "arena", want,
                                  rslot * rec.slot_size + off)
-                if att is not None and att.lost:
+                if att.lost:
                     return None
                 if checksum.matches(dst.view[at:at + want], digest):
                     self._hint(hint_key, rslot)
@@ -453,13 +419,19 @@ class Peers:
                 rslot = None
             return None
         finally:
-            if landing is not None:
-                self.landing.give(landing)
-            self._staging.append(staging)
-            self._staging_free.release()
-            if att.token:
-                att.token = False
+            if token:
                 self._slot_free.release()
+
+            def give_back() -> None:
+                if landing is not None:
+                    self.landing.give(landing)
+                self._staging.append(staging)
+                self._staging_free.release()
+
+            if att.in_flight:          # cancelled while a NIC still owns the buffers:
+                att.on_free = give_back    # they come back with the READ's completion
+            else:
+                give_back()
 
     def _hint(self, hint_key: tuple[str, float, bytes], rslot: int) -> None:
         """Remember a verified slot; the oldest hint goes when the table is full."""
@@ -493,44 +465,61 @@ class Peers:
 
 
 class _Race:
-    """One hedged read_chunk: ``winner`` (the first attempt whose bytes verified) and
-    ``wake``, set by an attempt whenever its state changes."""
+    """One read_chunk: the replicas not yet tried (``queue``), the reader's own attempt
+    (``first``) and the hedge (a task; at most one per read), the ``winner`` (the first
+    attempt whose bytes verified), and the arguments every attempt reads with."""
 
-    __slots__ = ("winner", "wake", "error")
+    __slots__ = ("queue", "args", "nbytes", "on_overrun", "first", "hedge", "winner", "error")
 
-    def __init__(self) -> None:
+    def __init__(self, queue: list[NodeRecord], args: tuple, nbytes: int,
+                 on_overrun: Callable[["_Attempt"], None]) -> None:
+        self.queue, self.args, self.nbytes = queue, args, nbytes
+        self.on_overrun = on_overrun            # Peers._overran
+        self.first: _Attempt | None = None
+        self.hedge: _Attempt | None = None
         self.winner: _Attempt | None = None
-        self.wake = trio.Event()
-        self.error: Exception | None = None     # an attempt's unexpected exception
+        self.error: Exception | None = None     # the hedge's unexpected exception
+
+    def won(self, att: "_Attempt") -> None:
+        """``att``'s bytes verified first: it wins, the other attempt is cancelled (its
+        READ, if one is out, gives its buffers back when it completes)."""
+        self.winner = att
+        for other in (self.first, self.hedge):
+            if other is not None and other is not att:
+                other.scope.cancel()
 
 
 class _Attempt:
-    """One replica's part in a read: ``deadline`` (when its running READ or connect is
-    to be hedged; None between READs), ``read_since``, and the outcome (``data`` or
-    ``failed``; ``finished``). ``race`` is None when not hedging."""
+    """One replica's part in a read, run in ``scope`` (cancelled when the other attempt
+    wins): ``read_since`` (its current READ or connect), the outcome (``data`` or
+    ``failed``), ``in_flight`` while a NIC owns its buffers (``on_free`` runs when it
+    stops: a cancelled READ's completion), and ``ended`` for a hedge's task."""
 
-    __slots__ = ("rec", "race", "is_hedge", "deadline", "read_since", "overran", "data",
-                 "failed", "finished", "token")
+    __slots__ = ("rec", "race", "is_hedge", "scope", "read_since", "data", "failed",
+                 "in_flight", "on_free", "ended")
 
-    def __init__(self, rec: NodeRecord, race: _Race | None, is_hedge: bool = False) -> None:
+    def __init__(self, rec: NodeRecord, race: _Race, is_hedge: bool = False) -> None:
         self.rec, self.race, self.is_hedge = rec, race, is_hedge
-        self.deadline: float | None = None
+        self.scope = trio.CancelScope()
         self.read_since = 0.0
-        self.overran = False
         self.data: bytes | memoryview | None = None
         self.failed = False
-        self.finished = False
-        self.token = False          # holds one of the nbuf "reads in progress"
+        self.in_flight = False
+        self.on_free: Callable[[], None] | None = None
+        self.ended = trio.Event()       # waited on for a hedge only
 
-    def arm(self, since: float, deadline: float) -> None:
-        """A READ (or connect) started at ``since``: hedge it at ``deadline``. The race
-        is woken to take the new deadline into account."""
-        self.read_since, self.deadline = since, deadline
-        if self.race is not None:
-            self.race.wake.set()
+    def overran(self) -> None:
+        """Its READ or connect passed its threshold (``Peers._overran``)."""
+        self.race.on_overrun(self)
+
+    def freed(self) -> None:
+        """The NIC is done with this attempt's buffers (a detached READ completed)."""
+        self.in_flight = False
+        if self.on_free is not None:
+            give_back, self.on_free = self.on_free, None
+            give_back()
 
     @property
     def lost(self) -> bool:
         """Another attempt of the race has won: stop, keep nothing."""
-        return self.race is not None and self.race.winner is not None \
-            and self.race.winner is not self
+        return self.race.winner is not None and self.race.winner is not self

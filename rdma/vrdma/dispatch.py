@@ -25,8 +25,16 @@ it is ``read_timeout`` old.  A READ that waits only because every UP path's queu
 is never failed for it: that is load, not unreachability.
 
 Cancellation (:meth:`ReadDispatcher.read`): a cancelled READ that is still waiting is
-dropped (``Abort.SUCCEEDED``: nothing was handed to a NIC); one that is posted is waited
-for, shielded, until its WC has been polled, and is not re-posted (``Abort.FAILED``).
+dropped (``Abort.SUCCEEDED``: nothing was handed to a NIC); one that is posted is not
+re-posted, and either waited for, shielded, until its WC has been polled
+(``Abort.FAILED``), or, when the caller passed ``detach``, left behind: the caller
+returns at once and ``detach()`` tells it when the buffer is its own again (a hedged
+read's loser must not wait for a hung peer: :mod:`kspeedfs.cluster.fetch`).
+
+Overrun (``overrun=(seconds, hook)``): ``hook()`` runs once, in the caller's task, when
+the READ has had no outcome for ``seconds``; the READ goes on. One deadline on the
+caller's own wait, no task: this is how a hedged read learns it is late at the cost of
+a timer, not of a task per READ.
 """
 from __future__ import annotations
 
@@ -57,11 +65,12 @@ class ReadOp:
     Attributes: the READ (``vmr``, ``local_off``, ``remote``, ``remote_off``,
     ``length``); ``t0`` when it was issued; ``done`` set once it has an outcome, which is
     ``error`` (``None``: success, or cancelled); ``path`` where its WR is posted now
-    (``None``: not posted); ``cancelled`` by the caller; ``waiting_since``; ``posts``.
+    (``None``: not posted); ``cancelled`` by the caller; ``waiting_since``; ``posts``;
+    ``on_done``: a detached READ's ``detach``, called once it is done.
     """
 
     __slots__ = ("vmr", "local_off", "remote", "remote_off", "length", "t0", "done",
-                 "error", "path", "cancelled", "waiting_since", "posts")
+                 "error", "path", "cancelled", "waiting_since", "posts", "on_done")
 
     def __init__(self, vmr: VMR, local_off: int, remote: RemoteVMR, remote_off: int,
                  length: int, now: float) -> None:
@@ -74,6 +83,7 @@ class ReadOp:
         self.cancelled = False
         self.waiting_since: float | None = None
         self.posts = 0
+        self.on_done: Callable[[], None] | None = None
 
 
 class ReadDispatcher:
@@ -104,9 +114,12 @@ class ReadDispatcher:
 
     # ------------------------------------------------------------------ the caller
     async def read(self, vmr: VMR, local_off: int, remote: RemoteVMR, remote_off: int,
-                   length: int) -> None:
+                   length: int, *, overrun: tuple[float, Callable[[], None]] | None = None,
+                   detach: Callable[[], None] | None = None) -> None:
         """Issue one READ (arguments already checked) and wait for its outcome.
-        Raises PeerUnreachable, WCError, PathClosed; cancellation: module docstring."""
+        Raises PeerUnreachable, WCError, PathClosed. ``overrun``, and cancellation with
+        or without ``detach`` (called exactly once, when the buffer is the caller's
+        again; at once if no NIC holds it): module docstring."""
         now = self.clock()
         if self.paths.dead_for_grace(now):
             self.unreachable += 1
@@ -117,14 +130,24 @@ class ReadDispatcher:
         op = ReadOp(vmr, local_off, remote, remote_off, length, now)
         self.dispatch(op)
         try:
+            if overrun is not None and not op.done.is_set():
+                with trio.move_on_after(overrun[0]):
+                    await op.done.wait()
+                if not op.done.is_set():
+                    overrun[1]()
             await op.done.wait()
         except trio.Cancelled:
             op.cancelled = True
             if op in self.waiting:
                 self.waiting.remove(op)
             elif not op.done.is_set():
+                if detach is not None:        # the NIC still owns the buffer until its WC
+                    op.on_done = detach
+                    raise
                 with trio.CancelScope(shield=True):
-                    await op.done.wait()      # the NIC still owns the buffer until its WC
+                    await op.done.wait()
+            if detach is not None:
+                detach()
             raise
         if op.error is not None:
             raise op.error
@@ -147,6 +170,9 @@ class ReadDispatcher:
         op.error = error
         op.path = None
         op.done.set()
+        if op.on_done is not None:
+            detached, op.on_done = op.on_done, None
+            detached()
 
     def dispatch(self, op: ReadOp) -> None:
         """Post ``op`` on the best path, or park it in ``waiting``."""

@@ -215,12 +215,17 @@ class VQP:
 
     # ------------------------------------------------------------------ reads
     async def read(self, local_vmr: VMR, local_off: int, remote: RemoteVMR | str | int,
-                   length: int, remote_off: int = 0) -> None:
+                   length: int, remote_off: int = 0, *,
+                   overrun: tuple[float, Callable[[], None]] | None = None,
+                   detach: Callable[[], None] | None = None) -> None:
         """READ ``length`` bytes of the peer's memory into ``local_vmr[local_off:]``.
 
         ``remote`` is a :class:`RemoteVMR` (or its name) plus ``remote_off``, or a remote
         virtual address (inside some vMR the peer exported).  Raises PeerUnreachable,
-        WCError (the caller's fault: bad range/rkey), PathClosed (we closed)."""
+        WCError (the caller's fault: bad range/rkey), PathClosed (we closed).
+        ``overrun = (seconds, hook)``: ``hook()`` if the READ is still going after
+        ``seconds``; ``detach``: a cancelled READ returns at once and ``detach()`` is
+        called when the buffer is free (:mod:`.dispatch`)."""
         if self._closed:
             raise PathClosed("virtual QP closed")
         if length <= 0:
@@ -235,7 +240,8 @@ class VQP:
                                     f"of {rm.length} bytes")
         if local_off < 0 or local_off + length > local_vmr.length:
             raise RdmaUserError(f"[{local_off}, +{length}) outside local vMR")
-        await self.reads.read(local_vmr, local_off, rm, off, length)
+        await self.reads.read(local_vmr, local_off, rm, off, length, overrun=overrun,
+                              detach=detach)
 
     # ------------------------------------------------------------------ completions
     async def _consume(self, path: Path) -> None:

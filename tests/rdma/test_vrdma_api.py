@@ -166,6 +166,37 @@ async def test_cancelled_read_returns_after_its_wc(server: Any, client: Endpoint
     assert buf.read(SIZE) == srv.exports["data"].read(SIZE)
 
 
+async def test_detached_read_returns_at_once_and_frees_its_buffer_at_its_wc(
+        server: Any, client: Endpoint) -> None:
+    """A cancelled READ with ``detach`` does not wait for its WC (a hedged read's loser
+    must not wait on a hung peer): ``detach()`` runs exactly once, when no WR of it is
+    posted any more; and ``overrun``'s hook runs once for a READ that is late, which
+    still completes with the right bytes."""
+    srv, port = server
+    vqp = await client.connect([LO], port)
+    rm = vqp.remote_mr("data")
+    buf = client.alloc(SIZE)
+    p = vqp.paths[0]
+    detached = 0
+    for _ in range(5):
+        freed: list[int] = []
+        with trio.move_on_after(0.0005) as cs:
+            await vqp.read(buf, 0, rm, SIZE, detach=lambda: freed.append(p.data_inflight))
+        if not cs.cancelled_caught:
+            continue                             # it beat the timer: nothing to detach
+        detached += 1
+        with trio.fail_after(5):
+            while not freed:
+                await trio.sleep(0.001)
+        await trio.sleep(0.01)
+        assert freed == [0]                      # once, and with nothing in flight
+    assert detached
+    late: list[bool] = []
+    await vqp.read(buf, 0, rm, SIZE, overrun=(0.0, lambda: late.append(True)))
+    assert late == [True]
+    assert buf.read(SIZE) == srv.exports["data"].read(SIZE)
+
+
 async def test_authenticated_nonsense_does_not_kill_the_server(
         server: Any, client: Endpoint) -> None:
     srv, port = server
