@@ -86,7 +86,7 @@ class NativeSession:
 
     ``mount()`` (blocking: mount(2), INIT, threads) then ``await serve()`` until the
     connection ends (unmounted, or ``terminate()``); ``close()`` joins the threads and
-    releases every tier buffer. Misses run ``ops.reader.read`` in this session's nursery
+    releases every tier buffer. Misses run ``ops.reader.read_parts`` in this session's nursery
     and are answered on the fd their request came from; their errors go through
     ``boundary.fuse_op`` like every pyfuse3 handler's.
 
@@ -336,7 +336,7 @@ class NativeSession:
 
     @fuse_op
     async def read(self, entry: int, offset: int, size: int, stream: Stream) -> Any:
-        return await self.ops.reader.read(entry, offset, size, stream)
+        return await self.ops.reader.read_parts(entry, offset, size, stream)
 
     @fuse_op
     async def getxattr(self, entry: int, name: bytes) -> bytes:
