@@ -14,10 +14,12 @@ ext_modules: list[Extension] = [
     Extension("rdma._soft_engine", ["native/soft_engine_py.c", "native/soft_engine.c"],
               depends=["native/soft_engine.h", "native/py_errno.h"], include_dirs=["native"],
               extra_compile_args=CFLAGS),
-    # kspeedfs/fuse native engine: /dev/fuse request threads, metadata and tier hits in C
+    # kspeedfs/fuse native engine: /dev/fuse request threads and io_uring queues (liburing,
+    # Debian 12's liburing-dev 2.3), metadata and tier hits in C
     Extension("kspeedfs.fuse._engine", ["native/fuse_engine_py.c", "native/fuse_engine.c",
                                         "native/fuse_tier.c"],
-              depends=["native/fuse_engine.h", "native/fuse_tier.h", "native/py_errno.h"], include_dirs=["native"],
+              depends=["native/fuse_engine.h", "native/fuse_tier.h", "native/fuse_uring_abi.h",
+                       "native/py_errno.h"], include_dirs=["native"], libraries=["uring"],
               extra_compile_args=CFLAGS),
 ]
 

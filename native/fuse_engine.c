@@ -8,6 +8,8 @@
  *   handlers         one function per opcode; dispatch() picks one and counts it
  *   READ             stream bookkeeping (prefetch), then tier hit → writev, else queue
  *   queue            misses and xattrs for Python, an eventfd per engine
+ *   io_uring         queues per CPU: register entries, serve CQEs, commit replies (Python's
+ *                    through a mailbox the queue's thread drains)
  *   threads          fe_init (INIT), fe_start (clone a /dev/fuse fd per thread), fe_join
  *
  * Slot lifetime: a slot in the table holds one reference for the table; a READ that
@@ -20,10 +22,13 @@
 #define _GNU_SOURCE
 #include "fuse_engine.h"
 #include "fuse_tier.h"
+#include "fuse_uring_abi.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/fuse.h>
+#include <liburing.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -32,6 +37,7 @@
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -48,6 +54,17 @@
 #define FE_MAX_IOV 64
 #define FE_MAX_WRITE (128 * 1024)
 #define FE_REQ_BUF (FE_MAX_WRITE + 4096)
+
+/* io_uring queues. 32 entries per queue: an entry stays with Python for a whole miss
+ * (milliseconds), and a queue without a free entry parks every request of its CPU, hits
+ * and metadata too, in the kernel until a commit; 32 per CPU is, on 2 CPUs, the default
+ * max_background (64) of requests in flight. Each entry's payload is max_pages pages
+ * (1 MiB), mapped lazily: 32 MiB of address space per CPU, resident as far as replies
+ * touched it. */
+#define FE_URING_DEPTH 32
+#define FE_URING_MAX_Q 256          /* qids are CPU numbers */
+#define FE_URING_MAX_ENTS 256
+#define FE_URING_SLOTS 64           /* engines with rings per process (ring tokens) */
 
 static void set_err(char *err, size_t errlen, const char *fmt, ...)
 {
@@ -111,6 +128,48 @@ struct fe_worker {
     uint8_t *out;                   /* READDIR replies: max_pages pages */
     size_t outlen;
     struct fe_counters c;
+    struct fe_uent *ent;            /* the ring entry of the request in hand (NULL: /dev/fuse) */
+};
+
+/* A ring entry's life, in its ``state`` (the kernel's own FRRS_* states in brackets):
+ *
+ *   KERNEL ──CQE──► C ──answered in C──────────────────────► KERNEL (COMMIT_AND_FETCH)
+ *   [AVAILABLE]     │                                         [USERSPACE → AVAILABLE]
+ *                   └─queued for Python─► PY ──fe_reply_*──► COMMIT ──mailbox──► KERNEL
+ *   any ──CQE < 0 (connection gone, ring cancelled)──► DEAD
+ *
+ * Only the queue's thread submits SQEs (the ring is single-issuer); Python's thread
+ * fills an entry in PY and hands it over through the mailbox. */
+enum { ENT_KERNEL, ENT_C, ENT_PY, ENT_COMMIT, ENT_DEAD };
+
+struct fe_uent {
+    struct fe_uqueue *q;
+    struct fe_uring_req_header *hdr;
+    uint8_t *payload;
+    struct iovec iov[2];            /* what REGISTER hands the kernel */
+    uint16_t idx;
+    atomic_int state;
+    uint64_t unique;                /* the request it holds (C, PY, COMMIT) */
+};
+
+struct fe_uqueue {
+    struct fe_engine *e;
+    struct fe_worker w;             /* dispatch's view: counters, buffers, ``ent`` */
+    int qid;
+    struct io_uring ring;
+    int ring_up;
+    pthread_t thread;
+    int started;
+    struct fe_uent *ents;
+    uint8_t *payloads;              /* one mapping: nents x payload_len */
+    size_t payload_len, map_len;
+    int efd;                        /* Python's commits (and the stop) wake the thread */
+    uint64_t efd_val;
+    pthread_mutex_t mlock;          /* the mailbox: protects mail, nmail, closed */
+    uint16_t *mail;
+    int nmail;
+    int closed;                     /* the thread is gone: replies to its entries refused */
+    int registered;                 /* 1: every REGISTER accepted; < 0: -errno */
 };
 
 struct fe_engine {
@@ -142,6 +201,18 @@ struct fe_engine {
     struct fe_worker *workers;
     int nworkers;
     atomic_int live;
+    atomic_int dev_live;            /* of which /dev/fuse readers */
+    /* io_uring queues (fe_start, when INIT negotiated FUSE_OVER_IO_URING) */
+    int uring;                      /* negotiated */
+    struct fe_uqueue *queues;
+    int nqueues, nents;
+    int ring_slot;                  /* in ring_engines[] (ring tokens), -1: none */
+    atomic_int ring_stop;
+    pthread_mutex_t rlock;          /* the queues' registration reports */
+    pthread_cond_t rcond;
+    int nreported;
+    int transport;                  /* 1: every queue registered */
+    char ring_why[160];             /* why not, when INIT negotiated it */
 };
 
 static int is_dir(uint32_t mode) { return S_ISDIR(mode); }
@@ -155,6 +226,7 @@ struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_o
         return NULL;
     }
     e->fd = fd;
+    e->ring_slot = -1;
     e->ix = *ix;
     e->opt = *opt;
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -168,6 +240,8 @@ struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_o
     }
     pthread_mutex_init(&e->qlock, NULL);
     pthread_mutex_init(&e->hlock, NULL);
+    pthread_mutex_init(&e->rlock, NULL);
+    pthread_cond_init(&e->rcond, NULL);
     /* st_nlink of a directory: 2 + its subdirectories, once, not per GETATTR */
     for (uint64_t i = 0; i < ix->entries; i++)
         if (is_dir(ix->mode[i]))
@@ -224,6 +298,12 @@ size_t fe_tier_count(struct fe_engine *e) { return tier_count(e->tier); }
 
 /* ----------------------------------------------------------------------- replies */
 
+/* Ring replies (the io_uring section defines them): Python's, by token, and the queue
+ * thread's own for the request in hand. */
+static int ring_reply(int token, uint64_t unique, int err, struct iovec *iov, int n);
+static int ring_answer(struct fe_worker *w, uint64_t unique, int err, struct iovec *iov, int n);
+static int ring_token(const struct fe_uent *ent);
+
 static int write_reply(int fd, struct iovec *iov, int n)
 {
     for (;;) {
@@ -238,6 +318,8 @@ static int write_reply(int fd, struct iovec *iov, int n)
 /* ``iov[0]`` is left for the header; the payload is iov[1..n). */
 static int reply_iov(int fd, uint64_t unique, struct iovec *iov, int n)
 {
+    if (fd < 0)
+        return ring_reply(fd, unique, 0, iov, n);
     struct fuse_out_header h = {.error = 0, .unique = unique};
     size_t len = sizeof h;
     for (int i = 1; i < n; i++)
@@ -256,6 +338,8 @@ static int reply_buf(int fd, uint64_t unique, const void *buf, size_t len)
 
 int fe_reply_error(int fd, uint64_t unique, int err)
 {
+    if (fd < 0)
+        return ring_reply(fd, unique, err, NULL, 1);
     struct fuse_out_header h = {.len = sizeof h, .error = -err, .unique = unique};
     struct iovec iov = {&h, sizeof h};
     return write_reply(fd, &iov, 1);
@@ -395,11 +479,23 @@ static void counted(struct req *r, int err)
     }
 }
 
+/* Answer the request ``w`` holds: into its ring entry, or on its /dev/fuse fd. ``err``
+ * > 0 answers that errno; else ``iov[1..n)`` is the payload (iov[0] is the header's). */
+static int worker_reply(struct fe_worker *w, uint64_t unique, int err, struct iovec *iov, int n)
+{
+    if (w->ent)
+        return ring_answer(w, unique, err, iov, n);
+    if (err)
+        return fe_reply_error(w->fd, unique, err);
+    return reply_iov(w->fd, unique, iov, n);
+}
+
 /* Count, then answer ``r`` with ``buf`` (``err``: count it as the error the caller sees). */
 static int answer(struct req *r, const void *buf, size_t len, int err)
 {
     counted(r, err);
-    return reply_buf(r->w->fd, r->h->unique, buf, len);
+    struct iovec iov[2] = {{0}, {(void *)buf, len}};
+    return worker_reply(r->w, r->h->unique, 0, iov, len ? 2 : 1);
 }
 
 static int do_lookup(struct req *r)
@@ -667,6 +763,21 @@ static int enqueue(struct fe_engine *e, const struct fe_request *q)
     return 0;
 }
 
+/* Queue ``q`` for Python, to be answered on the fd or ring entry its request came from. */
+static int enqueue_for_python(struct fe_worker *w, struct fe_request *q)
+{
+    if (!w->ent) {
+        q->fd = w->fd;
+        return enqueue(w->e, q);
+    }
+    q->fd = ring_token(w->ent);
+    atomic_store(&w->ent->state, ENT_PY);   /* before Python can see it */
+    int rc = enqueue(w->e, q);
+    if (rc < 0)
+        atomic_store(&w->ent->state, ENT_C);
+    return rc;
+}
+
 size_t fe_take(struct fe_engine *e, struct fe_request *out, size_t max)
 {
     pthread_mutex_lock(&e->qlock);
@@ -692,8 +803,8 @@ static int do_xattr(struct req *r, int kind)
     if (r->arglen < sizeof(struct fuse_getxattr_in))
         return -EINVAL;
     const struct fuse_getxattr_in *in = (const void *)r->arg;
-    struct fe_request q = {.kind = kind, .fd = r->w->fd, .unique = r->h->unique,
-                           .entry = entry, .size = in->size};
+    struct fe_request q = {.kind = kind, .unique = r->h->unique, .entry = entry,
+                           .size = in->size};
     if (kind == FE_GETXATTR) {
         const char *name = (const char *)(in + 1);
         size_t n = strnlen(name, r->arglen - sizeof *in);
@@ -702,7 +813,7 @@ static int do_xattr(struct req *r, int kind)
         memcpy(q.name, name, n);
     }
     r->w->c.queued++;
-    int rc = enqueue(e, &q);
+    int rc = enqueue_for_python(r->w, &q);
     return rc < 0 ? rc : QUEUED;
 }
 
@@ -852,16 +963,15 @@ static int do_read(struct req *r)
         r->w->c.read_hit_bytes += end - offset;
         r->w->c.memory_hits += (uint64_t)h.units;
         counted(r, 0);
-        reply_iov(r->w->fd, r->h->unique, h.iov, h.n);
+        worker_reply(r->w, r->h->unique, 0, h.iov, h.n);
         release_hit(e, &h);
     } else {
         release_hit(e, &h);
-        struct fe_request q = {.kind = FE_READ, .fd = r->w->fd, .unique = r->h->unique,
-                               .entry = entry, .offset = offset, .size = in->size,
-                               .random = random};
+        struct fe_request q = {.kind = FE_READ, .unique = r->h->unique, .entry = entry,
+                               .offset = offset, .size = in->size, .random = random};
         r->w->c.read_misses++;
         r->w->c.queued++;
-        if (enqueue(e, &q) < 0)
+        if (enqueue_for_python(r->w, &q) < 0)
             return -ENOMEM;
         queued = QUEUED;
     }
@@ -957,10 +1067,504 @@ static void dispatch(struct fe_worker *w, const uint8_t *buf, size_t n)
     }
     if (rc < 0) {
         counted(&r, r.op != FE_OP_ENOSYS);
-        fe_reply_error(w->fd, h->unique, -rc);
+        worker_reply(w, h->unique, -rc, NULL, 1);
     } else if (rc != QUEUED) {
         counted(&r, 0);             /* answered without answer(): nothing to count late */
     }
+}
+
+/* ---------------------------------------------------------------------- io_uring */
+
+/* liburing, not raw io_uring_setup/enter: the ring's memory barriers, the SQE128 layout
+ * and submit-and-wait are its code, tested against many kernels, and Debian 12 ships it
+ * (liburing 2.3: SQE128, IORING_OP_URING_CMD, SINGLE_ISSUER, DEFER_TASKRUN); the raw
+ * syscalls would save one shared library and buy ~200 lines of ring bookkeeping here.
+ *
+ * Who submits: only a queue's own thread, pinned to the queue's CPU. Python's replies
+ * (a miss answered from trio) are copied into the entry by Python's thread, which then
+ * hands the entry's index over through the queue's mailbox and eventfd; the queue thread
+ * commits it. The alternative, a lock around the SQ shared with Python's thread, would
+ * make the ring multi-issuer and run the next request's task work (the kernel copying it
+ * into the entry) on whichever thread committed last: the trio thread, on the other CPU.
+ * The hand-over costs a miss one eventfd wake (~5 us) on a path that takes milliseconds;
+ * hits never touch the lock. */
+
+static pthread_mutex_t ring_engines_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct fe_engine *ring_engines[FE_URING_SLOTS];   /* protected by ring_engines_lock */
+
+static int ring_token(const struct fe_uent *ent)
+{
+    const struct fe_uqueue *q = ent->q;
+    return -(1 + ((q->e->ring_slot * FE_URING_MAX_Q + q->qid) * FE_URING_MAX_ENTS + ent->idx));
+}
+
+/* Copy a reply into ``ent``: header (out_header) and payload (iov[1..n)), bounded by the
+ * payload buffer (a reply that does not fit answers EIO, never writes past it). */
+static void ring_fill(struct fe_uent *ent, uint64_t unique, int err, const struct iovec *iov,
+                      int n, struct fe_counters *c)
+{
+    size_t len = 0, room = ent->q->payload_len;
+    for (int i = 1; i < n && !err; i++) {
+        if (iov[i].iov_len > room - len) {
+            err = EIO;
+            break;
+        }
+        len += iov[i].iov_len;
+    }
+    if (err) {
+        len = 0;
+    } else if (len) {
+        uint64_t t0 = c ? now_ns() : 0;     /* what the copy costs (a writev has none) */
+        size_t at = 0;
+        for (int i = 1; i < n; i++) {
+            memcpy(ent->payload + at, iov[i].iov_base, iov[i].iov_len);
+            at += iov[i].iov_len;
+        }
+        if (c) {
+            c->ring_copy_ns += now_ns() - t0;
+            c->ring_copy_bytes += len;
+        }
+    }
+    struct fuse_out_header oh = {.len = (uint32_t)(sizeof oh + len), .error = -err,
+                                 .unique = unique};
+    memcpy(ent->hdr->in_out, &oh, sizeof oh);
+    ent->hdr->ring_ent_in_out.payload_sz = (uint32_t)len;
+}
+
+/* An SQE of ``q``'s ring (submitting what is queued when the SQ is full). */
+static struct io_uring_sqe *ring_sqe(struct fe_uqueue *q)
+{
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&q->ring);
+    while (!sqe) {
+        io_uring_submit(&q->ring);
+        sqe = io_uring_get_sqe(&q->ring);
+    }
+    return sqe;
+}
+
+/* Queue one FUSE uring command for ``ent`` (REGISTER, or COMMIT_AND_FETCH of its request). */
+static void ring_cmd(struct fe_uqueue *q, struct fe_uent *ent, uint32_t op)
+{
+    struct io_uring_sqe *sqe = ring_sqe(q);
+    memset(sqe, 0, 128);                    /* an SQE128: the 80-byte command area too */
+    sqe->opcode = IORING_OP_URING_CMD;
+    sqe->fd = q->e->fd;
+    sqe->cmd_op = op;
+    if (op == FE_IO_URING_CMD_REGISTER) {
+        sqe->addr = (uint64_t)(uintptr_t)ent->iov;
+        sqe->len = 2;
+    }
+    struct fe_uring_cmd_req req = {.qid = (uint16_t)q->qid,
+                                   .commit_id = op == FE_IO_URING_CMD_REGISTER ? 0 : ent->unique};
+    memcpy(sqe->cmd, &req, sizeof req);
+    io_uring_sqe_set_data(sqe, ent);
+    atomic_store(&ent->state, ENT_KERNEL);
+}
+
+/* The queue thread answers the request in hand (``w->ent``): fill, then commit. */
+static int ring_answer(struct fe_worker *w, uint64_t unique, int err, struct iovec *iov, int n)
+{
+    struct fe_uent *ent = w->ent;
+    ring_fill(ent, unique, err, iov, n, &w->c);
+    ring_cmd(ent->q, ent, FE_IO_URING_CMD_COMMIT_AND_FETCH);
+    w->ent = NULL;                          /* answered: nothing more goes into it */
+    return 0;
+}
+
+/* Python's reply to a ring request (any thread): fill the entry, hand it to its queue. */
+static int ring_reply(int token, uint64_t unique, int err, struct iovec *iov, int n)
+{
+    long t = -(long)token - 1;
+    int idx = (int)(t % FE_URING_MAX_ENTS), qid = (int)(t / FE_URING_MAX_ENTS % FE_URING_MAX_Q);
+    long slot = t / FE_URING_MAX_ENTS / FE_URING_MAX_Q;
+    int rc = -ENOENT;
+    pthread_mutex_lock(&ring_engines_lock);
+    struct fe_engine *e = slot >= 0 && slot < FE_URING_SLOTS ? ring_engines[slot] : NULL;
+    if (e && qid < e->nqueues && idx < e->nents) {
+        struct fe_uqueue *q = &e->queues[qid];
+        struct fe_uent *ent = &q->ents[idx];
+        pthread_mutex_lock(&q->mlock);
+        if (!q->closed && atomic_load(&ent->state) == ENT_PY && ent->unique == unique) {
+            ring_fill(ent, unique, err, iov, n, NULL);
+            atomic_store(&ent->state, ENT_COMMIT);
+            q->mail[q->nmail++] = (uint16_t)idx;    /* at most once per entry: fits */
+            uint64_t one = 1;
+            ssize_t wr = write(q->efd, &one, sizeof one);
+            (void)wr;                               /* EAGAIN: already signalled */
+            rc = 0;
+        }
+        pthread_mutex_unlock(&q->mlock);
+    }
+    pthread_mutex_unlock(&ring_engines_lock);
+    return rc;
+}
+
+/* A request arrived in ``ent``: lay it out as /dev/fuse would (header, op_in, payload)
+ * in the worker's buffer, bounds-checked, and dispatch it. Every ring request gets an
+ * answer: one that dispatch leaves unanswered (no such opcode reaches a ring) gets EIO,
+ * so no entry is ever lost. */
+static void ring_request(struct fe_uqueue *q, struct fe_uent *ent)
+{
+    struct fe_worker *w = &q->w;
+    struct fuse_in_header ih;
+    memcpy(&ih, ent->hdr->in_out, sizeof ih);
+    struct fe_uring_ent_in_out io = ent->hdr->ring_ent_in_out;
+    ent->unique = io.commit_id;
+    atomic_store(&ent->state, ENT_C);
+    w->ent = ent;
+    w->c.ring_requests++;
+    size_t total = ih.len, psz = io.payload_sz;
+    if (total < sizeof ih || total > FE_REQ_BUF || psz > q->payload_len ||
+        psz > total - sizeof ih || total - sizeof ih - psz > FE_URING_OP_IN_OUT_SZ) {
+        ring_answer(w, io.commit_id, EIO, NULL, 1);
+        return;
+    }
+    size_t oplen = total - sizeof ih - psz;
+    memcpy(w->in, &ih, sizeof ih);
+    memcpy(w->in + sizeof ih, ent->hdr->op_in, oplen);
+    memcpy(w->in + sizeof ih + oplen, ent->payload, psz);
+    dispatch(w, w->in, total);
+    if (w->ent && atomic_load(&ent->state) == ENT_C)
+        ring_answer(w, io.commit_id, EIO, NULL, 1);
+    w->ent = NULL;
+}
+
+/* Python's commits waiting in the mailbox. */
+static void ring_drain_mail(struct fe_uqueue *q)
+{
+    uint16_t mail[FE_URING_MAX_ENTS];
+    pthread_mutex_lock(&q->mlock);
+    int n = q->nmail;
+    memcpy(mail, q->mail, (size_t)n * sizeof *mail);
+    q->nmail = 0;
+    pthread_mutex_unlock(&q->mlock);
+    for (int i = 0; i < n; i++)
+        ring_cmd(q, &q->ents[mail[i]], FE_IO_URING_CMD_COMMIT_AND_FETCH);
+}
+
+static void ring_arm_eventfd(struct fe_uqueue *q)
+{
+    struct io_uring_sqe *sqe = ring_sqe(q);
+    io_uring_prep_read(sqe, q->efd, &q->efd_val, sizeof q->efd_val, 0);
+    io_uring_sqe_set_data(sqe, NULL);
+}
+
+static void ring_report(struct fe_uqueue *q, int registered)
+{
+    struct fe_engine *e = q->e;
+    pthread_mutex_lock(&e->rlock);
+    q->registered = registered;
+    e->nreported++;
+    pthread_cond_broadcast(&e->rcond);
+    pthread_mutex_unlock(&e->rlock);
+}
+
+/* Set up the ring on this thread (single issuer, task work deferred to our waits: the
+ * kernel copies a request into an entry when this thread asks for completions, on this
+ * CPU), register every entry; then serve CQEs until the connection or the engine ends. */
+static void *queue_main(void *arg)
+{
+    struct fe_uqueue *q = arg;
+    struct fe_engine *e = q->e;
+    cpu_set_t cpus;
+    CPU_ZERO(&cpus);
+    CPU_SET(q->qid, &cpus);
+    pthread_setaffinity_np(pthread_self(), sizeof cpus, &cpus);   /* offline CPU: unpinned */
+    struct io_uring_params p = {.flags = IORING_SETUP_SQE128 | IORING_SETUP_SINGLE_ISSUER |
+                                         IORING_SETUP_DEFER_TASKRUN};
+    unsigned depth = (unsigned)e->nents * 2 + 2;
+    int rc = io_uring_queue_init_params(depth, &q->ring, &p);
+    if (rc == -EINVAL) {                    /* a kernel without DEFER_TASKRUN */
+        struct io_uring_params plain = {.flags = IORING_SETUP_SQE128};
+        rc = io_uring_queue_init_params(depth, &q->ring, &plain);
+    }
+    if (rc < 0) {
+        ring_report(q, rc);
+        goto out;
+    }
+    q->ring_up = 1;
+    for (int i = 0; i < e->nents; i++)
+        ring_cmd(q, &q->ents[i], FE_IO_URING_CMD_REGISTER);
+    ring_arm_eventfd(q);
+    rc = io_uring_submit(&q->ring);
+    /* A REGISTER the kernel refuses completes at once; an accepted one completes only
+     * with a request. So: refused iff a CQE is already there with an error. */
+    int registered = rc < 0 ? rc : 1;
+    struct io_uring_cqe *cqe;
+    unsigned head, seen = 0;
+    io_uring_for_each_cqe(&q->ring, head, cqe) {
+        struct fe_uent *ent = io_uring_cqe_get_data(cqe);
+        if (ent && cqe->res < 0) {
+            atomic_store(&ent->state, ENT_DEAD);
+            registered = cqe->res;
+            seen++;
+        } else {
+            break;                          /* a request already: handled below */
+        }
+    }
+    io_uring_cq_advance(&q->ring, seen);
+    ring_report(q, registered);
+    if (registered < 0)
+        goto out;
+    for (;;) {
+        rc = io_uring_submit_and_wait(&q->ring, 1);
+        if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY)
+            break;
+        int stop = 0, gone = 0;
+        seen = 0;
+        io_uring_for_each_cqe(&q->ring, head, cqe) {
+            struct fe_uent *ent = io_uring_cqe_get_data(cqe);
+            int res = cqe->res;
+            seen++;
+            if (!ent) {                     /* the eventfd: Python's commits, or stop */
+                ring_drain_mail(q);
+                if (atomic_load(&e->ring_stop))
+                    stop = 1;
+                else
+                    ring_arm_eventfd(q);
+            } else if (res == 0) {
+                ring_request(q, ent);
+            } else {                        /* ENOTCONN/ECONNABORTED: the connection is gone */
+                atomic_store(&ent->state, ENT_DEAD);
+                if (res == -ENOTCONN || res == -ECONNABORTED || res == -ECANCELED)
+                    gone = 1;
+                else
+                    q->w.c.ring_lost++;     /* a refused commit: that entry serves no more */
+            }
+        }
+        io_uring_cq_advance(&q->ring, seen);
+        if (stop || gone)
+            break;
+    }
+out:
+    pthread_mutex_lock(&q->mlock);
+    q->closed = 1;                          /* Python's late replies: -ENOENT from now */
+    pthread_mutex_unlock(&q->mlock);
+    if (atomic_fetch_sub(&e->live, 1) == 1)
+        wake(e);
+    return NULL;
+}
+
+/* The possible CPUs (the kernel makes one queue per possible CPU, qid = its number). */
+static int possible_cpus(void)
+{
+    FILE *f = fopen("/sys/devices/system/cpu/possible", "re");
+    int n = 0;
+    if (f) {
+        unsigned a, b;
+        char sep;
+        while (fscanf(f, "%u", &a) == 1) {
+            b = a;
+            if (fscanf(f, "%c", &sep) == 1 && sep == '-' && fscanf(f, "%u%c", &b, &sep) < 1)
+                break;
+            if (b >= a && b < FE_URING_MAX_Q)
+                n = (int)b + 1 > n ? (int)b + 1 : n;
+            if (sep != ',')
+                break;
+        }
+        fclose(f);
+    }
+    return n;
+}
+
+static void ring_signal_stop(struct fe_engine *e)
+{
+    atomic_store(&e->ring_stop, 1);
+    for (int i = 0; i < e->nqueues; i++) {
+        uint64_t one = 1;
+        ssize_t wr = write(e->queues[i].efd, &one, sizeof one);
+        (void)wr;
+    }
+}
+
+/* Start the queues and wait (bounded) for their registrations: 1 if every queue is
+ * registered (the kernel's ring is ready: requests go through it), else 0 (the kernel
+ * turned io_uring off for the connection at the first refused REGISTER; /dev/fuse
+ * serves, and the queues that did register stay idle until the end). */
+static int ring_start(struct fe_engine *e, char *err, size_t errlen)
+{
+    int ncpu = possible_cpus();
+    uint32_t depth = e->opt.uring_depth ? e->opt.uring_depth : FE_URING_DEPTH;
+    if (ncpu < 1 || depth > FE_URING_MAX_ENTS) {
+        set_err(err, errlen, "io_uring: %d possible CPUs, %u entries", ncpu, depth);
+        return -EINVAL;
+    }
+    pthread_mutex_lock(&ring_engines_lock);
+    for (int s = 0; s < FE_URING_SLOTS && e->ring_slot < 0; s++)
+        if (!ring_engines[s]) {
+            ring_engines[s] = e;
+            e->ring_slot = s;
+        }
+    pthread_mutex_unlock(&ring_engines_lock);
+    e->queues = calloc((size_t)ncpu, sizeof *e->queues);
+    if (e->ring_slot < 0 || !e->queues) {
+        set_err(err, errlen, "io_uring: %s", e->queues ? "too many engines" : "out of memory");
+        return -ENOMEM;
+    }
+    e->nents = (int)depth;
+    /* the kernel's minimum: max(FUSE_MIN_READ_BUFFER, max_write, max_pages pages) */
+    size_t payload = (size_t)(e->max_pages ? e->max_pages : 32) * 4096;
+    if (payload < FE_MAX_WRITE)
+        payload = FE_MAX_WRITE;
+    if (payload < FE_FUSE_MIN_READ_BUFFER)
+        payload = FE_FUSE_MIN_READ_BUFFER;
+    size_t outlen = (size_t)(e->max_pages ? e->max_pages : 32) * 4096;
+    for (int i = 0; i < ncpu; i++) {
+        struct fe_uqueue *q = &e->queues[i];
+        q->e = e;
+        q->qid = i;
+        q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        pthread_mutex_init(&q->mlock, NULL);
+        q->payload_len = payload;
+        q->map_len = payload * (size_t)depth;
+        q->payloads = mmap(NULL, q->map_len, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        q->ents = calloc(depth, sizeof *q->ents);
+        q->mail = calloc(depth, sizeof *q->mail);
+        q->w.e = e;
+        q->w.fd = e->fd;
+        q->w.in = malloc(FE_REQ_BUF);
+        q->w.out = malloc(outlen);
+        q->w.outlen = outlen;
+        e->nqueues = i + 1;
+        if (q->efd < 0 || q->payloads == MAP_FAILED || !q->ents || !q->mail || !q->w.in ||
+            !q->w.out) {
+            if (q->payloads == MAP_FAILED)
+                q->payloads = NULL;
+            set_err(err, errlen, "io_uring queue %d: out of memory", i);
+            return -ENOMEM;
+        }
+        for (uint32_t k = 0; k < depth; k++) {
+            struct fe_uent *ent = &q->ents[k];
+            ent->q = q;
+            ent->idx = (uint16_t)k;
+            ent->hdr = calloc(1, sizeof *ent->hdr);
+            if (!ent->hdr) {
+                set_err(err, errlen, "io_uring queue %d: out of memory", i);
+                return -ENOMEM;
+            }
+            ent->payload = q->payloads + (size_t)k * payload;
+            ent->iov[0] = (struct iovec){ent->hdr, sizeof *ent->hdr};
+            ent->iov[1] = (struct iovec){ent->payload, payload};
+        }
+    }
+    for (int i = 0; i < e->nqueues; i++) {
+        struct fe_uqueue *q = &e->queues[i];
+        atomic_fetch_add(&e->live, 1);
+        if (pthread_create(&q->thread, NULL, queue_main, q) != 0) {
+            atomic_fetch_sub(&e->live, 1);
+            ring_report(q, -EAGAIN);
+            continue;
+        }
+        q->started = 1;
+    }
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 5;
+    int ok = 1;
+    pthread_mutex_lock(&e->rlock);
+    while (e->nreported < e->nqueues)
+        if (pthread_cond_timedwait(&e->rcond, &e->rlock, &until) == ETIMEDOUT)
+            break;
+    for (int i = 0; i < e->nqueues; i++)
+        if (e->queues[i].registered != 1) {
+            if (ok)
+                set_err(err, errlen, "io_uring queue %d: %s", i, e->queues[i].registered < 0
+                        ? strerror(-e->queues[i].registered) : "no report in 5 s");
+            ok = 0;
+        }
+    pthread_mutex_unlock(&e->rlock);
+    return ok;
+}
+
+static void ring_join(struct fe_engine *e)
+{
+    for (int i = 0; i < e->nqueues; i++)
+        if (e->queues[i].started) {
+            pthread_join(e->queues[i].thread, NULL);
+            e->queues[i].started = 0;
+        }
+}
+
+/* After the queue threads are joined: their rings (closing one cancels what the kernel
+ * still holds of it), buffers and the token slot. */
+static void ring_free(struct fe_engine *e)
+{
+    pthread_mutex_lock(&ring_engines_lock);
+    if (e->ring_slot >= 0)
+        ring_engines[e->ring_slot] = NULL;
+    e->ring_slot = -1;
+    pthread_mutex_unlock(&ring_engines_lock);
+    for (int i = 0; i < e->nqueues; i++) {
+        struct fe_uqueue *q = &e->queues[i];
+        if (q->ring_up)
+            io_uring_queue_exit(&q->ring);
+        if (q->ents)
+            for (int k = 0; k < e->nents; k++)
+                free(q->ents[k].hdr);
+        free(q->ents);
+        free(q->mail);
+        free(q->w.in);
+        free(q->w.out);
+        if (q->payloads)
+            munmap(q->payloads, q->map_len);
+        if (q->efd >= 0)
+            close(q->efd);
+        pthread_mutex_destroy(&q->mlock);
+    }
+    free(e->queues);
+    e->queues = NULL;
+    e->nqueues = 0;
+}
+
+int fe_transport(const struct fe_engine *e, const char **why)
+{
+    if (why)
+        *why = e->ring_why;
+    return e->transport;
+}
+
+/* Before offering io_uring at INIT: can this process make a ring with 128-byte SQEs at
+ * all (io_uring_disabled, seccomp, memlock)? Once INIT negotiated it, the kernel holds
+ * every request until the ring is ready, so a failure must come before, not after. */
+static int ring_probe(void)
+{
+    struct io_uring ring;
+    if (io_uring_queue_init(4, &ring, IORING_SETUP_SQE128) < 0)
+        return 0;
+    io_uring_queue_exit(&ring);
+    return 1;
+}
+
+/* After a failed ring_start: a REGISTER the kernel refuses (qid out of range) turns
+ * io_uring off for the connection and wakes the requests it held (fuse_uring_cmd sets
+ * fc->io_uring = 0), so /dev/fuse serves them. A queue's own refused REGISTER did that
+ * already; this covers the failures before any reached the kernel. */
+static void ring_refuse(struct fe_engine *e)
+{
+    struct io_uring ring;
+    if (io_uring_queue_init(4, &ring, IORING_SETUP_SQE128) < 0)
+        return;
+    struct fe_uring_req_header hdr;
+    struct iovec iov[2] = {{&hdr, sizeof hdr}, {&hdr, sizeof hdr}};
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
+    if (!sqe) {                             /* a new ring of 4 has room: never */
+        io_uring_queue_exit(&ring);
+        return;
+    }
+    memset(sqe, 0, 128);
+    sqe->opcode = IORING_OP_URING_CMD;
+    sqe->fd = e->fd;
+    sqe->cmd_op = FE_IO_URING_CMD_REGISTER;
+    sqe->addr = (uint64_t)(uintptr_t)iov;
+    sqe->len = 2;
+    struct fe_uring_cmd_req req = {.qid = UINT16_MAX};
+    memcpy(sqe->cmd, &req, sizeof req);
+    io_uring_submit(&ring);
+    struct io_uring_cqe *cqe;
+    if (io_uring_wait_cqe(&ring, &cqe) == 0)
+        io_uring_cqe_seen(&ring, cqe);
+    io_uring_queue_exit(&ring);
 }
 
 /* ----------------------------------------------------------------------- threads */
@@ -983,6 +1587,8 @@ static void *worker_main(void *arg)
         dispatch(w, w->in, (size_t)n);
     }
     atomic_store(&w->done, 1);
+    if (atomic_fetch_sub(&e->dev_live, 1) == 1 && e->nqueues)
+        ring_signal_stop(e);        /* the connection is gone (or handed over): so are the rings */
     if (atomic_fetch_sub(&e->live, 1) == 1)
         wake(e);                    /* the last one out tells Python */
     return NULL;
@@ -1016,6 +1622,8 @@ int fe_init(struct fe_engine *e, char *err, size_t errlen)
     uint64_t offered = in.flags | (in.flags & FUSE_INIT_EXT ? (uint64_t)in.flags2 << 32 : 0);
     uint64_t wanted = FUSE_ASYNC_READ | FUSE_PARALLEL_DIROPS | FUSE_DO_READDIRPLUS |
                       FUSE_MAX_PAGES | FUSE_CACHE_SYMLINKS | FUSE_INIT_EXT;
+    if (e->opt.uring && (offered & FE_FUSE_OVER_IO_URING) && ring_probe())
+        wanted |= FE_FUSE_OVER_IO_URING;    /* the kernel offers it only with enable_uring=Y */
     uint64_t flags = offered & wanted;
     uint32_t pages = e->opt.max_pages ? e->opt.max_pages : 256;
     o.minor = in.minor < FUSE_KERNEL_MINOR_VERSION ? in.minor : FUSE_KERNEL_MINOR_VERSION;
@@ -1035,6 +1643,7 @@ int fe_init(struct fe_engine *e, char *err, size_t errlen)
     }
     e->minor = o.minor;
     e->flags = flags;
+    e->uring = (flags & FE_FUSE_OVER_IO_URING) != 0;
     e->max_pages = flags & FUSE_MAX_PAGES ? pages : 32;
     e->max_readahead = o.max_readahead;
 out:
@@ -1061,8 +1670,10 @@ static void install_stop_signal(void)
     sigaction(SIGUSR2, &sa, NULL);
 }
 
-void fe_stop(struct fe_engine *e)
+int fe_stop(struct fe_engine *e)
 {
+    if (e->transport)
+        return -EBUSY;              /* ring entries cannot change hands (fe_transport) */
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, install_stop_signal);
     atomic_store(&e->stopping, 1);
@@ -1074,6 +1685,7 @@ void fe_stop(struct fe_engine *e)
         usleep(1000);
     }
     fe_join(e);
+    return 0;
 }
 
 static int clone_fd(int master)
@@ -1148,13 +1760,26 @@ int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen)
     if (e->nworkers < nthreads && e->nworkers == 0)
         return -EIO;
     atomic_store(&e->live, e->nworkers);
+    atomic_store(&e->dev_live, e->nworkers);
     for (int i = 0; i < e->nworkers; i++) {
         struct fe_worker *w = &e->workers[i];
         if (pthread_create(&w->thread, NULL, worker_main, w) != 0) {
             atomic_fetch_sub(&e->live, 1);
+            atomic_fetch_sub(&e->dev_live, 1);
             continue;
         }
         w->started = 1;
+    }
+    /* The /dev/fuse readers first: they serve the requests the kernel sends before the
+     * ring is ready (none: it holds them), FORGETs and INTERRUPTs, and everything after
+     * a refused REGISTER. */
+    if (e->uring) {
+        e->transport = ring_start(e, e->ring_why, sizeof e->ring_why) == 1;
+        if (!e->transport) {        /* not fatal: /dev/fuse serves (fe_transport says why) */
+            ring_refuse(e);
+            e->flags &= ~FE_FUSE_OVER_IO_URING;     /* the kernel turned it off: a successor
+                                                     * adopts a /dev/fuse connection */
+        }
     }
     return 0;
 }
@@ -1166,13 +1791,12 @@ void fe_join(struct fe_engine *e)
             pthread_join(e->workers[i].thread, NULL);
             e->workers[i].started = 0;
         }
+    ring_join(e);                   /* the last /dev/fuse reader out stopped them */
 }
 
-void fe_counters(struct fe_engine *e, struct fe_counters *sum)
+static void add_counters(struct fe_counters *sum, const struct fe_counters *c)
 {
-    memset(sum, 0, sizeof *sum);
-    for (int i = 0; i < e->nworkers; i++) {
-        const struct fe_counters *c = &e->workers[i].c;   /* racy reads of plain u64s */
+    {
         for (int op = 0; op < FE_NOPS; op++) {
             sum->count[op] += c->count[op];
             sum->errors[op] += c->errors[op];
@@ -1187,13 +1811,31 @@ void fe_counters(struct fe_engine *e, struct fe_counters *sum)
         sum->queued += c->queued;
         sum->prefetch_hints += c->prefetch_hints;
         sum->resent += c->resent;
+        sum->ring_requests += c->ring_requests;
+        sum->ring_copy_bytes += c->ring_copy_bytes;
+        sum->ring_copy_ns += c->ring_copy_ns;
+        sum->ring_lost += c->ring_lost;
     }
+}
+
+void fe_counters(struct fe_engine *e, struct fe_counters *sum)
+{
+    memset(sum, 0, sizeof *sum);
+    for (int i = 0; i < e->nworkers; i++)
+        add_counters(sum, &e->workers[i].c);    /* racy reads of plain u64s */
+    for (int i = 0; i < e->nqueues; i++)
+        add_counters(sum, &e->queues[i].w.c);
 }
 
 void fe_destroy(struct fe_engine *e)
 {
     if (!e)
         return;
+    if (e->nqueues) {               /* joined already, unless fe_start failed half-way */
+        ring_signal_stop(e);
+        ring_join(e);
+    }
+    ring_free(e);
     for (int i = 0; i < e->nworkers; i++) {
         struct fe_worker *w = &e->workers[i];
         if (i && w->fd >= 0)

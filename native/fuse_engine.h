@@ -10,6 +10,14 @@
  *     GETXATTR LISTXATTR (when xattrs are on)           ─► fe_queue (same path)
  *   Python answers a queued request with fe_reply_* on the fd it came from.
  *
+ * FUSE over io_uring (kernel 6.14+, ``uring`` in fe_options, fuse_uring_abi.h): when INIT
+ * negotiated it, fe_start also registers one io_uring queue per possible CPU, each served
+ * by a thread pinned to its CPU; the kernel then sends requests through the queue of
+ * the CPU the caller runs on, and the same dispatch answers them (into the entry's
+ * payload buffer, committed with COMMIT_AND_FETCH). A request taken from a ring is
+ * queued for Python with a negative "fd": a ring token, which fe_reply_* route back to
+ * that ring entry. FORGET, INTERRUPT and notifications stay on /dev/fuse.
+ *
  * Nothing in this file touches Python: the threads never take the GIL. The binding
  * (fuse_engine_py.c) owns the Python objects behind the index arrays and the tier
  * buffers and releases them only when the engine says nothing points into them
@@ -53,6 +61,8 @@ struct fe_options {
     uint32_t max_background, congestion_threshold;
     uint32_t max_pages;             /* pages per request (256 = 1 MiB) */
     uint32_t prefetch_depth, prefetch_trigger;
+    int uring;                      /* offer FUSE_OVER_IO_URING at INIT (if the kernel does) */
+    uint32_t uring_depth;           /* entries per queue (0 = FE_URING_DEPTH) */
 };
 
 /* A queued request for Python. */
@@ -60,7 +70,7 @@ enum fe_kind { FE_READ = 1, FE_GETXATTR = 2, FE_LISTXATTR = 3, FE_PREFETCH = 4 }
 
 struct fe_request {
     int kind;
-    int fd;                 /* reply on this fd (the clone that read it) */
+    int fd;                 /* reply on this fd (the clone that read it); < 0: a ring token */
     uint64_t unique;
     uint64_t entry;         /* manifest entry (inode - 1) */
     uint64_t offset;        /* READ: offset; PREFETCH: first chunk */
@@ -81,6 +91,9 @@ struct fe_counters {
     uint64_t count[FE_NOPS], errors[FE_NOPS], ns[FE_NOPS], buckets[FE_NOPS][FE_BUCKETS];
     uint64_t read_hits, read_hit_bytes, memory_hits, read_misses, queued, prefetch_hints;
     uint64_t resent;        /* requests the kernel sent again (FUSE_NOTIFY_RESEND) */
+    uint64_t ring_requests;         /* requests that came through an io_uring queue */
+    uint64_t ring_copy_bytes, ring_copy_ns;   /* READ hits copied into ring payloads */
+    uint64_t ring_lost;             /* entries whose commit the kernel refused */
 };
 
 struct fe_engine;
@@ -109,7 +122,7 @@ void fe_adopt(struct fe_engine *e, uint32_t minor, uint64_t flags, uint32_t max_
 /* Hand over to a successor reading the same connection: every request thread finishes
  * the request it holds and ends (a signal interrupts the ones waiting in read); returns
  * when they are joined. Nothing is unmounted or aborted; queued requests stay queued. */
-void fe_stop(struct fe_engine *e);
+int fe_stop(struct fe_engine *e);            /* -EBUSY: io_uring queues (see fe_transport) */
 /* Resume after a crash: the request threads read these fds (the dead daemon's master
  * and clones, kept open by the supervisor; ``fds[0]`` is the engine's fd) instead of
  * cloning new ones. Before fe_start; the engine owns them from then on. */
@@ -124,11 +137,18 @@ int fe_eventfd(const struct fe_engine *e);
 int fe_running(const struct fe_engine *e);
 void fe_negotiated(const struct fe_engine *e, uint32_t *minor, uint64_t *flags,
                    uint32_t *max_pages, uint32_t *max_readahead);
+/* How requests reach the engine: 1 = io_uring queues (every queue registered after INIT
+ * negotiated FUSE_OVER_IO_URING), 0 = /dev/fuse reads. Valid after fe_start. An io_uring
+ * engine cannot be handed over or resumed (fe_stop refuses it): the kernel binds a ring
+ * entry to the buffers and task of the process that registered it (docs/design.md). */
+int fe_transport(const struct fe_engine *e, const char **why);  /* why: "" or the reason not */
 
 /* The queue: up to ``max`` requests, oldest first (the eventfd is drained by Python). */
 size_t fe_take(struct fe_engine *e, struct fe_request *out, size_t max);
 
-/* Replies to a queued request. */
+/* Replies to a queued request, on ``fd`` (a /dev/fuse fd, or a ring token: < 0). A
+ * ring token's reply is copied into its entry and committed by the queue's thread; a
+ * token whose engine or queue is gone, or whose entry holds another request: -ENOENT. */
 int fe_reply_data(int fd, uint64_t unique, const void *buf, size_t len);
 int fe_reply_iov(int fd, uint64_t unique, const void *const *bufs, const size_t *lens, int n);
 int fe_reply_error(int fd, uint64_t unique, int err);

@@ -324,24 +324,26 @@ static int check_timeouts(const struct fe_options *opt)
 
 /* Engine(fd, index, *, generation, dataset_bytes, entry_timeout, attr_timeout, blksize,
  *        xattrs, max_background, congestion_threshold, max_pages, prefetch_depth,
- *        prefetch_trigger): 0 for a count means the engine's default. */
+ *        prefetch_trigger, uring, uring_depth): 0 for a count means the engine's default;
+ *        uring: offer FUSE over io_uring at INIT (the kernel decides). */
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"fd", "index", "generation", "dataset_bytes", "entry_timeout",
                              "attr_timeout", "blksize", "xattrs", "max_background",
                              "congestion_threshold", "max_pages", "prefetch_depth",
-                             "prefetch_trigger", NULL};
+                             "prefetch_trigger", "uring", "uring_depth", NULL};
     int fd;
     PyObject *index;
     struct fe_options opt = {.entry_timeout = 1.0, .attr_timeout = 1.0, .prefetch_trigger = 2};
     struct fe_index ix;
     char err[256] = "";
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "iO|$O&O&ddO&pO&O&O&O&O&:Engine", kwlist, &fd, &index,
+            args, kw, "iO|$O&O&ddO&pO&O&O&O&O&pO&:Engine", kwlist, &fd, &index,
             conv_u64, &opt.generation, conv_u64, &opt.dataset_bytes, &opt.entry_timeout,
             &opt.attr_timeout, conv_u32, &opt.blksize, &opt.xattrs, conv_u32,
             &opt.max_background, conv_u32, &opt.congestion_threshold, conv_u32, &opt.max_pages,
-            conv_u32, &opt.prefetch_depth, conv_u32, &opt.prefetch_trigger))
+            conv_u32, &opt.prefetch_depth, conv_u32, &opt.prefetch_trigger, &opt.uring,
+            conv_u32, &opt.uring_depth))
         return -1;
     if (self->e || self->nviews) {
         PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
@@ -454,12 +456,28 @@ static PyObject *Engine_stop(EngineObject *self, PyObject *unused)
     struct fe_engine *e = engine_idle(self, "stop");
     if (!e)
         return NULL;
+    int rc;
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    fe_stop(e);
+    rc = fe_stop(e);
     Py_END_ALLOW_THREADS
     self->busy = 0;
+    if (rc < 0)
+        return raise_errno(-rc, "stop: this engine serves io_uring queues, which cannot be "
+                                "handed over");
     Py_RETURN_NONE;
+}
+
+/* transport() -> ("io_uring" | "/dev/fuse", why): how requests reach the engine, and
+ * why not io_uring when INIT negotiated it ("" otherwise). */
+static PyObject *Engine_transport(EngineObject *self, PyObject *unused)
+{
+    const char *why = "";
+    struct fe_engine *e = engine_of(self, "transport");
+    if (!e)
+        return NULL;
+    int t = fe_transport(e, &why);
+    return Py_BuildValue("(ss)", t ? "io_uring" : "/dev/fuse", why);
 }
 
 /* start(nthreads): the request threads. */
@@ -713,14 +731,18 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
     PyObject *ops = ops_dict(&c);
     if (!ops)
         return NULL;
-    return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
+    return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
                          "read_hits", (unsigned long long)c.read_hits,
                          "read_hit_bytes", (unsigned long long)c.read_hit_bytes,
                          "memory_hits", (unsigned long long)c.memory_hits,
                          "read_misses", (unsigned long long)c.read_misses,
                          "queued", (unsigned long long)c.queued,
                          "prefetch_hints", (unsigned long long)c.prefetch_hints,
-                         "resent", (unsigned long long)c.resent);
+                         "resent", (unsigned long long)c.resent,
+                         "ring_requests", (unsigned long long)c.ring_requests,
+                         "ring_copy_bytes", (unsigned long long)c.ring_copy_bytes,
+                         "ring_copy_ns", (unsigned long long)c.ring_copy_ns,
+                         "ring_lost", (unsigned long long)c.ring_lost);
 }
 
 /* ------------------------------------------------------------------ the Engine type */
@@ -734,6 +756,8 @@ static PyMethodDef Engine_methods[] = {
     {"give_fds", (PyCFunction)Engine_give_fds, METH_O,
      "give_fds(fds): the request threads read these (resume after a crash), before start"},
     {"fds", (PyCFunction)Engine_fds, METH_NOARGS, "fds(): the fds the request threads read"},
+    {"transport", (PyCFunction)Engine_transport, METH_NOARGS,
+     "transport() -> ('io_uring' | '/dev/fuse', why not io_uring)"},
     {"stop", (PyCFunction)Engine_stop, METH_NOARGS,
      "stop(): the request threads end for a successor (nothing unmounted), joined"},
     {"join", (PyCFunction)Engine_join, METH_NOARGS,

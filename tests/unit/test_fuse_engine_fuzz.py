@@ -18,7 +18,7 @@ from tests.fixtures import fuzz
 def fuzzer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fuzz.build([fuzz.NATIVE / "fuzz" / "fuzz_fuse_engine.c", fuzz.NATIVE / "fuse_engine.c",
                        fuzz.NATIVE / "fuse_tier.c"],
-                      tmp_path_factory.mktemp("fuzz") / "fuzz_fuse_engine")
+                      tmp_path_factory.mktemp("fuzz") / "fuzz_fuse_engine", ["-luring"])
 
 
 def test_fuse_engine_survives_random_requests_indexes_and_tier_races(fuzzer: Path) -> None:
