@@ -195,10 +195,18 @@ class FuseConfig:
     threads: int = _opt(0, "native engine: request threads; 0 = one per core")
     max_pages: int = _opt(256, "native engine: pages per FUSE request, negotiated at INIT "
                           "(256 = 1 MiB READs; pyfuse3 gets the kernel default, 32)")
+    io_uring: str = _opt("off", "native engine: 'auto' serves FUSE over io_uring queues (one per "
+                         "CPU) when the kernel offers it (6.14+, /sys/module/fuse/parameters/"
+                         "enable_uring = Y; kspeedfs never sets it), else /dev/fuse; 'off': "
+                         "/dev/fuse. An io_uring mount is not supervised and cannot be "
+                         "upgraded: the kernel cannot move ring entries to another process "
+                         "(docs/design.md)")
 
     def validate(self) -> None:
         if self.engine not in ("native", "pyfuse3"):
             raise ConfigError(f"fuse.engine: {self.engine!r} must be 'native' or 'pyfuse3'")
+        if self.io_uring not in ("off", "auto"):
+            raise ConfigError(f"fuse.io_uring: {self.io_uring!r} must be 'off' or 'auto'")
         _range("fuse.threads", self.threads, 0, 256)
         _range("fuse.max_pages", self.max_pages, 1, 256)
         if self.blksize and (self.blksize < 512 or self.blksize > 1 << 30 or self.blksize & (self.blksize - 1)):

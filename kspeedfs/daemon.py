@@ -269,7 +269,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
             knobs = tuning.KernelKnobs(cfg.fuse.max_background, cfg.fuse.congestion_threshold,
                                        cfg.fuse.read_ahead_kb)
             await trio.to_thread.run_sync(tuning.apply, path, knobs)
-            log.info("mounted %s v%d at %s (%s engine)", info.name, info.version, path, engine)
+            log.info("mounted %s v%d at %s (%s engine%s)", info.name, info.version, path, engine,
+                     f", {session.transport}" if session is not None else "")
             # MAINPID: after `systemctl reload` (an upgrade) this daemon is the unit's main
             # process, not the one that started it (mount/kspeedfs@.service)
             _systemd_notify(f"MAINPID={os.getpid()}\nREADY=1")
@@ -318,6 +319,7 @@ async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
     serves it. A supervised mount tells its supervisor "bye" when it ends cleanly."""
     from .fuse import supervisor
     from .fuse import upgrade as handover
+    from .fuse.native import RING_LIFECYCLE
 
     control = None
     if req.upgrade or req.resume:
@@ -330,7 +332,12 @@ async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
             sock.close()
     else:
         await trio.to_thread.run_sync(session.mount)
-    if control is None and req.supervise:
+    if control is None and req.supervise and session.transport == "io_uring":
+        # a supervisor holding the connection of a crashed io_uring daemon would keep the
+        # readers its rings held hanging; unsupervised, the crash ends the connection
+        # (ENOTCONN) and the next ``kspeedfs mount`` cleans it up (fuse/native.py)
+        log.info("io_uring mount: not supervised (%s)", RING_LIFECYCLE)
+    elif control is None and req.supervise:
         control = trio.socket.from_stdlib_socket(supervisor.spawn(
             session.path, session.engine.fds(), session.state(), list(req.argv), req.logfile))
     try:

@@ -206,6 +206,7 @@ def mount_sample(prev: dict[str, Any], cur: dict[str, Any], dt: float) -> dict[s
     misses = sum(rate(k) or 0 for k in ("source_loads", "source_blocks", "source_extents"))
     out: dict[str, Any] = {
         "time": round(cur["time"], 3), "interval": round(dt, 3),
+        "transport": cur.get("transport"),   # "native io_uring", "native /dev/fuse", "pyfuse3"
         "ops_per_s": _r(max(0, ops_now - ops_before) / dt if dt > 0 else 0.0),
         "reads_per_s": _r(rate("reads")), "read_mb_per_s": _r((rate("read_bytes") or 0) / 1e6, 2),
         "hit_ratio": round(hits / (hits + misses), 4) if hits + misses else None,
@@ -283,7 +284,8 @@ def _mount_view(s: dict[str, Any], title: str, interval: float,
         t = s["tiers"][name]
         holds = {"memory": _bytes(s["memory_bytes"]), "disk": _bytes(s["disk_bytes"])}.get(name, "")
         tiers.add(name, _num(t["chunks_per_s"]), _num(t["mb_per_s"], 2), holds)
-    parts: list[Any] = [f"kspeedfs stats: {title}, every {interval:g} s "
+    over = f" over {s['transport']}" if s.get("transport") else ""
+    parts: list[Any] = [f"kspeedfs stats: {title}{over}, every {interval:g} s "
                         f"({time.strftime('%H:%M:%S', time.localtime(s['time']))})",
                         served.renderable(), tiers.renderable()]
     if "peer" in s:

@@ -6,6 +6,13 @@
         READ miss, GETXATTR, LISTXATTR, prefetch hints ─► queue + eventfd ─► NativeSession
     NativeSession (trio thread): Reader.read → reply on the fd the request came from
 
+With ``fuse.io_uring = auto`` and a kernel that allows it (``enable_uring`` = Y), INIT
+negotiates FUSE over io_uring and the C engine also serves one io_uring queue per CPU
+(fuse_engine.c, section io_uring): requests then arrive on the queue of the reader's CPU,
+and a queued request's "fd" is a ring token (negative) that the same ``_engine.reply*``
+calls route back to its ring entry. Such a mount cannot be handed over or resumed
+(``RING_LIFECYCLE``): it is not supervised, and ``--upgrade`` is refused.
+
 The memory tier is shared through ``TierMirror``: every verified buffer that
 ``MemoryCache`` holds is also in the engine's table (the engine reads it in place and
 keeps a reference count per reply; the buffer is released only when no reply points into
@@ -51,6 +58,20 @@ else:
 
 #: st_blksize when ``fuse.blksize`` is 0 (config.py says why: sweep-blksize)
 SMALL_BLKSIZE = 4096
+
+#: FUSE_OVER_IO_URING in the negotiated INIT flags (flags2 bit 9)
+FUSE_OVER_IO_URING = 1 << 41
+
+#: Why an io_uring mount is neither upgraded nor resumed (docs/design.md, kernel 6.18
+#: fs/fuse/dev_uring.c): a ring entry is a pair of buffers in the registering process's
+#: memory, served by that process's io_uring; another process cannot commit it. When the
+#: rings close (exit, crash) the kernel cancels only the entries waiting for a request;
+#: a request already sent to an entry stays there, unanswered, until the connection is
+#: aborted, and FUSE_NOTIFY_RESEND re-queues /dev/fuse's requests, not the rings'. A
+#: supervisor keeping the connection alive would keep those readers hanging forever.
+RING_LIFECYCLE = ("the kernel ties io_uring ring entries to the process that registered "
+                  "them: requests held by a dead or departing daemon's entries are never "
+                  "answered nor re-sent (FUSE_NOTIFY_RESEND covers /dev/fuse only)")
 
 
 def unavailable() -> str:
@@ -117,6 +138,7 @@ class NativeSession:
         self.handover: HandoverServer | None = None
         self.predecessor = 0
         self.resumed = False
+        self.transport = "/dev/fuse"        # or "io_uring", once the threads run
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -135,7 +157,7 @@ class NativeSession:
         self.fd = fd
         try:
             self.engine.init()
-            self._start()
+            self._start(fresh=True)
         except BaseException:
             _engine.unmount(self.path)
             self.engine.close()
@@ -151,6 +173,8 @@ class NativeSession:
         session's from the call on (closed here on failure)."""
         try:
             minor, flags = int(state["minor"]), int(state["flags"])
+            if flags & FUSE_OVER_IO_URING:
+                raise ValueError(f"the connection runs io_uring queues ({RING_LIFECYCLE})")
             pages, readahead = int(state["max_pages"]), int(state["max_readahead"])
             connection = int(state["connection"])
             self.engine = self._engine(fds[0])
@@ -194,22 +218,31 @@ class NativeSession:
             entry_timeout=cfg.entry_timeout, attr_timeout=cfg.attr_timeout,
             blksize=cfg.blksize or SMALL_BLKSIZE, xattrs=cfg.xattrs, max_background=cfg.max_background,
             congestion_threshold=cfg.congestion_threshold, max_pages=cfg.max_pages,
-            prefetch_depth=cfg.prefetch_chunks, prefetch_trigger=2)
+            prefetch_depth=cfg.prefetch_chunks, prefetch_trigger=2,
+            uring=cfg.io_uring == "auto")
 
-    def _start(self) -> None:
+    def _start(self, fresh: bool = False) -> None:
         threads = self.cfg.threads or os.cpu_count() or 1
         self.engine.start(threads)
         self.memory.mirror_to(TierMirror(self.engine))
         minor, flags, pages, readahead = self.engine.negotiated()
-        log.info("native engine: %d threads, FUSE 7.%d, flags %#x, %d pages per request, "
-                 "readahead %d KiB", threads, minor, flags, pages, readahead >> 10)
+        self.transport, why = self.engine.transport()
+        self.ops.transport_stats = self.transport_stats
+        log.info("native engine: %d threads over %s, FUSE 7.%d, flags %#x, %d pages per "
+                 "request, readahead %d KiB", threads, self.transport, minor, flags, pages,
+                 readahead >> 10)
+        if why:
+            log.warning("io_uring negotiated but not in use (%s): /dev/fuse serves", why)
+        elif fresh and self.cfg.io_uring == "auto" and not flags & FUSE_OVER_IO_URING:
+            log.info("io_uring: not offered by the kernel (/sys/module/fuse/parameters/"
+                     "enable_uring is not Y, or a kernel before 6.14): /dev/fuse serves")
 
     def state(self) -> dict[str, Any]:
         """What a successor needs to serve this connection (``upgrade.py``, format 1)."""
         minor, flags, pages, readahead = self.engine.negotiated()
         return {"dataset": self.info.name, "version": self.info.version, "minor": minor,
                 "flags": flags, "max_pages": pages, "max_readahead": readahead,
-                "connection": self.minor, "pid": os.getpid()}
+                "connection": self.minor, "pid": os.getpid(), "transport": self.transport}
 
     async def _hand_over(self) -> None:
         """A successor serves the connection now: end this daemon's C threads."""
@@ -356,6 +389,15 @@ class NativeSession:
     def counters(self) -> dict[str, Any]:
         """The C threads' counters (``Engine.counters()``; their last values once closed)."""
         return self.engine.counters() if self.engine is not None else self._final
+
+    def transport_stats(self) -> dict[str, Any]:
+        """How requests reach this daemon, and the io_uring queues' counters: requests
+        through them, and the bytes and time of copying READ hits into their payload
+        buffers (what /dev/fuse's writev from the tier does not cost)."""
+        c = self.counters()
+        return {"transport": f"native {self.transport}",
+                **{k: c.get(k, 0) for k in ("ring_requests", "ring_copy_bytes", "ring_copy_ns",
+                                            "ring_lost")}}
 
     def served(self) -> tuple[int, int, int]:
         """Reads, bytes and memory-tier units answered in C (``Reader.served_elsewhere``)."""

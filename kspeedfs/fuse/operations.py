@@ -87,6 +87,9 @@ class Operations(pyfuse3.Operations):
         self.op_rows: Callable[[], dict[str, list[Any]]] = \
             lambda: {op: list(row) for op, row in self.op_stats.rows.items()}
         self._streams: dict[int, tuple[int, Stream]] = {}   # fh -> (entry, sequential state)
+        #: how requests reach the daemon, for the ``stats`` xattr (the native session's
+        #: says "native io_uring" or "native /dev/fuse", with its ring counters)
+        self.transport_stats: Callable[[], dict[str, Any]] = lambda: {"transport": "pyfuse3"}
         self._next_fh = 1
 
     # -- metadata ----------------------------------------------------------------------
@@ -220,6 +223,7 @@ class Operations(pyfuse3.Operations):
             if self.reader.peers is not None:          # a cluster mount: its peer reads too
                 stats.update(asdict(self.reader.peers.statistics()))
             stats["ops"] = {op: row[0] for op, row in self.op_rows().items() if row[0]}
+            stats.update(self.transport_stats())
             out[b"stats"] = json.dumps(stats).encode()
         return out
 

@@ -23,7 +23,8 @@ The state is JSON, versioned by ``format``: a daemon refuses a format it does no
 
 Format 1 ``state``: ``dataset``, ``version``, ``minor`` (FUSE protocol minor),
 ``flags`` (negotiated INIT flags, 64-bit), ``max_pages``, ``max_readahead``,
-``connection`` (the fusectl connection number), ``pid`` (the old daemon).
+``connection`` (the fusectl connection number), ``pid`` (the old daemon), ``transport``
+("/dev/fuse"; a daemon serving "io_uring" refuses to hand over: fuse/native.py).
 """
 from __future__ import annotations
 
@@ -202,7 +203,13 @@ class HandoverServer:
             await _send(conn, {"error": f"this mount serves {self.dataset}@{self.version}, not "
                                         f"{ask.get('dataset')}@{ask.get('version')}"})
             return
-        await _send(conn, {"format": FORMAT, "state": self.state()}, [self.fd])
+        state = self.state()
+        if state.get("transport") == "io_uring":     # fuse/native.py RING_LIFECYCLE
+            await _send(conn, {"error": "this mount is served over io_uring queues, which the "
+                                        "kernel cannot hand to another process; unmount and "
+                                        "mount again (fuse.io_uring=off to make it upgradable)"})
+            return
+        await _send(conn, {"format": FORMAT, "state": state}, [self.fd])
         taken, _ = await _recv(conn, 30.0)
         if not taken.get("taken"):
             return
