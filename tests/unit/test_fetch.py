@@ -8,6 +8,7 @@ as kspeedfs/cluster/node.py does; the reader calls ``Peers._read_from`` for one 
 """
 from __future__ import annotations
 
+import gc
 import os
 
 import trio
@@ -122,5 +123,16 @@ async def test_a_silent_replica_is_hedged_then_tried_last_and_its_attempt_cleans
             await trio.sleep(0.05)    # the losers were cancelled: nothing is held now,
             assert peers._slot_free.value == 2 and peers._staging_free.value == 3 * 2
             assert peers._connects.in_flight("slow")           # while the connect goes on
+            # the bytes a read returned are the only hold on their landing slot: no
+            # reference cycle (race <-> attempts) keeps it until the cycle collector runs
+            gc.disable()
+            try:
+                key, data = chunks[0]
+                got = await peers.read_chunk("ds", 1, 0, key, len(data))
+                free = peers.landing.statistics()["landing_free"]
+                del got
+                assert peers.landing.statistics()["landing_free"] == free + 1
+            finally:
+                gc.enable()
             await peers.aclose()
             nursery.cancel_scope.cancel()
