@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", default="/tmp/kspeedfs-bench", help="datasets, stores, mounts, logs")
     p.add_argument("--out", help="results directory (default WORKDIR/results/<timestamp>)")
     p.add_argument("--no-c", action="store_true", help="skip the C libfuse ceiling")
+    p.add_argument("--target", "-t", action="append", default=[], metavar="NAME",
+                   help="run only these targets (repeatable), e.g. -t kspeedfs-warm "
+                        "-t io_uring:kspeedfs-warm -t ramfs-c; default: every target")
     p.add_argument("--cluster-chunk-size", default="4MiB", metavar="SIZE",
                    help="import.chunk_size (and node slot size) of the cluster workloads' dataset")
     p.add_argument("--ab-tree", metavar="DIR",
@@ -157,6 +160,8 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
     print(f"\n== {wl.name}: {wl.doc}\n   dataset {ds.root} ({ds.files:,} files, {ds.bytes / 1e6:,.0f} MB)",
           flush=True)
     targets = wl.targets(ds, ctx)
+    if ctx.only:
+        targets = [t for t in targets if t.name in ctx.only]
     names = [t.name for t in targets]
     _check_memory(wl.name, ds, targets, results)
     sweep_ratios = getattr(wl, "sweep_ratios", None)
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = W.Context(work, scale, None if args.no_c else build_ramfs_c(work),
                     Path(args.ab_tree).resolve() if args.ab_tree else None,
-                    cluster_chunk=args.cluster_chunk_size)
+                    cluster_chunk=args.cluster_chunk_size, only=frozenset(args.target))
     results = Results(_meta(args, scale, names))
     t0 = time.monotonic()
     try:

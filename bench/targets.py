@@ -12,6 +12,9 @@ target                     state before every measured run                      
                            single-Python-thread engine)                                first epoch)
 ``pyfuse3:kspeedfs-warm``  kspeedfs-warm with ``fuse.engine=pyfuse3``                  (the pyfuse3 engine,
                                                                                        later epochs)
+``io_uring:kspeedfs-warm`` kspeedfs-warm with ``fuse.io_uring=auto``, mounted while    (the native engine over
+                           the fuse module's ``enable_uring`` is Y (set for the mount,  FUSE io_uring queues)
+                           then put back): requests through per-CPU io_uring queues
 ``ramfs-py``               bench/ramfs_py.py, bytes preloaded; page cache dropped      a Python FUSE daemon
 ``ramfs-c``                bench/ramfs_c.c (libfuse3 low level, single-threaded        any FUSE daemon
                            loop); page cache dropped
@@ -237,6 +240,32 @@ class Kspeedfs(Target):
             return None
 
 
+ENABLE_URING = Path("/sys/module/fuse/parameters/enable_uring")
+
+
+class UringKspeedfs(Kspeedfs):
+    """kspeedfs with ``fuse.io_uring=auto``. The kernel offers io_uring at INIT only while
+    ``enable_uring`` is Y, and a connection that negotiated it keeps it, so the parameter
+    is Y only around each mount and put back at once: the other targets' mounts are the
+    same as without this one. The suite checks the mount really runs io_uring queues."""
+
+    def __init__(self, ds: Dataset, store: KspeedfsStore, warm: bool = True) -> None:
+        super().__init__(ds, store, warm, settings={"fuse.io_uring": "auto"},
+                         label=f"io_uring:kspeedfs-{'warm' if warm else 'cold'}")
+
+    def _mount(self) -> None:
+        before = ENABLE_URING.read_text().strip()
+        ENABLE_URING.write_text("Y")
+        try:
+            super()._mount()
+        finally:
+            ENABLE_URING.write_text(before)
+        assert self.mp is not None
+        transport = json.loads(os.getxattr(self.mp, "user.kspeedfs.stats")).get("transport")
+        if transport != "native io_uring":
+            raise RuntimeError(f"{self.name}: the mount serves over {transport!r}, not io_uring")
+
+
 class RamFS(Target):
     """bench/ramfs_py.py or bench/ramfs_c.c, run in the foreground as our child."""
 
@@ -293,5 +322,5 @@ def build_ramfs_c(work: Path) -> Path:
     return out
 
 
-__all__ = ["Target", "SourceCold", "SourceWarm", "Kspeedfs", "KspeedfsStore", "RamFS",
+__all__ = ["Target", "SourceCold", "SourceWarm", "Kspeedfs", "KspeedfsStore", "RamFS", "UringKspeedfs",
            "build_ramfs_c", "read_tree", "unmount"]

@@ -39,7 +39,7 @@ from typing import Callable
 from . import cluster, datasets, readers
 from .datasets import Dataset
 from .system import REPO, run_fio
-from .targets import Kspeedfs, KspeedfsStore, RamFS, SourceCold, SourceWarm, Target
+from .targets import ENABLE_URING, Kspeedfs, KspeedfsStore, RamFS, SourceCold, SourceWarm, Target, UringKspeedfs
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ class Context:
     ramfs_c: Path | None = None
     ab_tree: Path | None = None     # --ab-tree: a second kspeedfs tree measured alongside
     cluster_chunk: str = "4MiB"     # --cluster-chunk-size: the cluster dataset's chunk size
+    only: frozenset[str] = frozenset()  # --target: run only these targets (empty: all)
     # (numerator, denominator) target pairs reported as ratios of the primary figure
     ratios: list[tuple[str, str]] = field(default_factory=list)
 
@@ -100,6 +101,9 @@ STANDARD_RATIOS = [
     ("pyfuse3:kspeedfs-warm", "ramfs-c"),
     ("ramfs-py", "ramfs-c"),
     ("ramfs-c-mt", "ramfs-c"),
+    ("io_uring:kspeedfs-warm", "kspeedfs-warm"),    # FUSE over io_uring vs /dev/fuse
+    ("io_uring:kspeedfs-warm", "ramfs-c"),
+    ("io_uring:kspeedfs-warm", "ramfs-c-mt"),
 ]
 META_RATIOS = [("kspeedfs", "source-cold"), ("kspeedfs", "source-warm"), ("kspeedfs", "ramfs-py"),
                ("kspeedfs", "ramfs-c"), ("kspeedfs", "ramfs-c-mt"), ("kspeedfs", "pyfuse3:kspeedfs"),
@@ -148,6 +152,13 @@ def has_engines() -> bool:
     return hasattr(config.Config().fuse, "engine")
 
 
+def has_io_uring() -> bool:
+    """The kspeedfs under test has ``fuse.io_uring`` and the kernel FUSE over io_uring."""
+    from kspeedfs import config
+
+    return hasattr(config.Config().fuse, "io_uring") and ENABLE_URING.exists() and os.geteuid() == 0
+
+
 def ramfs_c_targets(ds: Dataset, ctx: Context) -> list[Target]:
     """ramfs-c (libfuse's single-threaded loop) and ramfs-c-mt (its multi-threaded loop,
     one worker per CPU, a cloned /dev/fuse fd each); none with --no-c."""
@@ -166,6 +177,8 @@ def standard_targets(ds: Dataset, ctx: Context) -> list[Target]:
     if has_engines():
         out += [Kspeedfs(ds, store, warm=False, label="pyfuse3:kspeedfs-cold", settings=PYFUSE3),
                 Kspeedfs(ds, store, warm=True, label="pyfuse3:kspeedfs-warm", settings=PYFUSE3)]
+    if has_io_uring():
+        out.append(UringKspeedfs(ds, store, warm=True))
     if ctx.ab_tree:     # after the kspeedfs targets, before the ramfs ceilings
         out += [Kspeedfs(ds, store, warm=False, label="B:kspeedfs-cold", tree=ctx.ab_tree),
                 Kspeedfs(ds, store, warm=True, label="B:kspeedfs-warm", tree=ctx.ab_tree)]
