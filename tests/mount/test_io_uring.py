@@ -150,3 +150,39 @@ def test_an_io_uring_mount_refuses_upgrade_and_a_crash_ends_it_without_hanging(
     finally:
         c.close()
     assert not is_mounted(mnt)
+
+
+def test_a_ring_that_cannot_be_set_up_after_init_falls_back_to_dev_fuse(tree, enable_uring,
+                                                                          tmp_path: Path) -> None:
+    """INIT negotiated io_uring (the kernel then holds every request until the ring is
+    ready), but the queues cannot be made (here: 1000 entries per queue, over the
+    engine's 256): the engine makes the kernel turn io_uring off (a REGISTER it refuses)
+    and /dev/fuse serves; nothing waits for a ring that never comes."""
+    from kspeedfs.config import load
+    from kspeedfs.daemon import MountRequest, load_dataset
+    from kspeedfs.fuse import native
+
+    base, _ = tree
+    enable_uring(True)
+    cfg = load(overrides={"store.path": str(base / "store")}, environ={})
+    _, index = load_dataset(cfg, MountRequest("ring", str(tmp_path)))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    fd = native._engine.mount(str(mnt), "kspeedfs:ring", False, False, 256 * 4096)
+    engine = native._engine.Engine(fd, index, uring=True, uring_depth=1000)
+    try:
+        engine.init()               # (no request on the mount until start: the kernel holds them)
+        engine.start(2)
+        transport, why = engine.transport()
+        assert transport == "/dev/fuse" and "1000 entries" in why, (transport, why)
+        assert not engine.negotiated()[1] & native.FUSE_OVER_IO_URING
+        names = []
+        t = threading.Thread(target=lambda: names.extend(os.listdir(mnt)), daemon=True)
+        t.start()
+        t.join(timeout=10)
+        assert not t.is_alive(), "a request waited for the ring"
+        assert names and engine.counters()["ring_requests"] == 0
+    finally:
+        native._engine.unmount(str(mnt))         # the readers then read ENODEV and end
+        engine.join()
+        engine.close()
