@@ -2,7 +2,8 @@
 and used when the kernel allows it, /dev/fuse when it does not, and the lifecycle rule of
 an io_uring mount (no upgrade, no supervisor: a crash ends the mount, it never hangs a
 reader). Each test sets ``/sys/module/fuse/parameters/enable_uring`` itself and puts the
-old value back; the rest of the mount suite runs on io_uring in ./run's sanitizer lane."""
+old value back; ./run's sanitizer lane runs these, test_mount and test_integrity again
+over io_uring."""
 from __future__ import annotations
 
 import errno
