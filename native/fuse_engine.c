@@ -1199,31 +1199,40 @@ static int ring_reply(int token, uint64_t unique, int err, struct iovec *iov, in
     return rc;
 }
 
-/* A request arrived in ``ent``: lay it out as /dev/fuse would (header, op_in, payload)
- * in the worker's buffer, bounds-checked, and dispatch it. Every ring request gets an
+/* A request arrived in ``ent``: lay it out as /dev/fuse would (fe_ring_layout: header,
+ * op_in, payload, bounds-checked) in the worker's buffer, and dispatch it. Every ring request gets an
  * answer: one that dispatch leaves unanswered (no such opcode reaches a ring) gets EIO,
  * so no entry is ever lost. */
+long fe_ring_layout(const struct fe_uring_req_header *hdr, const uint8_t *payload,
+                    size_t payload_cap, uint8_t *out, size_t cap)
+{
+    struct fuse_in_header ih;
+    memcpy(&ih, hdr->in_out, sizeof ih);
+    size_t total = ih.len, psz = hdr->ring_ent_in_out.payload_sz;
+    if (total < sizeof ih || total > cap || psz > payload_cap || psz > total - sizeof ih ||
+        total - sizeof ih - psz > FE_URING_OP_IN_OUT_SZ)
+        return -EIO;
+    size_t oplen = total - sizeof ih - psz;
+    memcpy(out, &ih, sizeof ih);
+    memcpy(out + sizeof ih, hdr->op_in, oplen);
+    memcpy(out + sizeof ih + oplen, payload, psz);
+    return (long)total;
+}
+
 static void ring_request(struct fe_uqueue *q, struct fe_uent *ent)
 {
     struct fe_worker *w = &q->w;
-    struct fuse_in_header ih;
-    memcpy(&ih, ent->hdr->in_out, sizeof ih);
     struct fe_uring_ent_in_out io = ent->hdr->ring_ent_in_out;
     ent->unique = io.commit_id;
     atomic_store(&ent->state, ENT_C);
     w->ent = ent;
     w->c.ring_requests++;
-    size_t total = ih.len, psz = io.payload_sz;
-    if (total < sizeof ih || total > FE_REQ_BUF || psz > q->payload_len ||
-        psz > total - sizeof ih || total - sizeof ih - psz > FE_URING_OP_IN_OUT_SZ) {
+    long total = fe_ring_layout(ent->hdr, ent->payload, q->payload_len, w->in, FE_REQ_BUF);
+    if (total < 0) {
         ring_answer(w, io.commit_id, EIO, NULL, 1);
         return;
     }
-    size_t oplen = total - sizeof ih - psz;
-    memcpy(w->in, &ih, sizeof ih);
-    memcpy(w->in + sizeof ih, ent->hdr->op_in, oplen);
-    memcpy(w->in + sizeof ih + oplen, ent->payload, psz);
-    dispatch(w, w->in, total);
+    dispatch(w, w->in, (size_t)total);
     if (w->ent && atomic_load(&ent->state) == ENT_C)
         ring_answer(w, io.commit_id, EIO, NULL, 1);
     w->ent = NULL;

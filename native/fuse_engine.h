@@ -176,4 +176,12 @@ int fe_notify_store(int fd, uint64_t nodeid, uint64_t offset, const void *buf, s
 
 void fe_counters(struct fe_engine *e, struct fe_counters *sum);
 
+/* A FUSE io_uring request (the entry's header and ``payload``, ``payload_cap`` bytes) as
+ * /dev/fuse would deliver it: fuse_in_header, the opcode's op_in, the payload, into
+ * ``out`` (``cap`` bytes). Its length, or -EIO when the entry's sizes do not add up (they
+ * are never trusted past ``cap`` and ``payload_cap``). Pure; native/fuzz feeds it garbage. */
+struct fe_uring_req_header;
+long fe_ring_layout(const struct fe_uring_req_header *hdr, const uint8_t *payload,
+                    size_t payload_cap, uint8_t *out, size_t cap);
+
 #endif

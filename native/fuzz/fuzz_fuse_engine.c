@@ -10,12 +10,16 @@
  * reads and checks every reply header, answers queued misses, and puts, discards,
  * touches and reaps tier buffers while the request thread replies from them.  A tier
  * buffer is freed the moment the engine hands its owner back, so a reply that read it
- * later is a use-after-free ASan reports.  Exit 0 and "no failure" when every case ran.
+ * later is a use-after-free ASan reports.  Each case also lays out random io_uring
+ * entries (fe_ring_layout: a header whose sizes lie, into an output buffer of exactly the
+ * capacity it is told, so a write past it is an ASan report).  Exit 0 and "no failure"
+ * when every case ran.
  *
  *   fuzz_fuse_engine -seconds S -seed N
  */
 #define _GNU_SOURCE
 #include "fuse_engine.h"
+#include "fuse_uring_abi.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -369,6 +373,51 @@ static void one_case(void)
     nhandles = 0;
 }
 
+/* Random ring entries through fe_ring_layout: sizes that add up are laid out exactly
+ * (header, op_in, payload), any other is -EIO; heap buffers of exactly the stated
+ * capacities, so ASan sees a read or write past either. */
+static uint64_t ring_layouts;
+static void ring_layout_case(void)
+{
+    struct fe_uring_req_header *hdr = malloc(sizeof *hdr);
+    if (!hdr)
+        FAIL("out of memory");
+    for (size_t i = 0; i < sizeof *hdr; i++)
+        ((uint8_t *)hdr)[i] = (uint8_t)rnd();
+    size_t pcap = below(3) ? below(4096) : below(70000), cap = 40 + below(8192);
+    struct fuse_in_header ih;
+    memcpy(&ih, hdr->in_out, sizeof ih);
+    if (below(2)) {                 /* mostly-sane sizes, then one field off by a little */
+        uint32_t psz = (uint32_t)below(pcap + 2), op = (uint32_t)below(FE_URING_OP_IN_OUT_SZ + 2);
+        ih.len = (uint32_t)(sizeof ih + op + psz + (below(4) ? 0 : below(3) - 1));
+        memcpy(hdr->in_out, &ih, sizeof ih);
+        hdr->ring_ent_in_out.payload_sz = psz;
+    }
+    uint8_t *payload = malloc(pcap ? pcap : 1), *out = malloc(cap);
+    if (!payload || !out)
+        FAIL("out of memory");
+    for (size_t i = 0; i < pcap; i++)
+        payload[i] = (uint8_t)i;
+    long n = fe_ring_layout(hdr, payload, pcap, out, cap);
+    memcpy(&ih, hdr->in_out, sizeof ih);
+    size_t psz = hdr->ring_ent_in_out.payload_sz;
+    int fits = ih.len >= sizeof ih && ih.len <= cap && psz <= pcap && psz <= ih.len - sizeof ih
+               && ih.len - sizeof ih - psz <= FE_URING_OP_IN_OUT_SZ;
+    if (fits != (n >= 0) || (n >= 0 && (size_t)n != ih.len))
+        FAIL("fe_ring_layout: len %u payload %zu caps %zu/%zu gave %ld", ih.len, psz, pcap,
+             cap, n);
+    if (n >= 0) {
+        size_t op = ih.len - sizeof ih - psz;
+        if (memcmp(out, &ih, sizeof ih) || memcmp(out + sizeof ih, hdr->op_in, op) ||
+            memcmp(out + sizeof ih + op, payload, psz))
+            FAIL("fe_ring_layout: the layout is not header, op_in, payload");
+    }
+    ring_layouts++;
+    free(hdr);
+    free(payload);
+    free(out);
+}
+
 int main(int argc, char **argv)
 {
     double seconds = 3;
@@ -384,10 +433,13 @@ int main(int argc, char **argv)
     uint64_t cases = 0;
     do {
         one_case();
+        for (int i = 0; i < 64; i++)
+            ring_layout_case();
         cases++;
         clock_gettime(CLOCK_MONOTONIC, &t);
     } while ((double)(t.tv_sec - t0.tv_sec) + (double)(t.tv_nsec - t0.tv_nsec) / 1e9 < seconds);
-    printf("%llu cases, %llu requests, %llu replies: no failure\n", (unsigned long long)cases,
-           (unsigned long long)sent, (unsigned long long)replies);
+    printf("%llu cases, %llu requests, %llu replies, %llu ring layouts: no failure\n",
+           (unsigned long long)cases, (unsigned long long)sent, (unsigned long long)replies,
+           (unsigned long long)ring_layouts);
     return 0;
 }
