@@ -1073,6 +1073,24 @@ static void dispatch(struct fe_worker *w, const uint8_t *buf, size_t n)
     }
 }
 
+/* A request thread's buffers (a /dev/fuse reader's or an io_uring queue's): one request
+ * in, and READDIR replies out, of max_pages pages (32, the kernel's default, before INIT
+ * negotiated more). 0, or -ENOMEM (the caller frees what was allocated). */
+static size_t reply_room(const struct fe_engine *e)
+{
+    return (size_t)(e->max_pages ? e->max_pages : 32) * 4096;
+}
+
+static int worker_buffers(struct fe_worker *w, struct fe_engine *e, int fd)
+{
+    w->e = e;
+    w->fd = fd;
+    w->outlen = reply_room(e);
+    w->in = malloc(FE_REQ_BUF);
+    w->out = malloc(w->outlen);
+    return w->in && w->out ? 0 : -ENOMEM;
+}
+
 /* ---------------------------------------------------------------------- io_uring */
 
 /* liburing, not raw io_uring_setup/enter: the ring's memory barriers, the SQE128 layout
@@ -1412,12 +1430,11 @@ static int ring_start(struct fe_engine *e, char *err, size_t errlen)
     }
     e->nents = (int)depth;
     /* the kernel's minimum: max(FUSE_MIN_READ_BUFFER, max_write, max_pages pages) */
-    size_t payload = (size_t)(e->max_pages ? e->max_pages : 32) * 4096;
+    size_t payload = reply_room(e);
     if (payload < FE_MAX_WRITE)
         payload = FE_MAX_WRITE;
     if (payload < FE_FUSE_MIN_READ_BUFFER)
         payload = FE_FUSE_MIN_READ_BUFFER;
-    size_t outlen = (size_t)(e->max_pages ? e->max_pages : 32) * 4096;
     for (int i = 0; i < ncpu; i++) {
         struct fe_uqueue *q = &e->queues[i];
         q->e = e;
@@ -1430,14 +1447,9 @@ static int ring_start(struct fe_engine *e, char *err, size_t errlen)
                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         q->ents = calloc(depth, sizeof *q->ents);
         q->mail = calloc(depth, sizeof *q->mail);
-        q->w.e = e;
-        q->w.fd = e->fd;
-        q->w.in = malloc(FE_REQ_BUF);
-        q->w.out = malloc(outlen);
-        q->w.outlen = outlen;
+        int bufs = worker_buffers(&q->w, e, e->fd);
         e->nqueues = i + 1;
-        if (q->efd < 0 || q->payloads == MAP_FAILED || !q->ents || !q->mail || !q->w.in ||
-            !q->w.out) {
+        if (q->efd < 0 || q->payloads == MAP_FAILED || !q->ents || !q->mail || bufs < 0) {
             if (q->payloads == MAP_FAILED)
                 q->payloads = NULL;
             set_err(err, errlen, "io_uring queue %d: out of memory", i);
@@ -1747,15 +1759,11 @@ int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen)
     e->workers = calloc((size_t)nthreads, sizeof *e->workers);
     if (!e->workers)
         return -ENOMEM;
-    size_t outlen = (size_t)(e->max_pages ? e->max_pages : 32) * 4096;
     for (int i = 0; i < nthreads; i++) {
         struct fe_worker *w = &e->workers[i];
-        w->e = e;
-        w->fd = i == 0 ? e->fd : i < e->ngiven ? e->given[i] : clone_fd(e->fd);
-        w->in = malloc(FE_REQ_BUF);
-        w->out = malloc(outlen);
-        w->outlen = outlen;
-        if (w->fd < 0 || !w->in || !w->out) {
+        int bufs = worker_buffers(w, e, i == 0 ? e->fd : i < e->ngiven ? e->given[i]
+                                                            : clone_fd(e->fd));
+        if (w->fd < 0 || bufs < 0) {
             set_err(err, errlen, "thread %d: %s", i, w->fd < 0 ? strerror(errno) : "out of memory");
             if (i && w->fd >= 0)
                 close(w->fd);
