@@ -62,14 +62,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import trio
 
 from rdma.errors import HandshakeError, PathClosed, PeerUnreachable, RdmaError
-from rdma.vrdma import VMR, VQP, Endpoint
+from rdma.vrdma import VMR, VQP, Endpoint, wait_noting_overrun
 from rdma.vrdma.vqp import VQPStats
 
 from .. import checksum
@@ -250,7 +250,7 @@ class Peers:
                     await self._attempt(att)
                 failed |= att.failed
                 hedge = race.hedge
-                if race.winner is None and hedge is not None and not hedge.ended.is_set():
+                if race.winner is None and hedge is not None and hedge.ended is not None:
                     await hedge.ended.wait()  # this replica is done; the hedge may still win
                 if hedge is not None:
                     failed |= hedge.failed
@@ -287,6 +287,7 @@ class Peers:
         self.nursery.start_soon(self._hedge, hedge)
 
     async def _hedge(self, att: "_Attempt") -> None:
+        assert att.ended is not None
         try:
             with att.scope:
                 await self._attempt(att)
@@ -369,15 +370,11 @@ class Peers:
         off, want, digest = part if part is not None else (0, length, key)
         if att is None:
             att = _Attempt(rec, _Race([], (), 0, self._overran))
-        vqp = None
-        if self.hedge is not None and rec.node not in self._vqps:
-            att.read_since = time.monotonic()          # a connect is hedged like a READ
-            with trio.move_on_after(self.hedger.cap):
-                vqp = await self._vqp(rec)             # (a cancelled joiner: the connect
-            if vqp is None:                            #  goes on in its single-flight)
-                att.overran()
-        if vqp is None:
-            vqp = await self._vqp(rec)
+        connecting = self.hedge is not None and rec.node not in self._vqps
+        if connecting:                  # a connect is hedged like a READ (a cancelled
+            att.read_since = time.monotonic()   # joiner: it goes on in its single-flight)
+        vqp = await wait_noting_overrun(lambda: self._vqp(rec),
+                                        (self.hedger.cap, att.overran) if connecting else None)
         token = not att.is_hedge       # a hedge is bounded by the budget, not by nbuf
         if token:
             await self._slot_free.acquire()
@@ -514,7 +511,7 @@ class _Attempt:
         self.failed = False
         self.in_flight = False
         self.on_free: Callable[[], None] | None = None
-        self.ended = trio.Event()       # waited on for a hedge only
+        self.ended = trio.Event() if is_hedge else None     # what the reader waits on
 
     def overran(self) -> None:
         """Its READ or connect passed its threshold (``Peers._overran``)."""

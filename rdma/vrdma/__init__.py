@@ -34,11 +34,12 @@ Use::
         await vqp.read(buf, 0, "arena", 1 << 20, remote_off=off)   # or PeerUnreachable
         vqp.statistics()                                 # frozen dataclasses, per path
 """
+from .dispatch import wait_noting_overrun
 from .endpoint import Endpoint, EndpointStats, routed_pairs
 from .heartbeat import HeartbeatConfig
 from .path import PathState, PathStats
 from .vmr import VMR, RemoteVMR
 from .vqp import VQP, VQPStats
 
-__all__ = ["Endpoint", "EndpointStats", "HeartbeatConfig", "PathState", "PathStats", "VMR",
+__all__ = ["wait_noting_overrun", "Endpoint", "EndpointStats", "HeartbeatConfig", "PathState", "PathStats", "VMR",
            "RemoteVMR", "VQP", "VQPStats", "routed_pairs"]

@@ -31,16 +31,16 @@ re-posted, and either waited for, shielded, until its WC has been polled
 returns at once and ``detach()`` tells it when the buffer is its own again (a hedged
 read's loser must not wait for a hung peer: :mod:`kspeedfs.cluster.fetch`).
 
-Overrun (``overrun=(seconds, hook)``): ``hook()`` runs once, in the caller's task, when
-the READ has had no outcome for ``seconds``; the READ goes on. One deadline on the
-caller's own wait, no task: this is how a hedged read learns it is late at the cost of
-a timer, not of a task per READ.
+Overrun (``overrun=(seconds, hook)``, :func:`wait_noting_overrun`): ``hook()`` runs once,
+in the caller's task, when the READ has had no outcome for ``seconds``; the READ goes on.
+One deadline on the caller's own wait, no task: this is how a hedged read learns it is
+late at the cost of a timer, not of a task per READ.
 """
 from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import trio
 
@@ -53,6 +53,24 @@ from .heartbeat import HeartbeatConfig
 from .path import SQ_DEPTH, Path, choose_path
 from .pathset import PathSet
 from .vmr import VMR, RemoteVMR
+
+T = TypeVar("T")
+
+#: ``(seconds, hook)``: call ``hook()`` once if a wait is still going after ``seconds``
+Overrun = tuple[float, Callable[[], None]]
+
+
+async def wait_noting_overrun(wait: Callable[[], Awaitable[T]], overrun: Overrun | None) -> T:
+    """``await wait()``; if it has not returned after ``overrun``'s seconds, call its hook
+    once and go on waiting. ``wait`` must be safe to cancel and call again (an Event's
+    wait, a single-flight join): the deadline is a timer on the caller's own wait, so a
+    late READ or connect is noticed without a task of its own."""
+    if overrun is not None:
+        with trio.move_on_after(overrun[0]):
+            return await wait()
+        overrun[1]()
+    return await wait()
+
 
 #: the caller's fault: fail the READ, do not re-post it elsewhere
 CALLER_ERRORS = frozenset({IBV_WC_REM_ACCESS_ERR, IBV_WC_REM_INV_REQ_ERR, IBV_WC_LOC_PROT_ERR,
@@ -114,7 +132,7 @@ class ReadDispatcher:
 
     # ------------------------------------------------------------------ the caller
     async def read(self, vmr: VMR, local_off: int, remote: RemoteVMR, remote_off: int,
-                   length: int, *, overrun: tuple[float, Callable[[], None]] | None = None,
+                   length: int, *, overrun: Overrun | None = None,
                    detach: Callable[[], None] | None = None) -> None:
         """Issue one READ (arguments already checked) and wait for its outcome.
         Raises PeerUnreachable, WCError, PathClosed. ``overrun``, and cancellation with
@@ -130,12 +148,7 @@ class ReadDispatcher:
         op = ReadOp(vmr, local_off, remote, remote_off, length, now)
         self.dispatch(op)
         try:
-            if overrun is not None and not op.done.is_set():
-                with trio.move_on_after(overrun[0]):
-                    await op.done.wait()
-                if not op.done.is_set():
-                    overrun[1]()
-            await op.done.wait()
+            await wait_noting_overrun(op.done.wait, overrun)
         except trio.Cancelled:
             op.cancelled = True
             if op in self.waiting:

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import trio
 
 from ..errors import PathClosed, PeerUnreachable, RdmaUserError
-from .dispatch import ReadDispatcher
+from .dispatch import Overrun, ReadDispatcher
 from .heartbeat import HeartbeatConfig
 from .monitor import HeartbeatMonitor
 from .path import SQ_DEPTH, Path, PathState, PathStats, Transition
@@ -216,7 +216,7 @@ class VQP:
     # ------------------------------------------------------------------ reads
     async def read(self, local_vmr: VMR, local_off: int, remote: RemoteVMR | str | int,
                    length: int, remote_off: int = 0, *,
-                   overrun: tuple[float, Callable[[], None]] | None = None,
+                   overrun: Overrun | None = None,
                    detach: Callable[[], None] | None = None) -> None:
         """READ ``length`` bytes of the peer's memory into ``local_vmr[local_off:]``.
 
