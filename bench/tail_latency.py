@@ -49,6 +49,12 @@ run (before the change, the same day: 0.81, 0.81, 0.91, 0.84); daemon CPU per re
 / without, 8 windows: median difference −3 µs (before: +57–153 µs). Longest read with
 hedging, SIGSTOP 33–80 ms, SIGKILL 58–82 ms (alone, one mount and 4 readers: 17–24 ms),
 against 515–578 ms without; that run's no-fault maximum 46–150 ms. 0 errors throughout.
+
+Stop 25, a quiet machine three times faster (results-e40d83c-tail-latency.txt, 10 windows
+per fault): slowest read with hedging SIGSTOP 15–54 ms, SIGKILL 13–30 ms (without:
+563–585, 505–516); slowed peer p99 0.95–1.07x the no-fault p99; reads with / without
+hedging, median 0.96. With one core kept busy by a spinning process the tail follows the
+machine (SIGSTOP 59–96 ms, hedging-off no-fault maximum up to 60 ms).
 """
 from __future__ import annotations
 

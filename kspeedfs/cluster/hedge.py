@@ -37,8 +37,14 @@ soft provider, 8 verifying readers of random 64 KiB ranges, 256 KiB chunks, two 
   delay. On this machine loaded with 8 readers, 3 nodes and the mount, thresholds were
   14–31 ms, and a SIGSTOPped peer's slowest read 33–91 ms (the issue's target: < 50 ms).
   Factor 1 (thresholds 4–9 ms) gave 41–88 ms for 0.6–1.4 % hedged bytes with no fault
-  (factor 2: 0.00 %): not a clear win. A sample taken at the completion, free of the
-  reader's scheduling, is the next step.
+  (factor 2: 0.00 %): not a clear win.
+* Stop 25 (docs/bench/results-e40d83c-tail-latency.txt, a quiet and ~3× faster machine:
+  no-fault p99 5 ms): thresholds 4–8 ms; slowest read SIGSTOP 15–54 ms (9 of 10 windows
+  < 50 ms), SIGKILL 13–30 ms. A sample taken when the WC is polled instead (thresholds
+  3–5 ms) was no better (SIGKILL 13 of 26 windows ≥ 45 ms): not kept. The remaining
+  40–60 ms reads are READs of the *live* replica, with none left to hedge to (R = 2),
+  that take 40–55 ms while the stopped node's paths rebuild; not CPU, GC or the trio
+  thread (the results file says how that was checked); their cause is open.
 
 Suspicion: ``SUSPECT_AFTER`` overruns of a peer with no in-time READ from it in between
 make it suspected for ``suspect_time``: ``order`` tries it last (placement and membership
