@@ -279,9 +279,9 @@ void *fe_tier_discard(struct fe_engine *e, const uint8_t *key, size_t keylen, in
     return tier_discard(e->tier, key, keylen, found);
 }
 
-int fe_tier_touched(struct fe_engine *e, const uint8_t *key, size_t keylen)
+int fe_tier_touched(struct fe_engine *e, const uint8_t *key, size_t keylen, int bits)
 {
-    return tier_touched(e->tier, key, keylen);
+    return tier_touched(e->tier, key, keylen, bits);
 }
 
 size_t fe_tier_reap(struct fe_engine *e, void **owners, size_t max)

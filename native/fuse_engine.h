@@ -34,6 +34,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "fuse_tier.h"      /* FE_TOUCHED, FE_SERVED */
+
 /* The manifest index: pointers into the arrays Python holds (kspeedfs/manifest/model.py). */
 struct fe_index {
     uint64_t entries, chunks, extents, names_len, nfiles;
@@ -169,7 +171,7 @@ size_t fe_tier_clear(struct fe_engine *e, void **owners, size_t max);
 size_t fe_tier_count(struct fe_engine *e);
 /* Whether the buffer under ``key`` was read since the last call (and clear it): the
  * memory tier's LRU gives a second chance to what C threads served. */
-int fe_tier_touched(struct fe_engine *e, const uint8_t *key, size_t keylen);
+int fe_tier_touched(struct fe_engine *e, const uint8_t *key, size_t keylen, int bits);
 
 /* FUSE_NOTIFY_STORE: put verified bytes of inode ``nodeid`` into the page cache. */
 int fe_notify_store(int fd, uint64_t nodeid, uint64_t offset, const void *buf, size_t len);

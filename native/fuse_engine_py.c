@@ -652,18 +652,23 @@ static PyObject *Engine_tier_discard(EngineObject *self, PyObject *args)
     return PyBool_FromLong(found);
 }
 
-/* tier_touched(key) -> bool: served by a C thread since the last call. */
-static PyObject *Engine_tier_touched(EngineObject *self, PyObject *args)
+/* tier_touched(key, served=False) -> bool: served by a C thread since the last call
+ * (and cleared); with served=True: served at least once since the put (not cleared). */
+static PyObject *Engine_tier_touched(EngineObject *self, PyObject *args, PyObject *kwargs)
 {
+    static char *kwlist[] = {"key", "served", NULL};
     const char *key;
     Py_ssize_t keylen;
-    if (!PyArg_ParseTuple(args, "y#:tier_touched", &key, &keylen) ||
+    int served = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y#|p:tier_touched", kwlist, &key,
+                                     &keylen, &served) ||
         check_key(keylen, "tier_touched") < 0)
         return NULL;
     struct fe_engine *e = engine_of(self, "tier_touched");
     if (!e)
         return NULL;
-    return PyBool_FromLong(fe_tier_touched(e, (const uint8_t *)key, (size_t)keylen));
+    return PyBool_FromLong(fe_tier_touched(e, (const uint8_t *)key, (size_t)keylen,
+                                           served ? FE_SERVED : FE_TOUCHED));
 }
 
 /* reap() -> int: release the buffers the last reply from them has retired. */
@@ -772,8 +777,10 @@ static PyMethodDef Engine_methods[] = {
      "tier_put(key, data): serve READs of key (16 or 20 bytes) from data, in place"},
     {"tier_discard", (PyCFunction)Engine_tier_discard, METH_VARARGS,
      "tier_discard(key) -> bool: remove key; its buffer is released now or by reap()"},
-    {"tier_touched", (PyCFunction)Engine_tier_touched, METH_VARARGS,
-     "tier_touched(key) -> bool: served since the last call (and cleared)"},
+    {"tier_touched", (PyCFunction)(void (*)(void))Engine_tier_touched,
+     METH_VARARGS | METH_KEYWORDS,
+     "tier_touched(key, served=False) -> bool: served since the last call (and cleared); "
+     "served=True: served at least once since the put (not cleared)"},
     {"reap", (PyCFunction)Engine_reap, METH_NOARGS,
      "reap() -> int: release the buffers no reply points into any more"},
     {"counters", (PyCFunction)Engine_counters, METH_NOARGS, "counters() -> dict"},

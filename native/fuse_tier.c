@@ -157,7 +157,7 @@ void *tier_discard(struct fe_tier *t, const uint8_t *key, size_t keylen, int *fo
     return unref(t, s, 1);
 }
 
-int tier_touched(struct fe_tier *t, const uint8_t *key, size_t keylen)
+int tier_touched(struct fe_tier *t, const uint8_t *key, size_t keylen, int bits)
 {
     if (keylen < 16 || keylen > FE_KEY_MAX)
         return 0;
@@ -165,9 +165,12 @@ int tier_touched(struct fe_tier *t, const uint8_t *key, size_t keylen)
     pthread_mutex_t *m = stripe_of(t, b);
     pthread_mutex_lock(m);
     struct fe_slot *s = find(t, b, key, keylen, NULL);
-    int was = s ? atomic_exchange(&s->touched, 0) : 0;
+    int was = 0;
+    if (s)
+        was = (bits & FE_TOUCHED) ? atomic_fetch_and(&s->touched, ~FE_TOUCHED)
+                                  : atomic_load(&s->touched);
     pthread_mutex_unlock(m);
-    return was;
+    return (was & bits) != 0;
 }
 
 size_t tier_reap(struct fe_tier *t, void **owners, size_t max)
@@ -209,7 +212,7 @@ struct fe_slot *tier_get(struct fe_tier *t, const uint8_t *key, size_t keylen)
     struct fe_slot *s = find(t, b, key, keylen, NULL);
     if (s) {
         atomic_fetch_add(&s->refs, 1);
-        atomic_store_explicit(&s->touched, 1, memory_order_relaxed);
+        atomic_fetch_or_explicit(&s->touched, FE_TOUCHED | FE_SERVED, memory_order_relaxed);
     }
     pthread_mutex_unlock(m);
     return s;

@@ -21,7 +21,7 @@
 struct fe_slot {
     struct fe_slot *next;           /* bucket chain, then the dead list */
     atomic_int refs;                /* 1 for the table + 1 per reply writing from it */
-    atomic_int touched;
+    atomic_int touched;             /* FE_TOUCHED | FE_SERVED bits */
     uint8_t keylen;
     uint8_t key[FE_KEY_MAX];
     const uint8_t *data;
@@ -36,11 +36,18 @@ void tier_free(struct fe_tier *t);                /* slots left are freed, owner
 int tier_put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *data,
              size_t len, void *owner);
 void *tier_discard(struct fe_tier *t, const uint8_t *key, size_t keylen, int *found);
-int tier_touched(struct fe_tier *t, const uint8_t *key, size_t keylen);
+/* A READ replied from the slot since tier_touched last asked for this bit (which clears
+ * it): the LRU's second chance. */
+#define FE_TOUCHED 1
+/* A READ replied from the slot at least once since it was put (never cleared): the
+ * prefetcher's "the reader has reached this chunk". */
+#define FE_SERVED 2
+/* Whether the slot under ``key`` has any of ``bits``; FE_TOUCHED among them is cleared. */
+int tier_touched(struct fe_tier *t, const uint8_t *key, size_t keylen, int bits);
 size_t tier_reap(struct fe_tier *t, void **owners, size_t max);
 size_t tier_clear(struct fe_tier *t, void **owners, size_t max);
 size_t tier_count(struct fe_tier *t);
-/* A reference to the slot under ``key`` (NULL: not there), marked touched. */
+/* A reference to the slot under ``key`` (NULL: not there), marked FE_TOUCHED | FE_SERVED. */
 struct fe_slot *tier_get(struct fe_tier *t, const uint8_t *key, size_t keylen);
 void tier_unref(struct fe_tier *t, struct fe_slot *s);
 int tier_has(struct fe_tier *t, const uint8_t *key, size_t keylen);

@@ -28,6 +28,8 @@ here is also ``m.put`` and every one that leaves is ``m.discard``-ed, so the eng
 threads answer reads from exactly what this tier holds. They cannot reorder the LRU,
 so eviction asks ``m.touched(key)`` first and gives a buffer served since it was last
 asked a second chance (CLOCK); the order is still an LRU for reads answered here.
+``served(key)`` (whether any read was answered from it since its put) tells the
+prefetcher that a reader has reached a chunk that only C threads served.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class Mirror(Protocol):
     def put(self, key: bytes, data: Any) -> None: ...
     def discard(self, key: bytes) -> None: ...
     def touched(self, key: bytes) -> bool: ...
+    def served(self, key: bytes) -> bool: ...
 
 
 class MemoryCache:
@@ -95,6 +98,11 @@ class MemoryCache:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._resident or key in self._transient
+
+    def served(self, key: bytes) -> bool:
+        """Whether the mirror (C threads) answered a read from ``key``'s buffer since it
+        was put; False without a mirror (every read then comes through ``get``)."""
+        return self._mirror is not None and key in self and self._mirror.served(key)
 
     def get(self, key: bytes) -> bytes | None:
         data = self._resident.get(key)

@@ -86,7 +86,8 @@ def unavailable() -> str:
 class TierMirror:
     """The engine's view of ``MemoryCache``: ``put``/``discard`` keep the engine's table
     equal to the cache's contents; ``touched`` tells the cache's LRU that a C thread
-    served a buffer since it last asked (a second chance before eviction)."""
+    served a buffer since it last asked (a second chance before eviction), ``served``
+    that one ever did since its put (a prefetched chunk its reader has reached)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -100,6 +101,9 @@ class TierMirror:
 
     def touched(self, key: bytes) -> bool:
         return bool(self.engine.tier_touched(key))
+
+    def served(self, key: bytes) -> bool:
+        return bool(self.engine.tier_touched(key, served=True))
 
 
 class NativeSession:

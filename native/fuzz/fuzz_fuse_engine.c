@@ -274,7 +274,7 @@ static void tier_step(struct fe_engine *e, const struct fe_index *ix)
         if (o)
             release(o);
     } else {
-        fe_tier_touched(e, key, keylen);
+        fe_tier_touched(e, key, keylen, below(2) ? FE_SERVED : FE_TOUCHED);
     }
     void *owners[64];
     size_t n = fe_tier_reap(e, owners, 64);

@@ -115,3 +115,29 @@ def test_page_cache_push_serves_exact_bytes(tmp_path: Path) -> None:
         assert s["pushed_bytes"] >= 6 * CHUNK and s["push_failures"] == 0
         assert asked < len(rest) - 4 * CHUNK      # most of the rest came from pushed pages
         assert_same_tree(src, mnt)
+
+
+def test_a_sequential_reader_keeps_its_prefetch_through_a_small_tier(tmp_path: Path) -> None:
+    """A prefetched chunk stops counting against the prefetch budget once a read has
+    reached it, whichever engine answered that read: the native engine's C threads
+    answer from the tier without ``Reader.chunk`` seeing it, and before the tier told
+    the reader (``MemoryCache.served``) the budget stayed full of chunks already read,
+    so 79-98 % of a peer-reading mount's prefetches were skipped. 96 chunks through an
+    8 MiB tier (the least): a budget of 16 chunks."""
+    src = tmp_path / "src"
+    src.mkdir()
+    want = os.urandom(96 * CHUNK)
+    (src / "big.bin").write_bytes(want)
+    with cluster1(tmp_path) as c:
+        c.import_(src, "ds")
+        mnt = c.mount("ds", None, "--cache-mem", "8MiB", "--set", "fuse.prefetch_chunks=4",
+                      "--set", "fuse.read_ahead_kb=128")
+        got = bytearray()
+        with open(mnt / "big.bin", "rb", buffering=0) as f:   # a reader slower than prefetch:
+            while block := f.read(128 << 10):              # its READs are hits in the tier
+                got += block
+                time.sleep(0.002)
+        assert got == want
+        s = _stats(mnt)
+    # without: 48 prefetched, 47 skipped (the budget full of chunks already read)
+    assert s["prefetched"] >= 80 and s["prefetch_skipped"] <= 8, s

@@ -99,6 +99,52 @@ async def test_prefetch_of_all_streams_is_held_to_half_the_memory_tier(dataset) 
     assert s.source_loads <= 30, s                   # 20 chunks read: 22-25; no budget: 39
 
 
+class _EngineMirror:
+    """What the native engine's tier table tells the cache (``fuse.native.TierMirror``),
+    with reads "served by C threads" marked by the test."""
+
+    def __init__(self) -> None:
+        self.held: set[bytes] = set()
+        self.served_keys: set[bytes] = set()
+
+    def put(self, key: bytes, data) -> None:
+        self.held.add(key)
+        self.served_keys.discard(key)
+
+    def discard(self, key: bytes) -> None:
+        self.held.discard(key)
+
+    def touched(self, key: bytes) -> bool:
+        return False
+
+    def served(self, key: bytes) -> bool:
+        return key in self.served_keys
+
+
+async def test_prefetched_chunks_read_by_the_native_engine_free_the_budget(dataset) -> None:
+    """With the native engine a prefetched chunk is read by C threads and never passes
+    ``Reader.chunk``: once the engine has served it, it no longer counts against the
+    prefetch budget (it did, held in the tier, and 97-98 % of a peer-reading mount's
+    prefetches were skipped)."""
+    src, ix, big = dataset
+    entry = ix.lookup(0, b"big")
+    mirror = _EngineMirror()
+    async with trio.open_nursery() as n:
+        r = _reader(ix, src, n, memory=8 * C, prefetch=4)
+        r.memory.mirror_to(mirror)
+        assert r.ahead_max == 4
+        for k in range(20):                      # a C thread serves chunk k, hints k+1..k+4
+            mirror.served_keys.add(ix.chunk_digest(k))
+            for ahead in range(k + 1, min(k + 5, 21)):
+                r.prefetch(entry, ahead)
+            with trio.fail_after(5):
+                while any(r.tiers.in_flight(ix.chunk_digest(a)) for a in range(k + 1, 21)):
+                    await trio.sleep(0.001)
+        n.cancel_scope.cancel()
+    s = r.statistics()
+    assert s.prefetched == 20 and s.prefetch_skipped == 0, s
+
+
 async def test_memory_tier_is_bounded(dataset) -> None:
     src, ix, big = dataset
     entry = ix.lookup(0, b"big")
