@@ -61,8 +61,8 @@ class Results:
                 if v:
                     row["targets"][t] = {"median": statistics.median(v), "min": min(v), "max": max(v),
                                          "n": len(v)}
-                    for k in ("daemon_cpu_%", "daemon_cpu_s_per_GB", "daemon_cpu_us_per_op",
-                              "host_cpu_s_per_GB"):
+                    for k in ("daemon_cpu_%", "daemon_cpu_s_per_GB", "daemon_nic_cpu_s_per_GB",
+                              "daemon_cpu_us_per_op", "host_cpu_s_per_GB"):
                         cpu = [r.figures[k] for r in self.runs if r.workload == wl
                                and r.case == case and r.target == t and k in r.figures]
                         if cpu:
@@ -88,6 +88,8 @@ class Results:
                 cpu = f"   daemon CPU {s['daemon_cpu_%']:.0f}%" if "daemon_cpu_%" in s else ""
                 if "daemon_cpu_s_per_GB" in s:
                     cpu += f", {s['daemon_cpu_s_per_GB']:.2f} s/GB"
+                if "daemon_nic_cpu_s_per_GB" in s:
+                    cpu += f" (soft NIC {s['daemon_nic_cpu_s_per_GB']:.2f})"
                 if "daemon_cpu_us_per_op" in s:
                     cpu += f", {s['daemon_cpu_us_per_op']:.1f} µs/op"
                 if "host_cpu_s_per_GB" in s:

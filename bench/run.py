@@ -27,7 +27,8 @@ from pathlib import Path
 from . import workloads as W
 from .datasets import Dataset
 from .results import Results, Run
-from .system import Mounts, REPO, fresh_memory_rate, machine_cpu, mem_available, process_cpu
+from .system import (NIC_THREADS, Mounts, REPO, fresh_memory_rate, machine_cpu, mem_available,
+                     process_cpu, thread_cpu)
 from .targets import Target, build_ramfs_c, fuse_knobs
 
 log = logging.getLogger("bench")
@@ -181,9 +182,11 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                         t.prepare()
                         before = t.stats()
                         pid = t.daemon()
+                        threads0 = thread_cpu(pid)
                         cpu0, host0, wall0 = process_cpu(pid), machine_cpu(), time.monotonic()
                         figures = case.run(t.path)
                         cpu1, host1, wall = process_cpu(pid), machine_cpu(), time.monotonic() - wall0
+                        threads1 = thread_cpu(pid)
                         # the whole machine: what a target costs beyond its own daemon
                         # (peers, the network stack, the readers) shows up here
                         if figures.get("bytes"):
@@ -196,6 +199,12 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                             figures["daemon_cpu_%"] = 100 * cpu / (figures.get("seconds") or wall)
                             if figures.get("bytes"):
                                 figures["daemon_cpu_s_per_GB"] = cpu / (figures["bytes"] / 1e9)
+                                # the soft provider's share: a NIC's work on RDMA hardware
+                                # (threads that ended during the case are not counted)
+                                nic = sum(threads1.get(n, 0.0) - threads0.get(n, 0.0)
+                                          for n in NIC_THREADS)
+                                if nic > 0:
+                                    figures["daemon_nic_cpu_s_per_GB"] = nic / (figures["bytes"] / 1e9)
                             if ops := _ops(figures):
                                 figures["daemon_cpu_us_per_op"] = 1e6 * cpu / ops
                     except Exception as e:       # record, go on: one broken target is a finding

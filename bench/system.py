@@ -140,6 +140,31 @@ def process_cpu(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
 
 
+#: native threads by role (their names, set in native/*.c): the soft provider's engine
+#: does what an RDMA NIC does in hardware (TCP receive into registered memory)
+NIC_THREADS = ("ks-soft-nic",)
+
+
+def thread_cpu(pid: int | None) -> dict[str, float]:
+    """CPU seconds (user + system) of a live process's threads, summed by thread name."""
+    out: dict[str, float] = {}
+    if pid is None:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for t in tasks:
+        try:
+            name, rest = (t / "stat").read_text().split("(", 1)[1].rsplit(")", 1)
+        except (OSError, IndexError, ValueError):
+            continue                            # the thread ended meanwhile
+        f = rest.split()
+        out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / tick
+    return out
+
+
 def mem_available() -> int:
     """Bytes the kernel says can be had without swapping (MemAvailable)."""
     for line in Path("/proc/meminfo").read_text().splitlines():

@@ -1293,6 +1293,7 @@ static void *queue_main(void *arg)
 {
     struct fe_uqueue *q = arg;
     struct fe_engine *e = q->e;
+    pthread_setname_np(pthread_self(), "ks-fuse-uring");   /* top -H, bench: by role */
     cpu_set_t cpus;
     CPU_ZERO(&cpus);
     CPU_SET(q->qid, &cpus);
@@ -1594,6 +1595,7 @@ static void *worker_main(void *arg)
 {
     struct fe_worker *w = arg;
     struct fe_engine *e = w->e;
+    pthread_setname_np(pthread_self(), "ks-fuse");        /* top -H, bench: by role */
     for (;;) {
         if (atomic_load(&e->stopping))
             break;                  /* fe_stop: a successor reads the connection now */

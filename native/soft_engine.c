@@ -1646,6 +1646,7 @@ static int run_timers(ks_engine *e)
 static void *engine_main(void *arg)
 {
     ks_engine *e = arg;
+    pthread_setname_np(pthread_self(), "ks-soft-nic");    /* top -H, bench: by role */
     struct epoll_event evs[64];
     int timeout = 100;
     for (;;) {
