@@ -89,7 +89,10 @@ def test_nodes_and_a_mount_serve_metrics(tmp_path: Path) -> None:
                 r = subprocess.run(c.client_argv([sys.executable, "-c", SCRAPE % 9480]),
                                    capture_output=True, text=True, timeout=30, check=True)
                 m = parse(r.stdout)
-                if total(m, "kspeedfs_path_up", nic=rail1) == 0 or time.monotonic() > deadline:
+                # not UP comes first (SUSPECT), then DOWN, which is what is counted
+                if (total(m, "kspeedfs_path_up", nic=rail1) == 0
+                        and total(m, "kspeedfs_path_downs_total", nic=rail1) >= 2) \
+                        or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
             assert total(m, "kspeedfs_path_up", nic=rail1) == 0
