@@ -129,15 +129,22 @@ def supervisor_pid(mountpoint: Path) -> int | None:
                  if b"kspeedfs.fuse.supervisor" in argv and want in argv), None)
 
 
+def _stat_cpu(stat: Path) -> tuple[str, float]:
+    """(name, CPU seconds: user + system) from a /proc ``stat`` file of a process or
+    thread; OSError when it is gone."""
+    name, rest = stat.read_text().split("(", 1)[1].rsplit(")", 1)
+    fields = rest.split()
+    return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
+
+
 def process_cpu(pid: int | None) -> float | None:
     """CPU seconds (user + system, every thread) a live process has used, or None."""
     if pid is None:
         return None
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return _stat_cpu(Path(f"/proc/{pid}/stat"))[1]
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
 
 
 #: native threads by role (their names, set in native/*.c): the soft provider's engine
@@ -150,18 +157,16 @@ def thread_cpu(pid: int | None) -> dict[str, float]:
     out: dict[str, float] = {}
     if pid is None:
         return out
-    tick = os.sysconf("SC_CLK_TCK")
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return out
     for t in tasks:
         try:
-            name, rest = (t / "stat").read_text().split("(", 1)[1].rsplit(")", 1)
-        except (OSError, IndexError, ValueError):
+            name, cpu = _stat_cpu(t / "stat")
+        except OSError:
             continue                            # the thread ended meanwhile
-        f = rest.split()
-        out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / tick
+        out[name] = out.get(name, 0.0) + cpu
     return out
 
 

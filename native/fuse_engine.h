@@ -169,8 +169,9 @@ size_t fe_tier_reap(struct fe_engine *e, void **owners, size_t max);
 /* Every owner, the table emptied (at teardown, threads joined). */
 size_t fe_tier_clear(struct fe_engine *e, void **owners, size_t max);
 size_t fe_tier_count(struct fe_engine *e);
-/* Whether the buffer under ``key`` was read since the last call (and clear it): the
- * memory tier's LRU gives a second chance to what C threads served. */
+/* tier_touched: whether the buffer under ``key`` has any of ``bits`` (fuse_tier.h):
+ * FE_TOUCHED, read since the last such call (and cleared: the memory tier's LRU gives a
+ * second chance to what C threads served); FE_SERVED, read at least once since its put. */
 int fe_tier_touched(struct fe_engine *e, const uint8_t *key, size_t keylen, int bits);
 
 /* FUSE_NOTIFY_STORE: put verified bytes of inode ``nodeid`` into the page cache. */

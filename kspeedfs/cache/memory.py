@@ -101,8 +101,9 @@ class MemoryCache:
 
     def served(self, key: bytes) -> bool:
         """Whether the mirror (C threads) answered a read from ``key``'s buffer since it
-        was put; False without a mirror (every read then comes through ``get``)."""
-        return self._mirror is not None and key in self and self._mirror.served(key)
+        was put; False without a mirror (every read then comes through ``get``), and for a
+        key not held (the mirror holds exactly what this tier holds)."""
+        return self._mirror is not None and self._mirror.served(key)
 
     def get(self, key: bytes) -> bytes | None:
         data = self._resident.get(key)

@@ -41,5 +41,5 @@ from .path import PathState, PathStats
 from .vmr import VMR, RemoteVMR
 from .vqp import VQP, VQPStats
 
-__all__ = ["wait_noting_overrun", "Endpoint", "EndpointStats", "HeartbeatConfig", "PathState", "PathStats", "VMR",
-           "RemoteVMR", "VQP", "VQPStats", "routed_pairs"]
+__all__ = ["Endpoint", "EndpointStats", "HeartbeatConfig", "PathState", "PathStats", "VMR",
+           "RemoteVMR", "VQP", "VQPStats", "routed_pairs", "wait_noting_overrun"]
