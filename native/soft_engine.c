@@ -16,6 +16,17 @@
  * * Responder: the engine thread reads requests from the incoming connection, checks
  *   rkey / PD / bounds / access and queues a response whose payload is the MR memory
  *   itself (sendmsg() from the MR); no application involvement, no copy in user space.
+ * * ACKs go out at once, as an RC NIC's do: every receive re-arms TCP_QUICKACK on its
+ *   connection (ack_now).  Left to itself Linux puts a connection that both sends and
+ *   receives into "pingpong" mode and delays its ACKs up to 40 ms, hoping to piggyback
+ *   them; a sender whose congestion window is then full waits for them.  Found under
+ *   issue 19 (8 verifying readers through a mount, one of 3 peers SIGSTOPped): READ
+ *   responses of the *live* peers stalled 30-55 ms mid-payload, several at once (this
+ *   engine's timestamps: the header on time, the rest ~40 ms later; nstat: delayed ACKs
+ *   and tail-loss probes answered by DSACKs, i.e. nothing lost).  A/B, 24 such windows
+ *   each: slowest read 15-46 ms with ack_now (1 window >= 40 ms), 16-60 ms without (10
+ *   windows >= 49 ms); reads per second and the mount's CPU per GB read from peers
+ *   unchanged.  Cost: one setsockopt per receive handler call.
  * * Transport timer: like IB's Local ACK Timeout, a QP with outstanding send WRs must see
  *   progress (bytes moving on its connection) within timeout x (retry_cnt + 1), else the
  *   oldest WR completes RETRY_EXC_ERR and the QP goes to ERR.  TCP alone would hang on a
@@ -933,14 +944,25 @@ static void req_set_lowat(ks_conn *c)
     }
 }
 
+/* What was just read is ACKed now, and so is what comes next (TCP_QUICKACK lasts until
+ * the connection looks interactive again: re-armed after every receive; design notes). */
+static void ack_now(ks_conn *c)
+{
+    int one = 1;
+    if (!c->dead)
+        setsockopt(c->fd, IPPROTO_TCP, TCP_QUICKACK, &one, sizeof one);
+}
+
 static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c);
 
 /* Read responses.  0: fine / would block; 1: QP went to ERR; <0: -errno. */
 static int req_rx(ks_engine *e, ks_qp *qp, ks_conn *c)
 {
     int rc = req_rx_loop(e, qp, c);
-    if (rc == 0 && !c->dead && qp->req == c)
+    if (rc == 0 && !c->dead && qp->req == c) {
         req_set_lowat(c);
+        ack_now(c);
+    }
     return rc;
 }
 
@@ -1183,7 +1205,17 @@ static int resp_consume(ks_engine *e, ks_qp *qp, ks_conn *c)
     }
 }
 
+static int resp_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c);
+
+/* Read requests (and SENDs).  0: fine / would block; <0: -errno or a protocol error. */
 static int resp_rx(ks_engine *e, ks_qp *qp, ks_conn *c)
+{
+    int rc = resp_rx_loop(e, qp, c);
+    ack_now(c);
+    return rc;
+}
+
+static int resp_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c)
 {
     uint64_t budget = KS_RX_BUDGET;
     int drained = 0;
