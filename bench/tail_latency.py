@@ -55,6 +55,15 @@ per fault): slowest read with hedging SIGSTOP 15–54 ms, SIGKILL 13–30 ms (wi
 563–585, 505–516); slowed peer p99 0.95–1.07x the no-fault p99; reads with / without
 hedging, median 0.96. With one core kept busy by a spinning process the tail follows the
 machine (SIGSTOP 59–96 ms, hedging-off no-fault maximum up to 60 ms).
+
+Stop 26 traced the 40–60 ms reads that were left (results-d363e1d-tail-latency.txt): READ
+responses of the *live* peers stalled mid-payload on TCP's delayed ACKs; the soft engine
+now ACKs at once (native/soft_engine.c). Same machine, A/B, 8 windows per fault and arm:
+slowest read with hedging, SIGSTOP 17–46 ms (without the change 17–51), SIGKILL 15–27
+(15–61); slowed peer p99 0.98–1.16x the no-fault p99; hedged bytes 0.04–0.33 %; reads
+with / without hedging, medians 0.99 and 1.03. With one core kept busy by a spinning
+process: SIGSTOP 34, 54 ms, SIGKILL 62, 100 ms, while the no-fault maximum of the same
+run is 38–140 ms (the machine, not the fault).
 """
 from __future__ import annotations
 
