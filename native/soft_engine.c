@@ -1207,7 +1207,8 @@ static int resp_consume(ks_engine *e, ks_qp *qp, ks_conn *c)
 
 static int resp_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c);
 
-/* Read requests (and SENDs).  0: fine / would block; <0: -errno or a protocol error. */
+/* Read requests (and SENDs).  0: fine / would block; 1: QP went to ERR; <0: -errno or a
+ * protocol error. */
 static int resp_rx(ks_engine *e, ks_qp *qp, ks_conn *c)
 {
     int rc = resp_rx_loop(e, qp, c);
