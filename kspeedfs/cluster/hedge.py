@@ -42,9 +42,11 @@ soft provider, 8 verifying readers of random 64 KiB ranges, 256 KiB chunks, two 
   no-fault p99 5 ms): thresholds 4–8 ms; slowest read SIGSTOP 15–54 ms (9 of 10 windows
   < 50 ms), SIGKILL 13–30 ms. A sample taken when the WC is polled instead (thresholds
   3–5 ms) was no better (SIGKILL: 10 of 26 windows ≥ 45 ms, 0 of 12 before): not kept.
-  The remaining 40–60 ms reads are READs of the *live* replica, none left to hedge to
-  (R = 2), that take 40–55 ms while the stopped node's paths rebuild; not CPU, GC or the
-  trio thread (the results file says how that was checked); their cause is open.
+  The remaining 40–60 ms reads were READs of the *live* replica, none left to hedge to
+  (R = 2), whose responses stalled mid-payload on TCP's delayed ACKs; since the soft
+  engine ACKs at once (stop 26, native/soft_engine.c; results-d363e1d-tail-latency.txt)
+  the slowest read is SIGSTOP 17–46 ms, SIGKILL 15–27 ms (8 windows each; 17–51 and
+  15–61 without the change, same machine).
 
 Suspicion: ``SUSPECT_AFTER`` overruns of a peer with no in-time READ from it in between
 make it suspected for ``suspect_time``: ``order`` tries it last (placement and membership
