@@ -92,17 +92,17 @@ STAGING = 3      # physical staging slots at most, × nbuf (reads in progress + 
 
 #: what makes a replica a failed one (next replica), as opposed to a bug
 _FAILED = (PeerUnreachable, RpcUnavailable, PathClosed, HandshakeError)
+_MISBEHAVED = (LookupError, TypeError, ValueError, ArithmeticError)
 
 
 async def _take(sem: trio.Semaphore) -> None:
-    """``sem.acquire()``, without its schedule point when a token is free (the usual
-    case). Those two schedule points were two of the four task steps of every chunk a
-    mount READs from a peer."""
+    """``sem.acquire()``, without its schedule point when a token is free: those two
+    schedule points (staging, and reads in progress) were two of the four task steps of
+    a chunk READ from a peer."""
     try:
         sem.acquire_nowait()
     except trio.WouldBlock:
         await sem.acquire()
-_MISBEHAVED = (LookupError, TypeError, ValueError, ArithmeticError)
 
 
 @dataclass
