@@ -29,6 +29,7 @@ Format 1 ``state``: ``dataset``, ``version``, ``minor`` (FUSE protocol minor),
 from __future__ import annotations
 
 import array
+import hashlib
 import json
 import logging
 import os
@@ -46,10 +47,22 @@ FORMAT = 1
 RUN_DIR = "/run/kspeedfs/mounts"
 MAX_MESSAGE = 64 << 10
 
+#: the longest AF_UNIX path (``sun_path`` is 108 bytes with its NUL), and the longest
+#: suffix put after a socket's name (the supervisor's ``.resume``)
+SUN_PATH_MAX = 107
+SUFFIX_ROOM = len(".resume")
+
 
 def socket_path(mountpoint: str) -> str:
-    """The handover socket of the daemon serving ``mountpoint``."""
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.abspath(mountpoint).strip("/")) or "root"
+    """The handover socket of the daemon serving ``mountpoint``: named after the mount
+    point; when that name would not fit an AF_UNIX address, its start and a digest of the
+    whole path (a mount point 80-odd characters long used to kill its daemon at bind)."""
+    where = os.path.abspath(mountpoint)
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", where.strip("/")) or "root"
+    room = SUN_PATH_MAX - SUFFIX_ROOM - len(RUN_DIR) - len("/.sock")
+    if len(slug) > room:
+        digest = hashlib.sha256(where.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+        slug = f"{slug[:room - len(digest) - 1]}-{digest}"
     return os.path.join(RUN_DIR, f"{slug}.sock")
 
 
@@ -164,16 +177,22 @@ class HandoverServer:
         self.handed_over = trio.Event()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        os.makedirs(RUN_DIR, mode=0o700, exist_ok=True)
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with listener:
             try:
-                os.unlink(self.path)      # a dead predecessor's; a live one was handed over
-            except FileNotFoundError:
-                pass
-            await listener.bind(self.path)
-            os.chmod(self.path, 0o600)
-            listener.listen(4)
+                os.makedirs(RUN_DIR, mode=0o700, exist_ok=True)
+                try:
+                    os.unlink(self.path)  # a dead predecessor's; a live one was handed over
+                except FileNotFoundError:
+                    pass
+                await listener.bind(self.path)
+                os.chmod(self.path, 0o600)
+                listener.listen(4)
+            except OSError as e:          # the mount serves on; only its upgrades are lost
+                log.warning("upgrade: no handover socket at %s (%s): this mount cannot be "
+                            "upgraded in place", self.path, e)
+                task_status.started()
+                return
             task_status.started()
             try:
                 while not self.handed_over.is_set():

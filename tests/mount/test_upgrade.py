@@ -186,6 +186,28 @@ def test_upgrade_refuses_another_version_and_the_mount_goes_on(served) -> None:
     assert _upgrade(c, mnt, "--version", "1").returncode == 0
 
 
+def test_a_mount_point_too_long_to_name_a_socket_after_is_served_and_upgraded(
+        tmp_path: Path) -> None:
+    """The handover socket is named after the mount point, shortened when the name would
+    not fit an AF_UNIX address (upgrade.socket_path): such a mount point used to kill its
+    daemon right after mounting."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f.bin").write_bytes(os.urandom(3 << 20))
+    with cluster1(tmp_path) as c:
+        c.import_(src, "up")
+        mnt = tmp_path / ("a-mount-point-with-a-long-name-" * 3)
+        c.mount("up", mnt, *DEV_FUSE)
+        old = daemon_pid(mnt)
+        with Readers(src, mnt, n=2) as readers:
+            time.sleep(0.3)
+            assert _upgrade(c, mnt).returncode == 0
+            time.sleep(0.3)
+        assert daemon_pid(mnt) not in (None, old)
+        assert readers.reads > 0 and readers.errors == [] and readers.wrong == 0
+        assert "cannot be upgraded in place" not in c.log_text()
+
+
 def test_upgrade_of_a_path_nothing_serves_is_one_clear_error(tmp_path: Path, served) -> None:
     c, _, _ = served
     empty = tmp_path / "empty"

@@ -1,0 +1,49 @@
+"""The handover socket's name (fuse/upgrade.py ``socket_path``): one per mount point, and
+always short enough to bind, with the supervisor's ``.resume`` suffix too."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from kspeedfs.fuse.upgrade import RUN_DIR, SUN_PATH_MAX, socket_path
+
+
+def test_a_short_mount_point_names_its_socket_readably() -> None:
+    assert socket_path("/mnt/imagenet") == f"{RUN_DIR}/mnt_imagenet.sock"
+
+
+def test_a_long_mount_point_gets_a_socket_name_that_binds(tmp_path: Path) -> None:
+    long = "/tmp/pytest-of-root/pytest-92/test_quick_imagenet_reports_ra0/work/mnt/kspeedfs-warm"
+    for i, mp in enumerate((long, long + "2", "/" + "d/" * 200 + "mnt")):
+        path = socket_path(mp) + ".resume"
+        assert len(path.encode()) <= SUN_PATH_MAX, path
+        # an address as long binds (RUN_DIR needs root: bind one in tmp_path)
+        probe = tmp_path / f"{i}".ljust(len(path) - len(str(tmp_path)) - 1, "x")
+        assert len(str(probe)) == len(path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.bind(str(probe))
+    assert socket_path(long).startswith(f"{RUN_DIR}/tmp_pytest-of-root")
+    assert socket_path(long) != socket_path(long + "2")
+    assert socket_path(long) == socket_path(long + "/")      # one mount point, one name
+
+
+def test_a_handover_socket_that_cannot_be_bound_leaves_the_mount_serving(
+        tmp_path: Path, caplog) -> None:
+    """``HandoverServer.run`` reports the mount as started and returns with a warning: the
+    mount goes on, only its upgrades in place are lost."""
+    import trio
+
+    from kspeedfs.fuse.upgrade import HandoverServer
+
+    async def stop() -> None:
+        raise AssertionError("nothing to stop")
+
+    server = HandoverServer(str(tmp_path / "mnt"), "ds", 1, -1, dict, stop)
+    server.path = str(tmp_path / "no-such-dir" / "mnt.sock")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)       # returns: started, then the task ends
+
+    trio.run(main)
+    assert "cannot be upgraded in place" in caplog.text
