@@ -62,7 +62,8 @@ class Results:
                     row["targets"][t] = {"median": statistics.median(v), "min": min(v), "max": max(v),
                                          "n": len(v)}
                     for k in ("daemon_cpu_%", "daemon_cpu_s_per_GB", "daemon_nic_cpu_s_per_GB",
-                              "daemon_cpu_us_per_op", "host_cpu_s_per_GB"):
+                              "daemon_main_cpu_s_per_GB", "daemon_cpu_us_per_op",
+                              "daemon_main_cpu_us_per_op", "host_cpu_s_per_GB"):
                         cpu = [r.figures[k] for r in self.runs if r.workload == wl
                                and r.case == case and r.target == t and k in r.figures]
                         if cpu:
@@ -88,10 +89,14 @@ class Results:
                 cpu = f"   daemon CPU {s['daemon_cpu_%']:.0f}%" if "daemon_cpu_%" in s else ""
                 if "daemon_cpu_s_per_GB" in s:
                     cpu += f", {s['daemon_cpu_s_per_GB']:.2f} s/GB"
-                if "daemon_nic_cpu_s_per_GB" in s:
-                    cpu += f" (soft NIC {s['daemon_nic_cpu_s_per_GB']:.2f})"
+                    parts = [f"{label} {s[k]:.2f}" for label, k in (
+                        ("soft NIC", "daemon_nic_cpu_s_per_GB"), ("main thread", "daemon_main_cpu_s_per_GB"))
+                        if k in s]
+                    cpu += f" ({', '.join(parts)})" if parts else ""
                 if "daemon_cpu_us_per_op" in s:
                     cpu += f", {s['daemon_cpu_us_per_op']:.1f} µs/op"
+                    if "daemon_main_cpu_us_per_op" in s:
+                        cpu += f" (main thread {s['daemon_main_cpu_us_per_op']:.1f})"
                 if "host_cpu_s_per_GB" in s:
                     cpu += f"   machine {s['host_cpu_s_per_GB']:.2f} CPU-s/GB"
                 lines.append(f"    {t:<34} {_fmt(s['median']):>10}   [{_fmt(s['min'])} .. {_fmt(s['max'])}]{cpu}")

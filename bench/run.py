@@ -27,8 +27,8 @@ from pathlib import Path
 from . import workloads as W
 from .datasets import Dataset
 from .results import Results, Run
-from .system import (NIC_THREADS, Mounts, REPO, fresh_memory_rate, machine_cpu, mem_available,
-                     process_cpu, thread_cpu)
+from .system import (MAIN_THREAD, NIC_THREADS, Mounts, REPO, fresh_memory_rate, machine_cpu,
+                     mem_available, process_cpu, thread_cpu)
 from .targets import Target, build_ramfs_c, fuse_knobs
 
 log = logging.getLogger("bench")
@@ -205,8 +205,13 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                                           for n in NIC_THREADS)
                                 if nic > 0:
                                     figures["daemon_nic_cpu_s_per_GB"] = nic / (figures["bytes"] / 1e9)
+                            # the main thread alone: what one core caps (the trio loop)
+                            main = threads1.get(MAIN_THREAD, 0.0) - threads0.get(MAIN_THREAD, 0.0)
+                            if figures.get("bytes"):
+                                figures["daemon_main_cpu_s_per_GB"] = main / (figures["bytes"] / 1e9)
                             if ops := _ops(figures):
                                 figures["daemon_cpu_us_per_op"] = 1e6 * cpu / ops
+                                figures["daemon_main_cpu_us_per_op"] = 1e6 * main / ops
                     except Exception as e:       # record, go on: one broken target is a finding
                         log.error("%s/%s on %s: %s", wl.name, case.name, t.name, e)
                         results.errors.append({"workload": wl.name, "case": case.name, "target": t.name,
