@@ -13,16 +13,18 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import re
 import sys
+
+from .mountpoint import NAME_MAX, name_for
 
 _FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 _STDERR_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
 def log_path(directory: str, dataset: str, mountpoint: str) -> str:
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", mountpoint.strip("/")) or "root"
-    return os.path.join(directory, f"mount-{dataset}-{slug}.log")
+    """The log file of the daemon serving ``dataset`` at ``mountpoint``."""
+    room = NAME_MAX - len(f"mount-{dataset}-.log")
+    return os.path.join(directory, f"mount-{dataset}-{name_for(mountpoint, room)}.log")
 
 
 def setup(level: str, stderr: bool = True, file: str | None = None) -> None:

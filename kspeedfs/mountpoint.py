@@ -1,4 +1,5 @@
-"""Mountpoint checks before mounting, and cleaning up after a crashed daemon.
+"""Mountpoint checks before mounting, cleaning up after a crashed daemon, and the name of
+what is named after a mount point (its log file, its handover socket).
 
 A daemon killed with SIGKILL leaves its mount behind: every access then fails with
 ENOTCONN ("Transport endpoint is not connected"). ``prepare`` recognises that state
@@ -8,13 +9,31 @@ refused instead, as are a missing or non-empty mountpoint.
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
+import re
 import subprocess
 
 from .errors import MountError
 
 log = logging.getLogger(__name__)
+
+#: the longest file name (Linux NAME_MAX)
+NAME_MAX = 255
+
+
+def name_for(mountpoint: str, room: int) -> str:
+    """``mountpoint`` as one file name of at most ``room`` characters: the absolute path
+    with every run of characters other than ``[A-Za-z0-9._-]`` made ``_``, or, when that
+    is longer, its start and a digest of the whole path (two mount points never share a
+    name). A mount point too long for the plain name used to kill its daemon at start."""
+    where = os.path.abspath(mountpoint)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", where.strip("/")) or "root"
+    if len(name) > room:
+        digest = hashlib.sha256(where.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+        name = f"{name[:max(0, room - len(digest) - 1)]}-{digest}"
+    return name
 
 
 def _unescape(field: str) -> str:

@@ -29,17 +29,16 @@ Format 1 ``state``: ``dataset``, ``version``, ``minor`` (FUSE protocol minor),
 from __future__ import annotations
 
 import array
-import hashlib
 import json
 import logging
 import os
-import re
 import socket
 from typing import Any, Awaitable, Callable
 
 import trio
 
 from ..errors import MountError
+from ..mountpoint import name_for
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +53,10 @@ SUFFIX_ROOM = len(".resume")
 
 
 def socket_path(mountpoint: str) -> str:
-    """The handover socket of the daemon serving ``mountpoint``: named after the mount
-    point; when that name would not fit an AF_UNIX address, its start and a digest of the
-    whole path (a mount point 80-odd characters long used to kill its daemon at bind)."""
-    where = os.path.abspath(mountpoint)
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", where.strip("/")) or "root"
+    """The handover socket of the daemon serving ``mountpoint``, named after it within an
+    AF_UNIX address (with the supervisor's suffix)."""
     room = SUN_PATH_MAX - SUFFIX_ROOM - len(RUN_DIR) - len("/.sock")
-    if len(slug) > room:
-        digest = hashlib.sha256(where.encode("utf-8", "surrogateescape")).hexdigest()[:24]
-        slug = f"{slug[:room - len(digest) - 1]}-{digest}"
-    return os.path.join(RUN_DIR, f"{slug}.sock")
+    return os.path.join(RUN_DIR, f"{name_for(mountpoint, room)}.sock")
 
 
 def _message(data: bytes) -> dict[str, Any]:

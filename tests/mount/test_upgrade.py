@@ -188,15 +188,16 @@ def test_upgrade_refuses_another_version_and_the_mount_goes_on(served) -> None:
 
 def test_a_mount_point_too_long_to_name_a_socket_after_is_served_and_upgraded(
         tmp_path: Path) -> None:
-    """The handover socket is named after the mount point, shortened when the name would
-    not fit an AF_UNIX address (upgrade.socket_path): such a mount point used to kill its
-    daemon right after mounting."""
+    """The handover socket and the log file are named after the mount point, shortened
+    when the name would not fit an AF_UNIX address or a file name (mountpoint.name_for):
+    such a mount point used to kill its daemon right after mounting."""
     src = tmp_path / "src"
     (src / "d").mkdir(parents=True)
     (src / "d" / "f.bin").write_bytes(os.urandom(3 << 20))
     with cluster1(tmp_path) as c:
         c.import_(src, "up")
-        mnt = tmp_path / ("a-mount-point-with-a-long-name-" * 3)
+        mnt = tmp_path / ("a-mount-point-with-a-long-name-" * 3) / ("b" * 100) / ("c" * 100)
+        mnt.parent.mkdir(parents=True)                  # its log's name would be 300-odd
         c.mount("up", mnt, *DEV_FUSE)
         old = daemon_pid(mnt)
         with Readers(src, mnt, n=2) as readers:

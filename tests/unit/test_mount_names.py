@@ -1,11 +1,16 @@
-"""The handover socket's name (fuse/upgrade.py ``socket_path``): one per mount point, and
-always short enough to bind, with the supervisor's ``.resume`` suffix too."""
+"""What is named after a mount point (``mountpoint.name_for``): its handover socket
+(fuse/upgrade.py ``socket_path``), always short enough to bind, with the supervisor's
+``.resume`` suffix too, and its log file (log.py ``log_path``), always a valid file name;
+one name per mount point. And a handover socket that cannot be bound."""
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
 from kspeedfs.fuse.upgrade import RUN_DIR, SUN_PATH_MAX, socket_path
+from kspeedfs.log import log_path
+from kspeedfs.mountpoint import NAME_MAX
 
 
 def test_a_short_mount_point_names_its_socket_readably() -> None:
@@ -47,3 +52,12 @@ def test_a_handover_socket_that_cannot_be_bound_leaves_the_mount_serving(
 
     trio.run(main)
     assert "cannot be upgraded in place" in caplog.text
+
+
+def test_a_mount_point_longer_than_a_file_name_gets_a_log_it_can_open(tmp_path: Path) -> None:
+    deep = tmp_path / ("b" * 100) / ("c" * 100) / ("d" * 100)
+    path = log_path(str(tmp_path), "d" * 128, str(deep))     # the longest dataset name
+    assert len(os.path.basename(path)) <= NAME_MAX
+    open(path, "w").close()
+    assert log_path(str(tmp_path), "ds", str(deep)) != log_path(str(tmp_path), "ds", str(deep) + "e")
+    assert log_path("/var/log/kspeedfs", "ds", "/mnt/x") == "/var/log/kspeedfs/mount-ds-mnt_x.log"
