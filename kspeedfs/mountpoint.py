@@ -26,8 +26,10 @@ NAME_MAX = 255
 def name_for(mountpoint: str, room: int) -> str:
     """``mountpoint`` as one file name of at most ``room`` characters: the absolute path
     with every run of characters other than ``[A-Za-z0-9._-]`` made ``_``, or, when that
-    is longer, its start and a digest of the whole path (two mount points never share a
-    name). A mount point too long for the plain name used to kill its daemon at start."""
+    is longer, its start and a digest of the whole path. A mount point too long for the
+    plain name used to kill its daemon at start. (The plain name is kept because a new
+    daemon must find an older one's socket; it is not one-to-one: ``/d/a_b`` and
+    ``/d/a/b`` share it.)"""
     where = os.path.abspath(mountpoint)
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", where.strip("/")) or "root"
     if len(name) > room:
