@@ -2,7 +2,8 @@
 
     new daemon                                   old daemon (native engine)
     connect  /run/kspeedfs/mounts/<slug>.sock ─► listening since its mount
-    {"format": 1, "dataset", "version"}       ─►
+    {"format": 1, "dataset", "version",       ─►  refused unless it serves that dataset
+     "mountpoint"}                                version at that mount point
                                               ◄─ {"format": 1, "state": {...}} + the /dev/fuse fd
     adopt the state, start its C threads          (SCM_RIGHTS: the same open connection)
     {"taken": true}                           ─►  stop its C threads (each finishes the
@@ -19,7 +20,9 @@ empty: the first reads after an upgrade are misses served by the peers or the so
 
 The state is JSON, versioned by ``format``: a daemon refuses a format it does not know
 (the old one keeps serving), and refuses a different dataset or version than it serves
-(the kernel caches the old version's inodes and pages).
+(the kernel caches the old version's inodes and pages), and another mount point than its
+own (two mount points can share a socket name: ``mountpoint.name_for``; an asker older
+than the field is taken at its word).
 
 Format 1 ``state``: ``dataset``, ``version``, ``minor`` (FUSE protocol minor),
 ``flags`` (negotiated INIT flags, 64-bit), ``max_pages``, ``max_readahead``,
@@ -123,7 +126,8 @@ async def take_over(mountpoint: str, dataset: str, version: int,
         except OSError as e:
             raise MountError(f"upgrade: no kspeedfs daemon to take {mountpoint} over from "
                              f"({path}: {e.strerror})") from None
-        await _send(sock, {"format": FORMAT, "dataset": dataset, "version": version})
+        await _send(sock, {"format": FORMAT, "dataset": dataset, "version": version,
+                           "mountpoint": os.path.abspath(mountpoint)})
         reply, fds = await _recv(sock, timeout)
         if "error" in reply or reply.get("format") != FORMAT or not fds:
             for fd in fds:
@@ -162,6 +166,7 @@ class HandoverServer:
     def __init__(self, mountpoint: str, dataset: str, version: int, fd: int,
                  state: Callable[[], dict[str, Any]], stop: Callable[[], Awaitable[None]]) -> None:
         self.path = socket_path(mountpoint)
+        self.mountpoint = os.path.abspath(mountpoint)
         self.dataset = dataset
         self.version = version
         self.fd = fd
@@ -210,6 +215,10 @@ class HandoverServer:
         if ask.get("format") != FORMAT:
             await _send(conn, {"error": f"handover format {ask.get('format')!r} unknown here "
                                         f"(this daemon speaks {FORMAT})"})
+            return
+        asked = ask.get("mountpoint", self.mountpoint)      # (not sent before stop 27)
+        if asked != self.mountpoint:                        # a socket name two share
+            await _send(conn, {"error": f"this daemon serves {self.mountpoint}, not {asked}"})
             return
         if (ask.get("dataset"), ask.get("version")) != (self.dataset, self.version):
             await _send(conn, {"error": f"this mount serves {self.dataset}@{self.version}, not "

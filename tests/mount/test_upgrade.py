@@ -209,6 +209,21 @@ def test_a_mount_point_too_long_to_name_a_socket_after_is_served_and_upgraded(
         assert "cannot be upgraded in place" not in c.log_text()
 
 
+def test_upgrade_reaches_only_the_daemon_of_its_own_mount_point(tmp_path: Path, served) -> None:
+    """``/…/a_b`` and ``/…/a/b`` share a handover socket name; the second mount's daemon
+    listens on it. An upgrade of the first must not take the second's connection."""
+    c, _, _ = served
+    (tmp_path / "a").mkdir()
+    first, second = tmp_path / "a_b", tmp_path / "a" / "b"
+    c.mount("up", first, *DEV_FUSE)
+    c.mount("up", second, *DEV_FUSE)
+    pid = daemon_pid(second)
+    r = _upgrade(c, first)
+    assert r.returncode != 0 and f"serves {second}, not {first}" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert daemon_pid(second) == pid and is_mounted(first) and is_mounted(second)
+
+
 def test_upgrade_of_a_path_nothing_serves_is_one_clear_error(tmp_path: Path, served) -> None:
     c, _, _ = served
     empty = tmp_path / "empty"
