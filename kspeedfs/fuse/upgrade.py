@@ -216,7 +216,7 @@ class HandoverServer:
             await _send(conn, {"error": f"handover format {ask.get('format')!r} unknown here "
                                         f"(this daemon speaks {FORMAT})"})
             return
-        asked = ask.get("mountpoint", self.mountpoint)      # (not sent before stop 27)
+        asked = ask.get("mountpoint", self.mountpoint)      # (older askers do not send it)
         if asked != self.mountpoint:                        # a socket name two share
             await _send(conn, {"error": f"this daemon serves {self.mountpoint}, not {asked}"})
             return
