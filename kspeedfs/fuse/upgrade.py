@@ -218,7 +218,8 @@ class HandoverServer:
             return
         asked = ask.get("mountpoint", self.mountpoint)      # (older askers do not send it)
         if asked != self.mountpoint:                        # a socket name two share
-            await _send(conn, {"error": f"this daemon serves {self.mountpoint}, not {asked}"})
+            await _send(conn, {"error": f"this daemon serves {self.mountpoint}, "
+                                        f"not {str(asked)[:4096]}"})
             return
         if (ask.get("dataset"), ask.get("version")) != (self.dataset, self.version):
             await _send(conn, {"error": f"this mount serves {self.dataset}@{self.version}, not "
