@@ -36,7 +36,7 @@ import time
 
 from .. import log as logsetup
 from .. import mountpoint as mp
-from .upgrade import FD_ROOM, FORMAT, MAX_MESSAGE, fds_in, socket_path, with_fds
+from .upgrade import FD_ROOM, FORMAT, MAX_MESSAGE, RESUME_SUFFIX, fds_in, socket_path, with_fds
 
 log = logging.getLogger("kspeedfs.supervisor")
 
@@ -113,7 +113,7 @@ class Supervisor:
             return False
         log.warning("daemon of %s (pid %s) died: starting a new one to resume its connection",
                     self.mountpoint, self.state.get("pid"))
-        path = socket_path(self.mountpoint) + ".resume"
+        path = socket_path(self.mountpoint) + RESUME_SUFFIX
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
             try:
                 os.unlink(path)

@@ -49,16 +49,16 @@ FORMAT = 1
 RUN_DIR = "/run/kspeedfs/mounts"
 MAX_MESSAGE = 64 << 10
 
-#: the longest AF_UNIX path (``sun_path`` is 108 bytes with its NUL), and the longest
-#: suffix put after a socket's name (the supervisor's ``.resume``)
+#: the longest AF_UNIX path (``sun_path`` is 108 bytes with its NUL), and what the
+#: supervisor puts after a mount's socket name for its own, resume, socket
 SUN_PATH_MAX = 107
-SUFFIX_ROOM = len(".resume")
+RESUME_SUFFIX = ".resume"
 
 
 def socket_path(mountpoint: str) -> str:
     """The handover socket of the daemon serving ``mountpoint``, named after it within an
     AF_UNIX address (with the supervisor's suffix)."""
-    room = SUN_PATH_MAX - SUFFIX_ROOM - len(RUN_DIR) - len("/.sock")
+    room = SUN_PATH_MAX - len(RESUME_SUFFIX) - len(RUN_DIR) - len("/.sock")
     return os.path.join(RUN_DIR, f"{name_for(mountpoint, room)}.sock")
 
 
