@@ -169,7 +169,7 @@ def thread_cpu(pid: int | None) -> dict[str, float]:
     for t in tasks:
         try:
             name, cpu = _stat_cpu(t / "stat")
-        except OSError:
+        except (OSError, IndexError, ValueError):
             continue                            # the thread ended meanwhile
         if t.name == str(pid):
             name = MAIN_THREAD
