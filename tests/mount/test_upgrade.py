@@ -127,6 +127,53 @@ def test_upgrade_five_times_under_readers_loses_no_read(served) -> None:
     print(f"\n{readers.reads} reads of 128 KiB through 5 upgrades, longest {readers.longest * 1e3:.0f} ms")
 
 
+def test_upgrade_under_one_stream_read_alone_loses_no_read(served) -> None:
+    """One reader, one handle read over and over with O_DIRECT, nothing else: the
+    handle the kernel holds is the old daemon's, and after each upgrade the new one
+    serves it with every byte right (the other tests read many files, opening each)."""
+    c, src, mnt = served
+    rel = max((p.relative_to(src) for p in src.rglob("*.bin")), key=lambda p: (src / p).stat().st_size)
+    want = (src / rel).read_bytes()
+    buf = mmap.mmap(-1, READ)
+    stop = threading.Event()
+    reads, errors = [0], []
+
+    def stream() -> None:
+        fd = os.open(mnt / rel, os.O_RDONLY | os.O_DIRECT)
+        try:
+            while not stop.is_set():
+                for off in range(0, len(want), READ):
+                    n = os.preadv(fd, [buf], off)
+                    if buf[:n] != want[off:off + READ]:
+                        errors.append(f"{rel} at {off}: wrong bytes")
+                    reads[0] += 1
+        except OSError as e:
+            errors.append(f"{rel}: {e}")
+        finally:
+            os.close(fd)
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    try:
+        for _ in range(3):
+            time.sleep(0.5)                            # well past the one-stream spell
+            before, old = reads[0], daemon_pid(mnt)
+            r = _upgrade(c, mnt)
+            assert r.returncode == 0, r.stderr
+            deadline = time.monotonic() + 10
+            while daemon_pid(mnt) == old and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert daemon_pid(mnt) not in (old, None)  # the old daemon handed over and left
+            time.sleep(0.3)
+            assert reads[0] > before
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    assert not t.is_alive(), "the reader hung"
+    assert errors == [], errors[:5]
+    assert "upgrade: took" in c.log_text()
+
+
 def test_daemon_sigkilled_five_times_under_readers_loses_no_read(served) -> None:
     c, src, mnt = served
     sup = supervisor_pid(mnt)
