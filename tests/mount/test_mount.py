@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import random
 import subprocess
@@ -92,6 +93,53 @@ def test_concurrent_readers_same_chunk(node) -> None:
 
     with ThreadPoolExecutor(16) as pool:
         assert all(pool.map(read, range(32)))
+
+
+def _via_mmap(fd: int, size: int) -> bytes:
+    if size == 0:
+        return b""                                  # mmap(2) of 0 bytes is EINVAL anywhere
+    with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as m:
+        return m[:]
+
+
+def _via_pipe(move) -> bytes:
+    """Bytes moved by ``move(pipe_write_fd, offset)`` in 64 KiB steps, until it moves 0."""
+    r, w = os.pipe()
+    out, off = bytearray(), 0
+    try:
+        while n := move(w, off):
+            out += os.read(r, n)
+            off += n
+    finally:
+        os.close(r)
+        os.close(w)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("how", ["mmap", "sendfile", "splice"])
+def test_mmap_sendfile_and_splice_read_the_same_bytes(node, how: str) -> None:
+    """The I/O paths beside read(2) that frameworks take: numpy.memmap and safetensors
+    map files, shutil copies with sendfile, servers splice. The file's pages are dropped
+    first, so the kernel asks the daemon."""
+    _, src, mnt = node
+    small = [p for p in files_below(src) if p.startswith(b"small/")]
+    rels = [b"empty", b"one", b"sizes/chunk-1", b"sizes/chunk", b"sizes/chunk+1",
+            b"many-chunks.bin", *random.Random(5).sample(small, 20)]
+    for rel in rels:
+        with open(os.path.join(os.fsencode(src), rel), "rb") as f:
+            want = f.read()
+        fd = os.open(os.path.join(os.fsencode(mnt), rel), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if how == "mmap":
+                got = _via_mmap(fd, len(want))
+            elif how == "sendfile":
+                got = _via_pipe(lambda w, off: os.sendfile(w, fd, off, 65536))
+            else:
+                got = _via_pipe(lambda w, off: os.splice(fd, w, 65536, offset_src=off))
+        finally:
+            os.close(fd)
+        assert got == want, (how, rel, len(got), len(want))
 
 
 @pytest.mark.parametrize("call", [
