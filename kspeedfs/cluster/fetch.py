@@ -140,7 +140,7 @@ class PeerStatistics:
     peer_unreachable: int
     peer_longest_stall_ms: float     # PeerCounters.longest_stall, in ms to 0.1
     per_peer_bytes: dict[str, int]   # node → bytes served
-    landing_slots: int               # Landing.statistics(): slots, free now, kept by
+    landing_slots: int               # LandingStatistics: slots, free now, kept by
     landing_free: int                # the memory tier, takes that found none free
     landing_kept: int
     landing_exhausted: int
@@ -478,13 +478,15 @@ class Peers:
         h = self.hedger
         now = time.monotonic()
         vqps = {n: v.statistics() for n, (_, v) in self._vqps.items()}
+        land = self.landing.statistics()
         return PeerStatistics(
             peer_hits=c.hits, peer_bytes=c.bytes, peer_loads_requested=c.loads_requested,
             peer_misses=c.misses, peer_checksum_retries=c.checksum_retries,
             peer_hinted_reads=c.hinted, peer_stale_hints=c.stale_hints,
             peer_unreachable=c.unreachable,
             peer_longest_stall_ms=round(c.longest_stall * 1e3, 1),
-            per_peer_bytes=dict(c.per_peer), **self.landing.statistics(),
+            per_peer_bytes=dict(c.per_peer), landing_slots=land.slots, landing_free=land.free,
+            landing_kept=land.kept, landing_exhausted=land.exhausted,
             vqps={n: st.state for n, st in vqps.items()},
             peer_heartbeats=sum(p.heartbeats_ok for st in vqps.values() for p in st.paths),
             peer_longest_wait_ms=round(c.longest_wait * 1e3, 1),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
+from dataclasses import dataclass
 
 from rdma.vrdma import VMR, Endpoint
 
@@ -29,6 +30,17 @@ SEGMENT = 16
 
 #: a slot: the vMR it lives in and its offset there
 Slot = tuple[VMR, int]
+
+
+@dataclass(frozen=True)
+class LandingStatistics:
+    """Slots registered, free now, chunks kept by the memory tier (lifetime), and takes
+    that found every slot held (the READ landed in staging and was copied)."""
+
+    slots: int
+    free: int
+    kept: int
+    exhausted: int
 
 
 class Landing:
@@ -70,6 +82,6 @@ class Landing:
         self.kept += 1
         return memoryview(owner).cast("B").toreadonly()
 
-    def statistics(self) -> dict[str, int]:
-        return {"landing_slots": self.slots, "landing_free": len(self._free),
-                "landing_kept": self.kept, "landing_exhausted": self.exhausted}
+    def statistics(self) -> LandingStatistics:
+        return LandingStatistics(slots=self.slots, free=len(self._free), kept=self.kept,
+                                 exhausted=self.exhausted)

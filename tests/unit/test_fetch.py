@@ -129,9 +129,9 @@ async def test_a_silent_replica_is_hedged_then_tried_last_and_its_attempt_cleans
             try:
                 key, data = chunks[0]
                 got = await peers.read_chunk("ds", 1, 0, key, len(data))
-                free = peers.landing.statistics()["landing_free"]
+                free = peers.landing.statistics().free
                 del got
-                assert peers.landing.statistics()["landing_free"] == free + 1
+                assert peers.landing.statistics().free == free + 1
             finally:
                 gc.enable()
             await peers.aclose()
