@@ -43,7 +43,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pyverbs.cq import CQ as _CQ
 
@@ -73,7 +73,6 @@ class Poller:
         self._cqs: "weakref.WeakSet[VerbsCQ]" = weakref.WeakSet()
         self._wake = threading.Event()
         self._stop = False
-        self.rounds = 0
         self._thread = threading.Thread(target=self._run, name=f"verbs-cq-{name}",
                                         daemon=True)
         self._thread.start()
@@ -98,7 +97,6 @@ class Poller:
         sleep = MIN_SLEEP
         last_hit = time.monotonic()
         while not self._stop:
-            self.rounds += 1
             got = busy = 0
             for cq in list(self._cqs):
                 try:
@@ -224,9 +222,6 @@ class VerbsCQ(CQ):
                     pass
                 self._signalled = False
             return out
-
-    def statistics(self) -> dict[str, Any]:
-        return {"queued": len(self._queue), "poller_rounds": self._poller.rounds}
 
     def _close_impl(self) -> None:
         self._poller.remove(self)
