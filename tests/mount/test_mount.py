@@ -275,6 +275,46 @@ def test_big_directory_readdir(tmp_path: Path) -> None:
         assert (mnt / "big" / "f000042").read_bytes() == b"forty-two"
 
 
+def _as_nobody(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           "sha256sum", str(path)], capture_output=True, text=True)
+
+
+def test_other_users_read_with_allow_other_as_the_mode_bits_say() -> None:
+    """A training job often runs as another user than the mount daemon (root): without
+    ``fuse.allow_other`` the kernel lets nobody else in; with it, each file's mode bits
+    from the source decide (``default_permissions``)."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="kspeedfs-others-"))   # pytest's tmp is root-only
+    try:
+        os.chmod(base, 0o755)
+        src = base / "src"
+        (src / "d").mkdir(parents=True)
+        (src / "d" / "shared.bin").write_bytes(random.Random(7).randbytes(3 * CHUNK + 5))
+        (src / "d" / "secret.bin").write_bytes(b"root only")
+        os.chmod(src / "d" / "shared.bin", 0o644)
+        os.chmod(src / "d" / "secret.bin", 0o600)
+        c = Cluster1(base)
+        try:
+            c.import_(src, "others")
+            private = c.mount("others")
+            shared = c.mount("others", None, "--set", "fuse.allow_other=true")
+            r = _as_nobody(private / "d" / "shared.bin")
+            assert r.returncode != 0 and "Permission denied" in r.stderr
+            r = _as_nobody(shared / "d" / "shared.bin")
+            want = hashlib.sha256((src / "d" / "shared.bin").read_bytes()).hexdigest()
+            assert r.returncode == 0 and r.stdout.split()[0] == want, r.stderr
+            r = _as_nobody(shared / "d" / "secret.bin")
+            assert r.returncode != 0 and "Permission denied" in r.stderr
+        finally:
+            c.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def _single(tmp_path: Path, src: Path):
     import contextlib
 
