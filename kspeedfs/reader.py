@@ -118,8 +118,7 @@ class Reader:
         self.served_elsewhere: Callable[[], tuple[int, int, int]] | None = None
         self.policy = ReadPolicy(
             chunk_size=index.chunk_size, block_size=index.block_size, chunks=index.chunks,
-            tier_bytes=memory.capacity + (disk.capacity if disk is not None else 0),
-            peers=peers is not None)
+            tier_bytes=memory.capacity + (disk.capacity if disk is not None else 0))
         self.prefetcher = Prefetcher(prefetch_depth)
         self.tiers = TierChain(index=index, origin=origin, dataset=dataset, memory=memory,
                                disk=disk, peers=peers, flights=SingleFlight(nursery),
@@ -202,9 +201,10 @@ class Reader:
                 and self.index.chunk_digest(k) not in self.memory)
 
     async def _small_file(self, entry: int, k: int) -> Data:
-        """The whole (small) file as one extent — READ from a replica, or read alone from
-        the source when the dataset outgrows the tiers — verified against the extent's
-        digest and kept in the memory tier under it; else via its chunk."""
+        """The whole (small) file as one extent (the dataset outgrows the tiers: its
+        chunk would be evicted before its neighbours are read) — READ from a replica,
+        else read alone from the source — verified against the extent's digest and kept
+        in the memory tier under it."""
         (ext,) = self.index.file_extents(entry)
         return await self.tiers.get(ext.digest, self._load_extent, entry, k, ext)
 
@@ -214,9 +214,6 @@ class Reader:
         if data is not None:
             self.memory.put(ext.digest, data)
             return Loaded(data, "peer")
-        if self.policy.chunks_fit:               # no replica: the whole chunk, any tier
-            chunk = await self._chunk_for(entry, k)
-            return Loaded(chunk[ext.chunk_offset:ext.chunk_offset + ext.length], "chunk")
         data = await self.tiers.from_source(k, self.origin.load_extent, ext)
         self.counters.add("source_extents")
         self.counters.add("source_bytes", len(data))

@@ -9,10 +9,8 @@ C = 4 << 20          # chunk
 B = 128 << 10        # block
 
 
-def policy(*, chunks: int = 10, tier_bytes: int = 100 * C, peers: bool = False,
-           block_size: int = B) -> ReadPolicy:
-    return ReadPolicy(chunk_size=C, block_size=block_size, chunks=chunks,
-                      tier_bytes=tier_bytes, peers=peers)
+def policy(*, chunks: int = 10, tier_bytes: int = 100 * C, block_size: int = B) -> ReadPolicy:
+    return ReadPolicy(chunk_size=C, block_size=block_size, chunks=chunks, tier_bytes=tier_bytes)
 
 
 def test_chunks_fit_when_the_dataset_fits_the_tiers() -> None:
@@ -20,12 +18,11 @@ def test_chunks_fit_when_the_dataset_fits_the_tiers() -> None:
     assert not policy(chunks=10, tier_bytes=10 * C - 1).chunks_fit
 
 
-def test_small_files_alone_only_with_peers_or_a_dataset_larger_than_the_tiers() -> None:
+def test_small_files_alone_only_when_the_dataset_outgrows_the_tiers() -> None:
     small = C // SMALL_FILE_DIVISOR
-    assert not policy().small_file(small)                       # fits, no peers: whole chunks
-    assert policy(peers=True).small_file(small)
-    assert policy(tier_bytes=C).small_file(small)
-    assert not policy(peers=True).small_file(small + 1)         # larger than chunk/8
+    assert not policy().small_file(small)                       # fits: whole chunks
+    assert policy(tier_bytes=C).small_file(small)               # (from peers as from the source)
+    assert not policy(tier_bytes=C).small_file(small + 1)       # larger than chunk/8
 
 
 def test_random_is_a_read_that_does_not_continue_the_last() -> None:
