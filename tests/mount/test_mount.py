@@ -5,11 +5,14 @@ One mount per module (import + mount cost ~1 s); every test reads through the ke
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import mmap
 import os
 import random
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -312,10 +315,6 @@ def test_other_users_read_with_allow_other_as_the_mode_bits_say() -> None:
     """A training job often runs as another user than the mount daemon (root): without
     ``fuse.allow_other`` the kernel lets nobody else in; with it, each file's mode bits
     from the source decide (``default_permissions``)."""
-    import hashlib
-    import shutil
-    import tempfile
-
     base = Path(tempfile.mkdtemp(prefix="kspeedfs-others-"))   # pytest's tmp is root-only
     try:
         os.chmod(base, 0o755)
