@@ -206,12 +206,13 @@ class ClusterBed:
                  self.ds.bytes // 10**6, self.nodes, self.preload_s)
         return c
 
-    def mount(self, mounts: Mounts, *extra: str) -> Path:
-        """A fresh client mount (empty chunk cache), registered for the suite's cleanup."""
+    def mount(self, mounts: Mounts, *extra: str, cache: str = CLIENT_CACHE) -> Path:
+        """A fresh client mount (empty chunk cache of ``cache``), registered for the
+        suite's cleanup."""
         c = self.ensure()
         mp = c.base / f"mnt{len(c.mounts)}"
         mounts.add(mp, lambda: daemon_pid(mp))
-        got = c.mount(self.dataset, "--cache-mem", CLIENT_CACHE, *extra)
+        got = c.mount(self.dataset, "--cache-mem", cache, *extra)
         assert got == mp, (got, mp)
         return mp
 
@@ -270,13 +271,18 @@ class Flapper:
 class PeersTarget(Target):
     """The client's kspeedfs mount reading from the peers: a fresh mount per run (so its
     own chunk cache is empty) and the page cache dropped; with ``flap_rail`` one of the
-    client's NICs flaps during the run."""
+    client's NICs flaps during the run; with ``fits`` its chunk cache holds the whole
+    dataset (a small file is then read with its whole chunk: ``ReadPolicy.small_file``),
+    else it is ``CLIENT_CACHE``."""
 
-    def __init__(self, ds: Dataset, bed: ClusterBed, flap_rail: int = 0) -> None:
+    def __init__(self, ds: Dataset, bed: ClusterBed, flap_rail: int = 0, fits: bool = False) -> None:
         super().__init__(ds)
         self.bed = bed
         self.flap_rail = flap_rail
-        self.name = f"kspeedfs-peers-flap-eth{flap_rail}" if flap_rail else "kspeedfs-peers"
+        # room for every chunk (files start chunks, so the chunks hold more than the bytes)
+        self.cache = f"{(ds.bytes * 5 // 4 + (64 << 20)) >> 20}MiB" if fits else CLIENT_CACHE
+        self.name = (f"kspeedfs-peers-flap-eth{flap_rail}" if flap_rail
+                     else "kspeedfs-peers-fits" if fits else "kspeedfs-peers")
         self.mounts: Mounts | None = None
         self.mp: Path | None = None
         self.flapper: Flapper | None = None
@@ -291,7 +297,7 @@ class PeersTarget(Target):
     def prepare(self) -> None:
         self.finish()
         assert self.mounts is not None
-        self.mp = self.path = self.bed.mount(self.mounts)
+        self.mp = self.path = self.bed.mount(self.mounts, cache=self.cache)
         drop_caches()
         if self.flapper:
             self.flapper.start()
@@ -402,7 +408,8 @@ def cluster_targets(ds: Dataset, ctx: Context) -> list[Target]:
     bed = ClusterBed(ctx.work / "cluster", ds, chunk=ctx.cluster_chunk)
     # ramfs-c: the ceiling issue 16's target is stated against (client CPU-s per GB)
     ramfs_c = [RamFS(ds, "c", ctx.ramfs_c)] if ctx.ramfs_c else []
-    return [SourceCold(ds), SourceWarm(ds), PeersTarget(ds, bed), RamFS(ds, "py"), *ramfs_c]
+    return [SourceCold(ds), SourceWarm(ds), PeersTarget(ds, bed), PeersTarget(ds, bed, fits=True),
+            RamFS(ds, "py"), *ramfs_c]
 
 
 def cluster_cases(ds: Dataset, ctx: Context) -> list[Case]:
@@ -443,6 +450,7 @@ def flap_cases(ds: Dataset, ctx: Context) -> list[Case]:
 
 
 CLUSTER_RATIOS = [("kspeedfs-peers", "source-cold"), ("kspeedfs-peers", "source-warm"),
-                  ("kspeedfs-peers", "ramfs-py"), ("kspeedfs-peers", "ramfs-c")]
+                  ("kspeedfs-peers", "ramfs-py"), ("kspeedfs-peers", "ramfs-c"),
+                  ("kspeedfs-peers-fits", "kspeedfs-peers"), ("kspeedfs-peers-fits", "ramfs-c")]
 FLAP_RATIOS = [("kspeedfs-peers-flap-eth1", "kspeedfs-peers")]
 TRANSPORT_RATIOS = [("soft", "tcp")]
