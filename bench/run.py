@@ -197,18 +197,18 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                             # so short --quick runs give coarse figures
                             cpu = cpu1 - cpu0
                             figures["daemon_cpu_%"] = 100 * cpu / (figures.get("seconds") or wall)
+                            # the main thread alone: what one core caps (the trio loop)
+                            main = threads1.get(MAIN_THREAD, 0.0) - threads0.get(MAIN_THREAD, 0.0)
                             if figures.get("bytes"):
-                                figures["daemon_cpu_s_per_GB"] = cpu / (figures["bytes"] / 1e9)
+                                gb = figures["bytes"] / 1e9
+                                figures["daemon_cpu_s_per_GB"] = cpu / gb
+                                figures["daemon_main_cpu_s_per_GB"] = main / gb
                                 # the soft provider's share: a NIC's work on RDMA hardware
                                 # (threads that ended during the case are not counted)
                                 nic = sum(threads1.get(n, 0.0) - threads0.get(n, 0.0)
                                           for n in NIC_THREADS)
                                 if nic > 0:
-                                    figures["daemon_nic_cpu_s_per_GB"] = nic / (figures["bytes"] / 1e9)
-                            # the main thread alone: what one core caps (the trio loop)
-                            main = threads1.get(MAIN_THREAD, 0.0) - threads0.get(MAIN_THREAD, 0.0)
-                            if figures.get("bytes"):
-                                figures["daemon_main_cpu_s_per_GB"] = main / (figures["bytes"] / 1e9)
+                                    figures["daemon_nic_cpu_s_per_GB"] = nic / gb
                             if ops := _ops(figures):
                                 figures["daemon_cpu_us_per_op"] = 1e6 * cpu / ops
                                 figures["daemon_main_cpu_us_per_op"] = 1e6 * main / ops
