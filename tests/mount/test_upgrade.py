@@ -103,6 +103,15 @@ def _upgrade(c: Cluster1, mnt: Path, *extra: str) -> "subprocess.CompletedProces
     return kspeedfs(["mount", "up", str(mnt), "--upgrade", *extra, *c.common()], check=False)
 
 
+def _successor(mnt: Path, old: int | None) -> int | None:
+    """The daemon serving ``mnt`` once ``old`` has handed over and exited (waits up to
+    10 s; ``old`` itself if it never left)."""
+    deadline = time.monotonic() + 10
+    while daemon_pid(mnt) == old and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return daemon_pid(mnt)
+
+
 def test_upgrade_five_times_under_readers_loses_no_read(served) -> None:
     c, src, mnt = served
     with Readers(src, mnt) as readers:
@@ -112,10 +121,7 @@ def test_upgrade_five_times_under_readers_loses_no_read(served) -> None:
             before = readers.reads
             r = _upgrade(c, mnt)
             assert r.returncode == 0, r.stderr
-            deadline = time.monotonic() + 10
-            while daemon_pid(mnt) == pids[-1] and time.monotonic() < deadline:
-                time.sleep(0.05)                       # the old daemon exits after handing over
-            pids.append(daemon_pid(mnt))
+            pids.append(_successor(mnt, pids[-1]))
             time.sleep(0.5)
             assert readers.reads > before              # reads went on through the upgrade
     assert readers.errors == [], readers.errors[:5]
@@ -160,10 +166,7 @@ def test_upgrade_under_one_stream_read_alone_loses_no_read(served) -> None:
             before, old = reads[0], daemon_pid(mnt)
             r = _upgrade(c, mnt)
             assert r.returncode == 0, r.stderr
-            deadline = time.monotonic() + 10
-            while daemon_pid(mnt) == old and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert daemon_pid(mnt) not in (old, None)  # the old daemon handed over and left
+            assert _successor(mnt, old) not in (old, None)   # the old one handed over and left
             time.sleep(0.3)
             assert reads[0] > before
     finally:
