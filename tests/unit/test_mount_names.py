@@ -8,7 +8,9 @@ import os
 import socket
 from pathlib import Path
 
-from kspeedfs.fuse.upgrade import RUN_DIR, SUN_PATH_MAX, socket_path
+import trio
+
+from kspeedfs.fuse.upgrade import RESUME_SUFFIX, RUN_DIR, SUN_PATH_MAX, HandoverServer, socket_path
 from kspeedfs.log import log_path
 from kspeedfs.mountpoint import NAME_MAX
 
@@ -20,7 +22,7 @@ def test_a_short_mount_point_names_its_socket_readably() -> None:
 def test_a_long_mount_point_gets_a_socket_name_that_binds(tmp_path: Path) -> None:
     long = "/tmp/pytest-of-root/pytest-92/test_quick_imagenet_reports_ra0/work/mnt/kspeedfs-warm"
     for i, mp in enumerate((long, long + "2", "/" + "d/" * 200 + "mnt")):
-        path = socket_path(mp) + ".resume"
+        path = socket_path(mp) + RESUME_SUFFIX
         assert len(path.encode()) <= SUN_PATH_MAX, path
         # an address as long binds (RUN_DIR needs root: bind one in tmp_path)
         probe = tmp_path / f"{i}".ljust(len(path) - len(str(tmp_path)) - 1, "x")
@@ -36,10 +38,6 @@ def test_a_handover_socket_that_cannot_be_bound_leaves_the_mount_serving(
         tmp_path: Path, caplog) -> None:
     """``HandoverServer.run`` reports the mount as started and returns with a warning: the
     mount goes on, only its upgrades in place are lost."""
-    import trio
-
-    from kspeedfs.fuse.upgrade import HandoverServer
-
     async def stop() -> None:
         raise AssertionError("nothing to stop")
 
