@@ -522,6 +522,32 @@ static uint32_t wc_opcode_of(uint32_t wr_opcode)
     return wr_opcode == KS_WR_RDMA_READ ? KS_WC_RDMA_READ : KS_WC_SEND;
 }
 
+/* The WC of send WR `w`: on its own CQ (which it then stops using) or, if signalled, on
+ * the QP's send CQ.  Caller holds e->lock. */
+static void send_wc(ks_qp *qp, ks_wqe *w, uint32_t status, uint32_t byte_len)
+{
+    if (w->cq) {
+        ks_cq *cq = w->cq;
+        w->cq = NULL;
+        cq->refs--;
+        push_wc(cq, w->wr_id, status, wc_opcode_of(w->opcode), byte_len, qp->qpn);
+    } else if (status != KS_WC_SUCCESS || (w->flags & KS_SEND_SIGNALED) || qp->sig_all) {
+        push_wc(qp->scq, w->wr_id, status, wc_opcode_of(w->opcode), byte_len, qp->qpn);
+    }
+}
+
+/* Reset or destruction drops the send queue: WRs with their own CQ complete
+ * WR_FLUSH_ERR there (ks_post_send); the binding's vanish, as on verbs. */
+static void sq_drop(ks_qp *qp)
+{
+    for (uint32_t n = qp->sq_head; n != qp->sq_tail; n++) {
+        ks_wqe *w = &qp->sq[n % qp->max_send_wr];
+        if (w->cq)
+            send_wc(qp, w, KS_WC_WR_FLUSH_ERR, 0);
+    }
+    qp->sq_head = qp->sq_sent = qp->sq_tail = 0;
+}
+
 /* -------------------------------------------------------------------------- conns */
 
 static int resp_rx_enabled(ks_conn *c);
@@ -700,15 +726,12 @@ static void qp_fatal_at(ks_engine *e, ks_qp *qp, uint32_t culprit, uint32_t stat
         return;
     qp->state = KS_QPS_ERR;
     qp_kill_conns(e, qp);
-    if (culprit != qp->sq_tail && status != KS_WC_WR_FLUSH_ERR) {
-        ks_wqe *w = &qp->sq[culprit % qp->max_send_wr];
-        push_wc(qp->scq, w->wr_id, status, wc_opcode_of(w->opcode), 0, qp->qpn);
-    }
+    if (culprit != qp->sq_tail && status != KS_WC_WR_FLUSH_ERR)
+        send_wc(qp, &qp->sq[culprit % qp->max_send_wr], status, 0);
     for (uint32_t n = qp->sq_head; n != qp->sq_tail; n++) {
         if (n == culprit && status != KS_WC_WR_FLUSH_ERR)
             continue;
-        ks_wqe *w = &qp->sq[n % qp->max_send_wr];
-        push_wc(qp->scq, w->wr_id, KS_WC_WR_FLUSH_ERR, wc_opcode_of(w->opcode), 0, qp->qpn);
+        send_wc(qp, &qp->sq[n % qp->max_send_wr], KS_WC_WR_FLUSH_ERR, 0);
     }
     qp->sq_head = qp->sq_sent = qp->sq_tail;
     for (uint32_t n = qp->rq_head; n != qp->rq_tail; n++) {
@@ -730,7 +753,7 @@ void ks_qp_to_reset(ks_engine *e, ks_qp *qp)
 {
     quiesce(e);
     qp_kill_conns(e, qp);
-    qp->sq_head = qp->sq_sent = qp->sq_tail = 0;
+    sq_drop(qp);
     qp->rq_head = qp->rq_tail = 0;
     pending_free(qp);
     qp->pdata_len = -1;
@@ -857,10 +880,8 @@ static int req_tx(ks_engine *e, ks_qp *qp)
 
 static void req_complete_head(ks_qp *qp)
 {
-    ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
-    if ((w->flags & KS_SEND_SIGNALED) || qp->sig_all)
-        push_wc(qp->scq, w->wr_id, KS_WC_SUCCESS, wc_opcode_of(w->opcode),
-                (uint32_t)w->total, qp->qpn);
+    send_wc(qp, &qp->sq[qp->sq_head % qp->max_send_wr], KS_WC_SUCCESS,
+            (uint32_t)qp->sq[qp->sq_head % qp->max_send_wr].total);
     qp->sq_head++;
 }
 
@@ -2152,6 +2173,7 @@ void ks_qp_remove(ks_engine *e, ks_qp *qp)
 {
     quiesce(e);
     qp_kill_conns(e, qp);
+    sq_drop(qp);
     e->qps[qp->slot] = NULL;
     qpn_remove(e, qp);
     qp->scq->refs--;
@@ -2290,6 +2312,8 @@ static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
     for (size_t i = 0; i < n && qp->state == KS_QPS_RTS; i++) {
         ks_wqe *w = &qp->sq[qp->sq_tail % qp->max_send_wr];
         *w = wrs[i];
+        if (w->cq)
+            w->cq->refs++;
         w->psn = qp->sq_psn;
         qp->sq_psn = (qp->sq_psn + 1) & 0xFFFFFF;
         struct ks_hdr h = {.psn = w->psn};

@@ -143,7 +143,9 @@ typedef struct ks_sge {
 } ks_sge;
 
 /* A send-queue entry.  `hdr` is the request header, built at post time (the PSN is
- * assigned then), so transmission is a plain gather of hdr + SEND payload. */
+ * assigned then), so transmission is a plain gather of hdr + SEND payload.  `cq`: NULL
+ * (the Python binding's WRs), or the CQ this WR completes on instead of the QP's send
+ * CQ: a native caller's own (ks_post_send says how it differs). */
 typedef struct ks_wqe {
     uint64_t wr_id;
     uint32_t opcode, flags, psn, nsge;
@@ -152,6 +154,7 @@ typedef struct ks_wqe {
     uint32_t rkey;
     uint8_t hdr[KS_HDR_LEN];
     ks_sge sge[KS_MAX_SGE];
+    struct ks_cq *cq;
 } ks_wqe;
 
 /* A receive-queue entry. */
@@ -259,8 +262,37 @@ void ks_qp_to_err(ks_engine *e, ks_qp *qp);                         /* e->lock *
 
 /* Posting takes e->lock itself (the binding calls it without the GIL).  A WR that fails a check on
  * its memory completes with an error WC (the post succeeds); the errors returned are
- * about the post itself (unknown QP, wrong state, queue full, too many SGEs). */
+ * about the post itself (unknown QP, wrong state, queue full, too many SGEs).
+ * A WR with its own `cq` (a C caller beside Python on the same QP: the FUSE engine's
+ * chunk fetch) completes there, always signalled, and always completes: where a QP's
+ * reset or destruction drops the binding's WRs without a WC (as verbs does; the vQP
+ * takes those back itself), such a WR completes WR_FLUSH_ERR, so its poster never waits
+ * on a QP that Python rebuilt.  Its CQ counts it as a user (ks_cq_remove: -EBUSY) until
+ * its WC is pushed. */
 int ks_post_send(ks_engine *e, uint32_t qpn, const ks_wqe *wrs, size_t n, const char **why);
 int ks_post_recv(ks_engine *e, uint32_t qpn, const ks_rwqe *wrs, size_t n, const char **why);
+
+/* ------------------------------------------------------------------ the C API
+ * For another extension module in the same process (the FUSE engine's chunk fetch): the
+ * capsule rdma._soft_engine._C_API ("rdma._soft_engine._C_API") holds one of these.
+ * `hold` (GIL held) turns an rdma._soft_engine.Engine object into its engine and keeps
+ * it open: Engine.close() raises EBUSY until `release` (GIL held) is called as often;
+ * NULL with a Python exception set when `obj` is not an open Engine.  The rest run
+ * without the GIL, on engines held.  `cq_open` creates and adds a CQ (its id and
+ * eventfd in *id, *efd); `cq_close` removes and frees it (-EBUSY while a WR posted with
+ * it has not completed: ks_post_send). */
+#define KS_CAPI_NAME "rdma._soft_engine._C_API"
+#define KS_CAPI_ABI 1
+
+struct ks_capi {
+    int abi;                                          /* KS_CAPI_ABI */
+    ks_engine *(*hold)(void *obj);                    /* obj: PyObject * */
+    void (*release)(void *obj);
+    int (*post_send)(ks_engine *e, uint32_t qpn, const ks_wqe *wrs, size_t n,
+                     const char **why);
+    int (*cq_open)(ks_engine *e, int cqe, ks_cq **out, int *id, int *efd, const char **why);
+    int (*cq_close)(ks_engine *e, ks_cq *cq, const char **why);
+    int (*cq_poll)(ks_engine *e, int id, ks_wc *wc, int num, const char **why);
+};
 
 #endif

@@ -32,6 +32,7 @@
 typedef struct {
     PyObject_HEAD
     ks_engine *e;           /* NULL once closed; the GIL guards the pointer */
+    int holds;              /* C API users (capi_hold); close refuses while any; GIL */
 } EngineObject;
 
 /* ------------------------------------------------------------------------ replies */
@@ -162,6 +163,8 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
 
 static PyObject *Engine_close(EngineObject *self, PyObject *unused)
 {
+    if (self->holds)
+        return raise_errno(EBUSY, "close: held by %d native user(s)", self->holds);
     ks_engine *e = self->e;
     self->e = NULL;
     Py_BEGIN_ALLOW_THREADS
@@ -559,6 +562,7 @@ static int parse_send_wr(PyObject *item, void *out)
     w->flags = flags;
     w->raddr = raddr;
     w->rkey = rkey;
+    w->cq = NULL;
     return 0;
 }
 
@@ -692,6 +696,70 @@ static PyTypeObject EngineType = {
     .tp_getset = Engine_getset,
 };
 
+/* ------------------------------------------------------------------------ C API */
+
+static ks_engine *capi_hold(void *obj)
+{
+    EngineObject *self = obj;
+    if (!PyObject_TypeCheck((PyObject *)obj, &EngineType)) {
+        PyErr_SetString(PyExc_TypeError, "not an rdma._soft_engine.Engine");
+        return NULL;
+    }
+    ks_engine *e = engine_of(self);
+    if (e) {
+        self->holds++;
+        Py_INCREF(obj);       /* nor may it be deallocated (which closes it) */
+    }
+    return e;
+}
+
+static void capi_release(void *obj)
+{
+    ((EngineObject *)obj)->holds--;
+    Py_DECREF((PyObject *)obj);
+}
+
+static int capi_cq_open(ks_engine *e, int cqe, ks_cq **out, int *id, int *efd,
+                        const char **why)
+{
+    ks_cq *cq;
+    int rc = ks_cq_new(cqe, &cq, why);
+    if (rc < 0)
+        return rc;
+    ks_engine_lock(e);
+    rc = ks_cq_add(e, cq);
+    ks_engine_unlock(e);
+    if (rc < 0) {
+        ks_cq_free(cq);
+        *why = "cq_open: no free CQ id";
+        return rc;
+    }
+    *out = cq;
+    *id = rc;
+    *efd = ks_cq_efd(cq);
+    return 0;
+}
+
+static int capi_cq_close(ks_engine *e, ks_cq *cq, const char **why)
+{
+    ks_engine_lock(e);
+    int rc = ks_cq_remove(e, cq, why);
+    ks_engine_unlock(e);
+    if (rc == 0)
+        ks_cq_free(cq);
+    return rc;
+}
+
+static const struct ks_capi CAPI = {
+    .abi = KS_CAPI_ABI,
+    .hold = capi_hold,
+    .release = capi_release,
+    .post_send = ks_post_send,
+    .cq_open = capi_cq_open,
+    .cq_close = capi_cq_close,
+    .cq_poll = ks_cq_poll,
+};
+
 /* ---------------------------------------------------------------- module functions */
 
 static PyObject *mod_interfaces(PyObject *m, PyObject *unused)
@@ -766,5 +834,11 @@ PyMODINIT_FUNC PyInit__soft_engine(void)
     PyModule_AddIntConstant(m, "ROLE_REQUESTS", KS_ROLE_REQUESTS);
     PyModule_AddIntConstant(m, "ROLE_HELLO", KS_ROLE_HELLO);
     PyModule_AddIntConstant(m, "ROLE_ANY", KS_ROLE_ANY);
+    PyObject *capi = PyCapsule_New((void *)&CAPI, KS_CAPI_NAME, NULL);
+    if (!capi || PyModule_AddObject(m, "_C_API", capi) < 0) {
+        Py_XDECREF(capi);
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }
