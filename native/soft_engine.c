@@ -2309,7 +2309,8 @@ void ks_qp_to_err(ks_engine *e, ks_qp *qp)
 static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
 {
     int was_idle = qp->sq_head == qp->sq_tail;
-    for (size_t i = 0; i < n && qp->state == KS_QPS_RTS; i++) {
+    size_t i = 0;
+    for (; i < n && qp->state == KS_QPS_RTS; i++) {
         ks_wqe *w = &qp->sq[qp->sq_tail % qp->max_send_wr];
         *w = wrs[i];
         if (w->cq)
@@ -2334,6 +2335,10 @@ static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
         if (!ok)
             qp_fatal_at(e, qp, at, KS_WC_LOC_PROT_ERR);
     }
+    for (; i < n; i++)      /* after a WR that sent the QP to ERR: never queued */
+        if (wrs[i].cq)
+            push_wc(wrs[i].cq, wrs[i].wr_id, KS_WC_WR_FLUSH_ERR, wc_opcode_of(wrs[i].opcode),
+                    0, qp->qpn);
     if (qp->state != KS_QPS_RTS)
         return;
     if (was_idle)
@@ -2363,6 +2368,9 @@ int ks_post_send(ks_engine *e, uint32_t qpn, const ks_wqe *wrs, size_t n, const 
             if (wrs[i].nsge > qp->max_send_sge) {
                 rc = -EINVAL;
                 *why = "post_send: more SGEs than max_send_sge";
+            } else if (wrs[i].cq && e->cqs[wrs[i].cq->id] != wrs[i].cq) {
+                rc = -EINVAL;
+                *why = "post_send: a WR's own CQ is not this engine's";
             }
     }
     if (!rc)

@@ -79,14 +79,21 @@ class OwnCQ:
                            ctypes.byref(efd), ctypes.byref(why)) == 0, why.value
         self.id, self.efd = cid.value, efd.value
 
-    def read(self, qpn: int, wr_id: int, laddr: int, lkey: int, raddr: int, rkey: int,
-             n: int) -> None:
+    def wqe(self, wr_id: int, laddr: int, lkey: int, raddr: int, rkey: int, n: int) -> Wqe:
         w = Wqe(wr_id=wr_id, opcode=KS_WR_RDMA_READ, flags=KS_SEND_SIGNALED, nsge=1, total=n,
                 raddr=raddr, rkey=rkey, cq=self.cq.value)
         w.sge[0] = Sge(laddr, n, lkey)
+        return w
+
+    def post(self, qpn: int, *wrs: Wqe) -> tuple[int, bytes | None]:
+        arr = (Wqe * len(wrs))(*wrs)
         why = ctypes.c_char_p()
-        rc = self.api.post_send(self.e, qpn, ctypes.byref(w), 1, ctypes.byref(why))
-        assert rc == 0, (rc, why.value)
+        return self.api.post_send(self.e, qpn, arr, len(wrs), ctypes.byref(why)), why.value
+
+    def read(self, qpn: int, wr_id: int, laddr: int, lkey: int, raddr: int, rkey: int,
+             n: int) -> None:
+        rc = self.post(qpn, self.wqe(wr_id, laddr, lkey, raddr, rkey, n))
+        assert rc[0] == 0, rc
 
     def poll(self, want: int, timeout: float = 10.0) -> list[tuple[int, int, int]]:
         out: list[tuple[int, int, int]] = []
@@ -158,3 +165,31 @@ def test_a_held_engine_refuses_to_close(pair) -> None:
     assert own.close() == 0
     with pytest.raises(TypeError):
         _capi().hold(object())
+
+
+def test_own_cq_reads_after_a_bad_one_in_the_same_post_complete_flushed(pair) -> None:
+    """The first WR's local SGE is outside every MR: it completes LOC_PROT_ERR and the QP
+    goes to ERR; the second, never queued, still completes (WR_FLUSH_ERR)."""
+    c, s = pair.client, pair.server
+    own = OwnCQ(_capi(), c.ctx.engine.raw)
+    try:
+        bad = own.wqe(1, c.mr.buf, c.mr.lkey ^ 0x5A5A0000, s.mr.buf, s.mr.rkey, 4096)
+        good = own.wqe(2, c.mr.buf, c.mr.lkey, s.mr.buf, s.mr.rkey, 4096)
+        assert own.post(c.qp.qp_num, bad, good)[0] == 0
+        assert sorted(own.poll(2)) == [(1, 4, 0), (2, KS_WC_WR_FLUSH_ERR, 0)]  # 4: LOC_PROT
+    finally:
+        assert own.close() == 0
+
+
+def test_a_cq_of_another_engine_is_refused(pair) -> None:
+    c, s = pair.client, pair.server
+    api = _capi()
+    theirs = OwnCQ(api, s.ctx.engine.raw)
+    mine = OwnCQ(api, c.ctx.engine.raw)
+    try:
+        w = mine.wqe(1, c.mr.buf, c.mr.lkey, s.mr.buf, s.mr.rkey, 4096)
+        w.cq = theirs.cq.value
+        rc, why = mine.post(c.qp.qp_num, w)
+        assert rc == -errno.EINVAL and b"not this engine's" in why
+    finally:
+        assert theirs.close() == 0 and mine.close() == 0
