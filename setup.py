@@ -16,9 +16,13 @@ ext_modules: list[Extension] = [
               extra_compile_args=CFLAGS),
     # kspeedfs/fuse native engine: /dev/fuse request threads and io_uring queues (liburing,
     # Debian 12's liburing-dev 2.3), metadata and tier hits in C
+    # ... and the native chunk fetch (fuse_fetch.c: peers' chunks posted, verified with
+    # xxh3 from Debian's libxxhash-dev header, inline, and answered in C)
     Extension("kspeedfs.fuse._engine", ["native/fuse_engine_py.c", "native/fuse_engine.c",
-                                        "native/fuse_tier.c"],
+                                        "native/fuse_tier.c", "native/fuse_fetch.c",
+                                        "native/fuse_xxh.c", "native/fuse_xxh_avx2.c"],
               depends=["native/fuse_engine.h", "native/fuse_tier.h", "native/fuse_uring_abi.h",
+                       "native/fuse_fetch.h", "native/fuse_xxh.h", "native/soft_engine.h",
                        "native/py_errno.h"], include_dirs=["native"], libraries=["uring"],
               extra_compile_args=CFLAGS),
 ]

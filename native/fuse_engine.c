@@ -21,6 +21,7 @@
  */
 #define _GNU_SOURCE
 #include "fuse_engine.h"
+#include "fuse_fetch.h"
 #include "fuse_tier.h"
 #include "fuse_uring_abi.h"
 
@@ -213,6 +214,9 @@ struct fe_engine {
     int nreported;
     int transport;                  /* 1: every queue registered */
     char ring_why[160];             /* why not, when INIT negotiated it */
+    /* the native chunk fetch (fuse_fetch.c): set once by fe_fetch_enable, freed by
+     * fe_destroy (request threads may park on it until they are joined) */
+    _Atomic(struct fe_fetch *) fetch;
 };
 
 static int is_dir(uint32_t mode) { return S_ISDIR(mode); }
@@ -922,6 +926,66 @@ static void release_hit(struct fe_engine *e, struct hit *h)
     h->nheld = 0;
 }
 
+/* READ [offset, offset + size) of ``entry``, its chunks first..last: held in ``h`` from
+ * the tier (1), or a miss (0, nothing held). */
+static int read_hit(struct fe_engine *e, uint64_t entry, uint64_t offset, uint64_t end,
+                    uint64_t first, uint64_t last, struct hit *h)
+{
+    const struct fe_index *ix = &e->ix;
+    uint64_t c = ix->chunk_size, base = ix->data[entry];
+    h->n = 1;
+    h->nheld = 0;
+    h->units = 0;
+    int hit = 1;
+    for (uint64_t k = first; k <= last && hit; k++) {
+        uint64_t lo = (base + offset > k * c ? base + offset : k * c) - k * c;
+        uint64_t hi = (base + end < (k + 1) * c ? base + end : (k + 1) * c) - k * c;
+        hit = tier_part(e, entry, k, lo, hi, h);
+    }
+    if (!hit)
+        release_hit(e, h);
+    return hit;
+}
+
+/* A READ miss: held by the native fetch when its one chunk is in flight there, else
+ * queued for Python. */
+static int read_miss(struct fe_worker *w, struct fe_request *q, uint64_t first, uint64_t last)
+{
+    struct fe_fetch *f = atomic_load(&w->e->fetch);
+    if (!f || first != last)
+        return enqueue_for_python(w, q);
+    if (!w->ent) {
+        q->fd = w->fd;
+    } else {
+        q->fd = ring_token(w->ent);
+        atomic_store(&w->ent->state, ENT_PY);   /* answered by another thread from now */
+    }
+    if (fetch_park(f, first, q))
+        return 0;
+    int rc = enqueue(w->e, q);
+    if (rc < 0 && w->ent)
+        atomic_store(&w->ent->state, ENT_C);
+    return rc;
+}
+
+void fe_read_again(struct fe_engine *e, const struct fe_request *q)
+{
+    const struct fe_index *ix = &e->ix;
+    uint64_t entry = q->entry, fsize = ix->size[entry], offset = q->offset;
+    uint64_t end = offset + q->size < fsize ? offset + q->size : fsize;
+    uint64_t c = ix->chunk_size, base = ix->data[entry];
+    struct hit h;
+    if (offset < end && read_hit(e, entry, offset, end, (base + offset) / c,
+                                 (base + end - 1) / c, &h)) {
+        reply_iov(q->fd, q->unique, h.iov, h.n);
+        release_hit(e, &h);
+        return;
+    }
+    enqueue(e, q);
+}
+
+int fe_queue(struct fe_engine *e, const struct fe_request *q) { return enqueue(e, q); }
+
 static int do_read(struct req *r)
 {
     struct fe_engine *e = r->w->e;
@@ -949,16 +1013,8 @@ static int do_read(struct req *r)
     if (fh)
         random = advise(e, fh, offset, in->size, last, file_last, &pstart, &pstop);
     struct hit h;
-    h.n = 1;
-    h.nheld = 0;
-    h.units = 0;
-    int hit = 1, queued = 0;
-    for (uint64_t k = first; k <= last && hit; k++) {
-        uint64_t lo = (base + offset > k * c ? base + offset : k * c) - k * c;
-        uint64_t hi = (base + end < (k + 1) * c ? base + end : (k + 1) * c) - k * c;
-        hit = tier_part(e, entry, k, lo, hi, &h);
-    }
-    if (hit) {
+    int queued = 0;
+    if (read_hit(e, entry, offset, end, first, last, &h)) {
         r->w->c.read_hits++;
         r->w->c.read_hit_bytes += end - offset;
         r->w->c.memory_hits += (uint64_t)h.units;
@@ -966,12 +1022,11 @@ static int do_read(struct req *r)
         worker_reply(r->w, r->h->unique, 0, h.iov, h.n);
         release_hit(e, &h);
     } else {
-        release_hit(e, &h);
         struct fe_request q = {.kind = FE_READ, .unique = r->h->unique, .entry = entry,
                                .offset = offset, .size = in->size, .random = random};
         r->w->c.read_misses++;
         r->w->c.queued++;
-        if (enqueue_for_python(r->w, &q) < 0)
+        if (read_miss(r->w, &q, first, last) < 0)
             return -ENOMEM;
         queued = QUEUED;
     }
@@ -1844,7 +1899,35 @@ void fe_counters(struct fe_engine *e, struct fe_counters *sum)
         add_counters(sum, &e->workers[i].c);    /* racy reads of plain u64s */
     for (int i = 0; i < e->nqueues; i++)
         add_counters(sum, &e->queues[i].w.c);
+    struct fe_fetch *f = atomic_load(&e->fetch);
+    if (f) {
+        struct fe_fetch_counters fc;
+        fetch_counters(f, &fc);
+        sum->fetch_posted = fc.posted;
+        sum->fetch_landed = fc.landed;
+        sum->fetch_failed = fc.failed;
+        sum->fetch_parked = fc.parked;
+        sum->fetch_answered = fc.answered;
+    }
 }
+
+int fe_fetch_enable(struct fe_engine *e, const struct ks_capi *api, char *err, size_t errlen)
+{
+    if (atomic_load(&e->fetch))
+        return 0;
+    if (!api || api->abi != KS_CAPI_ABI) {
+        set_err(err, errlen, "fetch: the soft engine's C API is not ABI %d", KS_CAPI_ABI);
+        return -EINVAL;
+    }
+    struct fe_fetch *f = fetch_new(e, e->tier, e->ix.chunk_digests, e->ix.chunks, api, err,
+                                   errlen);
+    if (!f)
+        return -ENOMEM;
+    atomic_store(&e->fetch, f);
+    return 0;
+}
+
+struct fe_fetch *fe_fetcher(struct fe_engine *e) { return atomic_load(&e->fetch); }
 
 void fe_destroy(struct fe_engine *e)
 {
@@ -1875,6 +1958,7 @@ void fe_destroy(struct fe_engine *e)
         close(e->efd);
     free(e->q);
     free(e->nlink);
+    fetch_free(atomic_load(&e->fetch));     /* before the tier: it puts into it */
     tier_free(e->tier);
     free(e);
 }

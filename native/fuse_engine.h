@@ -68,7 +68,8 @@ struct fe_options {
 };
 
 /* A queued request for Python. */
-enum fe_kind { FE_READ = 1, FE_GETXATTR = 2, FE_LISTXATTR = 3, FE_PREFETCH = 4 };
+enum fe_kind { FE_READ = 1, FE_GETXATTR = 2, FE_LISTXATTR = 3, FE_PREFETCH = 4,
+               FE_FETCHED = 5 };   /* FETCHED: entry = cookie, offset = chunk, size = status */
 
 struct fe_request {
     int kind;
@@ -96,6 +97,9 @@ struct fe_counters {
     uint64_t ring_requests;         /* requests that came through an io_uring queue */
     uint64_t ring_copy_bytes, ring_copy_ns;   /* READ hits copied into ring payloads */
     uint64_t ring_lost;             /* entries whose commit the kernel refused */
+    /* the native chunk fetch (fuse_fetch.h): READs posted, landed verified, failed or
+     * stepped aside, READs parked on one in flight, parked READs answered or handed on */
+    uint64_t fetch_posted, fetch_landed, fetch_failed, fetch_parked, fetch_answered;
 };
 
 struct fe_engine;
@@ -178,6 +182,13 @@ int fe_tier_touched(struct fe_engine *e, const uint8_t *key, size_t keylen, int 
 int fe_notify_store(int fd, uint64_t nodeid, uint64_t offset, const void *buf, size_t len);
 
 void fe_counters(struct fe_engine *e, struct fe_counters *sum);
+
+/* The native chunk fetch (fuse_fetch.h): started once, on the soft engine's C API; its
+ * calls (fetch_engine, fetch_post, fetch_stop) on fe_fetcher's result. */
+struct ks_capi;
+struct fe_fetch;
+int fe_fetch_enable(struct fe_engine *e, const struct ks_capi *api, char *err, size_t errlen);
+struct fe_fetch *fe_fetcher(struct fe_engine *e);
 
 /* A FUSE io_uring request (the entry's header and ``payload``, ``payload_cap`` bytes) as
  * /dev/fuse would deliver it: fuse_in_header, the opcode's op_in, the payload, into

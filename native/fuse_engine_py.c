@@ -45,6 +45,7 @@
 #include <string.h>
 
 #include "fuse_engine.h"
+#include "fuse_fetch.h"
 #include "py_errno.h"
 
 #define MAX_IOV 64          /* fe_reply_iov's limit; more parts are joined into one */
@@ -118,6 +119,12 @@ typedef struct {
     int initialised;        /* fe_init succeeded */
     int started;            /* fe_start succeeded */
     int busy;               /* init or join is running without the GIL */
+    /* the native fetch: the soft engines it holds (rdma._soft_engine.Engine objects,
+     * held through the C API until fetch_stop) */
+    const struct ks_capi *capi;
+    PyObject *held[FE_FETCH_ENGINES];
+    ks_engine *held_e[FE_FETCH_ENGINES];
+    int nheld;
 } EngineObject;
 
 static void views_release(EngineObject *self)
@@ -287,6 +294,8 @@ static struct fe_engine *engine_idle(EngineObject *self, const char *what)
 /* Threads gone: join them (they may still be returning), release every tier owner,
  * destroy the engine, drop the index arrays. The pointer is cleared first: while the
  * GIL is released nobody else can reach the engine. */
+static int fetch_release(EngineObject *self, struct fe_engine *e, int timeout_ms);
+
 static void engine_teardown(EngineObject *self)
 {
     struct fe_engine *e = self->e;
@@ -294,6 +303,7 @@ static void engine_teardown(EngineObject *self)
     Py_BEGIN_ALLOW_THREADS
     fe_join(e);
     Py_END_ALLOW_THREADS
+    fetch_release(self, e, 0);
     owners_drain(e, fe_tier_clear);
     fe_destroy(e);
     views_release(self);
@@ -582,7 +592,7 @@ static PyObject *request_list(const struct fe_request *reqs, size_t n)
 static void requests_fail(const struct fe_request *reqs, size_t n)
 {
     for (size_t i = 0; i < n; i++)
-        if (reqs[i].kind != FE_PREFETCH)
+        if (reqs[i].kind != FE_PREFETCH && reqs[i].kind != FE_FETCHED)
             fe_reply_error(reqs[i].fd, reqs[i].unique, EIO);
 }
 
@@ -736,7 +746,8 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
     PyObject *ops = ops_dict(&c);
     if (!ops)
         return NULL;
-    return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
+    return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
+                         "s:K}", "ops", ops,
                          "read_hits", (unsigned long long)c.read_hits,
                          "read_hit_bytes", (unsigned long long)c.read_hit_bytes,
                          "memory_hits", (unsigned long long)c.memory_hits,
@@ -747,7 +758,123 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
                          "ring_requests", (unsigned long long)c.ring_requests,
                          "ring_copy_bytes", (unsigned long long)c.ring_copy_bytes,
                          "ring_copy_ns", (unsigned long long)c.ring_copy_ns,
-                         "ring_lost", (unsigned long long)c.ring_lost);
+                         "ring_lost", (unsigned long long)c.ring_lost,
+                         "fetch_posted", (unsigned long long)c.fetch_posted,
+                         "fetch_landed", (unsigned long long)c.fetch_landed,
+                         "fetch_failed", (unsigned long long)c.fetch_failed,
+                         "fetch_parked", (unsigned long long)c.fetch_parked,
+                         "fetch_answered", (unsigned long long)c.fetch_answered);
+}
+
+/* --------------------------------------------------------------- the native fetch */
+
+/* fetch_enable(capsule): start the native fetch on the soft engine's C API
+ * (rdma._soft_engine._C_API). */
+static PyObject *Engine_fetch_enable(EngineObject *self, PyObject *capsule)
+{
+    struct fe_engine *e = engine_of(self, "fetch_enable");
+    if (!e)
+        return NULL;
+    const struct ks_capi *api = PyCapsule_GetPointer(capsule, KS_CAPI_NAME);
+    if (!api)
+        return NULL;
+    char err[256] = "";
+    int rc = fe_fetch_enable(e, api, err, sizeof err);
+    if (rc < 0)
+        return raise_errno(-rc, "fetch_enable: %s", reason(err, -rc));
+    self->capi = api;
+    Py_RETURN_NONE;
+}
+
+/* fetch_engine(soft_engine) -> handle: a fetch CQ on that rdma._soft_engine.Engine,
+ * which stays held (its close() refuses) until fetch_stop. */
+static PyObject *Engine_fetch_engine(EngineObject *self, PyObject *obj)
+{
+    struct fe_engine *e = engine_of(self, "fetch_engine");
+    struct fe_fetch *f = e ? fe_fetcher(e) : NULL;
+    if (e && !f)
+        return raise_errno(EINVAL, "fetch_engine: fetch_enable first");
+    if (!f)
+        return NULL;
+    for (int i = 0; i < self->nheld; i++)
+        if (self->held[i] == obj)
+            return PyLong_FromLong(i);
+    if (self->nheld == FE_FETCH_ENGINES)
+        return raise_errno(ENOSPC, "fetch_engine: %d soft engines already", FE_FETCH_ENGINES);
+    ks_engine *ke = self->capi->hold(obj);
+    if (!ke)
+        return NULL;
+    const char *why = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fetch_engine(f, ke, &why);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        self->capi->release(obj);
+        return raise_errno(-rc, "%s", why);
+    }
+    self->held[self->nheld] = obj;
+    self->held_e[self->nheld] = ke;
+    return PyLong_FromLong(self->nheld++);
+}
+
+/* fetch_post(handle, qpn, chunk, cookie, laddr, lkey, raddr, rkey, length): one READ of
+ * chunk ``chunk`` into the landing slot at ``laddr``; OSError EALREADY (in flight),
+ * EAGAIN (too many), ESHUTDOWN (stopped), or the post's error. */
+static PyObject *Engine_fetch_post(EngineObject *self, PyObject *args)
+{
+    int handle;
+    unsigned int qpn, lkey, rkey, len;
+    unsigned long long k, cookie, laddr, raddr;
+    if (!PyArg_ParseTuple(args, "iIKKKIKII:fetch_post", &handle, &qpn, &k, &cookie, &laddr,
+                          &lkey, &raddr, &rkey, &len))
+        return NULL;
+    struct fe_engine *e = engine_of(self, "fetch_post");
+    if (!e)
+        return NULL;
+    struct fe_fetch *f = fe_fetcher(e);
+    if (!f || handle < 0 || handle >= self->nheld)
+        return raise_errno(EINVAL, "fetch_post: no such fetch engine");
+    ks_engine *ke = self->held_e[handle];
+    const char *why = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fetch_post(f, ke, qpn, k, cookie, (void *)(uintptr_t)laddr, lkey, raddr, rkey, len,
+                    &why);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return raise_errno(-rc, "%s", why);
+    Py_RETURN_NONE;
+}
+
+/* Stop the fetch (waiting up to ``timeout_ms`` for READs out) and release the soft
+ * engines it held. Returns the READs abandoned. */
+static int fetch_release(EngineObject *self, struct fe_engine *e, int timeout_ms)
+{
+    struct fe_fetch *f = fe_fetcher(e);
+    int left = 0;
+    if (!f)
+        return 0;
+    Py_BEGIN_ALLOW_THREADS
+    left = fetch_stop(f, timeout_ms);
+    Py_END_ALLOW_THREADS
+    while (self->nheld > 0) {
+        self->nheld--;
+        self->capi->release(self->held[self->nheld]);
+        self->held[self->nheld] = NULL;
+    }
+    return left;
+}
+
+/* fetch_stop(timeout_ms=5000) -> int: no more fetches; the READs still out after the
+ * timeout (their landing slots must never be reused: a NIC may yet write them). */
+static PyObject *Engine_fetch_stop(EngineObject *self, PyObject *args)
+{
+    int timeout_ms = 5000;
+    if (!PyArg_ParseTuple(args, "|i:fetch_stop", &timeout_ms))
+        return NULL;
+    struct fe_engine *e = engine_of(self, "fetch_stop");
+    return e ? PyLong_FromLong(fetch_release(self, e, timeout_ms)) : NULL;
 }
 
 /* ------------------------------------------------------------------ the Engine type */
@@ -784,6 +911,14 @@ static PyMethodDef Engine_methods[] = {
     {"reap", (PyCFunction)Engine_reap, METH_NOARGS,
      "reap() -> int: release the buffers no reply points into any more"},
     {"counters", (PyCFunction)Engine_counters, METH_NOARGS, "counters() -> dict"},
+    {"fetch_enable", (PyCFunction)Engine_fetch_enable, METH_O,
+     "fetch_enable(capsule): the native chunk fetch, on rdma._soft_engine._C_API"},
+    {"fetch_engine", (PyCFunction)Engine_fetch_engine, METH_O,
+     "fetch_engine(soft_engine) -> handle: a fetch CQ there (held until fetch_stop)"},
+    {"fetch_post", (PyCFunction)Engine_fetch_post, METH_VARARGS,
+     "fetch_post(handle, qpn, chunk, cookie, laddr, lkey, raddr, rkey, length)"},
+    {"fetch_stop", (PyCFunction)Engine_fetch_stop, METH_VARARGS,
+     "fetch_stop(timeout_ms=5000) -> READs abandoned; the soft engines released"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1004,6 +1139,12 @@ PyMODINIT_FUNC PyInit__engine(void)
         PyModule_AddIntConstant(m, "GETXATTR", FE_GETXATTR) < 0 ||
         PyModule_AddIntConstant(m, "LISTXATTR", FE_LISTXATTR) < 0 ||
         PyModule_AddIntConstant(m, "PREFETCH", FE_PREFETCH) < 0 ||
+        PyModule_AddIntConstant(m, "FETCHED", FE_FETCHED) < 0 ||
+        PyModule_AddIntConstant(m, "FETCH_OK", FE_FETCH_OK) < 0 ||
+        PyModule_AddIntConstant(m, "FETCH_MISMATCH", FE_FETCH_MISMATCH) < 0 ||
+        PyModule_AddIntConstant(m, "FETCH_EXISTS", FE_FETCH_EXISTS) < 0 ||
+        PyModule_AddIntConstant(m, "FETCH_STOPPED", FE_FETCH_STOPPED) < 0 ||
+        PyModule_AddIntConstant(m, "FETCH_MAX", FE_FETCH_MAX) < 0 ||
         PyModule_AddIntConstant(m, "BUCKETS", FE_BUCKETS) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -108,8 +108,8 @@ static void *unref(struct fe_tier *t, struct fe_slot *s, int keep_owner)
     return NULL;
 }
 
-int tier_put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *data,
-                size_t len, void *owner)
+static int put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *data,
+               size_t len, void *owner, int only_new)
 {
     if (keylen < 16 || keylen > FE_KEY_MAX)
         return -EINVAL;
@@ -126,6 +126,13 @@ int tier_put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *d
     pthread_mutex_t *m = stripe_of(t, b);
     pthread_mutex_lock(m);
     struct fe_slot **link, *old = find(t, b, key, keylen, &link);
+    if (old && (only_new || (!old->owner && old->data == data && old->len == len))) {
+        if (!only_new)
+            old->owner = owner;         /* adopted: the native fetch's slot, same bytes */
+        pthread_mutex_unlock(m);
+        free(s);
+        return only_new ? -EEXIST : 0;
+    }
     if (old)
         *link = old->next;
     s->next = t->buckets[b];
@@ -136,6 +143,18 @@ int tier_put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *d
     else
         atomic_fetch_add(&t->slots, 1);
     return 0;
+}
+
+int tier_put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *data,
+             size_t len, void *owner)
+{
+    return put(t, key, keylen, data, len, owner, 0);
+}
+
+int tier_put_new(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *data,
+                 size_t len)
+{
+    return put(t, key, keylen, data, len, NULL, 1);
 }
 
 void *tier_discard(struct fe_tier *t, const uint8_t *key, size_t keylen, int *found)

@@ -33,8 +33,15 @@ struct fe_tier;
 
 struct fe_tier *tier_new(void);
 void tier_free(struct fe_tier *t);                /* slots left are freed, owners not */
+/* ``key`` -> ``data`` owned by ``owner``; replaces what was there (its owner comes back
+ * through tier_reap), except a slot the native fetch put with no owner over the same
+ * bytes: that one is adopted (it keeps its references and FE_* bits, ``owner`` is set). */
 int tier_put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *data,
              size_t len, void *owner);
+/* The native fetch's put: verified bytes it landed, with no owner until Python's
+ * tier_put adopts them; -EEXIST (nothing changed) when ``key`` is there already. */
+int tier_put_new(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *data,
+                 size_t len);
 void *tier_discard(struct fe_tier *t, const uint8_t *key, size_t keylen, int *found);
 /* A READ replied from the slot since tier_touched last asked for this bit (which clears
  * it): the LRU's second chance. */

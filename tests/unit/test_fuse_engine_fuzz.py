@@ -18,7 +18,8 @@ from tests.fixtures import fuzz
 @pytest.fixture(scope="module")
 def fuzzer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fuzz.build([fuzz.NATIVE / "fuzz" / "fuzz_fuse_engine.c", fuzz.NATIVE / "fuse_engine.c",
-                       fuzz.NATIVE / "fuse_tier.c"],
+                       fuzz.NATIVE / "fuse_tier.c", fuzz.NATIVE / "fuse_fetch.c",
+                       fuzz.NATIVE / "fuse_xxh.c", fuzz.NATIVE / "fuse_xxh_avx2.c"],
                       tmp_path_factory.mktemp("fuzz") / "fuzz_fuse_engine", ["-luring"])
 
 

@@ -1,0 +1,392 @@
+/* fuse_fetch.c — the native chunk fetch (fuse_fetch.h has the map). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fuse_engine.h"
+#include "fuse_fetch.h"
+#include "fuse_tier.h"
+#include "fuse_xxh.h"
+
+struct parked {
+    struct parked *next;
+    struct fe_request q;
+};
+
+struct rec {                        /* one fetch in flight; all fields under f->lock */
+    int used;
+    uint32_t gen;                   /* in the WR id beside the index: a stale WC is ignored */
+    uint64_t k, cookie;
+    uint8_t *laddr;
+    uint32_t len;
+    struct parked *parked;
+};
+
+struct fcq {                        /* a fetch CQ on one soft engine */
+    ks_engine *ke;
+    ks_cq *cq;
+    int id, efd;
+};
+
+struct fe_fetch {
+    struct fe_engine *e;
+    struct fe_tier *t;
+    const uint8_t *digests;
+    uint64_t chunks;
+    const struct ks_capi *api;
+    pthread_mutex_t lock;
+    struct rec recs[FE_FETCH_MAX];  /* under lock */
+    int active;                     /* records used; under lock */
+    atomic_int nactive;             /* the same, read without the lock by fetch_park */
+    int stopping;                   /* under lock: no more posts */
+    struct fcq cqs[FE_FETCH_ENGINES];
+    atomic_int ncqs;                /* cqs[0..ncqs) published; added under lock */
+    int epfd, stopfd;
+    pthread_t thread;
+    int started;
+    struct fe_fetch_counters c;     /* under lock */
+};
+
+static void *fetch_main(void *arg);
+
+struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t, const uint8_t *chunk_digests,
+                           uint64_t chunks, const struct ks_capi *api, char *err, size_t errlen)
+{
+    struct fe_fetch *f = calloc(1, sizeof *f);
+    if (!f) {
+        snprintf(err, errlen, "fetch: out of memory");
+        return NULL;
+    }
+    f->e = e;
+    f->t = t;
+    f->digests = chunk_digests;
+    f->chunks = chunks;
+    f->api = api;
+    pthread_mutex_init(&f->lock, NULL);
+    f->epfd = epoll_create1(EPOLL_CLOEXEC);
+    f->stopfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    struct epoll_event ev = {.events = EPOLLIN, .data.u32 = FE_FETCH_ENGINES};
+    if (f->epfd < 0 || f->stopfd < 0 || epoll_ctl(f->epfd, EPOLL_CTL_ADD, f->stopfd, &ev) < 0 ||
+        pthread_create(&f->thread, NULL, fetch_main, f) != 0) {
+        snprintf(err, errlen, "fetch: %s", strerror(errno));
+        if (f->epfd >= 0)
+            close(f->epfd);
+        if (f->stopfd >= 0)
+            close(f->stopfd);
+        pthread_mutex_destroy(&f->lock);
+        free(f);
+        return NULL;
+    }
+    f->started = 1;
+    return f;
+}
+
+int fetch_engine(struct fe_fetch *f, ks_engine *ke, const char **why)
+{
+    pthread_mutex_lock(&f->lock);
+    int n = atomic_load(&f->ncqs), rc = 0;
+    for (int i = 0; i < n; i++)
+        if (f->cqs[i].ke == ke)
+            goto out;
+    if (n == FE_FETCH_ENGINES) {
+        rc = -ENOSPC;
+        *why = "fetch: too many soft engines";
+        goto out;
+    }
+    struct fcq *q = &f->cqs[n];
+    rc = f->api->cq_open(ke, 4 * FE_FETCH_MAX, &q->cq, &q->id, &q->efd, why);
+    if (rc < 0)
+        goto out;
+    q->ke = ke;
+    struct epoll_event ev = {.events = EPOLLIN, .data.u32 = (uint32_t)n};
+    if (epoll_ctl(f->epfd, EPOLL_CTL_ADD, q->efd, &ev) < 0) {
+        rc = -errno;
+        *why = "fetch: epoll_ctl";
+        f->api->cq_close(ke, q->cq, why);
+        goto out;
+    }
+    atomic_store(&f->ncqs, n + 1);
+out:
+    pthread_mutex_unlock(&f->lock);
+    return rc;
+}
+
+static struct fcq *cq_of(struct fe_fetch *f, ks_engine *ke)
+{
+    int n = atomic_load(&f->ncqs);
+    for (int i = 0; i < n; i++)
+        if (f->cqs[i].ke == ke)
+            return &f->cqs[i];
+    return NULL;
+}
+
+/* Take record ``i`` out (under f->lock): its parked READs to the caller. */
+static struct parked *rec_end(struct fe_fetch *f, int i)
+{
+    struct rec *r = &f->recs[i];
+    struct parked *p = r->parked;
+    r->used = 0;
+    r->parked = NULL;
+    f->active--;
+    atomic_store(&f->nactive, f->active);
+    return p;
+}
+
+/* Queue the event for Python, then hand the READs on: answered from the tier when the
+ * chunk is there (``again``), else queued for Python behind the event. */
+static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
+                   struct parked *p, int again)
+{
+    struct fe_request ev = {.kind = FE_FETCHED, .fd = -1, .entry = cookie, .offset = k,
+                            .size = (uint64_t)status};
+    fe_queue(f->e, &ev);
+    uint64_t answered = 0;
+    while (p) {
+        struct parked *next = p->next;
+        if (again)
+            fe_read_again(f->e, &p->q);
+        else
+            fe_queue(f->e, &p->q);
+        answered++;
+        free(p);
+        p = next;
+    }
+    pthread_mutex_lock(&f->lock);
+    f->c.answered += answered;
+    if (status == FE_FETCH_OK)
+        f->c.landed++;
+    else
+        f->c.failed++;
+    pthread_mutex_unlock(&f->lock);
+}
+
+int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint64_t cookie,
+               void *laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len,
+               const char **why)
+{
+    if (k >= f->chunks || !len) {
+        *why = "fetch_post: no such chunk";
+        return -EINVAL;
+    }
+    struct fcq *q = cq_of(f, ke);
+    if (!q) {
+        *why = "fetch_post: no fetch CQ on that engine (fetch_engine)";
+        return -EINVAL;
+    }
+    pthread_mutex_lock(&f->lock);
+    int free_i = -1;
+    for (int i = 0; i < FE_FETCH_MAX; i++) {
+        if (f->recs[i].used && f->recs[i].k == k) {
+            pthread_mutex_unlock(&f->lock);
+            *why = "fetch_post: chunk in flight";
+            return -EALREADY;
+        }
+        if (!f->recs[i].used && free_i < 0)
+            free_i = i;
+    }
+    if (f->stopping || free_i < 0) {
+        pthread_mutex_unlock(&f->lock);
+        *why = f->stopping ? "fetch_post: stopped" : "fetch_post: too many in flight";
+        return f->stopping ? -ESHUTDOWN : -EAGAIN;
+    }
+    struct rec *r = &f->recs[free_i];
+    r->used = 1;
+    r->gen++;
+    r->k = k;
+    r->cookie = cookie;
+    r->laddr = laddr;
+    r->len = len;
+    r->parked = NULL;
+    f->active++;
+    atomic_store(&f->nactive, f->active);
+    f->c.posted++;
+    uint64_t wr_id = (uint64_t)r->gen << 32 | (uint32_t)free_i;
+    pthread_mutex_unlock(&f->lock);
+
+    ks_wqe w;
+    memset(&w, 0, sizeof w);
+    w.wr_id = wr_id;
+    w.opcode = KS_WR_RDMA_READ;
+    w.flags = KS_SEND_SIGNALED;
+    w.nsge = 1;
+    w.total = len;
+    w.raddr = raddr;
+    w.rkey = rkey;
+    w.sge[0] = (ks_sge){.addr = (uint64_t)(uintptr_t)laddr, .length = len, .lkey = lkey};
+    w.cq = q->cq;
+    int rc = f->api->post_send(ke, qpn, &w, 1, why);
+    if (rc < 0) {               /* never posted: READs that parked meanwhile go to Python */
+        pthread_mutex_lock(&f->lock);
+        f->c.posted--;
+        struct parked *p = rec_end(f, free_i);
+        pthread_mutex_unlock(&f->lock);
+        while (p) {
+            struct parked *next = p->next;
+            fe_queue(f->e, &p->q);
+            free(p);
+            p = next;
+        }
+    }
+    return rc;
+}
+
+int fetch_park(struct fe_fetch *f, uint64_t k, const struct fe_request *q)
+{
+    if (!atomic_load(&f->nactive))
+        return 0;
+    struct parked *p = malloc(sizeof *p);
+    if (!p)
+        return 0;
+    p->q = *q;
+    pthread_mutex_lock(&f->lock);
+    for (int i = 0; i < FE_FETCH_MAX; i++) {
+        struct rec *r = &f->recs[i];
+        if (r->used && r->k == k) {
+            p->next = r->parked;
+            r->parked = p;
+            f->c.parked++;
+            pthread_mutex_unlock(&f->lock);
+            return 1;
+        }
+    }
+    pthread_mutex_unlock(&f->lock);
+    free(p);
+    return 0;
+}
+
+/* One WC of a fetch READ: verify, put, answer. */
+static void complete(struct fe_fetch *f, const ks_wc *wc)
+{
+    int i = (int)(uint32_t)wc->wr_id;
+    uint32_t gen = (uint32_t)(wc->wr_id >> 32);
+    pthread_mutex_lock(&f->lock);
+    struct rec *r = i >= 0 && i < FE_FETCH_MAX ? &f->recs[i] : NULL;
+    if (!r || !r->used || r->gen != gen) {
+        pthread_mutex_unlock(&f->lock);
+        return;                             /* abandoned by fetch_stop */
+    }
+    uint64_t k = r->k, cookie = r->cookie;
+    uint8_t *laddr = r->laddr;
+    uint32_t len = r->len;
+    pthread_mutex_unlock(&f->lock);
+
+    const uint8_t *key = f->digests + k * 16;
+    int status = (int)wc->status;
+    if (status == KS_WC_SUCCESS && wc->byte_len != len)
+        status = FE_FETCH_SHORT;
+    if (status == KS_WC_SUCCESS) {
+        uint8_t d[16];
+        fe_xxh128(laddr, len, d);
+        if (memcmp(d, key, 16) != 0)
+            status = FE_FETCH_MISMATCH;
+        else if (tier_put_new(f->t, key, 16, laddr, len) < 0)
+            status = FE_FETCH_EXISTS;   /* Python put it meanwhile: its copy serves */
+    }
+    pthread_mutex_lock(&f->lock);
+    struct parked *p = rec_end(f, i);
+    pthread_mutex_unlock(&f->lock);
+    finish(f, k, cookie, status, p, status == FE_FETCH_OK || status == FE_FETCH_EXISTS);
+}
+
+static void *fetch_main(void *arg)
+{
+    struct fe_fetch *f = arg;
+    ks_wc wcs[64];
+    for (;;) {
+        struct epoll_event evs[FE_FETCH_ENGINES + 1];
+        int n = epoll_wait(f->epfd, evs, FE_FETCH_ENGINES + 1, -1);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            break;
+        int stop = 0;
+        for (int j = 0; j < n; j++) {
+            uint32_t which = evs[j].data.u32;
+            if (which == FE_FETCH_ENGINES) {
+                stop = 1;
+                continue;
+            }
+            struct fcq *q = &f->cqs[which];     /* polling it empty re-arms its eventfd */
+            const char *why;
+            int got;
+            while ((got = f->api->cq_poll(q->ke, q->id, wcs, 64, &why)) > 0)
+                for (int w = 0; w < got; w++)
+                    complete(f, &wcs[w]);
+        }
+        if (stop)
+            break;
+    }
+    return NULL;
+}
+
+int fetch_stop(struct fe_fetch *f, int timeout_ms)
+{
+    pthread_mutex_lock(&f->lock);
+    f->stopping = 1;
+    pthread_mutex_unlock(&f->lock);
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {                      /* the thread completes what is out, if it comes */
+        if (!atomic_load(&f->nactive))
+            break;
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        if ((t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000 >= timeout_ms)
+            break;
+        poll(NULL, 0, 5);
+    }
+    if (f->started) {
+        uint64_t one = 1;
+        ssize_t wr = write(f->stopfd, &one, sizeof one);
+        (void)wr;
+        pthread_join(f->thread, NULL);
+        f->started = 0;
+    }
+    pthread_mutex_lock(&f->lock);
+    int left = f->active;
+    for (int i = 0; i < FE_FETCH_MAX; i++) {
+        if (!f->recs[i].used)
+            continue;
+        uint64_t k = f->recs[i].k, cookie = f->recs[i].cookie;
+        struct parked *p = rec_end(f, i);
+        pthread_mutex_unlock(&f->lock);
+        finish(f, k, cookie, FE_FETCH_STOPPED, p, 0);
+        pthread_mutex_lock(&f->lock);
+    }
+    int n = atomic_load(&f->ncqs);
+    for (int i = 0; i < n; i++) {
+        const char *why;
+        if (f->cqs[i].cq && f->api->cq_close(f->cqs[i].ke, f->cqs[i].cq, &why) == 0)
+            f->cqs[i].cq = NULL;    /* else a READ is still out: the engine's close frees it */
+    }
+    pthread_mutex_unlock(&f->lock);
+    return left;
+}
+
+void fetch_free(struct fe_fetch *f)
+{
+    if (!f)
+        return;
+    if (f->started)
+        fetch_stop(f, 0);
+    close(f->epfd);
+    close(f->stopfd);
+    pthread_mutex_destroy(&f->lock);
+    free(f);
+}
+
+void fetch_counters(struct fe_fetch *f, struct fe_fetch_counters *c)
+{
+    pthread_mutex_lock(&f->lock);
+    *c = f->c;
+    pthread_mutex_unlock(&f->lock);
+}

@@ -1,0 +1,72 @@
+/* fuse_fetch.h — the native chunk fetch: a chunk READ from a peer's arena posted by
+ * Python, completed, verified and answered in C (docs/design.md, "The plan for that step").
+ *
+ *   Python (kspeedfs/cluster/native_fetch.py)          C
+ *   a chunk to load, its replica's slot known, an  ─► fetch_post: a record for chunk k,
+ *   UP path on the soft provider                       one RDMA READ into a landing slot,
+ *                                                      its WC on the fetch's own CQ
+ *   READs of k meanwhile (request threads)         ─► fetch_park: held on k's record
+ *   the fetch thread: WC ─► xxh3-128 == k's digest? ─► tier_put_new (no owner yet),
+ *                                                      the parked READs answered from it
+ *                                                 ─► event FE_FETCHED (status 0) to Python,
+ *                                                      which adopts the slot (tier_put)
+ *                          anything else          ─► FE_FETCHED (status != 0) first, then
+ *                                                      the parked READs queued for Python
+ *
+ * The fetch is never right about a fault, only steps aside: a WC error, a short READ or
+ * a digest mismatch (the replica reused the slot) hands everything to Python's path.
+ * Python decides what to fetch (placement, hints, path state, the prefetch budget);
+ * C never picks a peer.
+ *
+ * Locks: f->lock guards the records (a handful in flight: a linear scan); the fetch
+ * thread is the only caller of the soft engine's cq_poll on the fetch's CQs; post and
+ * park run on any thread. No GIL anywhere here.
+ */
+#ifndef KSPEEDFS_FUSE_FETCH_H
+#define KSPEEDFS_FUSE_FETCH_H
+
+#include <stdint.h>
+
+#include "soft_engine.h"
+
+#define FE_FETCH_MAX 256            /* fetches in flight at once */
+#define FE_FETCH_ENGINES 8          /* soft engines (local NICs) with a fetch CQ */
+
+/* FE_FETCHED's status beyond the WC's (ks_wc.status, < 64) */
+enum { FE_FETCH_OK = 0, FE_FETCH_SHORT = 64, FE_FETCH_MISMATCH = 65, FE_FETCH_EXISTS = 66,
+       FE_FETCH_STOPPED = 67 };
+
+struct fe_engine;
+struct fe_request;
+struct fe_tier;
+struct fe_fetch;
+
+/* From fuse_engine.c: answer a queued READ again (from the tier, or queue it for
+ * Python), and queue a request or event for Python. */
+void fe_read_again(struct fe_engine *e, const struct fe_request *q);
+int fe_queue(struct fe_engine *e, const struct fe_request *q);
+
+struct fe_fetch_counters {
+    uint64_t posted, landed, failed, parked, answered;
+};
+
+struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t, const uint8_t *chunk_digests,
+                           uint64_t chunks, const struct ks_capi *api, char *err, size_t errlen);
+/* A fetch CQ on soft engine ``ke`` (held by the caller until fetch_free), once. */
+int fetch_engine(struct fe_fetch *f, ks_engine *ke, const char **why);
+/* READ ``len`` bytes at ``raddr``/``rkey`` on QP ``qpn`` of ``ke`` into ``laddr``/``lkey``,
+ * as chunk ``k``; ``cookie`` comes back in FE_FETCHED. -EALREADY: k is in flight;
+ * -EAGAIN: FE_FETCH_MAX in flight; -ESHUTDOWN: stopped; else the post's error. */
+int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint64_t cookie,
+               void *laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len,
+               const char **why);
+/* Hold READ ``q`` (fd or ring token set) until chunk ``k`` lands: 1; 0: k not in flight. */
+int fetch_park(struct fe_fetch *f, uint64_t k, const struct fe_request *q);
+/* Stop: no more posts; wait up to ``timeout_ms`` for every posted READ's WC, then end the
+ * thread and close the CQs. Returns how many were still out (their records are
+ * abandoned: their CQs are left for the soft engine's close). */
+int fetch_stop(struct fe_fetch *f, int timeout_ms);
+void fetch_free(struct fe_fetch *f);
+void fetch_counters(struct fe_fetch *f, struct fe_fetch_counters *c);
+
+#endif
