@@ -267,6 +267,9 @@ class ClusterConfig:
     hedge_budget: float = _opt(0.05, "hedged bytes at most this fraction of the bytes READ")
     hedge_suspect_time: float = _opt(1.0, "a peer overrunning twice in a row is tried last "
                                      "for this long, s (or until a READ of it is in time)")
+    native_fetch: bool = _opt(True, "a mount on the native FUSE engine with the soft provider "
+                              "READs, verifies and answers chunks whose replica slot it knows "
+                              "in C (cluster/native_fetch.py); no disk tier, no hedging for them")
 
     def validate(self) -> None:
         if not 1 <= self.replicas <= 16:

@@ -262,6 +262,13 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
                                lambda: _read_counters(reader), handed_over, name="hold")
 
         async def after_mount() -> None:
+            if session is not None and peers is not None and disk is None \
+                    and cfg.cluster.native_fetch:
+                from .cluster.native_fetch import NativeFetch, soft_capi
+
+                if soft_capi() is not None:
+                    session.fetch = reader.tiers.native = NativeFetch(
+                        session.engine, peers, reader.tiers, memory, index)
             if cfg.metrics.listen:                # off by default: no thread, no socket
                 if req.upgrade and session is not None:
                     await session.predecessor_gone()      # it holds the port until it exits

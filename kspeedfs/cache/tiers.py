@@ -36,6 +36,7 @@ from .singleflight import SingleFlight
 
 if TYPE_CHECKING:
     from ..cluster.fetch import Peers
+    from ..cluster.native_fetch import NativeFetch
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class TierChain:
         self.counters = counters if counters is not None else Counters()
         self.node = node
         self.landed = landed
+        #: the native engine's chunk fetch (cluster/native_fetch.py), set by the mount
+        self.native: "NativeFetch | None" = None
 
     # -- the memory tier and the single-flight -------------------------------------------
 
@@ -135,7 +138,11 @@ class TierChain:
 
     async def chunk(self, k: int) -> Data:
         """Verified bytes of chunk ``k`` from the nearest tier that has them."""
-        return await self.get(self.index.chunk_digest(k), self.load, k)
+        key = self.index.chunk_digest(k)
+        if self.native is not None and key not in self.memory \
+                and (key in self.native.inflight or self._start_native(k, key)):
+            await self.native.wait(key)       # landed (a memory hit below) or not (a load)
+        return await self.get(key, self.load, k)
 
     async def fill(self, k: int) -> str:
         """Make chunk ``k`` present in the memory tier without reading it back; returns
@@ -148,10 +155,23 @@ class TierChain:
 
     def start(self, k: int) -> None:
         """Start (or join) the load of chunk ``k`` without waiting for it (prefetch)."""
-        self.flights.start(self.index.chunk_digest(k), self.load, k)
+        key = self.index.chunk_digest(k)
+        if self.native is not None and (key in self.native.inflight
+                                        or self._start_native(k, key)):
+            return
+        self.flights.start(key, self.load, k)
 
     def in_flight(self, key: bytes) -> bool:
-        return self.flights.in_flight(key)
+        return self.flights.in_flight(key) or (self.native is not None
+                                               and key in self.native.inflight)
+
+    def _start_native(self, k: int, key: bytes) -> bool:
+        """Hand chunk ``k`` to the native fetch, unless a load of it runs here (or the
+        disk tier, which comes before peers, is on)."""
+        assert self.native is not None
+        if self.disk is not None or self.flights.in_flight(key):
+            return False
+        return self.native.start(k, key)
 
     # -- one load past the memory tier ----------------------------------------------------
 
@@ -160,10 +180,20 @@ class TierChain:
         Run it through ``flights`` (``chunk``, ``fill``, ``start``), not directly."""
         key = self.index.chunk_digest(k)
         loaded = await self._farther(k, key)
+        self._put(k, key, loaded)
+        return loaded
+
+    def arrived(self, k: int, key: bytes, data: Data, tier: str) -> None:
+        """Chunk ``k``, verified, loaded elsewhere (the native fetch): into the memory
+        tier as a load's would be, and counted."""
+        self.counters.add(f"{tier}_hits")
+        self.counters.add(f"{tier}_bytes", len(data))
+        self._put(k, key, Loaded(data, tier))
+
+    def _put(self, k: int, key: bytes, loaded: Loaded) -> None:
         self.memory.put(key, loaded.data)
         if self.landed is not None:
             self.landed(k, key, loaded)
-        return loaded
 
     async def _farther(self, k: int, key: bytes) -> Loaded:
         if self.disk is not None:

@@ -89,6 +89,12 @@ HINTS = 1 << 14  # slot hints kept (~180 B each, 3 MB: 64 GiB of 4 MiB chunks)
 #: 1.2 µs with 3 members, 4.7 with 16, 36.7 with 128; a kept one ~0.1)
 PLACED = 1 << 14
 STAGING = 3      # physical staging slots at most, × nbuf (reads in progress + losers)
+#: chunk READs the native fetch (native_fetch.py) has out at once, beside the ``nbuf``
+#: of read_chunk: each holds a landing slot (registered only when used). With 8, shared
+#: with read_chunk, the Python path took 55 % of the chunks (a prefetch window is ~20
+#: chunks for 4 readers) and the trio thread's CPU per GB fell 4-23 %; with 32 of its
+#: own, 92 % and 47 % (docs/design.md)
+NATIVE_READS = 32
 
 #: what makes a replica a failed one (next replica), as opposed to a bug
 _FAILED = (PeerUnreachable, RpcUnavailable, PathClosed, HandshakeError)
@@ -164,7 +170,8 @@ class Peers:
                  local_node: str | None = None, nbuf: int = 8, landing_slots: int = 0,
                  rpc_timeout: float = 30.0, hedge: Hedger | None = None) -> None:
         """``landing_slots``: chunks that may stay in landing slots at once (the memory
-        tier's capacity in chunks, for a mount); ``nbuf`` READs are in flight at most;
+        tier's capacity in chunks, for a mount; NATIVE_READS more are for the native
+        fetch); ``nbuf`` READs are in flight at most;
         ``nursery`` runs the connects to nodes (one per node at a time, single-flight) and,
         with ``hedge``, every replica attempt (hedged reads; None: one replica at a time,
         in the caller's task; latencies are summarised either way)."""
@@ -181,7 +188,7 @@ class Peers:
         self.hedger = hedge if hedge is not None else Hedger()
         self.nbuf = nbuf
         self.buf: VMR = endpoint.alloc(nbuf * slot_size, name="fetch-buffers")
-        self.landing = Landing(endpoint, slot_size, landing_slots + nbuf)
+        self.landing = Landing(endpoint, slot_size, landing_slots + nbuf + NATIVE_READS)
         self._staging: list[tuple[VMR, int]] = [(self.buf, i * slot_size) for i in range(nbuf)]
         self._staging_segments = 1
         self._staging_free = trio.Semaphore(STAGING * nbuf)   # physical slots, made or not
@@ -462,6 +469,38 @@ class Peers:
                 att.on_free = give_back    # they come back with the READ's completion
             else:
                 give_back()
+
+    # -- the native fetch's side (native_fetch.py) --------------------------------------
+
+    def native_route(self, key: bytes, length: int) -> tuple[NodeRecord, int, VQP] | None:
+        """Where C may READ chunk ``key`` itself: its first replica not being skipped,
+        when a slot hint says where the chunk sits there and its vQP is connected —
+        ``(record, slot, vqp)``; None: ``read_chunk`` (which learns the hint)."""
+        if length > self.slot_size:
+            return None
+        now = time.monotonic()
+        for rec in self.order(key):
+            if self._skip_until.get(rec.node, 0.0) > now:
+                continue
+            have = self._vqps.get(rec.node)
+            rslot = self._hints.get((rec.node, rec.started, key))
+            if have is None or have[0] != rec.started or rslot is None:
+                return None
+            return rec, rslot, have[1]
+        return None
+
+    def landed_native(self, node: str, nbytes: int) -> None:
+        """A chunk C READ from ``node`` landed verified: counted as a hinted peer hit."""
+        c = self.counters
+        c.hits += 1
+        c.hinted += 1
+        c.bytes += nbytes
+        c.per_peer[node] += nbytes
+
+    def stale_hint(self, node: str, started: float, key: bytes) -> None:
+        """C found another chunk in the slot a hint named: forget the hint."""
+        self.counters.stale_hints += 1
+        self._hints.pop((node, started, key), None)
 
     def _hint(self, hint_key: tuple[str, float, bytes], rslot: int) -> None:
         """Remember a verified slot; the oldest hint goes when the table is full."""

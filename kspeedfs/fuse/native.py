@@ -31,7 +31,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
@@ -45,6 +45,9 @@ from ..manifest.store.base import DatasetInfo
 from .boundary import OpStats, fuse_op
 from .operations import XATTR_PREFIX, Operations
 from .upgrade import HandoverServer
+
+if TYPE_CHECKING:
+    from ..cluster.native_fetch import NativeFetch
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +146,8 @@ class NativeSession:
         self.predecessor = 0
         self.resumed = False
         self.transport = "/dev/fuse"        # or "io_uring", once the threads run
+        #: the chunk fetch in C (cluster/native_fetch.py), when the mount reads from peers
+        self.fetch: "NativeFetch | None" = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -307,6 +312,8 @@ class NativeSession:
                 if not self.engine.running:
                     break
             if self.handed_over:                # what the last threads queued, then done
+                if self.fetch is not None:      # its parked READs answered, or queued
+                    await self.fetch.aclose()
                 while batch := self.engine.take(1024):
                     for req in batch:
                         self._dispatch(nursery, req)
@@ -320,6 +327,9 @@ class NativeSession:
         elif kind == _engine.PREFETCH:
             for k in range(offset, size):
                 self.ops.reader.prefetch(entry, k)
+        elif kind == _engine.FETCHED:
+            if self.fetch is not None:
+                self.fetch.fetched(entry, offset, size)
         elif kind == _engine.GETXATTR:
             nursery.start_soon(self._answer_getxattr, fd, unique, entry, name, size)
         elif kind == _engine.LISTXATTR:
@@ -397,11 +407,13 @@ class NativeSession:
     def transport_stats(self) -> dict[str, Any]:
         """How requests reach this daemon, and the io_uring queues' counters: requests
         through them, and the bytes and time of copying READ hits into their payload
-        buffers (what /dev/fuse's writev from the tier does not cost)."""
+        buffers (what /dev/fuse's writev from the tier does not cost); and the native
+        chunk fetch's counters (native/fuse_fetch.h)."""
         c = self.counters()
         return {"transport": f"native {self.transport}",
                 **{k: c.get(k, 0) for k in ("ring_requests", "ring_copy_bytes", "ring_copy_ns",
-                                            "ring_lost")}}
+                                            "ring_lost", "fetch_posted", "fetch_landed",
+                                            "fetch_failed", "fetch_parked", "fetch_answered")}}
 
     def served(self) -> tuple[int, int, int]:
         """Reads, bytes and memory-tier units answered in C (``Reader.served_elsewhere``)."""

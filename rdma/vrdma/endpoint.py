@@ -73,7 +73,7 @@ from ..errors import (HandshakeError, PathClosed, PeerUnreachable,
 from .dial import DialFailed, dial
 from .handshake import Channel, PreAuthGate, aclose_quietly, client_handshake, qp_token
 from .heartbeat import HEARTBEAT_BYTES, HeartbeatConfig
-from .path import SQ_DEPTH, Path, Transition
+from .path import NATIVE_SQ_DEPTH, SQ_DEPTH, Path, Transition
 from .peer import Peer
 from .vmr import VMR
 from .vqp import VQP, VQPStats
@@ -497,7 +497,8 @@ class Endpoint:
         if path.qp is None:
             assert path.cq is not None
             path.qp = nic.pd.create_qp(QPInitAttr(
-                send_cq=path.cq, cap=QPCap(max_send_wr=SQ_DEPTH, max_recv_wr=1)))
+                send_cq=path.cq, cap=QPCap(max_send_wr=SQ_DEPTH + NATIVE_SQ_DEPTH,
+                                           max_recv_wr=1)))
         elif path.qp.qp_state != IBV_QPS_RESET:
             path.qp.to_reset()
         ch: Channel | None = None

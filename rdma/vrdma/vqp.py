@@ -54,7 +54,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import trio
 
@@ -71,9 +71,22 @@ from .vmr import VMR, RemoteVMR
 if TYPE_CHECKING:
     from ..api import CQ
 
-__all__ = ["SQ_DEPTH", "VQP", "VQPStats"]
+__all__ = ["SQ_DEPTH", "NativeTarget", "VQP", "VQPStats"]
 
 log = logging.getLogger(__name__)
+
+
+class NativeTarget(NamedTuple):
+    """A READ as C posts it (:meth:`VQP.native_target`): the soft engine (an
+    ``rdma._soft_engine.Engine``) and QP number of one UP path, the local buffer's address
+    and lkey, and the remote address and rkey through that path."""
+
+    engine: Any
+    qpn: int
+    laddr: int
+    lkey: int
+    raddr: int
+    rkey: int
 
 
 @dataclass(frozen=True)
@@ -137,12 +150,40 @@ class VQP:
         self._close_channel = close_channel
         self._on_closed = on_closed
         self._closed = False
+        self._native_rr = 0                  # native_target's round-robin over paths
         self._cancel: trio.CancelScope | None = None
         self._finished = trio.Event()
 
     def remote_mr(self, name: str) -> RemoteVMR:
         """The vMR the peer exports as ``name`` (RdmaUserError if none)."""
         return self.peer_info.remote_mr(name)
+
+    def native_target(self, local_vmr: VMR, local_off: int, remote: str, remote_off: int,
+                      length: int) -> NativeTarget | None:
+        """Where C may post this READ itself, beside the vQP (the FUSE engine's native
+        fetch): an UP path on the soft provider, its C handles and the READ's addresses
+        and keys through it; None when no path is UP (or the provider has no C handles),
+        and the caller READs through :meth:`read` instead. Nothing is posted here, and a
+        READ posted there is not the vQP's: no failover, no re-post; its poster steps
+        aside on any error (soft engine C API, ``ks_post_send``)."""
+        if self._closed:
+            return None
+        rm = self.remote_mr(remote)
+        if remote_off < 0 or remote_off + length > rm.length \
+                or local_off < 0 or local_off + length > local_vmr.length:
+            return None
+        n = len(self.paths)
+        for i in range(n):
+            p = self.paths[(self._native_rr + i) % n]
+            raw = getattr(getattr(p.qp, "engine", None), "raw", None)
+            if not p.m.postable or raw is None:
+                continue
+            self._native_rr = (self._native_rr + i + 1) % n
+            sge = local_vmr.sge(p.local_nic, local_off, length)
+            raddr, rkey = rm.on(p.remote_nic, remote_off)
+            assert p.qp is not None
+            return NativeTarget(raw, p.qp.qp_num, sge.addr, sge.lkey, raddr, rkey)
+        return None
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -132,6 +132,47 @@ def test_nic_down_during_reads_is_invisible(world) -> None:
     print(f"NIC down: {rd.reads} reads, longest gap between reads {rd.max_gap * 1e3:.0f} ms")
 
 
+def test_chunks_read_again_are_fetched_verified_and_answered_in_c(world) -> None:
+    """The native fetch (cluster/native_fetch.py): a mount whose memory tier holds 32 of
+    the dataset's chunks streams the shards again and again; from the second pass its
+    replicas' slots are known, so C READs, verifies and answers the chunks. Every byte
+    checks, also while one node's NIC is down (its READs fail over to Python's path),
+    and nothing is read from the source."""
+    c, _, files = world
+    mnt = c.mount("imgs", "--cache-mem", "8MiB")
+    before = _stats(mnt)
+    shards = [rel for rel in files if rel.startswith("shards/")]
+    errors: list[str] = []
+    passes = 0
+
+    def stream(until: float) -> None:
+        nonlocal passes
+        while time.monotonic() < until:
+            for rel in shards:
+                with open(mnt / rel, "rb") as f:
+                    if f.read() != files[rel]:
+                        errors.append(rel)
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # next: READs
+            passes += 1
+
+    stream(time.monotonic() + 2.0)
+    t = threading.Thread(target=stream, args=(time.monotonic() + 4.0,))
+    t.start()
+    time.sleep(1.0)
+    c.node_host(2).nic_down(1)
+    time.sleep(1.5)
+    c.node_host(2).nic_up(1)
+    t.join(60)
+    s = _stats(mnt)
+    assert errors == [] and passes >= 4, (errors, passes)
+    assert s["fetch_landed"] > s["fetch_failed"] and s["fetch_landed"] >= 2 * len(shards), s
+    assert s["fetch_parked"] == s["fetch_answered"], s
+    assert s["source_loads"] == before["source_loads"], s
+    print(f"native fetch: {s['fetch_landed']} chunks landed, {s['fetch_failed']} stepped "
+          f"aside, {s['fetch_parked']} READs parked; {passes} passes, 0 errors")
+    c.unmount(mnt)
+
+
 @pytest.mark.parametrize("rail", [0, 1])
 def test_fresh_mount_with_a_silent_client_nic_reads_from_peers(world, rail: int) -> None:
     """A fresh mount (no connection to any peer yet) whose NIC on one rail silently drops

@@ -1,0 +1,186 @@
+"""⑤′ The native chunk fetch: a chunk READ from a replica's arena that C posts, verifies
+and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
+
+    TierChain.start(k) / chunk(k)         a chunk to load from the cluster
+      NativeFetch.start(k, key)           its first replica has a slot hint (a chunk READ
+                                          from it before verified there), a connected vQP
+                                          with an UP path on the soft provider, a landing
+                                          slot is free?  else False: today's path
+        engine.fetch_post(...)            one RDMA READ into the landing slot, in C
+      READs of k meanwhile                parked in C, answered there once it lands
+      FETCHED event (session queue)       fetched(): verified → the landing slot kept as
+                                          the memory tier's buffer (MemoryCache.put adopts
+                                          the engine's entry); else the slot back, a stale
+                                          hint dropped, and the chunk's READs (queued for
+                                          Python by C) take today's path
+
+Python decides every load (placement, hints, path state, the prefetch budget); C never
+picks a peer, and on any fault it steps aside: a WC error, a short READ, a digest
+mismatch (the replica reused the slot: the hint was stale) is a FETCHED event with a
+status, and Python's path (vQP failover, hedging, the bucket READ, the owner's ``load``,
+the source) does the rest. What the native fetch gives up: hedging and latency samples
+for the READs it makes (a hung replica is noticed by the vQP's heartbeats, which fail its
+paths and flush the READ).
+
+Why (docs/design.md, "The plan for that step"): the Python around each chunk READ from a
+peer (single-flight, race, vQP dispatch, CQ consumer, xxh3 on the trio thread, the
+answers to READs waiting for it) was most of the trio thread's 0.3 s per GB.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from .fetch import NATIVE_READS
+from .landing import Slot
+
+if TYPE_CHECKING:
+    from ..cache.memory import MemoryCache
+    from ..cache.tiers import TierChain
+    from ..manifest.index import ManifestIndex
+    from .fetch import Peers
+
+log = logging.getLogger(__name__)
+
+try:
+    from ..fuse import _engine as _fe      # FETCHED statuses (native/fuse_fetch.h)
+except ImportError:                        # a checkout whose native code was not built
+    _fe = None
+
+
+def soft_capi() -> Any:
+    """The soft engine's C API capsule, or None when the soft provider is not built."""
+    try:
+        from rdma import _soft_engine
+    except ImportError:
+        return None
+    return getattr(_soft_engine, "_C_API", None)
+
+
+@dataclass
+class _Fetch:
+    k: int
+    key: bytes
+    slot: Slot
+    length: int
+    node: str
+    started: float
+    event: trio.Event | None = None
+
+
+class NativeFetch:
+    """The native engine's chunk fetch for one mount.
+
+    Contract: a chunk is in :attr:`inflight` from a successful :meth:`start` until its
+    FETCHED event reaches :meth:`fetched`; while it is, nobody else loads it (TierChain
+    asks first) and :meth:`wait` returns when it is over, landed or not (then look in the
+    memory tier, and load it as usual if it is not there). A landing slot is reused only
+    after its READ completed.
+
+    Attributes:
+        engine: the FUSE engine (``kspeedfs.fuse._engine.Engine``).
+        inflight: key → the fetch of that chunk.
+        posted, landed, failed: counters (FETCHED events by outcome).
+    """
+
+    def __init__(self, engine: Any, peers: "Peers", tiers: "TierChain", memory: "MemoryCache",
+                 index: "ManifestIndex") -> None:
+        capi = soft_capi()
+        if capi is None:
+            raise RuntimeError("the soft engine's C API is not built")
+        engine.fetch_enable(capi)
+        self.engine = engine
+        self.peers = peers
+        self.tiers = tiers
+        self.memory = memory
+        self.index = index
+        self.inflight: dict[bytes, _Fetch] = {}
+        self._by_cookie: dict[int, _Fetch] = {}
+        self._cookies = 0
+        self._handles: dict[int, int] = {}     # id(soft engine) → fetch_engine handle
+        self._closed = False
+        self.posted = self.landed = self.failed = 0
+
+    def start(self, k: int, key: bytes) -> bool:
+        """Post chunk ``k`` (digest ``key``) to C if its first replica allows (module
+        docstring); False: load it the usual way."""
+        if self._closed or key in self.inflight:
+            return False
+        length = self.index.chunk_len[k]
+        if length > self.memory.transient_capacity:
+            return False        # MemoryCache.put would not keep it: C must not serve it
+        route = self.peers.native_route(key, length)
+        if route is None:
+            return False
+        rec, rslot, vqp = route
+        if len(self.inflight) >= NATIVE_READS:
+            return False
+        slot = self.peers.landing.take()
+        target = None if slot is None else \
+            vqp.native_target(slot[0], slot[1], "arena", rslot * rec.slot_size, length)
+        if target is None:
+            if slot is not None:
+                self.peers.landing.give(slot)
+            return False
+        try:
+            handle = self._handles.get(id(target.engine))
+            if handle is None:
+                handle = self._handles[id(target.engine)] = self.engine.fetch_engine(target.engine)
+            self._cookies += 1
+            self.engine.fetch_post(handle, target.qpn, k, self._cookies, target.laddr,
+                                   target.lkey, target.raddr, target.rkey, length)
+        except OSError as e:
+            self.peers.landing.give(slot)
+            log.debug("native fetch of chunk %d not posted: %s", k, e)
+            return False
+        f = _Fetch(k, key, slot, length, rec.node, rec.started)
+        self.inflight[key] = self._by_cookie[self._cookies] = f
+        self.posted += 1
+        return True
+
+    async def wait(self, key: bytes) -> None:
+        """Until the fetch of ``key`` is over (at once if there is none)."""
+        f = self.inflight.get(key)
+        if f is None:
+            return
+        if f.event is None:
+            f.event = trio.Event()
+        await f.event.wait()
+
+    def fetched(self, cookie: int, k: int, status: int) -> None:
+        """A FETCHED event from the engine's queue (``status``: fuse_fetch.h)."""
+        f = self._by_cookie.pop(cookie, None)
+        if f is None:
+            return
+        del self.inflight[f.key]
+        if status == _fe.FETCH_OK:
+            data = self.peers.landing.keep(f.slot, f.length)
+            self.peers.landed_native(f.node, f.length)
+            self.tiers.arrived(k, f.key, data, "peer")
+            self.landed += 1
+        else:
+            self.failed += 1
+            if status != _fe.FETCH_STOPPED:        # else a NIC may yet write the slot
+                self.peers.landing.give(f.slot)
+            if status == _fe.FETCH_MISMATCH:
+                self.peers.stale_hint(f.node, f.started, f.key)
+            elif status != _fe.FETCH_EXISTS:
+                log.info("native fetch of chunk %d from %s: status %d; the usual path "
+                         "takes it", k, f.node, status)
+        if f.event is not None:
+            f.event.set()
+
+    async def aclose(self, timeout_ms: int = 2000) -> None:
+        """No more fetches: wait for the READs out (up to ``timeout_ms``, in a worker
+        thread) and release the soft engines, so the cluster's endpoint can close them."""
+        if self._closed:
+            return
+        self._closed = True
+        left = await trio.to_thread.run_sync(self.engine.fetch_stop, timeout_ms)
+        if left:
+            log.warning("native fetch: %d READs still out at close; their landing slots "
+                        "are not reused", left)
+
