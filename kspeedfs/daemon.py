@@ -267,8 +267,9 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
                 from .cluster.native_fetch import NativeFetch, soft_capi
 
                 if soft_capi() is not None:
-                    session.fetch = reader.tiers.native = NativeFetch(
-                        session.engine, peers, reader.tiers, memory, index)
+                    native = NativeFetch(session.engine, peers, reader.tiers, memory, index)
+                    session.fetch = reader.tiers.native = native
+                    nursery.start_soon(native.run, nursery, name="native-fetch")
             if cfg.metrics.listen:                # off by default: no thread, no socket
                 if req.upgrade and session is not None:
                     await session.predecessor_gone()      # it holds the port until it exits

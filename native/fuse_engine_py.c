@@ -847,6 +847,23 @@ static PyObject *Engine_fetch_post(EngineObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* fetch_unpark(chunk) -> int: answer the READs parked on ``chunk`` from the tier now. */
+static PyObject *Engine_fetch_unpark(EngineObject *self, PyObject *arg)
+{
+    unsigned long long k = PyLong_AsUnsignedLongLong(arg);
+    if (k == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    struct fe_engine *e = engine_of(self, "fetch_unpark");
+    struct fe_fetch *f = e ? fe_fetcher(e) : NULL;
+    if (!f)
+        return e ? PyLong_FromLong(0) : NULL;
+    int n;
+    Py_BEGIN_ALLOW_THREADS
+    n = fetch_unpark(f, k);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(n);
+}
+
 /* Stop the fetch (waiting up to ``timeout_ms`` for READs out) and release the soft
  * engines it held. Returns the READs abandoned. */
 static int fetch_release(EngineObject *self, struct fe_engine *e, int timeout_ms)
@@ -917,6 +934,8 @@ static PyMethodDef Engine_methods[] = {
      "fetch_engine(soft_engine) -> handle: a fetch CQ there (held until fetch_stop)"},
     {"fetch_post", (PyCFunction)Engine_fetch_post, METH_VARARGS,
      "fetch_post(handle, qpn, chunk, cookie, laddr, lkey, raddr, rkey, length)"},
+    {"fetch_unpark", (PyCFunction)Engine_fetch_unpark, METH_O,
+     "fetch_unpark(chunk) -> int: the READs parked on chunk answered from the tier now"},
     {"fetch_stop", (PyCFunction)Engine_fetch_stop, METH_VARARGS,
      "fetch_stop(timeout_ms=5000) -> READs abandoned; the soft engines released"},
     {NULL, NULL, 0, NULL},

@@ -263,6 +263,31 @@ int fetch_park(struct fe_fetch *f, uint64_t k, const struct fe_request *q)
     return 0;
 }
 
+int fetch_unpark(struct fe_fetch *f, uint64_t k)
+{
+    struct parked *p = NULL;
+    pthread_mutex_lock(&f->lock);
+    for (int i = 0; i < FE_FETCH_MAX; i++)
+        if (f->recs[i].used && f->recs[i].k == k) {
+            p = f->recs[i].parked;
+            f->recs[i].parked = NULL;
+            break;
+        }
+    pthread_mutex_unlock(&f->lock);
+    int n = 0;
+    while (p) {
+        struct parked *next = p->next;
+        fe_read_again(f->e, &p->q);
+        free(p);
+        p = next;
+        n++;
+    }
+    pthread_mutex_lock(&f->lock);
+    f->c.answered += (uint64_t)n;
+    pthread_mutex_unlock(&f->lock);
+    return n;
+}
+
 /* One WC of a fetch READ: verify, put, answer. */
 static void complete(struct fe_fetch *f, const ks_wc *wc)
 {

@@ -62,6 +62,9 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
                const char **why);
 /* Hold READ ``q`` (fd or ring token set) until chunk ``k`` lands: 1; 0: k not in flight. */
 int fetch_park(struct fe_fetch *f, uint64_t k, const struct fe_request *q);
+/* Answer the READs parked on chunk ``k`` now (its bytes came another way: a hedge
+ * READ Python made); the fetch itself goes on. Returns how many. */
+int fetch_unpark(struct fe_fetch *f, uint64_t k);
 /* Stop: no more posts; wait up to ``timeout_ms`` for every posted READ's WC, then end the
  * thread and close the CQs. Returns how many were still out (their records are
  * abandoned: their CQs are left for the soft engine's close). */

@@ -18,9 +18,16 @@ Python decides every load (placement, hints, path state, the prefetch budget); C
 picks a peer, and on any fault it steps aside: a WC error, a short READ, a digest
 mismatch (the replica reused the slot: the hint was stale) is a FETCHED event with a
 status, and Python's path (vQP failover, hedging, the bucket READ, the owner's ``load``,
-the source) does the rest. What the native fetch gives up: hedging and latency samples
-for the READs it makes (a hung replica is noticed by the vQP's heartbeats, which fail its
-paths and flush the READ).
+the source) does the rest.
+
+Hedging (with ``cluster.hedge``, :mod:`.hedge`): each fetch has the hedger's threshold
+for its peer and size as a deadline, and one task (``run``) sleeps until the earliest.
+A fetch past it is noted against its peer (tried last once suspected) and, within the
+byte budget, READ again through ``read_chunk`` from another replica; when that lands,
+the READs parked in C on the chunk are answered from the tier (``fetch_unpark``) and the
+C READ, whenever it completes, finds the chunk there (FETCH_EXISTS). Without it, a
+SIGSTOPped replica held READs parked in C for the vQP's 0.5 s peer timeout
+(tests/cluster/test_cluster_tail.py: 553 ms against 34 ms hedged).
 
 Why (docs/design.md, "The plan for that step"): the Python around each chunk READ from a
 peer (single-flight, race, vQP dispatch, CQ consumer, xxh3 on the trio thread, the
@@ -28,20 +35,21 @@ answers to READs waiting for it) was most of the trio thread's 0.3 s per GB.
 """
 from __future__ import annotations
 
+import heapq
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .fetch import NATIVE_READS
+from .fetch import NATIVE_READS, Peers
 from .landing import Slot
 
 if TYPE_CHECKING:
     from ..cache.memory import MemoryCache
     from ..cache.tiers import TierChain
     from ..manifest.index import ManifestIndex
-    from .fetch import Peers
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +70,19 @@ def soft_capi() -> Any:
 
 @dataclass
 class _Fetch:
+    """One chunk C is READing: where it lands, from which incarnation of which node (for
+    its hint), and the Event of whoever waits for it."""
+
     k: int
     key: bytes
     slot: Slot
     length: int
     node: str
     started: float
+    t0: float                               # when it was posted (time.monotonic)
+    cookie: int
     event: trio.Event | None = None
+    hedged: bool = False
 
 
 class NativeFetch:
@@ -86,7 +100,7 @@ class NativeFetch:
         posted, landed, failed: counters (FETCHED events by outcome).
     """
 
-    def __init__(self, engine: Any, peers: "Peers", tiers: "TierChain", memory: "MemoryCache",
+    def __init__(self, engine: Any, peers: Peers, tiers: "TierChain", memory: "MemoryCache",
                  index: "ManifestIndex") -> None:
         capi = soft_capi()
         if capi is None:
@@ -102,7 +116,9 @@ class NativeFetch:
         self._cookies = 0
         self._handles: dict[int, int] = {}     # id(soft engine) → fetch_engine handle
         self._closed = False
-        self.posted = self.landed = self.failed = 0
+        self._deadlines: list[tuple[float, int]] = []    # (deadline, cookie): hedging
+        self._wake = trio.Event()
+        self.posted = self.landed = self.failed = self.hedged = 0
 
     def start(self, k: int, key: bytes) -> bool:
         """Post chunk ``k`` (digest ``key``) to C if its first replica allows (module
@@ -136,10 +152,58 @@ class NativeFetch:
             self.peers.landing.give(slot)
             log.debug("native fetch of chunk %d not posted: %s", k, e)
             return False
-        f = _Fetch(k, key, slot, length, rec.node, rec.started)
+        now = time.monotonic()
+        f = _Fetch(k, key, slot, length, rec.node, rec.started, now, self._cookies)
         self.inflight[key] = self._by_cookie[self._cookies] = f
         self.posted += 1
+        if self.peers.hedge is not None:         # (deadlines in trio's clock, not monotonic)
+            limit = trio.current_time() + self.peers.hedger.threshold(rec.node, length)
+            if not self._deadlines or limit < self._deadlines[0][0]:
+                self._wake.set()
+            heapq.heappush(self._deadlines, (limit, self._cookies))
         return True
+
+    async def run(self, nursery: trio.Nursery) -> None:
+        """Hedge fetches past their deadline (module docstring), until cancelled; the
+        hedges run in ``nursery``."""
+        while True:
+            if not self._deadlines:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                continue
+            with trio.move_on_at(self._deadlines[0][0]):
+                await self._wake.wait()
+            if self._wake.is_set():
+                self._wake = trio.Event()
+            clock = trio.current_time()
+            while self._deadlines and self._deadlines[0][0] <= clock:
+                _, cookie = heapq.heappop(self._deadlines)
+                f = self._by_cookie.get(cookie)
+                if f is None or f.hedged:
+                    continue                        # landed (or failed) in time
+                self.peers.hedger.overran(f.node, time.monotonic())
+                if self.peers.hedger.may_hedge(f.length):
+                    f.hedged = True
+                    self.hedged += 1
+                    self.peers.hedger.hedged(f.node)
+                    nursery.start_soon(self._hedge, f)
+
+    async def _hedge(self, f: _Fetch) -> None:
+        """READ ``f``'s chunk from another replica; once it is in the memory tier, answer
+        the READs parked on it in C and wake the waiters."""
+        try:
+            data = await self.peers.read_chunk(self.tiers.dataset[0], self.tiers.dataset[1],
+                                               f.k, f.key, f.length, exclude=f.node)
+        except Exception as e:          # noqa: BLE001 - the C READ is still there
+            log.info("hedge of chunk %d (native READ from %s late): %s", f.k, f.node, e)
+            return
+        if data is None or f.key in self.memory:
+            return                      # no other replica had it, or C's READ landed first
+        self.tiers.arrived(f.k, f.key, data, "peer")
+        self.peers.hedger.hedge_won(f.node)
+        self.engine.fetch_unpark(f.k)
+        if f.event is not None:
+            f.event.set()
 
     async def wait(self, key: bytes) -> None:
         """Until the fetch of ``key`` is over (at once if there is none)."""
@@ -159,6 +223,9 @@ class NativeFetch:
         if status == _fe.FETCH_OK:
             data = self.peers.landing.keep(f.slot, f.length)
             self.peers.landed_native(f.node, f.length)
+            if self.peers.hedge is not None:
+                took = time.monotonic() - f.t0
+                self.peers.hedger.done(f.node, f.length, took, sample=not f.hedged)
             self.tiers.arrived(k, f.key, data, "peer")
             self.landed += 1
         else:
