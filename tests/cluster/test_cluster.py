@@ -171,16 +171,24 @@ def test_nic_down_during_reads_is_invisible(world) -> None:
 def test_chunks_read_again_are_fetched_verified_and_answered_in_c(world) -> None:
     """The native fetch (cluster/native_fetch.py): a mount whose memory tier holds 32 of
     the dataset's chunks streams the shards again and again; from the second pass its
-    replicas' slots are known, so C READs, verifies and answers the chunks. Every byte
-    checks, also while one node's NIC is down (its READs fail over to Python's path),
-    and nothing is read from the source."""
+    replicas' slots are known, so C READs, verifies and answers the chunks (two streams
+    of the same files, so READs also wait in C for a chunk the other asked for). Every
+    byte checks, also while one node's NIC is down (its READs fail over to Python's
+    path) and while another is stopped (they are hedged), and nothing is read from the
+    source."""
     c, _, files = world
     mnt = _small_mount(c)
     before = _stats(mnt)
-    with Streaming(mnt, files) as st:
+    with Streaming(mnt, files) as st, Streaming(mnt, files) as st2:   # two: READs park
         _nic_cut(c, 2, lead=3.0, cut=1.5)
+        c.procs["n3"].stop()            # READs from n3 hang: hedged, the parked answered
+        try:
+            time.sleep(1.0)
+        finally:
+            c.procs["n3"].cont()
+        time.sleep(1.0)
     s = _stats(mnt)
-    assert st.errors == [] and st.reads >= 8, (st.errors[:5], st.reads)
+    assert st.errors == st2.errors == [] and st.reads >= 8, (st.errors[:5], st.reads)
     assert s["fetch_landed"] > s["fetch_failed"] and s["fetch_landed"] >= st.reads, s
     assert s["fetch_parked"] == s["fetch_answered"], s
     assert s["source_loads"] == before["source_loads"], s
