@@ -97,7 +97,9 @@ class NativeFetch:
     Attributes:
         engine: the FUSE engine (``kspeedfs.fuse._engine.Engine``).
         inflight: key → the fetch of that chunk.
-        posted, landed, failed: counters (FETCHED events by outcome).
+
+    Its counters are the engine's (``fetch_*`` in ``Engine.counters()``, the stats xattr);
+    its hedges count in the hedger's.
     """
 
     def __init__(self, engine: Any, peers: Peers, tiers: "TierChain", memory: "MemoryCache",
@@ -118,7 +120,6 @@ class NativeFetch:
         self._closed = False
         self._deadlines: list[tuple[float, int]] = []    # (deadline, cookie): hedging
         self._wake = trio.Event()
-        self.posted = self.landed = self.failed = self.hedged = 0
 
     def start(self, k: int, key: bytes) -> bool:
         """Post chunk ``k`` (digest ``key``) to C if its first replica allows (module
@@ -155,7 +156,6 @@ class NativeFetch:
         now = time.monotonic()
         f = _Fetch(k, key, slot, length, rec.node, rec.started, now, self._cookies)
         self.inflight[key] = self._by_cookie[self._cookies] = f
-        self.posted += 1
         if self.peers.hedge is not None:         # (deadlines in trio's clock, not monotonic)
             limit = trio.current_time() + self.peers.hedger.threshold(rec.node, length)
             if not self._deadlines or limit < self._deadlines[0][0]:
@@ -184,7 +184,6 @@ class NativeFetch:
                 self.peers.hedger.overran(f.node, time.monotonic())
                 if self.peers.hedger.may_hedge(f.length):
                     f.hedged = True
-                    self.hedged += 1
                     self.peers.hedger.hedged(f.node)
                     nursery.start_soon(self._hedge, f)
 
@@ -227,9 +226,7 @@ class NativeFetch:
                 took = time.monotonic() - f.t0
                 self.peers.hedger.done(f.node, f.length, took, sample=not f.hedged)
             self.tiers.arrived(k, f.key, data, "peer")
-            self.landed += 1
         else:
-            self.failed += 1
             if status != _fe.FETCH_STOPPED:        # else a NIC may yet write the slot
                 self.peers.landing.give(f.slot)
             if status == _fe.FETCH_MISMATCH:
