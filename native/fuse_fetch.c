@@ -129,6 +129,15 @@ static struct fcq *cq_of(struct fe_fetch *f, ks_engine *ke)
     return NULL;
 }
 
+/* The record of chunk ``k`` in flight (under f->lock), or NULL. */
+static struct rec *rec_of(struct fe_fetch *f, uint64_t k)
+{
+    for (int i = 0; i < FE_FETCH_MAX; i++)
+        if (f->recs[i].used && f->recs[i].k == k)
+            return &f->recs[i];
+    return NULL;
+}
+
 /* Take record ``i`` out (under f->lock): its parked READs to the caller. */
 static struct parked *rec_end(struct fe_fetch *f, int i)
 {
@@ -141,27 +150,36 @@ static struct parked *rec_end(struct fe_fetch *f, int i)
     return p;
 }
 
-/* Queue the event for Python, then hand the READs on: answered from the tier when the
- * chunk is there (``again``), else queued for Python behind the event. */
-static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
-                   struct parked *p, int again)
+/* Hand parked READs ``p`` on (no lock held): answered from the tier when the chunk is
+ * there (``again``), else queued for Python; counted; freed. Returns how many. */
+static int hand_on(struct fe_fetch *f, struct parked *p, int again)
 {
-    struct fe_request ev = {.kind = FE_FETCHED, .fd = -1, .entry = cookie, .offset = k,
-                            .size = (uint64_t)status};
-    fe_queue(f->e, &ev);
-    uint64_t answered = 0;
+    int n = 0;
     while (p) {
         struct parked *next = p->next;
         if (again)
             fe_read_again(f->e, &p->q);
         else
             fe_queue(f->e, &p->q);
-        answered++;
         free(p);
         p = next;
+        n++;
     }
     pthread_mutex_lock(&f->lock);
-    f->c.answered += answered;
+    f->c.answered += (uint64_t)n;
+    pthread_mutex_unlock(&f->lock);
+    return n;
+}
+
+/* Queue the event for Python, then hand the READs on (behind the event). */
+static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
+                   struct parked *p, int again)
+{
+    struct fe_request ev = {.kind = FE_FETCHED, .fd = -1, .entry = cookie, .offset = k,
+                            .size = (uint64_t)status};
+    fe_queue(f->e, &ev);
+    hand_on(f, p, again);
+    pthread_mutex_lock(&f->lock);
     if (status == FE_FETCH_OK)
         f->c.landed++;
     else
@@ -183,16 +201,15 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
         return -EINVAL;
     }
     pthread_mutex_lock(&f->lock);
-    int free_i = -1;
-    for (int i = 0; i < FE_FETCH_MAX; i++) {
-        if (f->recs[i].used && f->recs[i].k == k) {
-            pthread_mutex_unlock(&f->lock);
-            *why = "fetch_post: chunk in flight";
-            return -EALREADY;
-        }
-        if (!f->recs[i].used && free_i < 0)
-            free_i = i;
+    if (rec_of(f, k)) {
+        pthread_mutex_unlock(&f->lock);
+        *why = "fetch_post: chunk in flight";
+        return -EALREADY;
     }
+    int free_i = -1;
+    for (int i = 0; i < FE_FETCH_MAX && free_i < 0; i++)
+        if (!f->recs[i].used)
+            free_i = i;
     if (f->stopping || free_i < 0) {
         pthread_mutex_unlock(&f->lock);
         *why = f->stopping ? "fetch_post: stopped" : "fetch_post: too many in flight";
@@ -229,12 +246,7 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
         f->c.posted--;
         struct parked *p = rec_end(f, free_i);
         pthread_mutex_unlock(&f->lock);
-        while (p) {
-            struct parked *next = p->next;
-            fe_queue(f->e, &p->q);
-            free(p);
-            p = next;
-        }
+        hand_on(f, p, 0);
     }
     return rc;
 }
@@ -248,44 +260,29 @@ int fetch_park(struct fe_fetch *f, uint64_t k, const struct fe_request *q)
         return 0;
     p->q = *q;
     pthread_mutex_lock(&f->lock);
-    for (int i = 0; i < FE_FETCH_MAX; i++) {
-        struct rec *r = &f->recs[i];
-        if (r->used && r->k == k) {
-            p->next = r->parked;
-            r->parked = p;
-            f->c.parked++;
-            pthread_mutex_unlock(&f->lock);
-            return 1;
-        }
+    struct rec *r = rec_of(f, k);
+    if (r) {
+        p->next = r->parked;
+        r->parked = p;
+        f->c.parked++;
     }
     pthread_mutex_unlock(&f->lock);
-    free(p);
-    return 0;
+    if (!r)
+        free(p);
+    return r != NULL;
 }
 
 int fetch_unpark(struct fe_fetch *f, uint64_t k)
 {
     struct parked *p = NULL;
     pthread_mutex_lock(&f->lock);
-    for (int i = 0; i < FE_FETCH_MAX; i++)
-        if (f->recs[i].used && f->recs[i].k == k) {
-            p = f->recs[i].parked;
-            f->recs[i].parked = NULL;
-            break;
-        }
-    pthread_mutex_unlock(&f->lock);
-    int n = 0;
-    while (p) {
-        struct parked *next = p->next;
-        fe_read_again(f->e, &p->q);
-        free(p);
-        p = next;
-        n++;
+    struct rec *r = rec_of(f, k);
+    if (r) {
+        p = r->parked;
+        r->parked = NULL;
     }
-    pthread_mutex_lock(&f->lock);
-    f->c.answered += (uint64_t)n;
     pthread_mutex_unlock(&f->lock);
-    return n;
+    return hand_on(f, p, 1);
 }
 
 /* One WC of a fetch READ: verify, put, answer. */
