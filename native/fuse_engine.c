@@ -767,17 +767,22 @@ static int enqueue(struct fe_engine *e, const struct fe_request *q)
     return 0;
 }
 
-/* Queue ``q`` for Python, to be answered on the fd or ring entry its request came from. */
-static int enqueue_for_python(struct fe_worker *w, struct fe_request *q)
+/* Queue ``q`` for Python, to be answered on the fd or ring entry its request came from;
+ * or, when ``fetch`` has chunk ``k`` in flight, park it there (fuse_fetch.h: answered by
+ * the fetch thread, or queued for Python if the chunk does not land). */
+static int enqueue_for_python(struct fe_worker *w, struct fe_request *q,
+                              struct fe_fetch *fetch, uint64_t k)
 {
     if (!w->ent) {
         q->fd = w->fd;
-        return enqueue(w->e, q);
+    } else {
+        q->fd = ring_token(w->ent);
+        atomic_store(&w->ent->state, ENT_PY);   /* before another thread can answer it */
     }
-    q->fd = ring_token(w->ent);
-    atomic_store(&w->ent->state, ENT_PY);   /* before Python can see it */
+    if (fetch && fetch_park(fetch, k, q))
+        return 0;
     int rc = enqueue(w->e, q);
-    if (rc < 0)
+    if (rc < 0 && w->ent)
         atomic_store(&w->ent->state, ENT_C);
     return rc;
 }
@@ -817,7 +822,7 @@ static int do_xattr(struct req *r, int kind)
         memcpy(q.name, name, n);
     }
     r->w->c.queued++;
-    int rc = enqueue_for_python(r->w, &q);
+    int rc = enqueue_for_python(r->w, &q, NULL, 0);
     return rc < 0 ? rc : QUEUED;
 }
 
@@ -947,27 +952,6 @@ static int read_hit(struct fe_engine *e, uint64_t entry, uint64_t offset, uint64
     return hit;
 }
 
-/* A READ miss: held by the native fetch when its one chunk is in flight there, else
- * queued for Python. */
-static int read_miss(struct fe_worker *w, struct fe_request *q, uint64_t first, uint64_t last)
-{
-    struct fe_fetch *f = atomic_load(&w->e->fetch);
-    if (!f || first != last)
-        return enqueue_for_python(w, q);
-    if (!w->ent) {
-        q->fd = w->fd;
-    } else {
-        q->fd = ring_token(w->ent);
-        atomic_store(&w->ent->state, ENT_PY);   /* answered by another thread from now */
-    }
-    if (fetch_park(f, first, q))
-        return 0;
-    int rc = enqueue(w->e, q);
-    if (rc < 0 && w->ent)
-        atomic_store(&w->ent->state, ENT_C);
-    return rc;
-}
-
 void fe_read_again(struct fe_engine *e, const struct fe_request *q)
 {
     const struct fe_index *ix = &e->ix;
@@ -1026,7 +1010,8 @@ static int do_read(struct req *r)
                                .offset = offset, .size = in->size, .random = random};
         r->w->c.read_misses++;
         r->w->c.queued++;
-        if (read_miss(r->w, &q, first, last) < 0)
+        struct fe_fetch *f = first == last ? atomic_load(&e->fetch) : NULL;
+        if (enqueue_for_python(r->w, &q, f, first) < 0)
             return -ENOMEM;
         queued = QUEUED;
     }
