@@ -139,8 +139,7 @@ class TierChain:
     async def chunk(self, k: int) -> Data:
         """Verified bytes of chunk ``k`` from the nearest tier that has them."""
         key = self.index.chunk_digest(k)
-        if self.native is not None and key not in self.memory \
-                and (key in self.native.inflight or self._start_native(k, key)):
+        if self.native is not None and key not in self.memory and self._native(k, key):
             await self.native.wait(key)       # landed (a memory hit below) or not (a load)
         return await self.get(key, self.load, k)
 
@@ -156,8 +155,7 @@ class TierChain:
     def start(self, k: int) -> None:
         """Start (or join) the load of chunk ``k`` without waiting for it (prefetch)."""
         key = self.index.chunk_digest(k)
-        if self.native is not None and (key in self.native.inflight
-                                        or self._start_native(k, key)):
+        if self.native is not None and self._native(k, key):
             return
         self.flights.start(key, self.load, k)
 
@@ -165,10 +163,13 @@ class TierChain:
         return self.flights.in_flight(key) or (self.native is not None
                                                and key in self.native.inflight)
 
-    def _start_native(self, k: int, key: bytes) -> bool:
-        """Hand chunk ``k`` to the native fetch, unless a load of it runs here (or the
-        disk tier, which comes before peers, is on)."""
+    def _native(self, k: int, key: bytes) -> bool:
+        """Whether the native fetch has chunk ``k``: in flight there already, or handed
+        to it now, unless a load of it runs here (or the disk tier, which comes before
+        peers, is on)."""
         assert self.native is not None
+        if key in self.native.inflight:
+            return True
         if self.disk is not None or self.flights.in_flight(key):
             return False
         return self.native.start(k, key)
