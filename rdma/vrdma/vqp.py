@@ -158,6 +158,24 @@ class VQP:
         """The vMR the peer exports as ``name`` (RdmaUserError if none)."""
         return self.peer_info.remote_mr(name)
 
+    def _checked(self, local_vmr: VMR, local_off: int, remote: RemoteVMR | str | int,
+                 remote_off: int, length: int) -> tuple[RemoteVMR, int]:
+        """The remote vMR and offset of a READ (:meth:`read` says what ``remote`` may be),
+        once both of its ranges are inside their vMRs; RdmaUserError if not."""
+        if length <= 0:
+            raise RdmaUserError(f"READ of {length} bytes")
+        if isinstance(remote, int):
+            rm, off = self.peer_info.locate(remote, length)
+        else:
+            rm = self.remote_mr(remote) if isinstance(remote, str) else remote
+            off = remote_off
+            if off < 0 or off + length > rm.length:
+                raise RdmaUserError(f"[{off}, +{length}) outside remote vMR {rm.name!r} "
+                                    f"of {rm.length} bytes")
+        if local_off < 0 or local_off + length > local_vmr.length:
+            raise RdmaUserError(f"[{local_off}, +{length}) outside local vMR")
+        return rm, off
+
     def native_target(self, local_vmr: VMR, local_off: int, remote: str, remote_off: int,
                       length: int) -> NativeTarget | None:
         """Where C may post this READ itself, beside the vQP (the FUSE engine's native
@@ -168,9 +186,9 @@ class VQP:
         aside on any error (soft engine C API, ``ks_post_send``)."""
         if self._closed:
             return None
-        rm = self.remote_mr(remote)
-        if remote_off < 0 or remote_off + length > rm.length \
-                or local_off < 0 or local_off + length > local_vmr.length:
+        try:
+            rm, off = self._checked(local_vmr, local_off, remote, remote_off, length)
+        except RdmaUserError:
             return None
         n = len(self.paths)
         for i in range(n):
@@ -180,7 +198,7 @@ class VQP:
                 continue
             self._native_rr = (self._native_rr + i + 1) % n
             sge = local_vmr.sge(p.local_nic, local_off, length)
-            raddr, rkey = rm.on(p.remote_nic, remote_off)
+            raddr, rkey = rm.on(p.remote_nic, off)
             assert p.qp is not None
             return NativeTarget(raw, p.qp.qp_num, sge.addr, sge.lkey, raddr, rkey)
         return None
@@ -269,18 +287,7 @@ class VQP:
         called when the buffer is free (:mod:`.dispatch`)."""
         if self._closed:
             raise PathClosed("virtual QP closed")
-        if length <= 0:
-            raise RdmaUserError(f"READ of {length} bytes")
-        if isinstance(remote, int):
-            rm, off = self.peer_info.locate(remote, length)
-        else:
-            rm = self.remote_mr(remote) if isinstance(remote, str) else remote
-            off = remote_off
-            if off < 0 or off + length > rm.length:
-                raise RdmaUserError(f"[{off}, +{length}) outside remote vMR {rm.name!r} "
-                                    f"of {rm.length} bytes")
-        if local_off < 0 or local_off + length > local_vmr.length:
-            raise RdmaUserError(f"[{local_off}, +{length}) outside local vMR")
+        rm, off = self._checked(local_vmr, local_off, remote, remote_off, length)
         await self.reads.read(local_vmr, local_off, rm, off, length, overrun=overrun,
                               detach=detach)
 
