@@ -181,11 +181,7 @@ def test_chunks_read_again_are_fetched_verified_and_answered_in_c(world) -> None
     before = _stats(mnt)
     with Streaming(mnt, files) as st, Streaming(mnt, files) as st2:   # two: READs park
         _nic_cut(c, 2, lead=3.0, cut=1.5)
-        c.procs["n3"].stop()            # READs from n3 hang: hedged, the parked answered
-        try:
-            time.sleep(1.0)
-        finally:
-            c.procs["n3"].cont()
+        c.procs["n3"].stopped_for(1.0)  # READs from n3 hang: hedged, the parked answered
         time.sleep(1.0)
     s = _stats(mnt)
     assert st.errors == st2.errors == [] and st.reads >= 8, (st.errors[:5], st.reads)

@@ -174,11 +174,7 @@ def _stopped(c, mnt: Path, files: dict[str, bytes], what: str) -> tuple[Readers,
     before = _stats(mnt)
     with Readers(mnt, files, 8, seed=2) as rd:
         time.sleep(1.0)
-        c.procs["n2"].stop()
-        try:
-            time.sleep(1.5)
-        finally:
-            c.procs["n2"].cont()
+        c.procs["n2"].stopped_for(1.5)
         time.sleep(1.0)
     after = _stats(mnt)
     print(f"n2 SIGSTOPped 1.5 s, {what}: {rd.summary()}, errors {len(rd.errors)}, "
