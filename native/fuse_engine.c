@@ -952,15 +952,24 @@ static int read_hit(struct fe_engine *e, uint64_t entry, uint64_t offset, uint64
     return hit;
 }
 
-void fe_read_again(struct fe_engine *e, const struct fe_request *q)
+/* What a READ of [offset, offset + size) of ``entry`` covers: its end, clipped to the
+ * file (``offset >= *end``: nothing), and the chunks first..last it touches. */
+static void read_span(const struct fe_engine *e, uint64_t entry, uint64_t offset,
+                      uint64_t size, uint64_t *end, uint64_t *first, uint64_t *last)
 {
     const struct fe_index *ix = &e->ix;
-    uint64_t entry = q->entry, fsize = ix->size[entry], offset = q->offset;
-    uint64_t end = offset + q->size < fsize ? offset + q->size : fsize;
-    uint64_t c = ix->chunk_size, base = ix->data[entry];
+    uint64_t fsize = ix->size[entry], c = ix->chunk_size, base = ix->data[entry];
+    *end = offset + size < fsize ? offset + size : fsize;
+    *first = (base + offset) / c;
+    *last = *end > offset ? (base + *end - 1) / c : *first;
+}
+
+void fe_read_again(struct fe_engine *e, const struct fe_request *q)
+{
+    uint64_t end, first, last;
+    read_span(e, q->entry, q->offset, q->size, &end, &first, &last);
     struct hit h;
-    if (offset < end && read_hit(e, entry, offset, end, (base + offset) / c,
-                                 (base + end - 1) / c, &h)) {
+    if (q->offset < end && read_hit(e, q->entry, q->offset, end, first, last, &h)) {
         reply_iov(q->fd, q->unique, h.iov, h.n);
         release_hit(e, &h);
         return;
@@ -980,13 +989,11 @@ static int do_read(struct req *r)
     if (r->arglen < sizeof(struct fuse_read_in))
         return -EINVAL;
     const struct fuse_read_in *in = (const void *)r->arg;
-    uint64_t fsize = ix->size[entry], offset = in->offset;
-    uint64_t end = offset + in->size < fsize ? offset + in->size : fsize;
+    uint64_t offset = in->offset, end, first, last;
+    read_span(e, entry, offset, in->size, &end, &first, &last);
     if (offset >= end)
         return answer(r, NULL, 0, 0), 0;
-    uint64_t c = ix->chunk_size, base = ix->data[entry];
-    uint64_t first = (base + offset) / c, last = (base + end - 1) / c;
-    uint64_t file_last = (base + fsize - 1) / c;
+    uint64_t file_last = (ix->data[entry] + ix->size[entry] - 1) / ix->chunk_size;
     if (last >= ix->chunks || first > last)
         return -EIO;
     if (file_last >= ix->chunks)
