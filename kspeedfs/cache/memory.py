@@ -70,6 +70,8 @@ class MemoryCache:
         self._resident_used = 0
         self._transient: OrderedDict[bytes, bytes] = OrderedDict()
         self._transient_used = 0
+        self._put_at: dict[bytes, int] = {}     # transient key -> _put_bytes after its put
+        self._put_bytes = 0                     # bytes ever put into the transient part
         self._mirror: Mirror | None = None
 
     def mirror_to(self, mirror: Mirror | None) -> None:
@@ -125,24 +127,43 @@ class MemoryCache:
         else:
             self._transient[key] = data
             self._transient_used += n
+            self._put_bytes += n
+            self._put_at[key] = self._put_bytes
         if self._mirror is not None:
             self._mirror.put(key, data)
         self._evict()
 
     def _evict(self) -> None:
-        """Trim the transient LRU to its capacity (a mirrored buffer that was served since
-        it was last looked at goes to the young end once instead)."""
-        spared = 0
+        """Trim the transient LRU to its capacity. With a mirror, a buffer goes to the
+        young end instead when a C thread served it since it was last looked at (its
+        second chance), or when no read has reached it yet and it is young (``_unread``).
+        Two rounds at most: the first clears every second chance; if the second finds
+        only young unread buffers, the oldest goes."""
+        spares = 2 * len(self._transient)
         while self._transient_used > self.transient_capacity:
             key, evicted = self._transient.popitem(last=False)
-            if (self._mirror is not None and spared < len(self._transient)
-                    and self._mirror.touched(key)):
+            if (self._mirror is not None and spares > 0
+                    and (self._mirror.touched(key) or self._unread(key))):
                 self._transient[key] = evicted
-                spared += 1
+                spares -= 1
                 continue
             self._transient_used -= len(evicted)
+            self._put_at.pop(key, None)
             if self._mirror is not None:
                 self._mirror.discard(key)
+
+    def _unread(self, key: bytes) -> bool:
+        """Whether ``key`` is a buffer no read has reached yet (a prefetched chunk) and
+        less than the transient's capacity was put after it. C's reads do not reorder
+        the LRU, so a chunk being read, spared for that, went to the young end past the
+        chunks prefetched after it, and the next eviction took those, unread: with 4
+        readers from peers (256 MiB tier, 4 chunks ahead) 1,112 of 1,834 READs that
+        reached Python were for a chunk that had landed 50-140 ms before and been
+        evicted, and peers sent 1.33x the bytes read. Old and unread (its reader
+        stopped early) it is evicted as before."""
+        assert self._mirror is not None
+        age = self._put_bytes - self._put_at.get(key, 0)
+        return age < self.transient_capacity and not self._mirror.served(key)
 
     def discard(self, key: bytes) -> None:
         old = self._resident.pop(key, None)
@@ -153,5 +174,6 @@ class MemoryCache:
             if old is None:
                 return
             self._transient_used -= len(old)
+            self._put_at.pop(key, None)
         if self._mirror is not None:
             self._mirror.discard(key)

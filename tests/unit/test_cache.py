@@ -85,6 +85,56 @@ def test_an_epoch_larger_than_the_tier_keeps_its_first_part() -> None:
     assert hits == 2 * 3          # 3 resident items (375 bytes of room), both later epochs
 
 
+class _ServingMirror:
+    """The native engine's tier bits as ``MemoryCache`` asks them
+    (``fuse.native.TierMirror``): ``serve`` is a C thread answering a READ from a buffer."""
+
+    def __init__(self) -> None:
+        self.touched_keys: set[bytes] = set()
+        self.served_keys: set[bytes] = set()
+
+    def serve(self, key: bytes) -> None:
+        self.touched_keys.add(key)
+        self.served_keys.add(key)
+
+    def put(self, key: bytes, data) -> None:
+        self.touched_keys.discard(key)
+        self.served_keys.discard(key)
+
+    def discard(self, key: bytes) -> None:
+        self.put(key, None)
+
+    def touched(self, key: bytes) -> bool:      # since last asked
+        was = key in self.touched_keys
+        self.touched_keys.discard(key)
+        return was
+
+    def served(self, key: bytes) -> bool:       # since put
+        return key in self.served_keys
+
+
+def test_sequential_readers_served_by_c_find_their_prefetched_chunks() -> None:
+    """Readers whose READs C threads answer (no LRU reordering), each with chunks
+    prefetched ahead: eviction takes chunks already read, never a prefetched one before
+    its reader reaches it. (It took those: a chunk being read, spared for that, went to
+    the young end past the chunks prefetched after it.)"""
+    readers, ahead, chunks = 4, 4, 40
+    cache = MemoryCache(readers * (ahead + 3), transient_min=0, transient_fraction=1.0)
+    mirror = _ServingMirror()
+    cache.mirror_to(mirror)
+    key = {(r, k): bytes([r, k]) for r in range(readers) for k in range(chunks)}
+    for r in range(readers):
+        for k in range(ahead):
+            cache.put(key[r, k], b"x")
+    for k in range(chunks - ahead):
+        for r in range(readers):
+            for _ in range(4):                  # a chunk's READs, answered in C
+                assert key[r, k] in cache, (r, k)
+                mirror.serve(key[r, k])
+            cache.put(key[r, k + ahead], b"x")  # and the prefetch it hinted
+    assert all(key[r, k] in cache for r in range(readers) for k in range(chunks - ahead, chunks))
+
+
 TestMemoryModel = MemoryModel.TestCase
 
 
