@@ -407,12 +407,15 @@ class NativeSession:
     def transport_stats(self) -> dict[str, Any]:
         """How requests reach this daemon, and the io_uring queues' counters: requests
         through them, and the bytes and time of copying READ hits into their payload
-        buffers (what /dev/fuse's writev from the tier does not cost); and the native
-        chunk fetch's counters (native/fuse_fetch.h)."""
+        buffers (what /dev/fuse's writev from the tier does not cost); READs the tier
+        could not answer in C (``read_misses``: ``fetch_parked`` of them waited for the
+        native fetch, the rest were answered in Python) and prefetch hints sent to
+        Python; and the native chunk fetch's counters (native/fuse_fetch.h)."""
         c = self.counters()
         return {"transport": f"native {self.transport}",
                 **{k: c.get(k, 0) for k in ("ring_requests", "ring_copy_bytes", "ring_copy_ns",
-                                            "ring_lost", "fetch_posted", "fetch_landed",
+                                            "ring_lost", "read_misses", "prefetch_hints",
+                                            "fetch_posted", "fetch_landed",
                                             "fetch_failed", "fetch_parked", "fetch_answered")}}
 
     def served(self) -> tuple[int, int, int]:

@@ -186,7 +186,7 @@ def test_chunks_read_again_are_fetched_verified_and_answered_in_c(world) -> None
     s = _stats(mnt)
     assert st.errors == st2.errors == [] and st.reads >= 8, (st.errors[:5], st.reads)
     assert s["fetch_landed"] > s["fetch_failed"] and s["fetch_landed"] >= st.reads, s
-    assert s["fetch_parked"] == s["fetch_answered"], s
+    assert s["fetch_parked"] == s["fetch_answered"] <= s["read_misses"], s
     assert s["source_loads"] == before["source_loads"], s
     print(f"native fetch: {s['fetch_landed']} chunks landed, {s['fetch_failed']} stepped "
           f"aside, {s['fetch_parked']} READs parked; {st.reads} shard reads, 0 errors")
