@@ -281,6 +281,14 @@ class Reader:
         self.policy.ahead.discard(self.index.chunk_digest(k))
         return await self.tiers.chunk(k)
 
+    def reached(self, k: int) -> None:
+        """A read reached chunk ``k`` (the native engine's hint says so): it no longer
+        counts as prefetched ahead, even while it is still loading. (Counted until it
+        was served, a chunk its reader waited for held the budget, and the next chunk's
+        prefetch was skipped: each skip cost ~3 READs answered in Python, the kernel's
+        readahead sending a chunk's READs at once.)"""
+        self.policy.ahead.discard(self.index.chunk_digest(k))
+
     def _landed(self, k: int, key: bytes, loaded: Loaded) -> None:
         """Chunk ``k`` is in the memory tier: blocks of it that random reads loaded go (the
         chunk serves them now, and a resident block would hold room for good)."""

@@ -1025,8 +1025,8 @@ static int do_read(struct req *r)
     if (pstop > pstart) {
         for (uint64_t k = pstart; k < pstop; k++)
             if (!tier_has(e->tier, chunk_key(e, k), 16)) {
-                struct fe_request q = {.kind = FE_PREFETCH, .fd = -1, .entry = entry,
-                                       .offset = k, .size = pstop};
+                struct fe_request q = {.kind = FE_PREFETCH, .fd = -1, .unique = last,
+                                       .entry = entry, .offset = k, .size = pstop};
                 r->w->c.prefetch_hints++;
                 enqueue(e, &q);
                 break;

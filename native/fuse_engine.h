@@ -74,7 +74,7 @@ enum fe_kind { FE_READ = 1, FE_GETXATTR = 2, FE_LISTXATTR = 3, FE_PREFETCH = 4,
 struct fe_request {
     int kind;
     int fd;                 /* reply on this fd (the clone that read it); < 0: a ring token */
-    uint64_t unique;
+    uint64_t unique;        /* PREFETCH: the chunk the hinting READ reached */
     uint64_t entry;         /* manifest entry (inode - 1) */
     uint64_t offset;        /* READ: offset; PREFETCH: first chunk */
     uint64_t size;          /* READ: size; xattr: the caller's buffer size; PREFETCH: stop chunk */

@@ -324,7 +324,8 @@ class NativeSession:
         kind, fd, unique, entry, offset, size, random, name = req
         if kind == _engine.READ:
             nursery.start_soon(self._answer_read, fd, unique, entry, offset, size, random)
-        elif kind == _engine.PREFETCH:
+        elif kind == _engine.PREFETCH:          # unique: the chunk the hinting READ reached
+            self.ops.reader.reached(unique)
             for k in range(offset, size):
                 self.ops.reader.prefetch(entry, k)
         elif kind == _engine.FETCHED:
