@@ -768,10 +768,11 @@ static int enqueue(struct fe_engine *e, const struct fe_request *q)
 }
 
 /* Queue ``q`` for Python, to be answered on the fd or ring entry its request came from;
- * or, when ``fetch`` has chunk ``k`` in flight, park it there (fuse_fetch.h: answered by
- * the fetch thread, or queued for Python if the chunk does not land). */
+ * or, when ``fetch`` has every chunk of [first, last] the tier lacks in flight, park it
+ * there (fuse_fetch.h: answered by the fetch thread, or queued for Python if a chunk
+ * does not land). */
 static int enqueue_for_python(struct fe_worker *w, struct fe_request *q,
-                              struct fe_fetch *fetch, uint64_t k)
+                              struct fe_fetch *fetch, uint64_t first, uint64_t last)
 {
     if (!w->ent) {
         q->fd = w->fd;
@@ -779,7 +780,7 @@ static int enqueue_for_python(struct fe_worker *w, struct fe_request *q,
         q->fd = ring_token(w->ent);
         atomic_store(&w->ent->state, ENT_PY);   /* before another thread can answer it */
     }
-    if (fetch && fetch_park(fetch, k, q))
+    if (fetch && fetch_park(fetch, first, last, q))
         return 0;
     int rc = enqueue(w->e, q);
     if (rc < 0 && w->ent)
@@ -822,7 +823,7 @@ static int do_xattr(struct req *r, int kind)
         memcpy(q.name, name, n);
     }
     r->w->c.queued++;
-    int rc = enqueue_for_python(r->w, &q, NULL, 0);
+    int rc = enqueue_for_python(r->w, &q, NULL, 0, 0);
     return rc < 0 ? rc : QUEUED;
 }
 
@@ -974,6 +975,9 @@ void fe_read_again(struct fe_engine *e, const struct fe_request *q)
         release_hit(e, &h);
         return;
     }
+    struct fe_fetch *f = atomic_load(&e->fetch);   /* another of its chunks still in flight */
+    if (q->offset < end && f && fetch_park(f, first, last, q))
+        return;
     enqueue(e, q);
 }
 
@@ -1017,8 +1021,7 @@ static int do_read(struct req *r)
                                .offset = offset, .size = in->size, .random = random};
         r->w->c.read_misses++;
         r->w->c.queued++;
-        struct fe_fetch *f = first == last ? atomic_load(&e->fetch) : NULL;
-        if (enqueue_for_python(r->w, &q, f, first) < 0)
+        if (enqueue_for_python(r->w, &q, atomic_load(&e->fetch), first, last) < 0)
             return -ENOMEM;
         queued = QUEUED;
     }

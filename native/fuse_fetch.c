@@ -251,25 +251,36 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
     return rc;
 }
 
-int fetch_park(struct fe_fetch *f, uint64_t k, const struct fe_request *q)
+int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct fe_request *q)
 {
-    if (!atomic_load(&f->nactive))
+    if (!atomic_load(&f->nactive) || first > last || last >= f->chunks)
         return 0;
     struct parked *p = malloc(sizeof *p);
     if (!p)
         return 0;
     p->q = *q;
-    pthread_mutex_lock(&f->lock);
-    struct rec *r = rec_of(f, k);
-    if (r) {
-        p->next = r->parked;
-        r->parked = p;
+    struct rec *wait = NULL;
+    pthread_mutex_lock(&f->lock);       /* (a record ends under it, after its tier put) */
+    for (uint64_t k = first; k <= last; k++) {
+        if (tier_has(f->t, f->digests + k * 16, 16))
+            continue;
+        struct rec *r = rec_of(f, k);
+        if (!r) {                       /* missing and not in flight: Python loads it */
+            wait = NULL;
+            break;
+        }
+        if (!wait)
+            wait = r;
+    }
+    if (wait) {
+        p->next = wait->parked;
+        wait->parked = p;
         f->c.parked++;
     }
     pthread_mutex_unlock(&f->lock);
-    if (!r)
+    if (!wait)
         free(p);
-    return r != NULL;
+    return wait != NULL;
 }
 
 int fetch_unpark(struct fe_fetch *f, uint64_t k)

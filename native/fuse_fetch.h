@@ -6,6 +6,8 @@
  *   UP path on the soft provider                       one RDMA READ into a landing slot,
  *                                                      its WC on the fetch's own CQ
  *   READs of k meanwhile (request threads)         ─► fetch_park: held on k's record
+ *                                                      (a READ of several chunks: when each
+ *                                                      one missing is in flight, on the first)
  *   the fetch thread: WC ─► xxh3-128 == k's digest? ─► tier_put_new (no owner yet),
  *                                                      the parked READs answered from it
  *                                                 ─► event FE_FETCHED (status 0) to Python,
@@ -41,8 +43,9 @@ struct fe_request;
 struct fe_tier;
 struct fe_fetch;
 
-/* From fuse_engine.c: answer a queued READ again (from the tier, or queue it for
- * Python), and queue a request or event for Python. */
+/* From fuse_engine.c: answer a parked READ again (from the tier; parked again on another
+ * of its chunks still in flight; or queued for Python), and queue a request or event for
+ * Python. */
 void fe_read_again(struct fe_engine *e, const struct fe_request *q);
 int fe_queue(struct fe_engine *e, const struct fe_request *q);
 
@@ -60,8 +63,10 @@ int fetch_engine(struct fe_fetch *f, ks_engine *ke, const char **why);
 int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint64_t cookie,
                void *laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len,
                const char **why);
-/* Hold READ ``q`` (fd or ring token set) until chunk ``k`` lands: 1; 0: k not in flight. */
-int fetch_park(struct fe_fetch *f, uint64_t k, const struct fe_request *q);
+/* Hold READ ``q`` (fd or ring token set) of chunks [first, last] when every one of them
+ * the tier lacks is in flight: parked on the first such, 1 (answered again when it lands:
+ * from the tier, parked on the next, or queued for Python); else 0. */
+int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct fe_request *q);
 /* Answer the READs parked on chunk ``k`` now (its bytes came another way: a hedge
  * READ Python made); the fetch itself goes on. Returns how many. */
 int fetch_unpark(struct fe_fetch *f, uint64_t k);
