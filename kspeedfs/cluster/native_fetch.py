@@ -47,6 +47,8 @@ from .fetch import NATIVE_READS, Peers
 from .landing import Slot
 
 if TYPE_CHECKING:
+    from rdma.vrdma import VQP
+
     from ..cache.memory import MemoryCache
     from ..cache.tiers import TierChain
     from ..manifest.index import ManifestIndex
@@ -81,6 +83,8 @@ class _Fetch:
     started: float
     t0: float                               # when it was posted (time.monotonic)
     cookie: int
+    vqp: VQP
+    qpn: int                                # the path it was posted on
     event: trio.Event | None = None
     hedged: bool = False
 
@@ -154,7 +158,8 @@ class NativeFetch:
             log.debug("native fetch of chunk %d not posted: %s", k, e)
             return False
         now = time.monotonic()
-        f = _Fetch(k, key, slot, length, rec.node, rec.started, now, self._cookies)
+        f = _Fetch(k, key, slot, length, rec.node, rec.started, now, self._cookies, vqp,
+                   target.qpn)
         self.inflight[key] = self._by_cookie[self._cookies] = f
         if self.peers.hedge is not None:         # (deadlines in trio's clock, not monotonic)
             limit = trio.current_time() + self.peers.hedger.threshold(rec.node, length)
@@ -219,6 +224,8 @@ class NativeFetch:
         if f is None:
             return
         del self.inflight[f.key]
+        if status in (_fe.FETCH_OK, _fe.FETCH_MISMATCH, _fe.FETCH_EXISTS):
+            f.vqp.native_done(f.qpn)                # the READ came back: its path lives
         if status == _fe.FETCH_OK:
             data = self.peers.landing.keep(f.slot, f.length)
             self.peers.landed_native(f.node, f.length)

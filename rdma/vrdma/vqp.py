@@ -203,6 +203,21 @@ class VQP:
             return NativeTarget(raw, p.qp.qp_num, sge.addr, sge.lkey, raddr, rkey)
         return None
 
+    def native_done(self, qpn: int) -> None:
+        """A READ C posted on the path of QP ``qpn`` (:meth:`native_target`) completed
+        successfully: proof that the path lives, as a data READ's WC is
+        (``ReadDispatcher.on_wc``). Those WCs reach C's CQ, not the path's, so without
+        this a path carrying only C's READs was silent to the monitor: in the steady
+        4-reader peer loop healthy paths went SUSPECT ~300 and DOWN ~11 times in 10 s
+        (each DOWN a rebuild; the probes waited behind 4 MiB READs on the same QP).
+        A QP number no path has any more (rebuilt since) is ignored."""
+        for p in self.paths:
+            if p.qp is not None and p.qp.qp_num == qpn:
+                now = self.clock()
+                p.m.live.data_ok(now)
+                self.pathset.note(p.m.ok(now))
+                return
+
     # ------------------------------------------------------------------ lifecycle
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run the vQP's tasks (a CQ consumer per path, the monitor) until :meth:`aclose`

@@ -305,6 +305,35 @@ async def test_an_idle_vqp_probes_slowly_until_the_next_read(server: Any) -> Non
         assert buf.read(4096) == srv.exports["data"].read(4096)
 
 
+async def test_reads_c_completed_on_a_path_stand_in_for_its_probes(server: Any) -> None:
+    """``VQP.native_done``: a path whose traffic is the native fetch's READs (their WCs
+    reach C's CQ, not the path's) is proven alive by them, as by its own data READs, and
+    is not probed meanwhile; a QP number no path has is ignored."""
+    srv, port = server
+    cfg = HeartbeatConfig(connect_timeout=5.0, unreachable_grace=3.0, interval=0.01)
+    async with Endpoint(SECRET, node="A", addrs=[LO], cfg=cfg) as ep:
+        vqp = await ep.connect([LO], port)
+        buf = ep.alloc(4096)
+        await vqp.read(buf, 0, vqp.remote_mr("data"), 4096)
+        target = vqp.native_target(buf, 0, "data", 0, 4096)
+        assert target is not None
+
+        def beats() -> int:
+            return sum(p.heartbeats_ok for p in vqp.statistics().paths)
+
+        h0 = beats()
+        await trio.sleep(0.25)
+        probed = beats() - h0
+        h1 = beats()
+        for _ in range(125):                            # a READ of C's every 2 ms
+            vqp.native_done(target.qpn)
+            vqp.native_done(target.qpn ^ 0xFFFFFF)      # no such QP: ignored
+            await trio.sleep(0.002)
+        carried = beats() - h1
+        assert probed >= 8 and carried <= 2, (probed, carried)
+        assert [p.state for p in vqp.statistics().paths] == ["UP"]
+
+
 async def test_hostile_connection_racing_the_client_reads_nothing(
         server: Any, client: Endpoint) -> None:
     """Soft wire level: an attacker who learned a served QP's number, the client's QPN and
