@@ -197,6 +197,7 @@ struct ks_qp {
     uint32_t dest_qpn;                 /* protected by e->lock */
     uint64_t timeout_ns;               /* 0: infinite; protected by e->lock */
     uint64_t last_progress;            /* protected by e->lock */
+    uint64_t last_rx;                  /* a response byte last arrived (0: never); e->lock */
     ks_conn *req, *resp;               /* protected by e->lock */
     /* RESET/INIT: HELLO'd connections not yet checkable (the peer's QPN and address are
      * only known at RTR); RTR keeps the one that matches, if any, as `resp` */
@@ -1033,7 +1034,7 @@ static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c)
                 if ((uint64_t)n < asked + extra) {
                     /* drained the socket: back to epoll (level-triggered) rather than
                      * a readv that would only say EAGAIN; a partial header waits staged */
-                    qp->last_progress = now_ns();
+                    qp->last_progress = qp->last_rx = now_ns();
                     e->n_rx_bytes += n;
                     return 0;
                 }
@@ -1059,7 +1060,7 @@ static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c)
                 return 0;
             return -errno;
         }
-        qp->last_progress = now_ns();
+        qp->last_progress = qp->last_rx = now_ns();
         e->n_rx_bytes += n;
         budget = (uint64_t)n >= budget ? 0 : budget - n;
     }
@@ -2191,6 +2192,11 @@ void ks_qp_free(ks_qp *qp)
 }
 
 int ks_qp_state(const ks_qp *qp) { return qp->state; }
+
+int64_t ks_qp_rx_age(const ks_qp *qp)
+{
+    return qp->last_rx ? (int64_t)(now_ns() - qp->last_rx) : -1;
+}
 
 int ks_qp_private_data(const ks_qp *qp, uint8_t *buf)
 {

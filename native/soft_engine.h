@@ -243,6 +243,9 @@ ks_qp *ks_qp_get(ks_engine *e, uint32_t qpn);                       /* e->lock *
 void ks_qp_remove(ks_engine *e, ks_qp *qp);                         /* e->lock */
 void ks_qp_free(ks_qp *qp);
 int ks_qp_state(const ks_qp *qp);                                   /* e->lock */
+/* ns since a byte of a response last arrived on the QP (-1: never): the peer and the
+ * path are alive however long the READ it belongs to takes (vRDMA liveness) */
+int64_t ks_qp_rx_age(const ks_qp *qp);                              /* e->lock */
 /* the HELLO's private data into buf[KS_MAX_PDATA]: its length, -1 for none */
 int ks_qp_private_data(const ks_qp *qp, uint8_t *buf);              /* e->lock */
 void ks_qp_init(ks_qp *qp, int access);                             /* e->lock */

@@ -383,6 +383,21 @@ static PyObject *Engine_qp_state(EngineObject *self, PyObject *args)
     return PyLong_FromLong(state);
 }
 
+static PyObject *Engine_qp_rx_age(EngineObject *self, PyObject *args)
+{
+    unsigned int qpn;
+    if (!PyArg_ParseTuple(args, "I", &qpn))
+        return NULL;
+    ks_qp *qp = qp_locked(self, qpn, "qp_rx_age");
+    if (!qp)
+        return NULL;
+    int64_t age = ks_qp_rx_age(qp);
+    ks_engine_unlock(self->e);
+    if (age < 0)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble((double)age / 1e9);
+}
+
 static PyObject *Engine_qp_private_data(EngineObject *self, PyObject *args)
 {
     unsigned int qpn;
@@ -664,6 +679,8 @@ static PyMethodDef Engine_methods[] = {
      "create_qp(pd, scq, rcq, max_send_wr, max_recv_wr, max_send_sge, max_recv_sge, sig_all) -> qpn"},
     {"destroy_qp", (PyCFunction)Engine_destroy_qp, METH_VARARGS, "destroy_qp(qpn)"},
     {"qp_state", (PyCFunction)Engine_qp_state, METH_VARARGS, "qp_state(qpn) -> int"},
+    {"qp_rx_age", (PyCFunction)Engine_qp_rx_age, METH_VARARGS,
+     "qp_rx_age(qpn) -> seconds since a response byte arrived, or None (never)"},
     {"qp_private_data", (PyCFunction)Engine_qp_private_data, METH_VARARGS, "bytes or None"},
     {"qp_init", (PyCFunction)Engine_qp_init, METH_VARARGS, "qp_init(qpn, access)"},
     {"qp_set_access", (PyCFunction)Engine_qp_set_access, METH_VARARGS, "qp_set_access(qpn, access)"},

@@ -542,6 +542,12 @@ class QP(Resource, abc.ABC):
     def remote_private_data(self) -> bytes | None:
         return None
 
+    def rx_age(self) -> float | None:
+        """Seconds since a byte of a response last arrived on this QP, where the provider
+        can tell (the soft one: a long READ still moving proves the path alive before its
+        WC); None here, and when nothing arrived yet."""
+        return None
+
     @property
     def qp_state(self) -> ibv_qp_state:
         self._check_open()

@@ -3,6 +3,7 @@ READ correctness over many sizes/offsets/SGE layouts (Hypothesis)."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -321,3 +322,20 @@ def test_threads_posting_on_one_qp_lose_nothing() -> None:
             t.join(10)
         assert sorted(w.wr_id for w in got) == sorted(posted)
         assert len(set(w.wr_id for w in got)) == per * nthreads and all(w.ok for w in got)
+
+
+def test_rx_age_says_how_long_ago_response_bytes_arrived() -> None:
+    """``QP.rx_age`` (vRDMA's liveness evidence while a long READ is still moving): None
+    before any response, then the time since its last byte; requests sent do not count."""
+    with soft_pair(mr_size=1 << 20) as p:
+        qp = p.client.qp
+        assert qp.rx_age() is None and p.server.qp.rx_age() is None
+        qp.post_send(read_wr(1, p.client.mr, p.server.mr, 1 << 20, 0, 0))
+        (wc,) = p.client.wait()
+        assert wc.status == IBV_WC_SUCCESS
+        first = qp.rx_age()
+        assert first is not None and 0 <= first < 1.0
+        time.sleep(0.2)
+        later = qp.rx_age()
+        assert later is not None and later >= first + 0.19
+        assert p.server.qp.rx_age() is None     # it only received requests

@@ -80,6 +80,10 @@ class SoftQP(QP):
         self._check_open()
         return int(self.engine.call("qp_state", self.engine.raw.qp_state, self.qp_num))
 
+    def rx_age(self) -> float | None:
+        self._check_open()
+        return self.engine.call("qp_rx_age", self.engine.raw.qp_rx_age, self.qp_num)
+
     def _modify(self, attr: QPAttr, names: frozenset[str], current: int,
                 requested: int) -> None:
         raw = self.engine.raw
