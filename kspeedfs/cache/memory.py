@@ -27,7 +27,9 @@ Mirror (the native engine, ``fuse/native.py``): with ``mirror_to(m)`` every buff
 here is also ``m.put`` and every one that leaves is ``m.discard``-ed, so the engine's C
 threads answer reads from exactly what this tier holds. They cannot reorder the LRU,
 so eviction asks ``m.touched(key)`` first and gives a buffer served since it was last
-asked a second chance (CLOCK); the order is still an LRU for reads answered here.
+asked a second chance (CLOCK); the order is still an LRU for reads answered here. A
+buffer no read has reached yet (a prefetched chunk) is spared too while it is young
+(``_unread``), or the chunks being read, sent to the young end, push it out first.
 ``served(key)`` (whether any read was answered from it since its put) tells the
 prefetcher that a reader has reached a chunk that only C threads served.
 """
