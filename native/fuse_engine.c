@@ -217,6 +217,11 @@ struct fe_engine {
     /* the native chunk fetch (fuse_fetch.c): set once by fe_fetch_enable, freed by
      * fe_destroy (request threads may park on it until they are joined) */
     _Atomic(struct fe_fetch *) fetch;
+    /* READs a parked list handed back and the tier answered (fe_read_again: the fetch
+     * thread, or Python's thread in fetch_unpark): counted as hits, with their whole
+     * latency, like a request thread's */
+    pthread_mutex_t alock;
+    struct fe_counters again;       /* under alock */
 };
 
 static int is_dir(uint32_t mode) { return S_ISDIR(mode); }
@@ -243,6 +248,7 @@ struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_o
         return NULL;
     }
     pthread_mutex_init(&e->qlock, NULL);
+    pthread_mutex_init(&e->alock, NULL);
     pthread_mutex_init(&e->hlock, NULL);
     pthread_mutex_init(&e->rlock, NULL);
     pthread_cond_init(&e->rcond, NULL);
@@ -965,6 +971,8 @@ static void read_span(const struct fe_engine *e, uint64_t entry, uint64_t offset
     *last = *end > offset ? (base + *end - 1) / c : *first;
 }
 
+static void count_into(struct fe_counters *c, int op, uint64_t t0, int err);
+
 void fe_read_again(struct fe_engine *e, const struct fe_request *q)
 {
     uint64_t end, first, last;
@@ -973,6 +981,12 @@ void fe_read_again(struct fe_engine *e, const struct fe_request *q)
     if (q->offset < end && read_hit(e, q->entry, q->offset, end, first, last, &h)) {
         reply_iov(q->fd, q->unique, h.iov, h.n);
         release_hit(e, &h);
+        pthread_mutex_lock(&e->alock);
+        e->again.read_hits++;
+        e->again.read_hit_bytes += end - q->offset;
+        e->again.memory_hits += (uint64_t)h.units;
+        count_into(&e->again, FE_OP_READ, q->t0, 0);
+        pthread_mutex_unlock(&e->alock);
         return;
     }
     struct fe_fetch *f = atomic_load(&e->fetch);   /* another of its chunks still in flight */
@@ -1018,7 +1032,8 @@ static int do_read(struct req *r)
         release_hit(e, &h);
     } else {
         struct fe_request q = {.kind = FE_READ, .unique = r->h->unique, .entry = entry,
-                               .offset = offset, .size = in->size, .random = random};
+                               .offset = offset, .size = in->size, .random = random,
+                               .t0 = r->t0};
         r->w->c.read_misses++;
         r->w->c.queued++;
         if (enqueue_for_python(r->w, &q, atomic_load(&e->fetch), first, last) < 0)
@@ -1051,17 +1066,22 @@ static uint64_t now_ns(void)
     return (uint64_t)t.tv_sec * 1000000000ULL + (uint64_t)t.tv_nsec;
 }
 
-static void count(struct fe_worker *w, int op, uint64_t t0, int err)
+static void count_into(struct fe_counters *c, int op, uint64_t t0, int err)
 {
     uint64_t dt = now_ns() - t0;
     int b = 0;
     while (b < FE_BUCKETS - 1 && dt > bounds_ns[b])
         b++;
-    w->c.count[op]++;
-    w->c.ns[op] += dt;
-    w->c.buckets[op][b]++;
+    c->count[op]++;
+    c->ns[op] += dt;
+    c->buckets[op][b]++;
     if (err)
-        w->c.errors[op]++;
+        c->errors[op]++;
+}
+
+static void count(struct fe_worker *w, int op, uint64_t t0, int err)
+{
+    count_into(&w->c, op, t0, err);
 }
 
 static void dispatch(struct fe_worker *w, const uint8_t *buf, size_t n)
@@ -1894,6 +1914,9 @@ void fe_counters(struct fe_engine *e, struct fe_counters *sum)
         add_counters(sum, &e->workers[i].c);    /* racy reads of plain u64s */
     for (int i = 0; i < e->nqueues; i++)
         add_counters(sum, &e->queues[i].w.c);
+    pthread_mutex_lock(&e->alock);
+    add_counters(sum, &e->again);
+    pthread_mutex_unlock(&e->alock);
     struct fe_fetch *f = atomic_load(&e->fetch);
     if (f) {
         struct fe_fetch_counters fc;
