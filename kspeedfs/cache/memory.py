@@ -161,8 +161,9 @@ class MemoryCache:
         chunks prefetched after it, and the next eviction took those, unread: with 4
         readers from peers (256 MiB tier, 4 chunks ahead) 1,112 of 1,834 READs that
         reached Python were for a chunk that had landed 50-140 ms before and been
-        evicted, and peers sent 1.33x the bytes read. Old and unread (its reader
-        stopped early) it is evicted as before."""
+        evicted; with this rule peers send 0.90 instead of 1.00 of the bytes read, and
+        half as many READs reach Python. Old and unread (its reader stopped early) it
+        is evicted as before."""
         assert self._mirror is not None
         age = self._put_bytes - self._put_at.get(key, 0)
         return age < self.transient_capacity and not self._mirror.served(key)
