@@ -95,6 +95,10 @@ STAGING = 3      # physical staging slots at most, × nbuf (reads in progress + 
 #: chunks for 4 readers) and the trio thread's CPU per GB fell 4-23 %; with 32 of its
 #: own, 92 % and 47 % (docs/design.md)
 NATIVE_READS = 32
+#: a node's whole arena index is READ at once for the native fetch's routes when it fits
+#: one staging slot (64 B per arena slot: 4 MiB of index for 64 Ki slots), at most once
+#: per INDEX_REFRESH seconds per node incarnation (again after a stale hint from it)
+INDEX_REFRESH = 1.0
 
 #: what makes a replica a failed one (next replica), as opposed to a bug
 _FAILED = (PeerUnreachable, RpcUnavailable, PathClosed, HandshakeError)
@@ -198,6 +202,8 @@ class Peers:
         self._rpc: dict[str, RpcClient] = {}
         self._skip_until: dict[str, float] = {}
         self._hints: dict[tuple[str, float, bytes], int] = {}   # (node, started, key) → slot
+        self._indexes: dict[tuple[str, float], bytes] = {}     # (node, started) → its index
+        self._index_read: dict[tuple[str, float], float] = {}  # ... → when last READ
         self._placed_orders: dict[bytes, list[str]] = {}         # key → reader_order
         self._placed_for: object = None                          # ... of these members
         self.counters = PeerCounters()
@@ -474,8 +480,9 @@ class Peers:
 
     def native_route(self, key: bytes, length: int) -> tuple[NodeRecord, int, VQP] | None:
         """Where C may READ chunk ``key`` itself: its first replica not being skipped,
-        when a slot hint says where the chunk sits there and its vQP is connected —
-        ``(record, slot, vqp)``; None: ``read_chunk`` (which learns the hint)."""
+        when a slot hint (or that node's index, READ whole: ``_index_slot``) says where
+        the chunk sits there and its vQP is connected — ``(record, slot, vqp)``; None:
+        ``read_chunk`` (which learns the hint)."""
         if length > self.slot_size:
             return None
         now = time.monotonic()
@@ -483,11 +490,51 @@ class Peers:
             if self._skip_until.get(rec.node, 0.0) > now:
                 continue
             have = self._vqps.get(rec.node)
-            rslot = self._hints.get((rec.node, rec.started, key))
-            if have is None or have[0] != rec.started or rslot is None:
+            if have is None or have[0] != rec.started:
                 return None
-            return rec, rslot, have[1]
+            rslot = self._hints.get((rec.node, rec.started, key))
+            if rslot is None:
+                rslot = self._index_slot(rec, key, length, now)
+            return None if rslot is None else (rec, rslot, have[1])
         return None
+
+    def _index_slot(self, rec: NodeRecord, key: bytes, length: int, now: float) -> int | None:
+        """The slot of ``key`` in ``rec``'s arena by a copy of its whole index (remembered
+        as a hint), or None; with no copy, one is READ in the background (when it fits a
+        staging slot, at most every INDEX_REFRESH s). Without it, a fresh mount's first
+        pass over the data went through ``read_chunk`` chunk by chunk (a bucket READ and
+        the chunk READ in Python), and only later passes reached the native fetch."""
+        at = (rec.node, rec.started)
+        index = self._indexes.get(at)
+        if rec.nbuckets < 1:
+            return None
+        if index is None:
+            size = rec.nbuckets * BUCKET_BYTES
+            if size <= self.slot_size and now - self._index_read.get(at, -INDEX_REFRESH) \
+                    >= INDEX_REFRESH:
+                self._index_read[at] = now
+                self.nursery.start_soon(self._read_index, rec, size)
+            return None
+        b = bucket_of(key, rec.nbuckets) * BUCKET_BYTES
+        found = find_in_bucket(index[b:b + BUCKET_BYTES], key)
+        if found is None or found[1] != length:
+            return None
+        self._hint((rec.node, rec.started, key), found[0])
+        return found[0]
+
+    async def _read_index(self, rec: NodeRecord, size: int) -> None:
+        """READ ``rec``'s whole arena index into a staging slot and keep a copy."""
+        try:
+            vqp = await self._vqp(rec)
+            staging = await self._take_staging()
+            try:
+                await vqp.read(staging[0], staging[1], "index", size, 0)
+                self._indexes[(rec.node, rec.started)] = staging[0].read(size, staging[1])
+            finally:
+                self._staging.append(staging)
+                self._staging_free.release()
+        except (PeerUnreachable, PathClosed, HandshakeError, RpcUnavailable, RdmaError) as e:
+            log.debug("index of %s not READ: %s", rec.node, e)
 
     def landed_native(self, node: str, nbytes: int) -> None:
         """A chunk C READ from ``node`` landed verified: counted as a hinted peer hit."""
@@ -498,12 +545,15 @@ class Peers:
         c.per_peer[node] += nbytes
 
     def stale_hint(self, node: str, started: float, key: bytes) -> None:
-        """C found another chunk in the slot a hint named: forget the hint."""
+        """C found another chunk in the slot a hint named: forget the hint, and the copy
+        of that node's index it may have come from."""
         self.counters.stale_hints += 1
         self._hints.pop((node, started, key), None)
+        self._indexes.pop((node, started), None)
 
     def _hint(self, hint_key: tuple[str, float, bytes], rslot: int) -> None:
-        """Remember a verified slot; the oldest hint goes when the table is full."""
+        """Remember a slot (verified, or found in an index copy: checked on use); the
+        oldest hint goes when the table is full."""
         if len(self._hints) >= HINTS:
             del self._hints[next(iter(self._hints))]
         self._hints[hint_key] = rslot

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import xxhash
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -168,3 +169,17 @@ def test_adopt_of_garbage_keeps_nothing() -> None:
     kept, dropped = Arena(g, data, index).adopt(_verify)
     assert kept == 0 and dropped > 0
     assert index.b == bytearray(g.index_bytes)          # every entry cleared
+
+
+@settings(max_examples=500, deadline=None)
+@given(bucket=st.binary(min_size=BUCKET_BYTES, max_size=BUCKET_BYTES),
+       key=st.binary(min_size=16, max_size=16), plant=st.booleans())
+def test_find_in_bucket_takes_any_bytes_a_peer_sends(bucket: bytes, key: bytes,
+                                                     plant: bool) -> None:
+    """A bucket as READ from a peer (or sliced from its whole index, READ for the native
+    fetch's routes) is arbitrary bytes: the answer is None or a (slot, length) with a
+    length, never an exception."""
+    if plant:                                   # the key in its last way
+        bucket = bucket[:BUCKET_BYTES - 32] + key + bucket[BUCKET_BYTES - 16:]
+    found = find_in_bucket(bucket, key)
+    assert found is None or (0 <= found[0] < 1 << 32 and 0 < found[1] < 1 << 32)
