@@ -533,7 +533,7 @@ class Peers:
             finally:
                 self._staging.append(staging)
                 self._staging_free.release()
-        except (PeerUnreachable, PathClosed, HandshakeError, RpcUnavailable, RdmaError) as e:
+        except (*_FAILED, RdmaError, *_MISBEHAVED) as e:     # only hints: never fatal
             log.debug("index of %s not READ: %s", rec.node, e)
 
     def landed_native(self, node: str, nbytes: int) -> None:
