@@ -27,7 +27,11 @@ byte budget, READ again through ``read_chunk`` from another replica; when that l
 the READs parked in C on the chunk are answered from the tier (``fetch_unpark``) and the
 C READ, whenever it completes, finds the chunk there (FETCH_EXISTS). Without it, a
 SIGSTOPped replica held READs parked in C for the vQP's 0.5 s peer timeout
-(tests/cluster/test_cluster_tail.py: 553 ms against 34 ms hedged).
+(tests/cluster/test_cluster_tail.py: 553 ms against 34 ms hedged). While a fetch from a
+node is past its deadline, no new one goes to that node through C (``read_chunk`` takes
+those, hedging each): with up to 32 in flight, a stopped replica otherwise caught more
+fetches than the hedge budget covers, and their READs waited out the peer timeout (one
+517 ms read in that test, once its routes came from the index copies).
 
 Why (docs/design.md, "The plan for that step"): the Python around each chunk READ from a
 peer (single-flight, race, vQP dispatch, CQ consumer, xxh3 on the trio thread, the
@@ -38,6 +42,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +92,7 @@ class _Fetch:
     qpn: int                                # the path it was posted on
     event: trio.Event | None = None
     hedged: bool = False
+    late: bool = False                      # past its hedging deadline, not back yet
 
 
 class NativeFetch:
@@ -124,6 +130,7 @@ class NativeFetch:
         self._closed = False
         self._deadlines: list[tuple[float, int]] = []    # (deadline, cookie): hedging
         self._wake = trio.Event()
+        self._late: Counter[str] = Counter()   # node → its fetches past their deadline
 
     def start(self, k: int, key: bytes) -> bool:
         """Post chunk ``k`` (digest ``key``) to C if its first replica allows (module
@@ -137,8 +144,8 @@ class NativeFetch:
         if route is None:
             return False
         rec, rslot, vqp = route
-        if len(self.inflight) >= NATIVE_READS:
-            return False
+        if len(self.inflight) >= NATIVE_READS or self._late[rec.node]:
+            return False        # (a node with a READ overdue: read_chunk, which hedges each)
         slot = self.peers.landing.take()
         target = None if slot is None else \
             vqp.native_target(slot[0], slot[1], "arena", rslot * rec.slot_size, length)
@@ -186,6 +193,9 @@ class NativeFetch:
                 f = self._by_cookie.get(cookie)
                 if f is None or f.hedged:
                     continue                        # landed (or failed) in time
+                if not f.late:
+                    f.late = True
+                    self._late[f.node] += 1
                 self.peers.hedger.overran(f.node, time.monotonic())
                 if self.peers.hedger.may_hedge(f.length):
                     f.hedged = True
@@ -224,6 +234,8 @@ class NativeFetch:
         if f is None:
             return
         del self.inflight[f.key]
+        if f.late:
+            self._late[f.node] -= 1
         if status in (_fe.FETCH_OK, _fe.FETCH_MISMATCH, _fe.FETCH_EXISTS):
             f.vqp.native_done(f.qpn)                # the READ came back: its path lives
         if status == _fe.FETCH_OK:
