@@ -244,8 +244,7 @@ class ReadDispatcher:
             path.reads_ok += 1
             path.bytes_ok += op.length
             self.reads_ok += 1
-            path.m.live.data_ok(now)                    # stands in for the next probe
-            self.paths.note(path.m.ok(now))
+            self.paths.note(path.m.traffic(now))
             self.finish(op, None)
             return
         self.paths.wc_failed(path, wc, now)

@@ -3,7 +3,7 @@
 Every tick (``interval``; ``idle_interval`` on an idle vQP, see :mod:`.heartbeat`)::
 
     for each path:
-        looks quiet, but response bytes arrived on its QP within I ─► alive (rx_evidence)
+        looks quiet, but response bytes arrived on its QP within I ─► alive (_rx_evidence)
         WCs queued on its CQ, not yet consumed? ─► skip: that is not silence
         tick(): silence ─► SUSPECT / DOWN (the last live path is held SUSPECT)
         connected, not DOWN, no probe out, no data in the last I/2 ─► post a probe
@@ -71,7 +71,7 @@ class HeartbeatMonitor:
         while True:
             now = self.clock()
             for p in paths:
-                self.rx_evidence(p, now)
+                self._rx_evidence(p, now)
                 others = any(q.m.alive for q in paths if q is not p)
                 if p.m.connected and p.m.live.verdict(now) == "down" and p.wcs_pending():
                     continue          # its WCs are queued, not yet consumed: not silence
@@ -91,7 +91,7 @@ class HeartbeatMonitor:
             else:
                 await trio.sleep(iv)
 
-    def rx_evidence(self, path: Path, now: float) -> None:
+    def _rx_evidence(self, path: Path, now: float) -> None:
         """Bytes of a response arriving on a quiet-looking path's QP (``QP.rx_age``: a
         READ still moving) prove it alive as a completed READ does, so it is neither
         probed nor judged silent meanwhile. Without it a probe waited behind the 4 MiB
@@ -100,7 +100,7 @@ class HeartbeatMonitor:
         times in 10 s. UP and SUSPECT paths only: a rebuilt one is UP after a heartbeat
         (which checks the peer's incarnation)."""
         live = path.m.live
-        if path.qp is None or path.m.state not in (PathState.UP, PathState.SUSPECT) \
+        if path.qp is None or not path.m.alive \
                 or not (live.want_probe(now) or live.verdict(now) != "ok"):
             return
         try:
@@ -108,8 +108,7 @@ class HeartbeatMonitor:
         except RdmaError:
             return
         if age is not None and age < self.cfg.interval:
-            live.data_ok(now - age)
-            self.paths.note(path.m.ok(now - age))
+            self.paths.note(path.m.traffic(now - age))
 
     async def _rebuild(self, path: Path) -> None:
         if await self.rebuilder.rebuild(path):

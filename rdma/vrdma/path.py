@@ -140,6 +140,12 @@ class PathMachine:
             return self._go(PathState.UP, "heartbeat after (re)connect", now)
         return None
 
+    def traffic(self, now: float) -> Transition | None:
+        """A data READ completed on this path (or its response bytes are arriving): ``ok``,
+        and it stands in for the next probe (``Liveness.data_ok``)."""
+        self.live.data_ok(now)
+        return self.ok(now)
+
     def tick(self, now: float, hold: bool = False) -> Transition | None:
         """Periodic heartbeat verdict.  ``hold``: this is the last live path to the peer;
         silence makes it SUSPECT but not DOWN (see :attr:`silent_dead`), because there is

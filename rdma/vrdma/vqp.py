@@ -213,9 +213,7 @@ class VQP:
         A QP number no path has any more (rebuilt since) is ignored."""
         for p in self.paths:
             if p.qp is not None and p.qp.qp_num == qpn:
-                now = self.clock()
-                p.m.live.data_ok(now)
-                self.pathset.note(p.m.ok(now))
+                self.pathset.note(p.m.traffic(self.clock()))
                 return
 
     # ------------------------------------------------------------------ lifecycle
