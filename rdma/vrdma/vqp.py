@@ -210,9 +210,11 @@ class VQP:
         this a path carrying only C's READs was silent to the monitor: in the steady
         4-reader peer loop healthy paths went SUSPECT ~300 and DOWN ~11 times in 10 s
         (each DOWN a rebuild; the probes waited behind 4 MiB READs on the same QP).
-        A QP number no path has any more (rebuilt since) is ignored."""
+        A QP number no path has any more is ignored, and so is a path not alive: a READ
+        that completed before its path went DOWN must not bring the rebuilt one UP (its
+        heartbeat does, checking the peer's incarnation)."""
         for p in self.paths:
-            if p.qp is not None and p.qp.qp_num == qpn:
+            if p.qp is not None and p.qp.qp_num == qpn and p.m.alive:
                 self.pathset.note(p.m.traffic(self.clock()))
                 return
 
