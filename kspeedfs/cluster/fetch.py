@@ -210,6 +210,11 @@ class Peers:
 
     # -- connections ----------------------------------------------------------------------
 
+    def _give_staging(self, staging: tuple[VMR, int]) -> None:
+        """A staging slot back (``_take_staging``'s), once no READ writes into it."""
+        self._staging.append(staging)
+        self._staging_free.release()
+
     async def _vqp(self, rec: NodeRecord) -> VQP:
         """The vQP to this incarnation of ``rec.node``, connecting once if there is none.
         A joined connect may have been to another incarnation: then look again."""
@@ -468,8 +473,7 @@ class Peers:
             def give_back() -> None:
                 if landing is not None:
                     self.landing.give(landing)
-                self._staging.append(staging)
-                self._staging_free.release()
+                self._give_staging(staging)
 
             if att.in_flight:          # cancelled while a NIC still owns the buffers:
                 att.on_free = give_back    # they come back with the READ's completion
@@ -531,8 +535,7 @@ class Peers:
                 await vqp.read(staging[0], staging[1], "index", size, 0)
                 self._indexes[(rec.node, rec.started)] = staging[0].read(size, staging[1])
             finally:
-                self._staging.append(staging)
-                self._staging_free.release()
+                self._give_staging(staging)
         except (*_FAILED, RdmaError, *_MISBEHAVED) as e:     # only hints: never fatal
             log.debug("index of %s not READ: %s", rec.node, e)
 
