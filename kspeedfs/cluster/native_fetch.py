@@ -191,11 +191,10 @@ class NativeFetch:
             while self._deadlines and self._deadlines[0][0] <= clock:
                 _, cookie = heapq.heappop(self._deadlines)
                 f = self._by_cookie.get(cookie)
-                if f is None or f.hedged:
+                if f is None:
                     continue                        # landed (or failed) in time
-                if not f.late:
-                    f.late = True
-                    self._late[f.node] += 1
+                f.late = True                       # (one deadline per fetch)
+                self._late[f.node] += 1
                 self.peers.hedger.overran(f.node, time.monotonic())
                 if self.peers.hedger.may_hedge(f.length):
                     f.hedged = True
