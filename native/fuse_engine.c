@@ -973,6 +973,14 @@ static void read_span(const struct fe_engine *e, uint64_t entry, uint64_t offset
 
 static void count_into(struct fe_counters *c, int op, uint64_t t0, int err);
 
+/* A READ of ``bytes`` answered from ``units`` tier buffers, counted in ``c``. */
+static void count_hit(struct fe_counters *c, uint64_t bytes, int units)
+{
+    c->read_hits++;
+    c->read_hit_bytes += bytes;
+    c->memory_hits += (uint64_t)units;
+}
+
 void fe_read_again(struct fe_engine *e, const struct fe_request *q)
 {
     uint64_t end, first, last;
@@ -982,9 +990,7 @@ void fe_read_again(struct fe_engine *e, const struct fe_request *q)
         reply_iov(q->fd, q->unique, h.iov, h.n);
         release_hit(e, &h);
         pthread_mutex_lock(&e->alock);
-        e->again.read_hits++;
-        e->again.read_hit_bytes += end - q->offset;
-        e->again.memory_hits += (uint64_t)h.units;
+        count_hit(&e->again, end - q->offset, h.units);
         count_into(&e->again, FE_OP_READ, q->t0, 0);
         pthread_mutex_unlock(&e->alock);
         return;
@@ -1024,9 +1030,7 @@ static int do_read(struct req *r)
     struct hit h;
     int queued = 0;
     if (read_hit(e, entry, offset, end, first, last, &h)) {
-        r->w->c.read_hits++;
-        r->w->c.read_hit_bytes += end - offset;
-        r->w->c.memory_hits += (uint64_t)h.units;
+        count_hit(&r->w->c, end - offset, h.units);
         counted(r, 0);
         worker_reply(r->w, r->h->unique, 0, h.iov, h.n);
         release_hit(e, &h);
