@@ -150,8 +150,9 @@ static struct parked *rec_end(struct fe_fetch *f, int i)
     return p;
 }
 
-/* Hand parked READs ``p`` on (no lock held): answered from the tier when the chunk is
- * there (``again``), else queued for Python; counted; freed. Returns how many. */
+/* Hand parked READs ``p`` on (no lock held): with ``again``, fe_read_again (answered from
+ * the tier, or parked on another of their chunks still in flight, or queued for Python),
+ * else queued for Python; counted; freed. Returns how many. */
 static int hand_on(struct fe_fetch *f, struct parked *p, int again)
 {
     int n = 0;
