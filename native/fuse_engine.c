@@ -820,7 +820,7 @@ static int do_xattr(struct req *r, int kind)
         return -EINVAL;
     const struct fuse_getxattr_in *in = (const void *)r->arg;
     struct fe_request q = {.kind = kind, .unique = r->h->unique, .entry = entry,
-                           .size = in->size};
+                           .size = in->size, .t0 = r->t0};
     if (kind == FE_GETXATTR) {
         const char *name = (const char *)(in + 1);
         size_t n = strnlen(name, r->arglen - sizeof *in);

@@ -79,7 +79,7 @@ struct fe_request {
     uint64_t offset;        /* READ: offset; PREFETCH: first chunk */
     uint64_t size;          /* READ: size; xattr: the caller's buffer size; PREFETCH: stop chunk */
     int random;             /* READ: not continuing the previous read of its handle */
-    uint64_t t0;            /* READ: when it arrived (CLOCK_MONOTONIC ns; its latency) */
+    uint64_t t0;            /* READ, xattr: when it arrived (CLOCK_MONOTONIC ns; its latency) */
     char name[256];         /* GETXATTR: the attribute's name */
 };
 

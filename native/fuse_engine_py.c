@@ -564,13 +564,14 @@ static PyObject *Engine_negotiated(EngineObject *self, PyObject *unused)
 
 /* ----------------------------------------------------------------------- the queue */
 
-/* (kind, fd, unique, entry, offset, size, random, name) */
+/* (kind, fd, unique, entry, offset, size, random, name, since) */
 static PyObject *request_tuple(const struct fe_request *r)
 {
     Py_ssize_t nlen = r->kind == FE_GETXATTR ? (Py_ssize_t)strnlen(r->name, 255) : 0;
-    return Py_BuildValue("(iiKKKKiy#)", r->kind, r->fd, (unsigned long long)r->unique,
+    return Py_BuildValue("(iiKKKKiy#d)", r->kind, r->fd, (unsigned long long)r->unique,
                          (unsigned long long)r->entry, (unsigned long long)r->offset,
-                         (unsigned long long)r->size, r->random, r->name, nlen);
+                         (unsigned long long)r->size, r->random, r->name, nlen,
+                         (double)r->t0 / 1e9);
 }
 
 static PyObject *request_list(const struct fe_request *reqs, size_t n)
@@ -916,7 +917,8 @@ static PyMethodDef Engine_methods[] = {
     {"negotiated", (PyCFunction)Engine_negotiated, METH_NOARGS,
      "negotiated() -> (minor, flags, max_pages, max_readahead)"},
     {"take", (PyCFunction)Engine_take, METH_VARARGS,
-     "take(max=256) -> [(kind, fd, unique, entry, offset, size, random, name)]"},
+     "take(max=256) -> [(kind, fd, unique, entry, offset, size, random, name, since)]; "
+     "since: when a READ or xattr request arrived (time.monotonic's clock), else 0"},
     {"tier_put", (PyCFunction)Engine_tier_put, METH_VARARGS,
      "tier_put(key, data): serve READs of key (16 or 20 bytes) from data, in place"},
     {"tier_discard", (PyCFunction)Engine_tier_discard, METH_VARARGS,

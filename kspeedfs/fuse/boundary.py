@@ -73,13 +73,18 @@ class Handlers(Protocol):
 
 def fuse_op(fn: F) -> F:
     """Wrap the FUSE handler ``fn(self, ...)``: errors become ``FUSEError(errno)``, and
-    each call is access-logged, as a WARNING when it took over ``self.slow_op`` seconds."""
+    each call is access-logged, as a WARNING when it took over ``self.slow_op`` seconds.
+
+    A request that waited before its handler ran (the native engine's queue) passes
+    ``since=`` its arrival (``time.monotonic``'s clock): its latency, its histogram bucket
+    and the slow-operation warning count from then, as the reader saw it."""
     name = fn.__name__
     OPS.append(name)
 
     @functools.wraps(fn)
-    async def wrapper(self: Handlers, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.monotonic()
+    async def wrapper(self: Handlers, *args: Any, since: float | None = None,
+                      **kwargs: Any) -> Any:
+        t0 = time.monotonic() if since is None else since
         err = 0
         try:
             return await fn(self, *args, **kwargs)

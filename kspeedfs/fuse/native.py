@@ -321,9 +321,10 @@ class NativeSession:
                 nursery.cancel_scope.cancel()  # the connection is gone: nobody to answer
 
     def _dispatch(self, nursery: trio.Nursery, req: tuple) -> None:
-        kind, fd, unique, entry, offset, size, random, name = req
+        kind, fd, unique, entry, offset, size, random, name, since = req
         if kind == _engine.READ:
-            nursery.start_soon(self._answer_read, fd, unique, entry, offset, size, random)
+            nursery.start_soon(self._answer_read, fd, unique, entry, offset, size, random,
+                               since)
         elif kind == _engine.PREFETCH:          # unique: the chunk the hinting READ reached
             self.ops.reader.reached(unique)
             for k in range(offset, size):
@@ -332,34 +333,35 @@ class NativeSession:
             if self.fetch is not None:
                 self.fetch.fetched(entry, offset, size)
         elif kind == _engine.GETXATTR:
-            nursery.start_soon(self._answer_getxattr, fd, unique, entry, name, size)
+            nursery.start_soon(self._answer_getxattr, fd, unique, entry, name, size, since)
         elif kind == _engine.LISTXATTR:
-            nursery.start_soon(self._answer_listxattr, fd, unique, entry, size)
+            nursery.start_soon(self._answer_listxattr, fd, unique, entry, size, since)
 
     async def _answer_read(self, fd: int, unique: int, entry: int, offset: int, size: int,
-                           random: int) -> None:
+                           random: int, since: float) -> None:
         # the C thread did the sequential-read bookkeeping; this stream only carries
         # its verdict (``read_policy.is_random``) and starts no prefetch of its own
         stream = Stream(next_offset=-1 if random else offset)
         try:
-            data = await self.read(entry, offset, size, stream)
+            data = await self.read(entry, offset, size, stream, since=since)
         except pyfuse3.FUSEError as e:
             _engine.reply_error(fd, unique, e.errno)
             return
         _engine.reply(fd, unique, data)
 
     async def _answer_getxattr(self, fd: int, unique: int, entry: int, name: bytes,
-                               size: int) -> None:
+                               size: int, since: float) -> None:
         try:
-            value = await self.getxattr(entry, name)
+            value = await self.getxattr(entry, name, since=since)
         except pyfuse3.FUSEError as e:
             _engine.reply_error(fd, unique, e.errno)
             return
         self._reply_xattr(fd, unique, value, size)
 
-    async def _answer_listxattr(self, fd: int, unique: int, entry: int, size: int) -> None:
+    async def _answer_listxattr(self, fd: int, unique: int, entry: int, size: int,
+                                since: float) -> None:
         try:
-            names = await self.listxattr(entry)
+            names = await self.listxattr(entry, since=since)
         except pyfuse3.FUSEError as e:
             _engine.reply_error(fd, unique, e.errno)
             return

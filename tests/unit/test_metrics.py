@@ -3,6 +3,7 @@ the config's address validation, and the boundary's per-op counters."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +17,7 @@ from kspeedfs.cluster.arena import ArenaStatistics
 from kspeedfs.cluster.node import NodeCounters
 from kspeedfs.config import parse_listen
 from kspeedfs.errors import ConfigError
-from kspeedfs.fuse.boundary import OpStats
+from kspeedfs.fuse.boundary import OpStats, fuse_op
 from kspeedfs.stats import ReadStatistics
 
 ALLOWED = {"dataset", "version", "mountpoint", "node", "peer", "nic", "tier", "op", "le"}
@@ -153,3 +154,28 @@ def test_the_grafana_dashboard_queries_only_exported_names() -> None:
     exported = {f.name for f in [*mount, *node]}
     exported |= {n + "_total" for n in exported}     # CounterMetricFamily drops the suffix
     assert used and used <= exported, used - exported
+
+
+class _Queued:
+    """A handler whose request waited before it ran (the native engine's queue)."""
+
+    slow_op = 0.2
+
+    def __init__(self) -> None:
+        self.op_stats = OpStats()
+
+    @fuse_op
+    async def read(self, entry: int) -> bytes:
+        return b""
+
+
+async def test_a_queued_request_counts_its_wait_in_its_latency(
+        caplog: pytest.LogCaptureFixture) -> None:
+    ops = _Queued()
+    await ops.read(1)                                  # answered at once: no wait
+    await ops.read(1, since=time.monotonic() - 0.3)    # arrived 0.3 s before it ran
+    count, errors, seconds, *buckets = ops.op_stats.rows["read"]
+    assert (count, errors) == (2, 0) and 0.3 <= seconds < 0.4, ops.op_stats.rows["read"]
+    fast = OpStats.BOUNDS.index(0.01) + 1
+    assert sum(buckets[:fast]) == 1 and buckets[OpStats.BOUNDS.index(0.5)] == 1, buckets
+    assert "slow operation: read took 0.3" in caplog.text    # the warning sees the wait
