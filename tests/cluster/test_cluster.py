@@ -12,6 +12,7 @@ import re
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -246,6 +247,38 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+_TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2",
+               6: "TIME_WAIT", 7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN",
+               11: "CLOSING"}
+
+
+def _fd_kinds(pid: int) -> Counter[str]:
+    """What a process's fds are, counted: ``tcp <local port> -> <remote> <state>`` for its
+    TCP sockets (from its network namespace's /proc/<pid>/net/tcp), else the link's kind
+    (``anon_inode:[eventfd]``, ``/dev/shm/...``): what a failed fd check prints."""
+    tcp = {}
+    with open(f"/proc/{pid}/net/tcp") as f:
+        for line in list(f)[1:]:
+            _, local, remote, st, *rest = line.split()
+            rip, rport = remote.split(":")
+            ip = ".".join(str(int(rip[i:i + 2], 16)) for i in (6, 4, 2, 0))
+            tcp[rest[5]] = (f"tcp :{int(local.split(':')[1], 16)} -> {ip}:{int(rport, 16)} "
+                            f"{_TCP_STATES.get(int(st, 16), st)}")
+    kinds: Counter[str] = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            kinds[tcp.get(link[len("socket:["):-1], "socket (not TCP/IPv4)")] += 1
+        elif link.startswith("pipe:["):
+            kinds["pipe"] += 1
+        else:                                    # a path, anon_inode:[eventfd], ...
+            kinds[link] += 1
+    return kinds
+
+
 def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
@@ -258,7 +291,7 @@ def test_hostile_frames_and_floods_leave_a_node_serving(world) -> None:
     ``status``), and its fd count and RSS return to where they were."""
     c, _, files = world
     node = c.procs["n1"]
-    fds0, rss0 = _fds(node.pid), _rss(node.pid)
+    fds0, rss0, kinds0 = _fds(node.pid), _rss(node.pid), _fd_kinds(node.pid)
     rec = c.nodes()["n1"]
     r = c.client.run([sys.executable, "-c", _ATTACK, c.node_host(1).address(1),
                       str(rec["port"]), str(rec["rpc_port"])], timeout=60)
@@ -267,7 +300,9 @@ def test_hostile_frames_and_floods_leave_a_node_serving(world) -> None:
     deadline = time.monotonic() + 10
     while _fds(node.pid) > fds0 + 8 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _fds(node.pid) <= fds0 + 8, (fds0, _fds(node.pid))
+    kinds = _fd_kinds(node.pid)
+    assert _fds(node.pid) <= fds0 + 8, (fds0, _fds(node.pid), "more:", kinds - kinds0,
+                                        "fewer:", kinds0 - kinds)
     assert _rss(node.pid) < rss0 + (64 << 20), (rss0, _rss(node.pid))
     assert _read_all(c.mount("imgs"), files) > 0       # a fresh mount: new connections
     assert len(c.nodes()) == 3, (sorted(c.nodes()), c.log_text()[-3000:])
