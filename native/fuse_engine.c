@@ -1928,6 +1928,7 @@ void fe_counters(struct fe_engine *e, struct fe_counters *sum)
         sum->fetch_posted = fc.posted;
         sum->fetch_landed = fc.landed;
         sum->fetch_failed = fc.failed;
+        sum->fetch_redundant = fc.redundant;
         sum->fetch_parked = fc.parked;
         sum->fetch_answered = fc.answered;
     }

@@ -748,7 +748,7 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
     if (!ops)
         return NULL;
     return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-                         "s:K}", "ops", ops,
+                         "s:K,s:K}", "ops", ops,
                          "read_hits", (unsigned long long)c.read_hits,
                          "read_hit_bytes", (unsigned long long)c.read_hit_bytes,
                          "memory_hits", (unsigned long long)c.memory_hits,
@@ -763,6 +763,7 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
                          "fetch_posted", (unsigned long long)c.fetch_posted,
                          "fetch_landed", (unsigned long long)c.fetch_landed,
                          "fetch_failed", (unsigned long long)c.fetch_failed,
+                         "fetch_redundant", (unsigned long long)c.fetch_redundant,
                          "fetch_parked", (unsigned long long)c.fetch_parked,
                          "fetch_answered", (unsigned long long)c.fetch_answered);
 }

@@ -183,6 +183,8 @@ static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
     pthread_mutex_lock(&f->lock);
     if (status == FE_FETCH_OK)
         f->c.landed++;
+    else if (status == FE_FETCH_EXISTS)
+        f->c.redundant++;           /* a hedge or Python's load won: not a failure */
     else
         f->c.failed++;
     pthread_mutex_unlock(&f->lock);

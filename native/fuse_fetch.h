@@ -51,6 +51,7 @@ int fe_queue(struct fe_engine *e, const struct fe_request *q);
 
 struct fe_fetch_counters {
     uint64_t posted, landed, failed, parked, answered;
+    uint64_t redundant;             /* landed verified, but the tier had the chunk (EXISTS) */
 };
 
 struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t, const uint8_t *chunk_digests,

@@ -418,8 +418,9 @@ class NativeSession:
         return {"transport": f"native {self.transport}",
                 **{k: c.get(k, 0) for k in ("ring_requests", "ring_copy_bytes", "ring_copy_ns",
                                             "ring_lost", "read_misses", "prefetch_hints",
-                                            "fetch_posted", "fetch_landed",
-                                            "fetch_failed", "fetch_parked", "fetch_answered")}}
+                                            "fetch_posted", "fetch_landed", "fetch_failed",
+                                            "fetch_redundant", "fetch_parked",
+                                            "fetch_answered")}}
 
     def served(self) -> tuple[int, int, int]:
         """Reads, bytes and memory-tier units answered in C (``Reader.served_elsewhere``)."""

@@ -194,7 +194,8 @@ def test_chunks_read_again_are_fetched_verified_and_answered_in_c(world) -> None
     assert 0 < s["fetch_parked"] == s["fetch_answered"] <= s["read_misses"], s
     assert s["source_loads"] == before["source_loads"], s
     print(f"native fetch: {s['fetch_landed']} chunks landed, {s['fetch_failed']} stepped "
-          f"aside, {s['fetch_parked']} READs parked; {st.reads} shard reads, 0 errors")
+          f"aside, {s['fetch_redundant']} landed after a hedge won, {s['fetch_parked']} "
+          f"READs parked; {st.reads} shard reads, 0 errors")
 
 
 @pytest.mark.parametrize("rail", [0, 1])
