@@ -23,13 +23,32 @@ log = logging.getLogger(__name__)
 NAME_MAX = 255
 
 
+#: a mount point whose plain name (``/`` made ``_``) is its own: no ``_``, nothing escaped
+_PLAIN = re.compile(r"[A-Za-z0-9.-]+(?:/[A-Za-z0-9.-]+)*")
+
+
 def name_for(mountpoint: str, room: int) -> str:
-    """``mountpoint`` as one file name of at most ``room`` characters: the absolute path
-    with every run of characters other than ``[A-Za-z0-9._-]`` made ``_``, or, when that
-    is longer, its start and a digest of the whole path. A mount point too long for the
-    plain name used to kill its daemon at start. (The plain name is kept because a new
-    daemon must find an older one's socket; it is not one-to-one: ``/d/a_b`` and
-    ``/d/a/b`` share it.)"""
+    """``mountpoint`` as one file name of at most ``room`` characters, one per mount point.
+
+    The absolute path with each ``/`` made ``_`` (``/mnt/imagenet`` → ``mnt_imagenet``)
+    when that names it alone: the path has no ``_`` and no character outside
+    ``[A-Za-z0-9.-]``, and the name fits. Otherwise the path's start, every run of other
+    characters made ``_``, then ``=`` and a digest of the whole path: ``/d/a_b`` and
+    ``/d/a/b`` (one plain name before) get two, and no plain name has an ``=``. A mount
+    point too long for the plain name used to kill its daemon at start."""
+    where = os.path.abspath(mountpoint)
+    inside = where.strip("/")
+    if _PLAIN.fullmatch(inside) and len(inside) <= room:
+        return inside.replace("/", "_")
+    digest = hashlib.sha256(where.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", inside)
+    return f"{readable[:max(0, room - len(digest) - 1)]}={digest}"
+
+
+def shared_name_for(mountpoint: str, room: int) -> str:
+    """What ``name_for`` said before it was one-to-one (daemons before 2026-12-05 listen
+    there: an upgrade in place looks for them under it too). Remove once no such daemon
+    runs."""
     where = os.path.abspath(mountpoint)
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", where.strip("/")) or "root"
     if len(name) > room:

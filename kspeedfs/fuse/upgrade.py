@@ -21,8 +21,9 @@ empty: the first reads after an upgrade are misses served by the peers or the so
 The state is JSON, versioned by ``format``: a daemon refuses a format it does not know
 (the old one keeps serving), and refuses a different dataset or version than it serves
 (the kernel caches the old version's inodes and pages), and another mount point than its
-own (two mount points can share a socket name: ``mountpoint.name_for``; an asker older
-than the field is taken at its word).
+own (an asker older than the field is taken at its word). Each mount point has its own
+socket name (``mountpoint.name_for``); daemons from before that listen at a name two
+mount points could share (``/d/a_b``, ``/d/a/b``), and the new daemon asks there too.
 
 Format 1 ``state``: ``dataset``, ``version``, ``minor`` (FUSE protocol minor),
 ``flags`` (negotiated INIT flags, 64-bit), ``max_pages``, ``max_readahead``,
@@ -41,7 +42,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from ..errors import MountError
-from ..mountpoint import name_for
+from ..mountpoint import name_for, shared_name_for
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,13 @@ SUN_PATH_MAX = 107
 RESUME_SUFFIX = ".resume"
 
 
-def socket_path(mountpoint: str) -> str:
-    """The handover socket of the daemon serving ``mountpoint``, named after it within an
-    AF_UNIX address (with the supervisor's suffix)."""
+def socket_path(mountpoint: str, *, shared: bool = False) -> str:
+    """The handover socket of the daemon serving ``mountpoint``, named after it (one name
+    per mount point) within an AF_UNIX address (with the supervisor's suffix); ``shared``:
+    the name daemons before that listened at (``mountpoint.shared_name_for``)."""
     room = SUN_PATH_MAX - len(RESUME_SUFFIX) - len(RUN_DIR) - len("/.sock")
-    return os.path.join(RUN_DIR, f"{name_for(mountpoint, room)}.sock")
+    name = shared_name_for(mountpoint, room) if shared else name_for(mountpoint, room)
+    return os.path.join(RUN_DIR, f"{name}.sock")
 
 
 def _message(data: bytes) -> dict[str, Any]:
@@ -110,6 +113,21 @@ async def _send(sock: trio.socket.SocketType, msg: dict[str, Any], fds: list[int
 
 # -- the new daemon ------------------------------------------------------------------------
 
+async def _connect(paths: list[str], mountpoint: str) -> trio.socket.SocketType:
+    """A handover connection to the first of ``paths`` a daemon listens at (the error
+    names the first: the others are older daemons' names)."""
+    why = ""
+    for path in paths:
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            await sock.connect(path)
+            return sock
+        except OSError as e:
+            sock.close()
+            why = why or f"{path}: {e.strerror}"
+    raise MountError(f"upgrade: no kspeedfs daemon to take {mountpoint} over from ({why})")
+
+
 async def take_over(mountpoint: str, dataset: str, version: int,
                     adopt: Callable[[list[int], dict[str, Any], bool], None], *,
                     path: str | None = None, timeout: float = 10.0) -> trio.socket.SocketType:
@@ -118,14 +136,9 @@ async def take_over(mountpoint: str, dataset: str, version: int,
     it (blocking, run in a thread); returns once the old daemon has stopped reading, with
     the socket (a supervisor's: the new daemon's control channel; else just close it).
     ``MountError`` (the old daemon keeps serving) if anything is off."""
-    path = path or socket_path(mountpoint)
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock = await _connect([path] if path else list(dict.fromkeys(
+        (socket_path(mountpoint), socket_path(mountpoint, shared=True)))), mountpoint)
     try:
-        try:
-            await sock.connect(path)
-        except OSError as e:
-            raise MountError(f"upgrade: no kspeedfs daemon to take {mountpoint} over from "
-                             f"({path}: {e.strerror})") from None
         await _send(sock, {"format": FORMAT, "dataset": dataset, "version": version,
                            "mountpoint": os.path.abspath(mountpoint)})
         reply, fds = await _recv(sock, timeout)
@@ -217,7 +230,7 @@ class HandoverServer:
                                         f"(this daemon speaks {FORMAT})"})
             return
         asked = ask.get("mountpoint", self.mountpoint)      # (older askers do not send it)
-        if asked != self.mountpoint:                        # a socket name two share
+        if asked != self.mountpoint:                # an older daemon's shared name
             await _send(conn, {"error": f"this daemon serves {self.mountpoint}, "
                                         f"not {str(asked)[:4096]}"})
             return

@@ -1,15 +1,19 @@
 """What is named after a mount point (``mountpoint.name_for``): its handover socket
 (fuse/upgrade.py ``socket_path``), always short enough to bind, with the supervisor's
 ``.resume`` suffix too, and its log file (log.py ``log_path``), always a valid file name;
-one name per mount point. And a handover socket that cannot be bound."""
+one name per mount point. And a handover socket that cannot be bound, and an upgrade
+that finds an older daemon under the name it listened at."""
 from __future__ import annotations
 
 import os
 import socket
 from pathlib import Path
 
+import pytest
 import trio
 
+from kspeedfs.errors import MountError
+from kspeedfs.fuse import upgrade
 from kspeedfs.fuse.upgrade import RESUME_SUFFIX, RUN_DIR, SUN_PATH_MAX, HandoverServer, socket_path
 from kspeedfs.log import log_path
 from kspeedfs.mountpoint import NAME_MAX
@@ -59,3 +63,37 @@ def test_a_mount_point_longer_than_a_file_name_gets_a_log_it_can_open(tmp_path: 
     open(path, "w").close()
     assert log_path(str(tmp_path), "ds", str(deep)) != log_path(str(tmp_path), "ds", str(deep) + "e")
     assert log_path("/var/log/kspeedfs", "ds", "/mnt/x") == "/var/log/kspeedfs/mount-ds-mnt_x.log"
+
+
+@pytest.mark.parametrize("a, b", [("/d/a_b", "/d/a/b"), ("/", "/root"), ("/mnt/x y", "/mnt/x_y"),
+                                  ("/mnt/x-y", "/mnt/x_y")])
+def test_two_mount_points_never_share_a_socket_or_a_log(a: str, b: str) -> None:
+    """The plain name (``/`` made ``_``) was not one-to-one: ``/d/a_b`` and ``/d/a/b``
+    shared a handover socket, and the second mount's daemon unlinked the first's."""
+    assert socket_path(a) != socket_path(b)
+    assert log_path("/var/log/kspeedfs", "ds", a) != log_path("/var/log/kspeedfs", "ds", b)
+
+
+def test_an_upgrade_finds_an_older_daemon_at_the_name_it_shared(tmp_path: Path, monkeypatch) -> None:
+    """A daemon from before the names were one-to-one listens at the shared name: the new
+    daemon asks there too (this one refuses: another dataset, so the old one serves on)."""
+    monkeypatch.setattr(upgrade, "RUN_DIR", str(tmp_path))
+    mp = "/d/a_b"
+    assert socket_path(mp) != socket_path(mp, shared=True) == f"{tmp_path}/d_a_b.sock"
+
+    async def stop() -> None:
+        raise AssertionError("nothing to stop")
+
+    old = HandoverServer(mp, "ds", 1, -1, dict, stop)
+    old.path = socket_path(mp, shared=True)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(old.run)
+            with pytest.raises(MountError, match="this mount serves ds@1, not other@2"):
+                await upgrade.take_over(mp, "other", 2, lambda *a: None)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    with pytest.raises(MountError, match=f"no kspeedfs daemon .*{socket_path(mp)}"):
+        trio.run(upgrade.take_over, mp, "ds", 1, lambda *a: None)
