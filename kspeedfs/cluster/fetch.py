@@ -27,12 +27,12 @@ or RPC reply does not parse is the same; and as a last net, a ``LookupError``,
 (its reply or its etcd record did not hold what it should) moves to the next replica
 too, logged with its traceback.
 
-Slot hints: where a chunk sat in a node's arena (found by an earlier bucket READ and
-verified) is remembered, so the next READ of that chunk, or of another small file
-packed in it, goes straight to the slot: one round trip instead of two. A hint can go
-stale (the node evicted the chunk and reused the slot); the checksum catches that,
-the hint is dropped and the bucket is READ as before. Hints are keyed by the node's
-incarnation, so a restarted node's arena is never addressed through old hints.
+Slot hints (:mod:`.hints`): where a chunk sat in a node's arena (found by an earlier
+bucket READ and verified) is remembered, so the next READ of that chunk, or of another
+small file packed in it, goes straight to the slot: one round trip instead of two. A
+hint can go stale (the node evicted the chunk and reused the slot); the checksum catches
+that, the hint is dropped and the bucket is READ as before. Hints are keyed by the
+node's incarnation, so a restarted node's arena is never addressed through old hints.
 
 Buffers: a whole chunk lands in a slot of :class:`~.landing.Landing`, and once verified
 that slot *is* the chunk the memory tier keeps (no copy; the slot is reused when the
@@ -76,6 +76,7 @@ from .. import checksum
 from ..cache.singleflight import SingleFlight
 from .arena import BUCKET_BYTES, bucket_of, find_in_bucket
 from .hedge import BUCKETS_MS, Hedger, PeerLatency
+from .hints import SlotHints
 from .landing import Landing
 from .membership import Membership, NodeRecord
 from .placement import reader_order
@@ -84,7 +85,6 @@ from .rpc import RpcClient, RpcUnavailable
 log = logging.getLogger(__name__)
 
 SKIP = 2.0      # seconds an unreachable node is skipped before it is tried again
-HINTS = 1 << 14  # slot hints kept (~180 B each, 3 MB: 64 GiB of 4 MiB chunks)
 #: replica orders kept per membership (a read's rendezvous hash over every member cost
 #: 1.2 µs with 3 members, 4.7 with 16, 36.7 with 128; a kept one ~0.1)
 PLACED = 1 << 14
@@ -95,10 +95,6 @@ STAGING = 3      # physical staging slots at most, × nbuf (reads in progress + 
 #: chunks for 4 readers) and the trio thread's CPU per GB fell 4-23 %; with 32 of its
 #: own, 92 % and 47 % (docs/design.md)
 NATIVE_READS = 32
-#: a node's whole arena index is READ at once for the native fetch's routes when it fits
-#: one staging slot (64 B per arena slot: 4 MiB of index for 64 Ki slots), at most once
-#: per INDEX_REFRESH seconds per node incarnation (again after a stale hint from it)
-INDEX_REFRESH = 1.0
 
 #: what makes a replica a failed one (next replica), as opposed to a bug
 _FAILED = (PeerUnreachable, RpcUnavailable, PathClosed, HandshakeError)
@@ -201,9 +197,7 @@ class Peers:
         self._connects: SingleFlight[VQP] = SingleFlight(nursery)   # keyed by node
         self._rpc: dict[str, RpcClient] = {}
         self._skip_until: dict[str, float] = {}
-        self._hints: dict[tuple[str, float, bytes], int] = {}   # (node, started, key) → slot
-        self._indexes: dict[tuple[str, float], bytes] = {}     # (node, started) → its index
-        self._index_read: dict[tuple[str, float], float] = {}  # ... → when last READ
+        self.hints = SlotHints()
         self._placed_orders: dict[bytes, list[str]] = {}         # key → reader_order
         self._placed_for: object = None                          # ... of these members
         self.counters = PeerCounters()
@@ -429,10 +423,9 @@ class Peers:
         staging = await self._take_staging()
         sbuf, base = staging
         landing = self.landing.take() if part is None else None
-        hint_key = (rec.node, rec.started, key)
         try:
             dst, at = landing if landing is not None else staging
-            rslot = self._hints.get(hint_key)
+            rslot = self.hints.get(rec.node, rec.started, key)
             for _ in range(2 + (rslot is not None)):   # a stale hint, then twice the bucket
                 hinted = rslot is not None
                 if hinted:
@@ -452,14 +445,14 @@ class Peers:
                 if att.lost:
                     return None
                 if checksum.matches(dst.view[at:at + want], digest):
-                    self._hint(hint_key, rslot)
+                    self.hints.learn(rec.node, rec.started, key, rslot)
                     if landing is None:
                         return sbuf.read(want, base)
                     kept, landing = landing, None      # owned by the view now: not given back
                     return self.landing.keep(kept, want)
                 if hinted:                             # the slot holds another chunk now
                     self.counters.stale_hints += 1
-                    self._hints.pop(hint_key, None)
+                    self.hints.stale(rec.node, rec.started, key)
                 else:
                     self.counters.checksum_retries += 1    # raced an eviction: look again
                     log.info("chunk %s from %s failed its checksum; looking again",
@@ -496,35 +489,22 @@ class Peers:
             have = self._vqps.get(rec.node)
             if have is None or have[0] != rec.started:
                 return None
-            rslot = self._hints.get((rec.node, rec.started, key))
+            rslot = self.hints.get(rec.node, rec.started, key)
             if rslot is None:
                 rslot = self._index_slot(rec, key, length, now)
             return None if rslot is None else (rec, rslot, have[1])
         return None
 
     def _index_slot(self, rec: NodeRecord, key: bytes, length: int, now: float) -> int | None:
-        """The slot of ``key`` in ``rec``'s arena by a copy of its whole index (remembered
-        as a hint), or None; with no copy, one is READ in the background (when it fits a
-        staging slot, at most every INDEX_REFRESH s). Without it, a fresh mount's first
-        pass over the data went through ``read_chunk`` chunk by chunk (a bucket READ and
-        the chunk READ in Python), and only later passes reached the native fetch."""
-        at = (rec.node, rec.started)
-        index = self._indexes.get(at)
-        if rec.nbuckets < 1:
-            return None
-        if index is None:
-            size = rec.nbuckets * BUCKET_BYTES
-            if size <= self.slot_size and now - self._index_read.get(at, -INDEX_REFRESH) \
-                    >= INDEX_REFRESH:
-                self._index_read[at] = now
-                self.nursery.start_soon(self._read_index, rec, size)
-            return None
-        b = bucket_of(key, rec.nbuckets) * BUCKET_BYTES
-        found = find_in_bucket(index[b:b + BUCKET_BYTES], key)
-        if found is None or found[1] != length:
-            return None
-        self._hint((rec.node, rec.started, key), found[0])
-        return found[0]
+        """The slot of ``key`` in ``rec``'s arena by a copy of its whole index, or None;
+        with no copy, one is READ in the background (``SlotHints.index_due``). Without
+        it, a fresh mount's first pass over the data went through ``read_chunk`` chunk
+        by chunk (a bucket READ and the chunk READ in Python), and only later passes
+        reached the native fetch."""
+        rslot = self.hints.in_index(rec, key, length)
+        if rslot is None and (size := self.hints.index_due(rec, self.slot_size, now)):
+            self.nursery.start_soon(self._read_index, rec, size)
+        return rslot
 
     async def _read_index(self, rec: NodeRecord, size: int) -> None:
         """READ ``rec``'s whole arena index into a staging slot and keep a copy."""
@@ -533,7 +513,7 @@ class Peers:
             staging = await self._take_staging()
             try:
                 await vqp.read(staging[0], staging[1], "index", size, 0)
-                self._indexes[(rec.node, rec.started)] = staging[0].read(size, staging[1])
+                self.hints.keep_index(rec, staging[0].read(size, staging[1]))
             finally:
                 self._give_staging(staging)
         except (*_FAILED, RdmaError, *_MISBEHAVED) as e:     # only hints: never fatal
@@ -551,15 +531,7 @@ class Peers:
         """C found another chunk in the slot a hint named: forget the hint, and the copy
         of that node's index it may have come from."""
         self.counters.stale_hints += 1
-        self._hints.pop((node, started, key), None)
-        self._indexes.pop((node, started), None)
-
-    def _hint(self, hint_key: tuple[str, float, bytes], rslot: int) -> None:
-        """Remember a slot (verified, or found in an index copy: checked on use); the
-        oldest hint goes when the table is full."""
-        if len(self._hints) >= HINTS:
-            del self._hints[next(iter(self._hints))]
-        self._hints[hint_key] = rslot
+        self.hints.stale(node, started, key)
 
     def links(self) -> list[VQPStats]:
         """Every vQP's statistics (``rdma.vrdma`` VQPStats, with its paths): metrics."""

@@ -1,0 +1,60 @@
+"""``SlotHints``: slots by node incarnation, the oldest hint dropped first, an index copy
+read for slots (and dropped with a stale hint from its node), its READ asked for at most
+once per INDEX_REFRESH."""
+from __future__ import annotations
+
+import xxhash
+
+from kspeedfs.cluster.arena import Arena, Geometry
+from kspeedfs.cluster.hints import INDEX_REFRESH, SlotHints
+from kspeedfs.cluster.membership import NodeRecord
+from tests.unit.test_arena import Mem
+
+SLOT = 64 << 10
+
+
+def _node(started: float, g: Geometry) -> NodeRecord:
+    return NodeRecord("n1", "host1", ["198.18.0.1"], 1, 2, g.arena_bytes, g.nslots, SLOT,
+                      g.nbuckets, started)
+
+
+def test_hints_are_per_incarnation_and_the_oldest_goes_first() -> None:
+    hints = SlotHints(limit=2)
+    hints.learn("n1", 1.0, b"a", 5)
+    assert hints.get("n1", 1.0, b"a") == 5 and hints.get("n1", 2.0, b"a") is None
+    hints.learn("n1", 1.0, b"b", 6)
+    hints.learn("n1", 1.0, b"c", 7)                  # full: "a" goes
+    assert [hints.get("n1", 1.0, k) for k in (b"a", b"b", b"c")] == [None, 6, 7]
+    hints.stale("n1", 1.0, b"b")
+    assert hints.get("n1", 1.0, b"b") is None
+
+
+def test_an_index_copy_gives_slots_until_a_stale_hint_drops_it() -> None:
+    g = Geometry.for_memory(8 * SLOT, SLOT)
+    data, index = Mem(g.arena_bytes), Mem(g.index_bytes)
+    arena = Arena(g, data, index)
+    chunk = b"x" * 1000
+    key = xxhash.xxh3_128_digest(chunk)
+    arena.put(key, chunk)
+    rec, hints = _node(1.0, g), SlotHints()
+
+    assert hints.in_index(rec, key, len(chunk)) is None          # no copy yet
+    size = hints.index_due(rec, SLOT, now=10.0)
+    assert size == g.index_bytes
+    assert hints.index_due(rec, SLOT, now=10.0 + INDEX_REFRESH / 2) == 0   # asked already
+    hints.keep_index(rec, index.read(size))
+    slot = hints.in_index(rec, key, len(chunk))
+    assert slot is not None and hints.get("n1", 1.0, key) == slot  # learned as a hint
+    assert hints.in_index(rec, key, len(chunk) + 1) is None       # another length: not it
+    assert hints.index_due(rec, SLOT, now=100.0) == 0             # a copy is held
+    assert hints.in_index(_node(2.0, g), key, len(chunk)) is None  # a restarted node
+
+    hints.stale("n1", 1.0, key)                                   # the slot was reused
+    assert hints.in_index(rec, key, len(chunk)) is None
+    assert hints.index_due(rec, SLOT, now=100.0) == size          # READ it again
+    assert hints.index_due(rec, g.index_bytes - 1, now=200.0) == 0  # does not fit
+
+
+def test_a_node_without_buckets_has_no_index_to_read() -> None:
+    g = Geometry(0, SLOT, 0)
+    assert SlotHints().index_due(_node(1.0, g), SLOT, now=5.0) == 0
