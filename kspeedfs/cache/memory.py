@@ -149,10 +149,7 @@ class MemoryCache:
                 self._transient[key] = evicted
                 spares -= 1
                 continue
-            self._transient_used -= len(evicted)
-            self._put_at.pop(key, None)
-            if self._mirror is not None:
-                self._mirror.discard(key)
+            self._gone(key, evicted)
 
     def _unread(self, key: bytes) -> bool:
         """Whether ``key`` is a buffer no read has reached yet (a prefetched chunk) and
@@ -172,11 +169,15 @@ class MemoryCache:
         old = self._resident.pop(key, None)
         if old is not None:
             self._resident_used -= len(old)
-        else:
-            old = self._transient.pop(key, None)
-            if old is None:
-                return
-            self._transient_used -= len(old)
-            self._put_at.pop(key, None)
+            if self._mirror is not None:
+                self._mirror.discard(key)
+        elif (old := self._transient.pop(key, None)) is not None:
+            self._gone(key, old)
+
+    def _gone(self, key: bytes, data: bytes) -> None:
+        """``key``'s buffer ``data``, taken out of the transient LRU, is gone: its bytes,
+        its put age and the mirror's entry with it (eviction and ``discard`` alike)."""
+        self._transient_used -= len(data)
+        self._put_at.pop(key, None)
         if self._mirror is not None:
             self._mirror.discard(key)
