@@ -211,7 +211,8 @@ async def _export_metrics(cfg: Config, ops: Operations, peers: "Peers | None",
                 "bounds": ops.op_stats.BOUNDS,
                 "members": len(peers.membership.nodes) if peers else None,
                 "links": peers.links() if peers else None,
-                "etcd_reachable": store.reachable if store is not None else None}
+                "etcd_reachable": store.reachable if store is not None else None,
+                "engine": ops.transport_stats()}
 
     labels = {"dataset": ops.info.name, "version": str(ops.info.version), "mountpoint": path}
     with metrics.serve("metrics.listen", cfg.metrics.listen, snapshot, metrics.mount_families,

@@ -10,8 +10,8 @@ is read while the loop mutates it) and a custom Collector turns it into families
         its own CollectorRegistry: only kspeedfs_* names) ── _Collector.collect()
             └─ snapshot() in the trio thread ─→ collect(snap, labels) ─→ families
 
-    mount_families   ReadStatistics + PeerStatistics + OpStats; labels dataset,
-                     version, mountpoint (daemon.serve)
+    mount_families   ReadStatistics + PeerStatistics + OpStats + the native engine's
+                     counters; labels dataset, version, mountpoint (daemon.serve)
     node_families    NodeStatistics + SSD tier + membership; label node (cluster/node.serve)
 
 Conventions: ``kspeedfs_`` prefix, counters end in ``_total``, base units
@@ -125,6 +125,33 @@ def _path_families(f: _Families, links: list[Any] | None) -> None:
         f.out.append(fam)
 
 
+#: the native engine's counters (``NativeSession.transport_stats``) → (name, help)
+ENGINE_COUNTERS = {
+    "read_misses": ("fuse_read_misses_total", "READs the native engine's C threads could not "
+                    "answer from the memory tier (waited for the native fetch, or Python)"),
+    "prefetch_hints": ("fuse_prefetch_hints_total", "chunks ahead of a reader the C threads "
+                       "asked Python to load"),
+    "fetch_posted": ("native_fetch_posted_total", "chunk READs from peers posted in C"),
+    "fetch_landed": ("native_fetch_landed_total", "chunk READs posted in C that landed verified"),
+    "fetch_failed": ("native_fetch_failed_total", "chunk READs posted in C that stepped aside "
+                     "(WC error, short READ, stale slot): Python's path took the chunk"),
+    "fetch_redundant": ("native_fetch_redundant_total", "chunk READs posted in C that landed "
+                        "after a hedge or Python's load had put the chunk"),
+    "fetch_parked": ("native_fetch_parked_reads_total", "READs that waited in C for a chunk "
+                     "the native fetch had in flight"),
+    "ring_requests": ("fuse_ring_requests_total", "requests through FUSE io_uring queues"),
+    "ring_copy_bytes": ("fuse_ring_copy_bytes_total", "READ bytes copied into io_uring "
+                        "payload buffers"),
+}
+
+
+def _engine_families(f: _Families, engine: dict[str, Any] | None) -> None:
+    """The native engine's counters, those it has (none for the pyfuse3 engine)."""
+    for key, (name, doc) in ENGINE_COUNTERS.items():
+        if engine and key in engine:
+            f.counter(name, doc, engine[key])
+
+
 def _etcd_family(f: _Families, reachable: bool | None) -> None:
     if reachable is not None:
         f.gauge("etcd_reachable", "1 if the last etcd request was answered", float(reachable))
@@ -133,7 +160,8 @@ def _etcd_family(f: _Families, reachable: bool | None) -> None:
 def mount_families(snap: dict[str, Any], labels: dict[str, str]) -> Families:
     """``snap``: {"read": ReadStatistics, "peers": PeerStatistics | None,
     "ops": {op: [count, errors, seconds, *buckets]}, "bounds": OpStats.BOUNDS,
-    "members": int | None, optional "links": [VQPStats], "etcd_reachable": bool}."""
+    "members": int | None, optional "links": [VQPStats], "etcd_reachable": bool,
+    "engine": the native engine's counters}."""
     f = _Families(labels)
     r = snap["read"]
     f.counter("read_requests_total", "FUSE read requests", r.reads)
@@ -167,6 +195,7 @@ def mount_families(snap: dict[str, Any], labels: dict[str, str]) -> Families:
         f.gauge("membership_nodes", "nodes in this process's membership view", snap["members"])
     _path_families(f, snap.get("links"))
     _etcd_family(f, snap.get("etcd_reachable"))
+    _engine_families(f, snap.get("engine"))
     ops: dict[str, list[Any]] = snap["ops"]
     f.counter("fuse_operations_total", "FUSE operations answered", by="op",
               values={op: row[0] for op, row in ops.items()})

@@ -80,6 +80,11 @@ def test_counters_move_when_a_file_is_read(mounted) -> None:
     assert value(after, "kspeedfs_fuse_operation_seconds_count", op="open") >= 1
     assert value(after, "kspeedfs_fuse_operation_seconds_bucket", op="read", le="+Inf") \
         == value(after, "kspeedfs_fuse_operations_total", op="read")
+    if os.environ.get("KSPEEDFS_FUSE_ENGINE", "native") == "native":   # C missed, Python loaded
+        assert value(after, "kspeedfs_fuse_read_misses_total") \
+            > value(before, "kspeedfs_fuse_read_misses_total")
+    else:
+        assert "kspeedfs_fuse_read_misses_total" not in text
     # constant labels: which mount this is
     assert value(after, "kspeedfs_read_bytes_total", dataset="met", version="1",
                  mountpoint=str(mnt)) == value(after, "kspeedfs_read_bytes_total")

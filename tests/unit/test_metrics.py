@@ -69,12 +69,20 @@ def test_mount_exposition() -> None:
     ops.record("read", 0.0003, 0)
     ops.record("read", 3.0, 0)
     ops.record("lookup", 0.00001, 2)
+    engine = {"transport": "native /dev/fuse", "read_misses": 9, "fetch_landed": 7,
+              "fetch_redundant": 2, "ring_lost": 0}
     snap = {"read": ReadStatistics(reads=5, read_bytes=100, memory_hits=2, source_loads=1),
-            "peers": peers(), "ops": ops.rows, "bounds": OpStats.BOUNDS, "members": 3}
+            "peers": peers(), "ops": ops.rows, "bounds": OpStats.BOUNDS, "members": 3,
+            "engine": engine}
     text = exposition(list(metrics.mount_families(
         snap, {"dataset": "ds", "version": "1", "mountpoint": "/mnt/x"})))
     v = check(text)
     lab = "('dataset', 'ds'), ('mountpoint', '/mnt/x'), "
+    assert v["kspeedfs_fuse_read_misses_total[" + lab + "('version', '1')]"] == 9
+    assert v["kspeedfs_native_fetch_landed_total[" + lab + "('version', '1')]"] == 7
+    assert v["kspeedfs_native_fetch_redundant_total[" + lab + "('version', '1')]"] == 2
+    assert "kspeedfs_native_fetch_failed_total" not in text      # only what the engine has
+    assert "transport" not in text and "ring_lost" not in text
     assert v["kspeedfs_read_bytes_total[" + lab + "('version', '1')]"] == 100
     assert v["kspeedfs_chunk_requests_total[" + lab + "('tier', 'memory'), ('version', '1')]"] == 2
     assert v["kspeedfs_peer_read_bytes_total[" + lab + "('peer', 'n2'), ('version', '1')]"] == 20
@@ -147,7 +155,8 @@ def test_the_grafana_dashboard_queries_only_exported_names() -> None:
     ops.record("read", 0.001, 0)
     mount = metrics.mount_families({"read": ReadStatistics(), "peers": peers(), "ops": ops.rows,
                                     "bounds": OpStats.BOUNDS, "members": 1, "links": links(),
-                                    "etcd_reachable": True}, {})
+                                    "etcd_reachable": True,
+                                    "engine": dict.fromkeys(metrics.ENGINE_COUNTERS, 0)}, {})
     node = metrics.node_families({"node": SimpleNamespace(
         arena=ArenaStatistics(**{f.name: 0 for f in dataclasses.fields(ArenaStatistics)}),
         counters=NodeCounters(), reads=peers(), progress={}), "members": 1, "disk_bytes": 0}, {})
