@@ -196,6 +196,19 @@ class Reader:
 
     # -- a small file alone ----------------------------------------------------------------
 
+    def small_extent(self, entry: int) -> tuple[int, Extent] | None:
+        """(chunk, extent) when a read of ``entry`` loads the small file's one extent
+        alone (``read_parts``' rule), else None: for the native engine's hand-off of a
+        READ to the native fetch (``TierChain.start_extent``)."""
+        ix = self.index
+        if not ix.size[entry]:
+            return None
+        chunks = ix.chunk_range(entry, 0, ix.size[entry])
+        if len(chunks) != 1 or not self._small(entry, chunks[0]):
+            return None
+        (ext,) = ix.file_extents(entry)
+        return chunks[0], ext
+
     def _small(self, entry: int, k: int) -> bool:
         return (self.policy.small_file(self.index.size[entry])
                 and self.index.chunk_digest(k) not in self.memory)
@@ -206,6 +219,7 @@ class Reader:
         else read alone from the source — verified against the extent's digest and kept
         in the memory tier under it."""
         (ext,) = self.index.file_extents(entry)
+        await self.tiers.extent(k, ext)         # the native fetch's, when it may READ it
         return await self.tiers.get(ext.digest, self._load_extent, entry, k, ext)
 
     async def _load_extent(self, entry: int, k: int, ext: Extent) -> Loaded:

@@ -1952,6 +1952,20 @@ int fe_fetch_enable(struct fe_engine *e, const struct ks_capi *api, char *err, s
 
 struct fe_fetch *fe_fetcher(struct fe_engine *e) { return atomic_load(&e->fetch); }
 
+int fe_file_extent(struct fe_engine *e, uint64_t entry, const uint8_t **key, uint32_t *len)
+{
+    const struct fe_index *ix = &e->ix;
+    if (entry >= ix->entries || !S_ISREG(ix->mode[entry]) || !ix->size[entry] ||
+        ix->size[entry] > UINT32_MAX)
+        return -EINVAL;
+    uint64_t base = ix->data[entry], c = ix->chunk_size, x = ix->ext[entry];
+    if (base / c != (base + ix->size[entry] - 1) / c || x >= ix->extents)
+        return -EINVAL;                     /* (tier_part's test for "its one extent") */
+    *key = ix->ext_digests + x * 16;
+    *len = (uint32_t)ix->size[entry];
+    return 0;
+}
+
 void fe_destroy(struct fe_engine *e)
 {
     if (!e)

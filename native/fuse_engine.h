@@ -191,6 +191,9 @@ struct ks_capi;
 struct fe_fetch;
 int fe_fetch_enable(struct fe_engine *e, const struct ks_capi *api, char *err, size_t errlen);
 struct fe_fetch *fe_fetcher(struct fe_engine *e);
+/* The extent of file ``entry`` when it lies in one chunk (a small file): its digest and
+ * length, 0; else -EINVAL. From the engine's own index. */
+int fe_file_extent(struct fe_engine *e, uint64_t entry, const uint8_t **key, uint32_t *len);
 
 /* A FUSE io_uring request (the entry's header and ``payload``, ``payload_cap`` bytes) as
  * /dev/fuse would deliver it: fuse_in_header, the opcode's op_in, the payload, into

@@ -849,19 +849,128 @@ static PyObject *Engine_fetch_post(EngineObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* fetch_unpark(chunk) -> int: answer the READs parked on ``chunk`` from the tier now. */
+/* A buffer the native fetch filled (an extent, fetch_landed): read-only, freed with the
+ * object. The tier entry that points into it is adopted by putting a view of it. */
+typedef struct {
+    PyObject_HEAD
+    void *buf;
+    Py_ssize_t len;
+} BlockObject;
+
+static int Block_getbuffer(BlockObject *self, Py_buffer *view, int flags)
+{
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->buf, self->len, 1, flags);
+}
+
+static void Block_dealloc(BlockObject *self)
+{
+    free(self->buf);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyBufferProcs Block_as_buffer = {(getbufferproc)Block_getbuffer, NULL};
+
+static PyTypeObject BlockType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kspeedfs.fuse._engine.Block",
+    .tp_basicsize = sizeof(BlockObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Verified bytes the native fetch copied out of a staging slot (read-only).",
+    .tp_dealloc = (destructor)Block_dealloc,
+    .tp_as_buffer = &Block_as_buffer,
+};
+
+/* fetch_post_extent(handle, qpn, entry, cookie, laddr, lkey, raddr, rkey, read=None): one
+ * READ of small file ``entry``'s extent (its digest and length from the engine's index)
+ * into the staging buffer at laddr/lkey, verified, copied into a buffer of its own and
+ * put in the tier (``fetch_landed(cookie)`` once FETCHED says 0); ``read``, a READ of that
+ * file taken from the queue, (fd, unique, offset, size, random, since), is answered in C
+ * once it lands, or queued again (fuse_fetch.h). Raised: ``read`` stays the caller's. */
+static PyObject *Engine_fetch_post_extent(EngineObject *self, PyObject *args)
+{
+    int handle;
+    unsigned int qpn, lkey, rkey;
+    unsigned long long entry, cookie, laddr, raddr;
+    PyObject *read = Py_None;
+    if (!PyArg_ParseTuple(args, "iIKKKIKI|O:fetch_post_extent", &handle, &qpn, &entry,
+                          &cookie, &laddr, &lkey, &raddr, &rkey, &read))
+        return NULL;
+    struct fe_request q = {.kind = FE_READ, .entry = entry};
+    double since = 0;
+    if (read != Py_None &&
+        !PyArg_ParseTuple(read, "iKKKid:fetch_post_extent read", &q.fd, &q.unique, &q.offset,
+                          &q.size, &q.random, &since))
+        return NULL;
+    q.t0 = since > 0 ? (uint64_t)(since * 1e9) : 0;
+    struct fe_engine *e = engine_of(self, "fetch_post_extent");
+    if (!e)
+        return NULL;
+    struct fe_fetch *f = fe_fetcher(e);
+    if (!f || handle < 0 || handle >= self->nheld)
+        return raise_errno(EINVAL, "fetch_post_extent: no such fetch engine");
+    const uint8_t *key;
+    uint32_t len;
+    if (fe_file_extent(e, entry, &key, &len) < 0)
+        return raise_errno(EINVAL, "fetch_post_extent: not a file in one chunk");
+    ks_engine *ke = self->held_e[handle];
+    const char *why = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fetch_post_extent(f, ke, qpn, key, read != Py_None ? &q : NULL, cookie,
+                           (void *)(uintptr_t)laddr, lkey, raddr, rkey, len, &why);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return raise_errno(-rc, "%s", why);
+    Py_RETURN_NONE;
+}
+
+/* The fetch of ``self`` and the cookie ``arg`` names (fetch_landed, fetch_unpark): 1 with
+ * both, 0 when the engine has no fetch (nothing to do), -1 with an exception set. */
+static int fetch_and_cookie(EngineObject *self, PyObject *arg, const char *what,
+                            struct fe_fetch **f, unsigned long long *cookie)
+{
+    *cookie = PyLong_AsUnsignedLongLong(arg);
+    if (*cookie == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    struct fe_engine *e = engine_of(self, what);
+    if (!e)
+        return -1;
+    *f = fe_fetcher(e);
+    return *f != NULL;
+}
+
+/* fetch_landed(cookie) -> Block | None: the buffer an extent's fetch put in the tier. */
+static PyObject *Engine_fetch_landed(EngineObject *self, PyObject *arg)
+{
+    struct fe_fetch *f;
+    unsigned long long cookie;
+    int have = fetch_and_cookie(self, arg, "fetch_landed", &f, &cookie);
+    if (have <= 0)
+        return have < 0 ? NULL : Py_NewRef(Py_None);
+    BlockObject *b = PyObject_New(BlockObject, &BlockType);   /* first: once taken, the */
+    if (!b)                                                   /* buffer must have an owner */
+        return NULL;
+    uint32_t len = 0;
+    b->buf = fetch_landed(f, cookie, &len);
+    b->len = len;
+    if (!b->buf) {
+        Py_DECREF(b);
+        Py_RETURN_NONE;
+    }
+    return (PyObject *)b;
+}
+
+/* fetch_unpark(cookie) -> int: answer the READs parked on that fetch from the tier now. */
 static PyObject *Engine_fetch_unpark(EngineObject *self, PyObject *arg)
 {
-    unsigned long long k = PyLong_AsUnsignedLongLong(arg);
-    if (k == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    struct fe_engine *e = engine_of(self, "fetch_unpark");
-    struct fe_fetch *f = e ? fe_fetcher(e) : NULL;
-    if (!f)
-        return e ? PyLong_FromLong(0) : NULL;
+    struct fe_fetch *f;
+    unsigned long long cookie;
+    int have = fetch_and_cookie(self, arg, "fetch_unpark", &f, &cookie);
+    if (have <= 0)
+        return have < 0 ? NULL : PyLong_FromLong(0);
     int n;
     Py_BEGIN_ALLOW_THREADS
-    n = fetch_unpark(f, k);
+    n = fetch_unpark(f, cookie);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(n);
 }
@@ -935,10 +1044,14 @@ static PyMethodDef Engine_methods[] = {
      "fetch_enable(capsule): the native chunk fetch, on rdma._soft_engine._C_API"},
     {"fetch_engine", (PyCFunction)Engine_fetch_engine, METH_O,
      "fetch_engine(soft_engine) -> handle: a fetch CQ there (held until fetch_stop)"},
+    {"fetch_post_extent", (PyCFunction)Engine_fetch_post_extent, METH_VARARGS,
+     "fetch_post_extent(handle, qpn, entry, cookie, laddr, lkey, raddr, rkey, read=None)"},
+    {"fetch_landed", (PyCFunction)Engine_fetch_landed, METH_O,
+     "fetch_landed(cookie) -> Block | None: the buffer an extent's fetch put in the tier"},
     {"fetch_post", (PyCFunction)Engine_fetch_post, METH_VARARGS,
      "fetch_post(handle, qpn, chunk, cookie, laddr, lkey, raddr, rkey, length)"},
     {"fetch_unpark", (PyCFunction)Engine_fetch_unpark, METH_O,
-     "fetch_unpark(chunk) -> int: the READs parked on chunk answered from the tier now"},
+     "fetch_unpark(cookie) -> int: the READs parked on that fetch answered from the tier now"},
     {"fetch_stop", (PyCFunction)Engine_fetch_stop, METH_VARARGS,
      "fetch_stop(timeout_ms=5000) -> READs abandoned; the soft engines released"},
     {NULL, NULL, 0, NULL},
@@ -1151,7 +1264,7 @@ static struct PyModuleDef moddef = {
 
 PyMODINIT_FUNC PyInit__engine(void)
 {
-    if (PyType_Ready(&EngineType) < 0)
+    if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&BlockType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moddef);
     if (!m)
@@ -1166,6 +1279,7 @@ PyMODINIT_FUNC PyInit__engine(void)
         PyModule_AddIntConstant(m, "FETCH_MISMATCH", FE_FETCH_MISMATCH) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_EXISTS", FE_FETCH_EXISTS) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_STOPPED", FE_FETCH_STOPPED) < 0 ||
+        PyModule_AddIntConstant(m, "FETCH_NOMEM", FE_FETCH_NOMEM) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_MAX", FE_FETCH_MAX) < 0 ||
         PyModule_AddIntConstant(m, "BUCKETS", FE_BUCKETS) < 0) {
         Py_DECREF(m);

@@ -25,10 +25,19 @@ struct parked {
 struct rec {                        /* one fetch in flight; all fields under f->lock */
     int used;
     uint32_t gen;                   /* in the WR id beside the index: a stale WC is ignored */
-    uint64_t k, cookie;
+    uint64_t k, cookie;             /* k: FE_NO_CHUNK for a small file's extent */
     uint8_t *laddr;
     uint32_t len;
+    int extent;                     /* copied out of laddr once verified, and put */
+    uint8_t key[16];                /* its digest (a chunk's is f->digests + k * 16) */
     struct parked *parked;
+};
+
+struct landed {                     /* an extent's buffer in the tier, until Python takes it */
+    struct landed *next;
+    uint64_t cookie;
+    uint8_t *buf;
+    uint32_t len;
 };
 
 struct fcq {                        /* a fetch CQ on one soft engine */
@@ -53,6 +62,7 @@ struct fe_fetch {
     int epfd, stopfd;
     pthread_t thread;
     int started;
+    struct landed *landed;          /* under lock */
     struct fe_fetch_counters c;     /* under lock */
 };
 
@@ -138,6 +148,15 @@ static struct rec *rec_of(struct fe_fetch *f, uint64_t k)
     return NULL;
 }
 
+/* The record of the extent with digest ``key`` in flight (under f->lock), or NULL. */
+static struct rec *extent_rec_of(struct fe_fetch *f, const uint8_t *key)
+{
+    for (int i = 0; i < FE_FETCH_MAX; i++)
+        if (f->recs[i].used && f->recs[i].extent && memcmp(f->recs[i].key, key, 16) == 0)
+            return &f->recs[i];
+    return NULL;
+}
+
 /* Take record ``i`` out (under f->lock): its parked READs to the caller. */
 static struct parked *rec_end(struct fe_fetch *f, int i)
 {
@@ -190,23 +209,31 @@ static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
     pthread_mutex_unlock(&f->lock);
 }
 
-int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint64_t cookie,
-               void *laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len,
-               const char **why)
+/* fetch_post and fetch_post_extent: a record for chunk ``k`` (or, ``extent``, for the
+ * extent ``key``, with the caller's READ ``read`` parked on it), and its READ. */
+static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, const uint8_t *key,
+                int extent, const struct fe_request *read, uint64_t cookie, void *laddr,
+                uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len, const char **why)
 {
-    if (k >= f->chunks || !len) {
-        *why = "fetch_post: no such chunk";
-        return -EINVAL;
-    }
     struct fcq *q = cq_of(f, ke);
     if (!q) {
         *why = "fetch_post: no fetch CQ on that engine (fetch_engine)";
         return -EINVAL;
     }
+    struct parked *own = NULL;          /* ``read``, parked before the READ can complete */
+    if (read) {
+        if (!(own = malloc(sizeof *own))) {
+            *why = "fetch_post: out of memory";
+            return -ENOMEM;
+        }
+        own->q = *read;
+        own->next = NULL;
+    }
     pthread_mutex_lock(&f->lock);
-    if (rec_of(f, k)) {
+    if (extent ? extent_rec_of(f, key) != NULL : rec_of(f, k) != NULL) {
         pthread_mutex_unlock(&f->lock);
-        *why = "fetch_post: chunk in flight";
+        free(own);
+        *why = "fetch_post: in flight";
         return -EALREADY;
     }
     int free_i = -1;
@@ -215,6 +242,7 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
             free_i = i;
     if (f->stopping || free_i < 0) {
         pthread_mutex_unlock(&f->lock);
+        free(own);
         *why = f->stopping ? "fetch_post: stopped" : "fetch_post: too many in flight";
         return f->stopping ? -ESHUTDOWN : -EAGAIN;
     }
@@ -225,7 +253,11 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
     r->cookie = cookie;
     r->laddr = laddr;
     r->len = len;
-    r->parked = NULL;
+    r->extent = extent;
+    memcpy(r->key, key, 16);
+    r->parked = own;
+    if (own)
+        f->c.parked++;
     f->active++;
     atomic_store(&f->nactive, f->active);
     f->c.posted++;
@@ -247,11 +279,60 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
     if (rc < 0) {               /* never posted: READs that parked meanwhile go to Python */
         pthread_mutex_lock(&f->lock);
         f->c.posted--;
-        struct parked *p = rec_end(f, free_i);
+        struct parked *p = rec_end(f, free_i), **link = &p;
+        if (own) {              /* ``read`` stays the caller's: it answers it */
+            f->c.parked--;
+            while (*link != own)
+                link = &(*link)->next;
+            *link = own->next;
+            free(own);
+        }
         pthread_mutex_unlock(&f->lock);
         hand_on(f, p, 0);
     }
     return rc;
+}
+
+int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint64_t cookie,
+               void *laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len,
+               const char **why)
+{
+    if (k >= f->chunks || !len) {
+        *why = "fetch_post: no such chunk";
+        return -EINVAL;
+    }
+    return post(f, ke, qpn, k, f->digests + k * 16, 0, NULL, cookie, laddr, lkey, raddr,
+                rkey, len, why);
+}
+
+int fetch_post_extent(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8_t key[16],
+                      const struct fe_request *read, uint64_t cookie, void *laddr,
+                      uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len,
+                      const char **why)
+{
+    if (!len) {
+        *why = "fetch_post_extent: empty";
+        return -EINVAL;
+    }
+    return post(f, ke, qpn, FE_NO_CHUNK, key, 1, read, cookie, laddr, lkey, raddr, rkey, len,
+                why);
+}
+
+void *fetch_landed(struct fe_fetch *f, uint64_t cookie, uint32_t *len)
+{
+    uint8_t *buf = NULL;
+    pthread_mutex_lock(&f->lock);
+    for (struct landed **l = &f->landed; *l; l = &(*l)->next)
+        if ((*l)->cookie == cookie) {
+            struct landed *x = *l;
+            *l = x->next;
+            buf = x->buf;
+            *len = x->len;
+            free(x);
+            break;
+        }
+    pthread_mutex_unlock(&f->lock);
+    return buf;
 }
 
 int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct fe_request *q)
@@ -286,17 +367,47 @@ int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct f
     return wait != NULL;
 }
 
-int fetch_unpark(struct fe_fetch *f, uint64_t k)
+int fetch_unpark(struct fe_fetch *f, uint64_t cookie)
 {
     struct parked *p = NULL;
+    struct rec *r = NULL;
     pthread_mutex_lock(&f->lock);
-    struct rec *r = rec_of(f, k);
+    for (int i = 0; i < FE_FETCH_MAX && !r; i++)
+        if (f->recs[i].used && f->recs[i].cookie == cookie)
+            r = &f->recs[i];
     if (r) {
         p = r->parked;
         r->parked = NULL;
     }
     pthread_mutex_unlock(&f->lock);
     return hand_on(f, p, 1);
+}
+
+/* An extent's verified bytes out of its staging slot into a buffer of its own (the fault
+ * of new memory is paid here, not on the trio thread), put in the tier, and kept for
+ * Python (fetch_landed) ahead of the FE_FETCHED event. */
+static int put_extent(struct fe_fetch *f, uint64_t cookie, const uint8_t *key,
+                      const uint8_t *laddr, uint32_t len)
+{
+    struct landed *x = malloc(sizeof *x);
+    uint8_t *buf = malloc(len);
+    if (!x || !buf) {
+        free(x);
+        free(buf);
+        return FE_FETCH_NOMEM;
+    }
+    memcpy(buf, laddr, len);
+    if (tier_put_new(f->t, key, 16, buf, len) < 0) {
+        free(x);
+        free(buf);
+        return FE_FETCH_EXISTS;
+    }
+    *x = (struct landed){.cookie = cookie, .buf = buf, .len = len};
+    pthread_mutex_lock(&f->lock);
+    x->next = f->landed;
+    f->landed = x;
+    pthread_mutex_unlock(&f->lock);
+    return FE_FETCH_OK;
 }
 
 /* One WC of a fetch READ: verify, put, answer. */
@@ -311,11 +422,12 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
         return;                             /* abandoned by fetch_stop */
     }
     uint64_t k = r->k, cookie = r->cookie;
-    uint8_t *laddr = r->laddr;
+    uint8_t *laddr = r->laddr, key[16];
     uint32_t len = r->len;
+    int extent = r->extent;
+    memcpy(key, r->key, 16);
     pthread_mutex_unlock(&f->lock);
 
-    const uint8_t *key = f->digests + k * 16;
     int status = (int)wc->status;
     if (status == KS_WC_SUCCESS && wc->byte_len != len)
         status = FE_FETCH_SHORT;
@@ -324,8 +436,11 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
         fe_xxh128(laddr, len, d);
         if (memcmp(d, key, 16) != 0)
             status = FE_FETCH_MISMATCH;
-        else if (tier_put_new(f->t, key, 16, laddr, len) < 0)
-            status = FE_FETCH_EXISTS;   /* Python put it meanwhile: its copy serves */
+        else if (!extent) {
+            if (tier_put_new(f->t, key, 16, laddr, len) < 0)
+                status = FE_FETCH_EXISTS;   /* Python put it meanwhile: its copy serves */
+        } else
+            status = put_extent(f, cookie, key, laddr, len);
     }
     pthread_mutex_lock(&f->lock);
     struct parked *p = rec_end(f, i);
@@ -414,6 +529,12 @@ void fetch_free(struct fe_fetch *f)
         return;
     if (f->started)
         fetch_stop(f, 0);
+    while (f->landed) {             /* never taken: no thread reads the tier any more */
+        struct landed *x = f->landed;
+        f->landed = x->next;
+        free(x->buf);
+        free(x);
+    }
     close(f->epfd);
     close(f->stopfd);
     pthread_mutex_destroy(&f->lock);

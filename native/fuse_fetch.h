@@ -15,6 +15,14 @@
  *                          anything else          ─► FE_FETCHED (status != 0) first, then
  *                                                      the parked READs queued for Python
  *
+ *   a small file's READ (queued to Python), its  ─► fetch_post_extent: the same, with the
+ *   chunk's slot known: the extent and the READ       READ parked on the record; READ into
+ *                                                      a staging slot, xxh3-128 == the
+ *                                                      extent's digest? ─► copied into a
+ *                                                      buffer of its own (malloc), put, the
+ *                                                      READ answered; Python takes the
+ *                                                      buffer (fetch_landed) and adopts it
+ *
  * The fetch is never right about a fault, only steps aside: a WC error, a short READ or
  * a digest mismatch (the replica reused the slot) hands everything to Python's path.
  * Python decides what to fetch (placement, hints, path state, the prefetch budget);
@@ -33,10 +41,11 @@
 
 #define FE_FETCH_MAX 256            /* fetches in flight at once */
 #define FE_FETCH_ENGINES 8          /* soft engines (local NICs) with a fetch CQ */
+#define FE_NO_CHUNK UINT64_MAX      /* FE_FETCHED's chunk for an extent's fetch */
 
 /* FE_FETCHED's status beyond the WC's (ks_wc.status, < 64) */
 enum { FE_FETCH_OK = 0, FE_FETCH_SHORT = 64, FE_FETCH_MISMATCH = 65, FE_FETCH_EXISTS = 66,
-       FE_FETCH_STOPPED = 67 };
+       FE_FETCH_STOPPED = 67, FE_FETCH_NOMEM = 68 };
 
 struct fe_engine;
 struct fe_request;
@@ -64,13 +73,28 @@ int fetch_engine(struct fe_fetch *f, ks_engine *ke, const char **why);
 int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint64_t cookie,
                void *laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len,
                const char **why);
+/* A small file's extent: READ ``len`` bytes into the staging buffer ``laddr``/``lkey``,
+ * verify them against ``key`` (the extent's xxh3-128), copy them into a buffer of their
+ * own and put that in the tier under ``key`` (no owner: with status 0, the caller takes
+ * the buffer with fetch_landed and puts it, adopting the entry). ``read`` (or NULL): the
+ * READ of that file the caller took from the queue, parked on the record (answered as a
+ * chunk's parked READs are); when the post fails it stays the caller's. No other READ
+ * parks on it. Errors as fetch_post's. */
+int fetch_post_extent(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8_t key[16],
+                      const struct fe_request *read, uint64_t cookie, void *laddr,
+                      uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len,
+                      const char **why);
+/* The buffer (malloc'd; the caller frees it) an extent's fetch of ``cookie`` put in the
+ * tier, and its length; NULL when there is none (or it was taken). Unclaimed ones are
+ * freed by fetch_free. */
+void *fetch_landed(struct fe_fetch *f, uint64_t cookie, uint32_t *len);
 /* Hold READ ``q`` (fd or ring token set) of chunks [first, last] when every one of them
  * the tier lacks is in flight: parked on the first such, 1 (answered again when it lands:
  * from the tier, parked on the next, or queued for Python); else 0. */
 int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct fe_request *q);
-/* Answer the READs parked on chunk ``k`` now (its bytes came another way: a hedge
- * READ Python made); the fetch itself goes on. Returns how many. */
-int fetch_unpark(struct fe_fetch *f, uint64_t k);
+/* Answer the READs parked on the fetch of ``cookie`` now (its bytes came another way: a
+ * hedge READ Python made); the fetch itself goes on. Returns how many. */
+int fetch_unpark(struct fe_fetch *f, uint64_t cookie);
 /* Stop: no more posts; wait up to ``timeout_ms`` for every posted READ's WC, then end the
  * thread and close the CQs. Returns how many were still out (their records are
  * abandoned: their CQs are left for the soft engine's close). */

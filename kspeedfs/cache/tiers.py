@@ -16,7 +16,10 @@ node READs other replicas only, never asks an owner to load (it *is* the loader)
 writes nothing back to its SSD tier (that tier takes the arena's evictions). Blocks and
 small files' extents skip the disk tier but take the same peers and source steps
 (``from_peers``, ``from_source``) and the same single-flight (``get``), so every source
-read has one error contract.
+read has one error contract. On a native-engine mount without a disk tier a chunk, or a
+small file's extent (``extent``), whose replica's slot is known is READ by C instead
+(``native``, cluster/native_fetch.py): the caller waits for it, then finds it in the
+memory tier or loads it as above.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from .singleflight import SingleFlight
 if TYPE_CHECKING:
     from ..cluster.fetch import Peers
     from ..cluster.native_fetch import NativeFetch
+    from ..manifest.model import Extent
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +143,8 @@ class TierChain:
     async def chunk(self, k: int) -> Data:
         """Verified bytes of chunk ``k`` from the nearest tier that has them."""
         key = self.index.chunk_digest(k)
-        if self.native is not None and key not in self.memory and self._native(k, key):
+        if self.native is not None and key not in self.memory and \
+                self._native(key, lambda: self.native.start(k, key)):
             await self.native.wait(key)       # landed (a memory hit below) or not (a load)
         return await self.get(key, self.load, k)
 
@@ -155,24 +160,42 @@ class TierChain:
     def start(self, k: int) -> None:
         """Start (or join) the load of chunk ``k`` without waiting for it (prefetch)."""
         key = self.index.chunk_digest(k)
-        if self.native is not None and self._native(k, key):
+        if self.native is not None and self._native(key, lambda: self.native.start(k, key)):
             return
         self.flights.start(key, self.load, k)
+
+    async def extent(self, k: int, ext: Extent) -> None:
+        """Hand small file ``ext.entry``'s one extent (in chunk ``k``) to the native fetch
+        when it may READ it, as ``chunk`` does a chunk, and wait until that is over; the
+        caller then finds it in the memory tier, or loads it the usual way."""
+        if self.native is not None and ext.digest not in self.memory and \
+                self._native(ext.digest, lambda: self.native.start_extent(k, ext)):
+            await self.native.wait(ext.digest)
+
+    def start_extent(self, k: int, ext: Extent, read: tuple) -> bool:
+        """Hand small file ``ext.entry``'s extent and ``read``, a READ of it the native
+        engine queued, to the native fetch, which answers the READ (``NativeFetch.
+        start_extent``); False: nothing was handed (in the memory tier, loading, or no
+        route), the caller answers ``read``."""
+        native = self.native
+        return (native is not None and ext.digest not in self.memory
+                and ext.digest not in native.inflight
+                and self._native(ext.digest, lambda: native.start_extent(k, ext, read)))
 
     def in_flight(self, key: bytes) -> bool:
         return self.flights.in_flight(key) or (self.native is not None
                                                and key in self.native.inflight)
 
-    def _native(self, k: int, key: bytes) -> bool:
-        """Whether the native fetch has chunk ``k``: in flight there already, or handed
-        to it now, unless a load of it runs here (or the disk tier, which comes before
-        peers, is on)."""
+    def _native(self, key: bytes, start: Callable[[], bool]) -> bool:
+        """Whether the native fetch has ``key`` (a chunk, or an extent): in flight there
+        already, or handed to it now by ``start()``, unless a load of it runs here (or
+        the disk tier, which comes before peers, is on)."""
         assert self.native is not None
         if key in self.native.inflight:
             return True
         if self.disk is not None or self.flights.in_flight(key):
             return False
-        return self.native.start(k, key)
+        return start()
 
     # -- one load past the memory tier ----------------------------------------------------
 
@@ -184,12 +207,16 @@ class TierChain:
         self._put(k, key, loaded)
         return loaded
 
-    def arrived(self, k: int, key: bytes, data: Data, tier: str) -> None:
-        """Chunk ``k``, verified, loaded elsewhere (the native fetch): into the memory
-        tier as a load's would be, and counted."""
+    def arrived(self, k: int, key: bytes, data: Data, tier: str, *, whole: bool = True) -> None:
+        """Chunk ``k`` (``whole`` False: a small file's extent in it, under its digest
+        ``key``), verified, loaded elsewhere (the native fetch): into the memory tier as
+        a load's would be (``Reader._load_extent``'s for an extent), and counted."""
         self.counters.add(f"{tier}_hits")
         self.counters.add(f"{tier}_bytes", len(data))
-        self._put(k, key, Loaded(data, tier))
+        if whole:
+            self._put(k, key, Loaded(data, tier))
+        else:
+            self.memory.put(key, data)
 
     def _put(self, k: int, key: bytes, loaded: Loaded) -> None:
         self.memory.put(key, loaded.data)

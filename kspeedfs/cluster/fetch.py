@@ -204,8 +204,9 @@ class Peers:
 
     # -- connections ----------------------------------------------------------------------
 
-    def _give_staging(self, staging: tuple[VMR, int]) -> None:
-        """A staging slot back (``_take_staging``'s), once no READ writes into it."""
+    def give_staging(self, staging: tuple[VMR, int]) -> None:
+        """A staging slot back (``_take_staging``'s or ``staging_nowait``'s), once no
+        READ writes into it."""
         self._staging.append(staging)
         self._staging_free.release()
 
@@ -397,6 +398,21 @@ class Peers:
         """A physical staging slot, registering another segment of ``nbuf`` if none is
         free (up to STAGING × nbuf: losers a hung peer still holds)."""
         await _take(self._staging_free)
+        return self._staging_slot()
+
+    def staging_nowait(self) -> tuple[VMR, int] | None:
+        """A physical staging slot now for the native fetch's extents (``native_fetch.py``;
+        back through ``give_staging``), or None when that would leave fewer than 2 ×
+        nbuf: those stay ``read_chunk``'s (its reads in progress, and their hedges), so
+        extents READ from a stopped replica, each holding its slot until the peer
+        timeout, cannot make the hedges that answer them wait for one. (A bound by
+        construction: no run here has shown that wait.)"""
+        if self._staging_free.value <= 2 * self.nbuf:
+            return None
+        self._staging_free.acquire_nowait()
+        return self._staging_slot()
+
+    def _staging_slot(self) -> tuple[VMR, int]:
         if not self._staging:
             vmr = self.ep.alloc(self.nbuf * self.slot_size,
                                 name=f"fetch-buffers{self._staging_segments}")
@@ -466,7 +482,7 @@ class Peers:
             def give_back() -> None:
                 if landing is not None:
                     self.landing.give(landing)
-                self._give_staging(staging)
+                self.give_staging(staging)
 
             if att.in_flight:          # cancelled while a NIC still owns the buffers:
                 att.on_free = give_back    # they come back with the READ's completion
@@ -515,7 +531,7 @@ class Peers:
                 await vqp.read(staging[0], staging[1], "index", size, 0)
                 self.hints.keep_index(rec, staging[0].read(size, staging[1]))
             finally:
-                self._give_staging(staging)
+                self.give_staging(staging)
         except (*_FAILED, RdmaError, *_MISBEHAVED) as e:     # only hints: never fatal
             log.debug("index of %s not READ: %s", rec.node, e)
 

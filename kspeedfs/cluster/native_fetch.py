@@ -14,6 +14,18 @@ and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
                                           hint dropped, and the chunk's READs (queued for
                                           Python by C) take today's path
 
+    NativeSession, a small file's READ    the READ a small file's extent alone would
+      TierChain.start_extent(k, ext, read)   answer (``Reader.small_extent``), its chunk's
+      NativeFetch.start_extent(...)          slot known: as a chunk, into a staging slot,
+        engine.fetch_post_extent(...)        with the READ handed to C (parked there);
+      FETCHED event                          C copies the verified extent into a buffer of
+                                             its own, puts it, answers the READ; fetched()
+                                             takes the buffer (``fetch_landed``) into the
+                                             memory tier (adopted). On a fault the READ comes
+                                             back after the event, and Python's path takes
+                                             it (the extent is not handed to C again for
+                                             FAILED_FOR s)
+
 Python decides every load (placement, hints, path state, the prefetch budget); C never
 picks a peer, and on any fault it steps aside: a WC error, a short READ, a digest
 mismatch (the replica reused the slot: the hint was stale) is a FETCHED event with a
@@ -35,7 +47,11 @@ fetches than the hedge budget covers, and their READs waited out the peer timeou
 
 Why (docs/design.md, "The plan for that step"): the Python around each chunk READ from a
 peer (single-flight, race, vQP dispatch, CQ consumer, xxh3 on the trio thread, the
-answers to READs waiting for it) was most of the trio thread's 0.3 s per GB.
+answers to READs waiting for it) was most of the trio thread's 0.3 s per GB; and around
+each small file from a peer (that, the READ's task, the copy out of the staging slot
+into new memory, the reply) the trio thread's ~245 µs per file, busy ~90 % of the
+pass: with the hand-off 108-110 µs, and 4.05-4.53k files/s against 3.40-3.54k
+(docs/design.md).
 """
 from __future__ import annotations
 
@@ -54,11 +70,17 @@ from .landing import Slot
 if TYPE_CHECKING:
     from rdma.vrdma import VQP
 
+    from ..manifest.model import Extent
+
     from ..cache.memory import MemoryCache
     from ..cache.tiers import TierChain
     from ..manifest.index import ManifestIndex
 
 log = logging.getLogger(__name__)
+
+#: seconds a small file's extent whose native fetch failed is not handed to C with a READ
+#: again (the READ comes back to Python after the failure: it takes Python's path)
+FAILED_FOR = 1.0
 
 try:
     from ..fuse import _engine as _fe      # FETCHED statuses (native/fuse_fetch.h)
@@ -77,12 +99,12 @@ def soft_capi() -> Any:
 
 @dataclass
 class _Fetch:
-    """One chunk C is READing: where it lands, from which incarnation of which node (for
-    its hint), and the Event of whoever waits for it."""
+    """One chunk (or small file's extent) C is READing: where it lands, from which
+    incarnation of which node (for its hint), and the Event of whoever waits for it."""
 
     k: int
-    key: bytes
-    slot: Slot
+    key: bytes                              # what the memory tier keeps it under
+    slot: Slot                              # a landing slot; an extent's: a staging slot
     length: int
     node: str
     started: float
@@ -90,6 +112,9 @@ class _Fetch:
     cookie: int
     vqp: VQP
     qpn: int                                # the path it was posted on
+    chunk_key: bytes                        # its chunk's digest (the slot hint's key)
+    offset: int = 0                         # an extent's offset in its chunk
+    extent: bool = False                    # a small file's extent, not a whole chunk
     event: trio.Event | None = None
     hedged: bool = False
     late: bool = False                      # past its hedging deadline, not back yet
@@ -131,42 +156,65 @@ class NativeFetch:
         self._deadlines: list[tuple[float, int]] = []    # (deadline, cookie): hedging
         self._wake = trio.Event()
         self._late: Counter[str] = Counter()   # node → its fetches past their deadline
+        self._failed: dict[bytes, float] = {}  # extent → when its fetch last failed
 
     def start(self, k: int, key: bytes) -> bool:
         """Post chunk ``k`` (digest ``key``) to C if its first replica allows (module
         docstring); False: load it the usual way."""
+        return self._start(k, key, key, self.index.chunk_len[k], 0, None)
+
+    def start_extent(self, k: int, ext: Extent, read: tuple | None = None) -> bool:
+        """Post small file ``ext.entry``'s one extent (in chunk ``k``) to C, as ``start``
+        a chunk: READ into a staging slot, verified and copied into a buffer of its own,
+        which the memory tier keeps under ``ext.digest``; with ``read`` (fd, unique,
+        offset, size, random, since: a READ of the file taken from the engine's queue), C
+        answers that READ too once it lands, or queues it again. False: the usual way
+        (and ``read`` stays the caller's), also for an extent whose fetch failed in the
+        last FAILED_FOR seconds (its READ comes back after that event)."""
+        if read is not None and time.monotonic() - self._failed.get(ext.digest, -FAILED_FOR) \
+                < FAILED_FOR:
+            return False
+        return self._start(k, ext.digest, self.index.chunk_digest(k), ext.length,
+                           ext.chunk_offset, ext.entry, read)
+
+    def _start(self, k: int, key: bytes, chunk_key: bytes, length: int, offset: int,
+               entry: int | None, read: tuple | None = None) -> bool:
         if self._closed or key in self.inflight:
             return False
-        length = self.index.chunk_len[k]
         if length > self.memory.transient_capacity:
             return False        # MemoryCache.put would not keep it: C must not serve it
-        route = self.peers.native_route(key, length)
+        route = self.peers.native_route(chunk_key, self.index.chunk_len[k])
         if route is None:
             return False
         rec, rslot, vqp = route
         if len(self.inflight) >= NATIVE_READS or self._late[rec.node]:
             return False        # (a node with a READ overdue: read_chunk, which hedges each)
-        slot = self.peers.landing.take()
-        target = None if slot is None else \
-            vqp.native_target(slot[0], slot[1], "arena", rslot * rec.slot_size, length)
+        slot = self.peers.landing.take() if entry is None else self.peers.staging_nowait()
+        target = None if slot is None else vqp.native_target(
+            slot[0], slot[1], "arena", rslot * rec.slot_size + offset, length)
         if target is None:
             if slot is not None:
-                self.peers.landing.give(slot)
+                self._give(slot, entry is not None)
             return False
         try:
             handle = self._handles.get(id(target.engine))
             if handle is None:
                 handle = self._handles[id(target.engine)] = self.engine.fetch_engine(target.engine)
             self._cookies += 1
-            self.engine.fetch_post(handle, target.qpn, k, self._cookies, target.laddr,
-                                   target.lkey, target.raddr, target.rkey, length)
+            if entry is None:
+                self.engine.fetch_post(handle, target.qpn, k, self._cookies, target.laddr,
+                                       target.lkey, target.raddr, target.rkey, length)
+            else:
+                self.engine.fetch_post_extent(handle, target.qpn, entry, self._cookies,
+                                              target.laddr, target.lkey, target.raddr,
+                                              target.rkey, read)
         except OSError as e:
-            self.peers.landing.give(slot)
+            self._give(slot, entry is not None)
             log.debug("native fetch of chunk %d not posted: %s", k, e)
             return False
         now = time.monotonic()
         f = _Fetch(k, key, slot, length, rec.node, rec.started, now, self._cookies, vqp,
-                   target.qpn)
+                   target.qpn, chunk_key, offset, entry is not None)
         self.inflight[key] = self._by_cookie[self._cookies] = f
         if self.peers.hedge is not None:         # (deadlines in trio's clock, not monotonic)
             limit = trio.current_time() + self.peers.hedger.threshold(rec.node, length)
@@ -204,17 +252,19 @@ class NativeFetch:
     async def _hedge(self, f: _Fetch) -> None:
         """READ ``f``'s chunk from another replica; once it is in the memory tier, answer
         the READs parked on it in C and wake the waiters."""
+        part = (f.offset, f.length, f.key) if f.extent else None
         try:
             data = await self.peers.read_chunk(self.tiers.dataset[0], self.tiers.dataset[1],
-                                               f.k, f.key, f.length, exclude=f.node)
+                                               f.k, f.chunk_key, self.index.chunk_len[f.k],
+                                               exclude=f.node, part=part)
         except Exception as e:          # noqa: BLE001 - the C READ is still there
             log.info("hedge of chunk %d (native READ from %s late): %s", f.k, f.node, e)
             return
         if data is None or f.key in self.memory:
             return                      # no other replica had it, or C's READ landed first
-        self.tiers.arrived(f.k, f.key, data, "peer")
+        self.tiers.arrived(f.k, f.key, data, "peer", whole=not f.extent)
         self.peers.hedger.hedge_won(f.node)
-        self.engine.fetch_unpark(f.k)
+        self.engine.fetch_unpark(f.cookie)
         if f.event is not None:
             f.event.set()
 
@@ -228,7 +278,8 @@ class NativeFetch:
         await f.event.wait()
 
     def fetched(self, cookie: int, k: int, status: int) -> None:
-        """A FETCHED event from the engine's queue (``status``: fuse_fetch.h)."""
+        """A FETCHED event from the engine's queue (``status``: fuse_fetch.h; ``k``, the
+        chunk, is the record's too: FE_NO_CHUNK for an extent)."""
         f = self._by_cookie.pop(cookie, None)
         if f is None:
             return
@@ -237,23 +288,40 @@ class NativeFetch:
             self._late[f.node] -= 1
         if status in (_fe.FETCH_OK, _fe.FETCH_MISMATCH, _fe.FETCH_EXISTS):
             f.vqp.native_done(f.qpn)                # the READ came back: its path lives
-        if status == _fe.FETCH_OK:
-            data = self.peers.landing.keep(f.slot, f.length)
+        block = self.engine.fetch_landed(cookie) if f.extent and status == _fe.FETCH_OK \
+            else None
+        if block is not None or (status == _fe.FETCH_OK and not f.extent):
+            if f.extent:                   # C's buffer, in the tier already: adopted
+                data = memoryview(block)
+                self.peers.give_staging(f.slot)
+            else:
+                data = self.peers.landing.keep(f.slot, f.length)
             self.peers.landed_native(f.node, f.length)
             if self.peers.hedge is not None:
                 took = time.monotonic() - f.t0
                 self.peers.hedger.done(f.node, f.length, took, sample=not f.hedged)
-            self.tiers.arrived(k, f.key, data, "peer")
+            self.tiers.arrived(f.k, f.key, data, "peer", whole=not f.extent)
         else:
             if status != _fe.FETCH_STOPPED:        # else a NIC may yet write the slot
-                self.peers.landing.give(f.slot)
+                self._give(f.slot, f.extent)
+            if f.extent and status != _fe.FETCH_EXISTS:
+                if len(self._failed) >= NATIVE_READS * 8:
+                    self._failed.clear()
+                self._failed[f.key] = time.monotonic()   # its READ takes Python's path
             if status == _fe.FETCH_MISMATCH:
-                self.peers.stale_hint(f.node, f.started, f.key)
+                self.peers.stale_hint(f.node, f.started, f.chunk_key)
             elif status != _fe.FETCH_EXISTS:
-                log.info("native fetch of chunk %d from %s: status %d; the usual path "
-                         "takes it", k, f.node, status)
+                log.info("native fetch of chunk %d%s from %s: status %d; the usual path "
+                         "takes it", f.k, " (an extent)" if f.extent else "", f.node, status)
         if f.event is not None:
             f.event.set()
+
+    def _give(self, slot: Slot, staging: bool) -> None:
+        """A slot whose READ is over back to its pool, unused."""
+        if staging:
+            self.peers.give_staging(slot)
+        else:
+            self.peers.landing.give(slot)
 
     async def aclose(self, timeout_ms: int = 2000) -> None:
         """No more fetches: wait for the READs out (up to ``timeout_ms``, in a worker

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from kspeedfs.config import parse_size
+from kspeedfs.read_policy import SMALL_FILE_DIVISOR
 from tests.fixtures.cluster import cluster, mount_stats, verified_read, write_dataset
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, FUSE)")
@@ -196,6 +198,30 @@ def test_chunks_read_again_are_fetched_verified_and_answered_in_c(world) -> None
     print(f"native fetch: {s['fetch_landed']} chunks landed, {s['fetch_failed']} stepped "
           f"aside, {s['fetch_redundant']} landed after a hedge won, {s['fetch_parked']} "
           f"READs parked; {st.reads} shard reads, 0 errors")
+
+
+def test_small_files_from_peers_are_fetched_verified_and_answered_in_c(world) -> None:
+    """A mount whose tier is smaller than the dataset reads a small file alone (its one
+    extent): the native fetch READs the extent, verifies it, puts a copy in the tier and
+    answers the READ Python handed it, in C (Python routes it and adopts the copy). Only
+    the small files are read, so no neighbour's chunk load brings theirs in."""
+    c, _, files = world
+    mnt = _small_mount(c)
+    limit = parse_size(c.chunk_size) // SMALL_FILE_DIVISOR        # ReadPolicy.small_file
+    small = {rel: b for rel, b in files.items() if len(b) <= limit}
+    before = _stats(mnt)
+    for rel, want in small.items():
+        with open(mnt / rel, "rb") as f:
+            assert f.read() == want, f"{rel}: wrong bytes"
+    s = _stats(mnt)
+    answered = s["fetch_answered"] - before["fetch_answered"]
+    # (a file across a chunk boundary is not read alone; the first READs of a node
+    # wait for its index copy)
+    assert len(small) >= 20 and answered >= len(small) * 0.6, (len(small), answered, s)
+    assert s["fetch_parked"] == s["fetch_answered"], s
+    assert s["source_loads"] == before["source_loads"], s
+    assert s["source_extents"] == before["source_extents"], s
+    print(f"small files from peers: {len(small)} read, {answered} READs answered in C")
 
 
 @pytest.mark.parametrize("rail", [0, 1])
