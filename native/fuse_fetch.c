@@ -29,6 +29,8 @@ struct rec {                        /* one fetch in flight; all fields under f->
     uint8_t *laddr;
     uint32_t len;
     int extent;                     /* copied out of laddr once verified, and put */
+    int orphan;                     /* its bytes came another way (fetch_unpark): no READ
+                                     * parks on it any more */
     uint8_t key[16];                /* its digest (a chunk's is f->digests + k * 16) */
     struct parked *parked;
 };
@@ -254,6 +256,7 @@ static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, con
     r->laddr = laddr;
     r->len = len;
     r->extent = extent;
+    r->orphan = 0;
     memcpy(r->key, key, 16);
     r->parked = own;
     if (own)
@@ -349,7 +352,7 @@ int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct f
         if (tier_has(f->t, f->digests + k * 16, 16))
             continue;
         struct rec *r = rec_of(f, k);
-        if (!r) {                       /* missing and not in flight: Python loads it */
+        if (!r || r->orphan) {          /* missing and not in flight: Python loads it */
             wait = NULL;
             break;
         }
@@ -378,6 +381,7 @@ int fetch_unpark(struct fe_fetch *f, uint64_t cookie)
     if (r) {
         p = r->parked;
         r->parked = NULL;
+        r->orphan = 1;
     }
     pthread_mutex_unlock(&f->lock);
     return hand_on(f, p, 1);

@@ -93,7 +93,9 @@ void *fetch_landed(struct fe_fetch *f, uint64_t cookie, uint32_t *len);
  * from the tier, parked on the next, or queued for Python); else 0. */
 int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct fe_request *q);
 /* Answer the READs parked on the fetch of ``cookie`` now (its bytes came another way: a
- * hedge READ Python made); the fetch itself goes on. Returns how many. */
+ * hedge READ Python made); the fetch itself goes on, but no READ parks on it any more
+ * (the chunk may be evicted again before that READ fails at the peer timeout: READs
+ * parked on it then waited for that, 0.3-0.5 s). Returns how many. */
 int fetch_unpark(struct fe_fetch *f, uint64_t cookie);
 /* Stop: no more posts; wait up to ``timeout_ms`` for every posted READ's WC, then end the
  * thread and close the CQs. Returns how many were still out (their records are

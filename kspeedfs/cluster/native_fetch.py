@@ -116,6 +116,7 @@ class _Fetch:
     offset: int = 0                         # an extent's offset in its chunk
     extent: bool = False                    # a small file's extent, not a whole chunk
     event: trio.Event | None = None
+    delivered: bool = False                 # a hedge put its bytes: nobody waits for it
     hedged: bool = False
     late: bool = False                      # past its hedging deadline, not back yet
 
@@ -265,13 +266,16 @@ class NativeFetch:
         self.tiers.arrived(f.k, f.key, data, "peer", whole=not f.extent)
         self.peers.hedger.hedge_won(f.node)
         self.engine.fetch_unpark(f.cookie)
+        f.delivered = True
         if f.event is not None:
             f.event.set()
 
     async def wait(self, key: bytes) -> None:
-        """Until the fetch of ``key`` is over (at once if there is none)."""
+        """Until the fetch of ``key`` is over (at once if there is none, or a hedge has
+        put its bytes: the memory tier may have evicted them again since, and waiting
+        for the late READ itself cost a reader up to the peer timeout)."""
         f = self.inflight.get(key)
-        if f is None:
+        if f is None or f.delivered:
             return
         if f.event is None:
             f.event = trio.Event()

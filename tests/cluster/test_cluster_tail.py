@@ -179,7 +179,8 @@ def _stopped(c, mnt: Path, files: dict[str, bytes], what: str) -> tuple[Readers,
     after = _stats(mnt)
     print(f"n2 SIGSTOPped 1.5 s, {what}: {rd.summary()}, errors {len(rd.errors)}, "
           f"hedges {after['peer_hedges'] - before['peer_hedges']} "
-          f"(won {after['peer_hedges_won'] - before['peer_hedges_won']}), "
+          f"(won {after['peer_hedges_won'] - before['peer_hedges_won']}, refused "
+          f"{after['peer_hedges_refused'] - before['peer_hedges_refused']}), "
           f"longest peer wait {after['peer_longest_wait_ms']} ms")
     return rd, before, after
 
