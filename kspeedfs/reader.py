@@ -196,10 +196,17 @@ class Reader:
 
     # -- a small file alone ----------------------------------------------------------------
 
-    def small_extent(self, entry: int) -> tuple[int, Extent] | None:
+    def hand_off(self, entry: int, read: tuple) -> bool:
+        """Whether the native fetch took ``read``, a READ of ``entry`` the native engine
+        queued (fd, unique, offset, size, random, since): a small file read alone whose
+        extent C READs, verifies and answers it from (``TierChain.start_extent``).
+        False: the caller answers it."""
+        small = self._small_extent(entry)
+        return small is not None and self.tiers.start_extent(*small, read)
+
+    def _small_extent(self, entry: int) -> tuple[int, Extent] | None:
         """(chunk, extent) when a read of ``entry`` loads the small file's one extent
-        alone (``read_parts``' rule), else None: for the native engine's hand-off of a
-        READ to the native fetch (``TierChain.start_extent``)."""
+        alone (``read_parts``' rule), else None."""
         ix = self.index
         if not ix.size[entry]:
             return None

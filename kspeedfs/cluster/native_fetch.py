@@ -15,7 +15,7 @@ and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
                                           Python by C) take today's path
 
     NativeSession, a small file's READ    the READ a small file's extent alone would
-      TierChain.start_extent(k, ext, read)   answer (``Reader.small_extent``), its chunk's
+      TierChain.start_extent(k, ext, read)   answer (``Reader.hand_off``), its chunk's
       NativeFetch.start_extent(...)          slot known: as a chunk, into a staging slot,
         engine.fetch_post_extent(...)        with the READ handed to C (parked there);
       FETCHED event                          C copies the verified extent into a buffer of
@@ -70,11 +70,10 @@ from .landing import Slot
 if TYPE_CHECKING:
     from rdma.vrdma import VQP
 
-    from ..manifest.model import Extent
-
     from ..cache.memory import MemoryCache
     from ..cache.tiers import TierChain
     from ..manifest.index import ManifestIndex
+    from ..manifest.model import Extent
 
 log = logging.getLogger(__name__)
 

@@ -341,11 +341,9 @@ class NativeSession:
                            random: int, since: float) -> None:
         # the C thread did the sequential-read bookkeeping; this stream only carries
         # its verdict (``read_policy.is_random``) and starts no prefetch of its own
-        if self.fetch is not None:      # a small file from a peer: C READs and answers it
-            small = self.ops.reader.small_extent(entry)
-            if small is not None and self.ops.reader.tiers.start_extent(
-                    *small, (fd, unique, offset, size, random, since)):
-                return
+        if self.fetch is not None and self.ops.reader.hand_off(
+                entry, (fd, unique, offset, size, random, since)):
+            return                      # a small file from a peer: C READs and answers it
         stream = Stream(next_offset=-1 if random else offset)
         try:
             data = await self.read(entry, offset, size, stream, since=since)
