@@ -198,11 +198,39 @@ class Reader:
 
     def hand_off(self, entry: int, read: tuple) -> bool:
         """Whether the native fetch took ``read``, a READ of ``entry`` the native engine
-        queued (fd, unique, offset, size, random, since): a small file read alone whose
-        extent C READs, verifies and answers it from (``TierChain.start_extent``).
-        False: the caller answers it."""
+        queued (fd, unique, offset, size, random, since): a small file read alone, or a
+        random read inside one block (``read_parts``' rules), whose extent or block C
+        READs, verifies and answers it from (``TierChain.start_extent``,
+        ``start_block``). False: the caller answers it."""
         small = self._small_extent(entry)
-        return small is not None and self.tiers.start_extent(*small, read)
+        if small is not None:
+            return self.tiers.start_extent(*small, read)
+        block = self._random_block(entry, read[2], read[3], read[4])
+        if block is None:
+            return False
+        k, b = block
+        if not self.tiers.start_block(k, b, block_key(self.index.chunk_digest(k), b), entry,
+                                      read):
+            return False
+        self.counters.add("block_reads")        # (as _blocks counts one)
+        self.policy.block_loaded(k)
+        return True
+
+    def _random_block(self, entry: int, offset: int, size: int,
+                      random: int) -> tuple[int, int] | None:
+        """(chunk, block) when a random read of [offset, offset + size) of ``entry`` is
+        answered from one block (``_part``'s rule), else None."""
+        ix = self.index
+        chunks = ix.chunk_range(entry, offset, size)
+        if not random or len(chunks) != 1:
+            return None
+        k, c = chunks[0], ix.chunk_size
+        lo = ix.data[entry] + offset - k * c
+        hi = ix.data[entry] + min(offset + size, ix.size[entry]) - k * c
+        if hi <= lo or not self.policy.blocks_for(k, lo, hi) or self._near(k):
+            return None
+        span = self.policy.blocks(lo, hi)
+        return (k, span[0]) if len(span) == 1 else None
 
     def _small_extent(self, entry: int) -> tuple[int, Extent] | None:
         """(chunk, extent) when a read of ``entry`` loads the small file's one extent

@@ -1952,6 +1952,21 @@ int fe_fetch_enable(struct fe_engine *e, const struct ks_capi *api, char *err, s
 
 struct fe_fetch *fe_fetcher(struct fe_engine *e) { return atomic_load(&e->fetch); }
 
+int fe_chunk_block(struct fe_engine *e, uint64_t chunk, uint64_t block, uint8_t key[20],
+                   uint32_t *len)
+{
+    const struct fe_index *ix = &e->ix;
+    uint64_t B = ix->block_size;
+    if (chunk >= ix->chunks || !B || block > UINT32_MAX || block * B >= ix->chunk_len[chunk])
+        return -EINVAL;
+    memcpy(key, ix->chunk_digests + chunk * 16, 16);
+    uint32_t b32 = (uint32_t)block;
+    memcpy(key + 16, &b32, 4);              /* little-endian, as tier_part's */
+    uint64_t left = ix->chunk_len[chunk] - block * B;
+    *len = (uint32_t)(left < B ? left : B);
+    return 0;
+}
+
 int fe_file_extent(struct fe_engine *e, uint64_t entry, const uint8_t **key, uint32_t *len)
 {
     const struct fe_index *ix = &e->ix;

@@ -194,6 +194,10 @@ struct fe_fetch *fe_fetcher(struct fe_engine *e);
 /* The extent of file ``entry`` when it lies in one chunk (a small file): its digest and
  * length, 0; else -EINVAL. From the engine's own index. */
 int fe_file_extent(struct fe_engine *e, uint64_t entry, const uint8_t **key, uint32_t *len);
+/* Block ``block`` of chunk ``chunk``: its tier key (the chunk's digest, then ``block``
+ * little-endian, as reader.block_key) and length, 0; else -EINVAL (no such block). */
+int fe_chunk_block(struct fe_engine *e, uint64_t chunk, uint64_t block, uint8_t key[20],
+                   uint32_t *len);
 
 /* A FUSE io_uring request (the entry's header and ``payload``, ``payload_cap`` bytes) as
  * /dev/fuse would deliver it: fuse_in_header, the opcode's op_in, the payload, into

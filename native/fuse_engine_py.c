@@ -880,12 +880,43 @@ static PyTypeObject BlockType = {
     .tp_as_buffer = &Block_as_buffer,
 };
 
+/* fetch_post_extent and fetch_post_block: ``read`` (None, or a READ of ``entry`` taken from
+ * the queue: (fd, unique, offset, size, random, since)) parked on one READ of ``len``
+ * bytes into the staging buffer at laddr/lkey, verified against ``want``, copied into a
+ * buffer of its own and put in the tier under ``key`` (fuse_fetch.h fetch_post_part).
+ * Raised: ``read`` stays the caller's. */
+static PyObject *post_part(EngineObject *self, struct fe_engine *e, int handle, unsigned int qpn,
+                           const uint8_t *key, size_t keylen, const uint8_t *want,
+                           size_t wantlen, uint32_t len, unsigned long long entry,
+                           unsigned long long cookie, unsigned long long laddr,
+                           unsigned int lkey, unsigned long long raddr, unsigned int rkey,
+                           PyObject *read)
+{
+    struct fe_request q = {.kind = FE_READ, .entry = entry};
+    double since = 0;
+    if (read != Py_None &&
+        !PyArg_ParseTuple(read, "iKKKid:fetch_post_part read", &q.fd, &q.unique, &q.offset,
+                          &q.size, &q.random, &since))
+        return NULL;
+    q.t0 = since > 0 ? (uint64_t)(since * 1e9) : 0;
+    struct fe_fetch *f = fe_fetcher(e);
+    if (!f || handle < 0 || handle >= self->nheld)
+        return raise_errno(EINVAL, "fetch_post_part: no such fetch engine");
+    ks_engine *ke = self->held_e[handle];
+    const char *why = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fetch_post_part(f, ke, qpn, key, keylen, want, wantlen, read != Py_None ? &q : NULL,
+                         cookie, (void *)(uintptr_t)laddr, lkey, raddr, rkey, len, &why);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return raise_errno(-rc, "%s", why);
+    Py_RETURN_NONE;
+}
+
 /* fetch_post_extent(handle, qpn, entry, cookie, laddr, lkey, raddr, rkey, read=None): one
- * READ of small file ``entry``'s extent (its digest and length from the engine's index)
- * into the staging buffer at laddr/lkey, verified, copied into a buffer of its own and
- * put in the tier (``fetch_landed(cookie)`` once FETCHED says 0); ``read``, a READ of that
- * file taken from the queue, (fd, unique, offset, size, random, since), is answered in C
- * once it lands, or queued again (fuse_fetch.h). Raised: ``read`` stays the caller's. */
+ * READ of small file ``entry``'s extent, its digest (the tier key too) and length from the
+ * engine's index; taken back with ``fetch_landed(cookie)`` once FETCHED says 0. */
 static PyObject *Engine_fetch_post_extent(EngineObject *self, PyObject *args)
 {
     int handle;
@@ -895,33 +926,42 @@ static PyObject *Engine_fetch_post_extent(EngineObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "iIKKKIKI|O:fetch_post_extent", &handle, &qpn, &entry,
                           &cookie, &laddr, &lkey, &raddr, &rkey, &read))
         return NULL;
-    struct fe_request q = {.kind = FE_READ, .entry = entry};
-    double since = 0;
-    if (read != Py_None &&
-        !PyArg_ParseTuple(read, "iKKKid:fetch_post_extent read", &q.fd, &q.unique, &q.offset,
-                          &q.size, &q.random, &since))
-        return NULL;
-    q.t0 = since > 0 ? (uint64_t)(since * 1e9) : 0;
     struct fe_engine *e = engine_of(self, "fetch_post_extent");
     if (!e)
         return NULL;
-    struct fe_fetch *f = fe_fetcher(e);
-    if (!f || handle < 0 || handle >= self->nheld)
-        return raise_errno(EINVAL, "fetch_post_extent: no such fetch engine");
     const uint8_t *key;
     uint32_t len;
     if (fe_file_extent(e, entry, &key, &len) < 0)
         return raise_errno(EINVAL, "fetch_post_extent: not a file in one chunk");
-    ks_engine *ke = self->held_e[handle];
-    const char *why = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fetch_post_extent(f, ke, qpn, key, read != Py_None ? &q : NULL, cookie,
-                           (void *)(uintptr_t)laddr, lkey, raddr, rkey, len, &why);
-    Py_END_ALLOW_THREADS
-    if (rc < 0)
-        return raise_errno(-rc, "%s", why);
-    Py_RETURN_NONE;
+    return post_part(self, e, handle, qpn, key, 16, key, 16, len, entry, cookie, laddr, lkey,
+                     raddr, rkey, read);
+}
+
+/* fetch_post_block(handle, qpn, entry, chunk, block, digest, cookie, laddr, lkey, raddr,
+ * rkey, read=None): the same for block ``block`` of ``chunk`` (its tier key and length
+ * from the engine's index), verified against ``digest`` (its xxh3-64, 8 bytes, from the
+ * manifest); ``read`` is a READ of ``entry``. */
+static PyObject *Engine_fetch_post_block(EngineObject *self, PyObject *args)
+{
+    int handle;
+    unsigned int qpn, lkey, rkey;
+    unsigned long long entry, chunk, block, cookie, laddr, raddr;
+    const char *digest;
+    Py_ssize_t dlen;
+    PyObject *read = Py_None;
+    if (!PyArg_ParseTuple(args, "iIKKKy#KKIKI|O:fetch_post_block", &handle, &qpn, &entry,
+                          &chunk, &block, &digest, &dlen, &cookie, &laddr, &lkey, &raddr,
+                          &rkey, &read))
+        return NULL;
+    struct fe_engine *e = engine_of(self, "fetch_post_block");
+    if (!e)
+        return NULL;
+    uint8_t key[20];
+    uint32_t len;
+    if (dlen != 8 || fe_chunk_block(e, chunk, block, key, &len) < 0)
+        return raise_errno(EINVAL, "fetch_post_block: no such block, or not an 8-byte digest");
+    return post_part(self, e, handle, qpn, key, 20, (const uint8_t *)digest, 8, len, entry,
+                     cookie, laddr, lkey, raddr, rkey, read);
 }
 
 /* The fetch of ``self`` and the cookie ``arg`` names (fetch_landed, fetch_unpark): 1 with
@@ -1046,6 +1086,9 @@ static PyMethodDef Engine_methods[] = {
      "fetch_engine(soft_engine) -> handle: a fetch CQ there (held until fetch_stop)"},
     {"fetch_post_extent", (PyCFunction)Engine_fetch_post_extent, METH_VARARGS,
      "fetch_post_extent(handle, qpn, entry, cookie, laddr, lkey, raddr, rkey, read=None)"},
+    {"fetch_post_block", (PyCFunction)Engine_fetch_post_block, METH_VARARGS,
+     "fetch_post_block(handle, qpn, entry, chunk, block, digest, cookie, laddr, lkey, raddr, "
+     "rkey, read=None)"},
     {"fetch_landed", (PyCFunction)Engine_fetch_landed, METH_O,
      "fetch_landed(cookie) -> Block | None: the buffer an extent's fetch put in the tier"},
     {"fetch_post", (PyCFunction)Engine_fetch_post, METH_VARARGS,

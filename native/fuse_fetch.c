@@ -28,10 +28,12 @@ struct rec {                        /* one fetch in flight; all fields under f->
     uint64_t k, cookie;             /* k: FE_NO_CHUNK for a small file's extent */
     uint8_t *laddr;
     uint32_t len;
-    int extent;                     /* copied out of laddr once verified, and put */
+    int extent;                     /* a part (an extent, a block): copied out of laddr
+                                     * once verified, and put under key[0..keylen) */
     int orphan;                     /* its bytes came another way (fetch_unpark): no READ
                                      * parks on it any more */
-    uint8_t key[16];                /* its digest (a chunk's is f->digests + k * 16) */
+    uint8_t key[20], keylen;        /* its tier key (a chunk's is f->digests + k * 16) */
+    uint8_t want[16], wantlen;      /* its digest: xxh3-128 (16), or xxh3-64 (8: a block) */
     struct parked *parked;
 };
 
@@ -150,11 +152,12 @@ static struct rec *rec_of(struct fe_fetch *f, uint64_t k)
     return NULL;
 }
 
-/* The record of the extent with digest ``key`` in flight (under f->lock), or NULL. */
-static struct rec *extent_rec_of(struct fe_fetch *f, const uint8_t *key)
+/* The record of the part with tier key ``key`` in flight (under f->lock), or NULL. */
+static struct rec *part_rec_of(struct fe_fetch *f, const uint8_t *key, size_t keylen)
 {
     for (int i = 0; i < FE_FETCH_MAX; i++)
-        if (f->recs[i].used && f->recs[i].extent && memcmp(f->recs[i].key, key, 16) == 0)
+        if (f->recs[i].used && f->recs[i].extent && f->recs[i].keylen == keylen &&
+            memcmp(f->recs[i].key, key, keylen) == 0)
             return &f->recs[i];
     return NULL;
 }
@@ -211,11 +214,13 @@ static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
     pthread_mutex_unlock(&f->lock);
 }
 
-/* fetch_post and fetch_post_extent: a record for chunk ``k`` (or, ``extent``, for the
- * extent ``key``, with the caller's READ ``read`` parked on it), and its READ. */
+/* fetch_post and fetch_post_part: a record for chunk ``k`` (or, ``extent``, for the part
+ * under tier key ``key``, digest ``want``, with the caller's READ ``read`` parked on it),
+ * and its READ. */
 static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, const uint8_t *key,
-                int extent, const struct fe_request *read, uint64_t cookie, void *laddr,
-                uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len, const char **why)
+                size_t keylen, const uint8_t *want, size_t wantlen, int extent,
+                const struct fe_request *read, uint64_t cookie, void *laddr, uint32_t lkey,
+                uint64_t raddr, uint32_t rkey, uint32_t len, const char **why)
 {
     struct fcq *q = cq_of(f, ke);
     if (!q) {
@@ -232,7 +237,7 @@ static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, con
         own->next = NULL;
     }
     pthread_mutex_lock(&f->lock);
-    if (extent ? extent_rec_of(f, key) != NULL : rec_of(f, k) != NULL) {
+    if (extent ? part_rec_of(f, key, keylen) != NULL : rec_of(f, k) != NULL) {
         pthread_mutex_unlock(&f->lock);
         free(own);
         *why = "fetch_post: in flight";
@@ -257,7 +262,10 @@ static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, con
     r->len = len;
     r->extent = extent;
     r->orphan = 0;
-    memcpy(r->key, key, 16);
+    memcpy(r->key, key, keylen);
+    r->keylen = (uint8_t)keylen;
+    memcpy(r->want, want, wantlen);
+    r->wantlen = (uint8_t)wantlen;
     r->parked = own;
     if (own)
         f->c.parked++;
@@ -304,21 +312,21 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
         *why = "fetch_post: no such chunk";
         return -EINVAL;
     }
-    return post(f, ke, qpn, k, f->digests + k * 16, 0, NULL, cookie, laddr, lkey, raddr,
-                rkey, len, why);
+    return post(f, ke, qpn, k, f->digests + k * 16, 16, f->digests + k * 16, 16, 0, NULL,
+                cookie, laddr, lkey, raddr, rkey, len, why);
 }
 
-int fetch_post_extent(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8_t key[16],
-                      const struct fe_request *read, uint64_t cookie, void *laddr,
-                      uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len,
-                      const char **why)
+int fetch_post_part(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8_t *key,
+                    size_t keylen, const uint8_t *want, size_t wantlen,
+                    const struct fe_request *read, uint64_t cookie, void *laddr, uint32_t lkey,
+                    uint64_t raddr, uint32_t rkey, uint32_t len, const char **why)
 {
-    if (!len) {
-        *why = "fetch_post_extent: empty";
+    if (!len || (keylen != 16 && keylen != 20) || (wantlen != 16 && wantlen != 8)) {
+        *why = "fetch_post_part: empty, or a key or digest of another size";
         return -EINVAL;
     }
-    return post(f, ke, qpn, FE_NO_CHUNK, key, 1, read, cookie, laddr, lkey, raddr, rkey, len,
-                why);
+    return post(f, ke, qpn, FE_NO_CHUNK, key, keylen, want, wantlen, 1, read, cookie, laddr,
+                lkey, raddr, rkey, len, why);
 }
 
 void *fetch_landed(struct fe_fetch *f, uint64_t cookie, uint32_t *len)
@@ -387,11 +395,11 @@ int fetch_unpark(struct fe_fetch *f, uint64_t cookie)
     return hand_on(f, p, 1);
 }
 
-/* An extent's verified bytes out of its staging slot into a buffer of its own (the fault
+/* A part's (an extent's, a block's) verified bytes out of its staging slot into a buffer of its own (the fault
  * of new memory is paid here, not on the trio thread), put in the tier, and kept for
  * Python (fetch_landed) ahead of the FE_FETCHED event. */
-static int put_extent(struct fe_fetch *f, uint64_t cookie, const uint8_t *key,
-                      const uint8_t *laddr, uint32_t len)
+static int put_part(struct fe_fetch *f, uint64_t cookie, const uint8_t *key, size_t keylen,
+                    const uint8_t *laddr, uint32_t len)
 {
     struct landed *x = malloc(sizeof *x);
     uint8_t *buf = malloc(len);
@@ -401,7 +409,7 @@ static int put_extent(struct fe_fetch *f, uint64_t cookie, const uint8_t *key,
         return FE_FETCH_NOMEM;
     }
     memcpy(buf, laddr, len);
-    if (tier_put_new(f->t, key, 16, buf, len) < 0) {
+    if (tier_put_new(f->t, key, keylen, buf, len) < 0) {
         free(x);
         free(buf);
         return FE_FETCH_EXISTS;
@@ -426,10 +434,12 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
         return;                             /* abandoned by fetch_stop */
     }
     uint64_t k = r->k, cookie = r->cookie;
-    uint8_t *laddr = r->laddr, key[16];
+    uint8_t *laddr = r->laddr, key[20], want[16];
     uint32_t len = r->len;
     int extent = r->extent;
-    memcpy(key, r->key, 16);
+    size_t keylen = r->keylen, wantlen = r->wantlen;
+    memcpy(key, r->key, keylen);
+    memcpy(want, r->want, wantlen);
     pthread_mutex_unlock(&f->lock);
 
     int status = (int)wc->status;
@@ -437,14 +447,17 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
         status = FE_FETCH_SHORT;
     if (status == KS_WC_SUCCESS) {
         uint8_t d[16];
-        fe_xxh128(laddr, len, d);
-        if (memcmp(d, key, 16) != 0)
+        if (wantlen == 8)
+            fe_xxh64(laddr, len, d);
+        else
+            fe_xxh128(laddr, len, d);
+        if (memcmp(d, want, wantlen) != 0)
             status = FE_FETCH_MISMATCH;
         else if (!extent) {
             if (tier_put_new(f->t, key, 16, laddr, len) < 0)
                 status = FE_FETCH_EXISTS;   /* Python put it meanwhile: its copy serves */
         } else
-            status = put_extent(f, cookie, key, laddr, len);
+            status = put_part(f, cookie, key, keylen, laddr, len);
     }
     pthread_mutex_lock(&f->lock);
     struct parked *p = rec_end(f, i);

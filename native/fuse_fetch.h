@@ -15,8 +15,9 @@
  *                          anything else          ─► FE_FETCHED (status != 0) first, then
  *                                                      the parked READs queued for Python
  *
- *   a small file's READ (queued to Python), its  ─► fetch_post_extent: the same, with the
+ *   a small file's READ (queued to Python), its  ─► fetch_post_part: the same, with the
  *   chunk's slot known: the extent and the READ       READ parked on the record; READ into
+ *   (or a random READ's block, the same)
  *                                                      a staging slot, xxh3-128 == the
  *                                                      extent's digest? ─► copied into a
  *                                                      buffer of its own (malloc), put, the
@@ -73,17 +74,18 @@ int fetch_engine(struct fe_fetch *f, ks_engine *ke, const char **why);
 int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint64_t cookie,
                void *laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len,
                const char **why);
-/* A small file's extent: READ ``len`` bytes into the staging buffer ``laddr``/``lkey``,
- * verify them against ``key`` (the extent's xxh3-128), copy them into a buffer of their
- * own and put that in the tier under ``key`` (no owner: with status 0, the caller takes
- * the buffer with fetch_landed and puts it, adopting the entry). ``read`` (or NULL): the
- * READ of that file the caller took from the queue, parked on the record (answered as a
- * chunk's parked READs are); when the post fails it stays the caller's. No other READ
- * parks on it. Errors as fetch_post's. */
-int fetch_post_extent(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8_t key[16],
-                      const struct fe_request *read, uint64_t cookie, void *laddr,
-                      uint32_t lkey, uint64_t raddr, uint32_t rkey, uint32_t len,
-                      const char **why);
+/* A part of a chunk, a small file's extent or a block of a random read: READ ``len`` bytes
+ * into the staging buffer ``laddr``/``lkey``, verify them against ``want`` (xxh3-128, 16
+ * bytes; xxh3-64, 8: a block), copy them into a buffer of their own and put that in the
+ * tier under ``key`` (16 bytes: an extent's digest; 20: a block's, reader.block_key) with
+ * no owner: with status 0, the caller takes the buffer with fetch_landed and puts it,
+ * adopting the entry. ``read`` (or NULL): the READ the caller took from the queue,
+ * parked on the record (answered as a chunk's parked READs are); when the post fails it
+ * stays the caller's. No other READ parks on it. Errors as fetch_post's. */
+int fetch_post_part(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8_t *key,
+                    size_t keylen, const uint8_t *want, size_t wantlen,
+                    const struct fe_request *read, uint64_t cookie, void *laddr, uint32_t lkey,
+                    uint64_t raddr, uint32_t rkey, uint32_t len, const char **why);
 /* The buffer (malloc'd; the caller frees it) an extent's fetch of ``cookie`` put in the
  * tier, and its length; NULL when there is none (or it was taken). Unclaimed ones are
  * freed by fetch_free. */

@@ -1,4 +1,5 @@
-/* fuse_xxh.c — xxh3-128 for the native fetch: the portable copy and the dispatch. */
+/* fuse_xxh.c — xxh3-128 for the native fetch: the portable copy and the dispatch; and
+ * xxh3-64, a block's digest (128 KiB: the portable copy). */
 #define XXH_INLINE_ALL
 #include <stdatomic.h>
 #include <string.h>
@@ -26,4 +27,11 @@ void fe_xxh128(const void *buf, size_t len, uint8_t out[16])
         fe_xxh128_avx2(buf, len, out);
     else
         xxh128_plain(buf, len, out);
+}
+
+void fe_xxh64(const void *buf, size_t len, uint8_t out[8])
+{
+    XXH64_canonical_t c;
+    XXH64_canonicalFromHash(&c, XXH3_64bits(buf, len));
+    memcpy(out, c.digest, 8);
 }

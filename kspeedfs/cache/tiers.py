@@ -19,7 +19,8 @@ small files' extents skip the disk tier but take the same peers and source steps
 read has one error contract. On a native-engine mount without a disk tier a chunk, or a
 small file's extent (``extent``), whose replica's slot is known is READ by C instead
 (``native``, cluster/native_fetch.py): the caller waits for it, then finds it in the
-memory tier or loads it as above.
+memory tier or loads it as above; an extent or a block can also go to C with the READ
+that wants it (``start_extent``, ``start_block``), and C answers that READ.
 """
 from __future__ import annotations
 
@@ -178,9 +179,20 @@ class TierChain:
         start_extent``); False: nothing was handed (in the memory tier, loading, or no
         route), the caller answers ``read``."""
         native = self.native
-        return (native is not None and ext.digest not in self.memory
-                and ext.digest not in native.inflight
-                and self._native(ext.digest, lambda: native.start_extent(k, ext, read)))
+        return native is not None and self._hand(
+            ext.digest, lambda: native.start_extent(k, ext, read))
+
+    def start_block(self, k: int, b: int, key: bytes, entry: int, read: tuple) -> bool:
+        """The same for block ``b`` of chunk ``k`` (tier key ``key``) and ``read``, a
+        random READ of ``entry`` inside it (``NativeFetch.start_block``)."""
+        native = self.native
+        return native is not None and self._hand(
+            key, lambda: native.start_block(k, b, key, entry, read))
+
+    def _hand(self, key: bytes, start: Callable[[], bool]) -> bool:
+        assert self.native is not None
+        return key not in self.memory and key not in self.native.inflight and \
+            self._native(key, start)
 
     def in_flight(self, key: bytes) -> bool:
         return self.flights.in_flight(key) or (self.native is not None

@@ -15,15 +15,16 @@ and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
                                           Python by C) take today's path
 
     NativeSession, a small file's READ    the READ a small file's extent alone would
-      TierChain.start_extent(k, ext, read)   answer (``Reader.hand_off``), its chunk's
-      NativeFetch.start_extent(...)          slot known: as a chunk, into a staging slot,
-        engine.fetch_post_extent(...)        with the READ handed to C (parked there);
+      TierChain.start_extent(k, ext, read)   answer, or one block (a random READ), its
+      NativeFetch.start_extent / _block      chunk's slot known (``Reader.hand_off``): as a
+        engine.fetch_post_extent / _block    chunk, into a staging slot, with the READ
+                                             handed to C (parked there);
       FETCHED event                          C copies the verified extent into a buffer of
                                              its own, puts it, answers the READ; fetched()
                                              takes the buffer (``fetch_landed``) into the
                                              memory tier (adopted). On a fault the READ comes
                                              back after the event, and Python's path takes
-                                             it (the extent is not handed to C again for
+                                             it (the part is not handed to C again for
                                              FAILED_FOR s)
 
 Python decides every load (placement, hints, path state, the prefetch budget); C never
@@ -50,7 +51,8 @@ peer (single-flight, race, vQP dispatch, CQ consumer, xxh3 on the trio thread, t
 answers to READs waiting for it) was most of the trio thread's 0.3 s per GB; and around
 each small file from a peer (that, the READ's task, the copy out of the staging slot
 into new memory, the reply) the trio thread's ~245 µs per file, busy ~90 % of the
-pass: with the hand-off 108-110 µs, and 4.05-4.53k files/s against 3.40-3.54k
+pass: with the hand-off 108-110 µs, and 4.05-4.53k files/s against 3.40-3.54k; a
+random 4 KiB READ's block 87 against 169 µs, 6.8-7.2k IOPS against 5.1-5.2k
 (docs/design.md).
 """
 from __future__ import annotations
@@ -112,8 +114,9 @@ class _Fetch:
     vqp: VQP
     qpn: int                                # the path it was posted on
     chunk_key: bytes                        # its chunk's digest (the slot hint's key)
-    offset: int = 0                         # an extent's offset in its chunk
-    extent: bool = False                    # a small file's extent, not a whole chunk
+    offset: int = 0                         # a part's offset in its chunk
+    extent: bool = False                    # a part (an extent, a block), not a chunk
+    want: bytes = b""                       # a part's digest (an extent's is its key)
     event: trio.Event | None = None
     delivered: bool = False                 # a hedge put its bytes: nobody waits for it
     hedged: bool = False
@@ -171,16 +174,25 @@ class NativeFetch:
         answers that READ too once it lands, or queues it again. False: the usual way
         (and ``read`` stays the caller's), also for an extent whose fetch failed in the
         last FAILED_FOR seconds (its READ comes back after that event)."""
-        if read is not None and time.monotonic() - self._failed.get(ext.digest, -FAILED_FOR) \
-                < FAILED_FOR:
-            return False
         return self._start(k, ext.digest, self.index.chunk_digest(k), ext.length,
                            ext.chunk_offset, ext.entry, read)
 
+    def start_block(self, k: int, b: int, key: bytes, entry: int, read: tuple) -> bool:
+        """Post block ``b`` of chunk ``k`` (tier key ``key``) to C with ``read``, a random
+        READ of ``entry`` inside it, as ``start_extent`` an extent (verified against the
+        block's xxh3-64)."""
+        ix = self.index
+        return self._start(k, key, ix.chunk_digest(k), ix.block_len(k, b), b * ix.block_size,
+                           entry, read, b, ix.block_digest(k, b))
+
     def _start(self, k: int, key: bytes, chunk_key: bytes, length: int, offset: int,
-               entry: int | None, read: tuple | None = None) -> bool:
+               entry: int | None, read: tuple | None = None, block: int | None = None,
+               want: bytes = b"") -> bool:
         if self._closed or key in self.inflight:
             return False
+        if read is not None and time.monotonic() - self._failed.get(key, -FAILED_FOR) \
+                < FAILED_FOR:
+            return False            # its READ came back after a failure: Python's path
         if length > self.memory.transient_capacity:
             return False        # MemoryCache.put would not keep it: C must not serve it
         route = self.peers.native_route(chunk_key, self.index.chunk_len[k])
@@ -204,17 +216,21 @@ class NativeFetch:
             if entry is None:
                 self.engine.fetch_post(handle, target.qpn, k, self._cookies, target.laddr,
                                        target.lkey, target.raddr, target.rkey, length)
-            else:
+            elif block is None:
                 self.engine.fetch_post_extent(handle, target.qpn, entry, self._cookies,
                                               target.laddr, target.lkey, target.raddr,
                                               target.rkey, read)
+            else:
+                self.engine.fetch_post_block(handle, target.qpn, entry, k, block, want,
+                                             self._cookies, target.laddr, target.lkey,
+                                             target.raddr, target.rkey, read)
         except OSError as e:
             self._give(slot, entry is not None)
             log.debug("native fetch of chunk %d not posted: %s", k, e)
             return False
         now = time.monotonic()
         f = _Fetch(k, key, slot, length, rec.node, rec.started, now, self._cookies, vqp,
-                   target.qpn, chunk_key, offset, entry is not None)
+                   target.qpn, chunk_key, offset, entry is not None, want or key)
         self.inflight[key] = self._by_cookie[self._cookies] = f
         if self.peers.hedge is not None:         # (deadlines in trio's clock, not monotonic)
             limit = trio.current_time() + self.peers.hedger.threshold(rec.node, length)
@@ -252,7 +268,7 @@ class NativeFetch:
     async def _hedge(self, f: _Fetch) -> None:
         """READ ``f``'s chunk from another replica; once it is in the memory tier, answer
         the READs parked on it in C and wake the waiters."""
-        part = (f.offset, f.length, f.key) if f.extent else None
+        part = (f.offset, f.length, f.want) if f.extent else None
         try:
             data = await self.peers.read_chunk(self.tiers.dataset[0], self.tiers.dataset[1],
                                                f.k, f.chunk_key, self.index.chunk_len[f.k],

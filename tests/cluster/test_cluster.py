@@ -224,6 +224,33 @@ def test_small_files_from_peers_are_fetched_verified_and_answered_in_c(world) ->
     print(f"small files from peers: {len(small)} read, {answered} READs answered in C")
 
 
+def test_random_reads_from_peers_are_fetched_as_blocks_and_answered_in_c(world) -> None:
+    """A random 4 KiB read of a chunk no tier holds loads one block (``_part``'s rule): on
+    the native engine the block is READ from a peer, verified (xxh3-64), put in the tier
+    and the READ answered in C, as a small file's extent is."""
+    c, _, files = world
+    mnt = _small_mount(c)
+    rnd = random.Random(23)
+    before = _stats(mnt)
+    n = 0
+    for rel in ("shards/s0.bin", "shards/s1.bin"):
+        want = files[rel]
+        with open(mnt / rel, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+            for _ in range(20):
+                off = rnd.randrange(0, len(want) - 4096) & ~4095
+                assert os.pread(f.fileno(), 4096, off) == want[off:off + 4096], (rel, off)
+                n += 1
+    s = _stats(mnt)
+    answered = s["fetch_answered"] - before["fetch_answered"]
+    blocks = s["block_reads"] - before["block_reads"]
+    # (a read of a chunk the tier holds, or one loading, is answered from it instead)
+    assert blocks >= 5 and answered >= blocks * 0.8, (n, blocks, answered, s)
+    assert s["fetch_parked"] == s["fetch_answered"], s
+    assert s["source_loads"] == before["source_loads"], s
+    print(f"random reads from peers: {n} read, {blocks} as blocks, {answered} answered in C")
+
+
 @pytest.mark.parametrize("rail", [0, 1])
 def test_fresh_mount_with_a_silent_client_nic_reads_from_peers(world, rail: int) -> None:
     """A fresh mount (no connection to any peer yet) whose NIC on one rail silently drops
