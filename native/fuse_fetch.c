@@ -395,9 +395,9 @@ int fetch_unpark(struct fe_fetch *f, uint64_t cookie)
     return hand_on(f, p, 1);
 }
 
-/* A part's (an extent's, a block's) verified bytes out of its staging slot into a buffer of its own (the fault
- * of new memory is paid here, not on the trio thread), put in the tier, and kept for
- * Python (fetch_landed) ahead of the FE_FETCHED event. */
+/* A part's (an extent's, a block's) verified bytes out of its staging slot into a buffer
+ * of its own (the fault of new memory is paid here, not on the trio thread), put in the
+ * tier, and kept for Python (fetch_landed) ahead of the FE_FETCHED event. */
 static int put_part(struct fe_fetch *f, uint64_t cookie, const uint8_t *key, size_t keylen,
                     const uint8_t *laddr, uint32_t len)
 {

@@ -74,7 +74,8 @@ def test_two_mount_points_never_share_a_socket_or_a_log(a: str, b: str) -> None:
     assert log_path("/var/log/kspeedfs", "ds", a) != log_path("/var/log/kspeedfs", "ds", b)
 
 
-def test_an_upgrade_finds_an_older_daemon_at_the_name_it_shared(tmp_path: Path, monkeypatch) -> None:
+def test_an_upgrade_finds_an_older_daemon_at_the_name_it_shared(tmp_path: Path,
+                                                                 monkeypatch) -> None:
     """A daemon from before the names were one-to-one listens at the shared name: the new
     daemon asks there too (this one refuses: another dataset, so the old one serves on)."""
     monkeypatch.setattr(upgrade, "RUN_DIR", str(tmp_path))
