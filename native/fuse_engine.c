@@ -888,6 +888,24 @@ static int hold(struct hit *h, struct fe_slot *s, size_t at, size_t len)
 
 /* Bytes [lo, hi) of chunk ``k`` for file ``entry`` from the tier: the chunk, the small
  * file's own extent, or every block under the range. 1: held in ``h``; 0: a miss. */
+/* The key of a file in one chunk: its one extent's digest; NULL for any other file. */
+static const uint8_t *one_extent(const struct fe_index *ix, uint64_t entry)
+{
+    uint64_t base = ix->data[entry], c = ix->chunk_size, x = ix->ext[entry];
+    if (!ix->size[entry] || base / c != (base + ix->size[entry] - 1) / c || x >= ix->extents)
+        return NULL;
+    return ix->ext_digests + x * 16;
+}
+
+/* The tier key of block ``b`` of chunk ``k``: the chunk's digest, then ``b`` little-endian
+ * (as reader.block_key). */
+static void block_key(const struct fe_engine *e, uint64_t k, uint64_t b, uint8_t key[20])
+{
+    memcpy(key, chunk_key(e, k), 16);
+    uint32_t b32 = (uint32_t)b;
+    memcpy(key + 16, &b32, 4);
+}
+
 static int tier_part(struct fe_engine *e, uint64_t entry, uint64_t k, uint64_t lo, uint64_t hi,
                      struct hit *h)
 {
@@ -902,23 +920,19 @@ static int tier_part(struct fe_engine *e, uint64_t entry, uint64_t k, uint64_t l
         return 0;
     }
     uint64_t base = ix->data[entry], c = ix->chunk_size;
-    if (ix->size[entry] && base / c == (base + ix->size[entry] - 1) / c) {
-        uint64_t x = ix->ext[entry];         /* a file in one chunk: one extent, its key */
-        if (x < ix->extents && (s = tier_get(e->tier, ix->ext_digests + x * 16, 16))) {
-            if (hold(h, s, k * c + lo - base, hi - lo))
-                return 1;
-            tier_unref(e->tier, s);
-            return 0;
-        }
+    const uint8_t *xkey = one_extent(ix, entry);
+    if (xkey && (s = tier_get(e->tier, xkey, 16))) {
+        if (hold(h, s, k * c + lo - base, hi - lo))
+            return 1;
+        tier_unref(e->tier, s);
+        return 0;
     }
     uint64_t B = ix->block_size;
     if (!B)
         return 0;
     for (uint64_t b = lo / B; b <= (hi - 1) / B; b++) {
         uint8_t key[20];
-        memcpy(key, chunk_key(e, k), 16);
-        uint32_t b32 = (uint32_t)b;
-        memcpy(key + 16, &b32, 4);            /* little-endian, as reader.block_key */
+        block_key(e, k, b, key);
         if (h->nheld >= FE_MAX_IOV || !(s = tier_get(e->tier, key, 20)))
             return 0;
         uint64_t from = lo > b * B ? lo - b * B : 0;
@@ -1959,9 +1973,7 @@ int fe_chunk_block(struct fe_engine *e, uint64_t chunk, uint64_t block, uint8_t 
     uint64_t B = ix->block_size;
     if (chunk >= ix->chunks || !B || block > UINT32_MAX || block * B >= ix->chunk_len[chunk])
         return -EINVAL;
-    memcpy(key, ix->chunk_digests + chunk * 16, 16);
-    uint32_t b32 = (uint32_t)block;
-    memcpy(key + 16, &b32, 4);              /* little-endian, as tier_part's */
+    block_key(e, chunk, block, key);
     uint64_t left = ix->chunk_len[chunk] - block * B;
     *len = (uint32_t)(left < B ? left : B);
     return 0;
@@ -1970,13 +1982,9 @@ int fe_chunk_block(struct fe_engine *e, uint64_t chunk, uint64_t block, uint8_t 
 int fe_file_extent(struct fe_engine *e, uint64_t entry, const uint8_t **key, uint32_t *len)
 {
     const struct fe_index *ix = &e->ix;
-    if (entry >= ix->entries || !S_ISREG(ix->mode[entry]) || !ix->size[entry] ||
-        ix->size[entry] > UINT32_MAX)
+    if (entry >= ix->entries || !S_ISREG(ix->mode[entry]) || ix->size[entry] > UINT32_MAX ||
+        !(*key = one_extent(ix, entry)))
         return -EINVAL;
-    uint64_t base = ix->data[entry], c = ix->chunk_size, x = ix->ext[entry];
-    if (base / c != (base + ix->size[entry] - 1) / c || x >= ix->extents)
-        return -EINVAL;                     /* (tier_part's test for "its one extent") */
-    *key = ix->ext_digests + x * 16;
     *len = (uint32_t)ix->size[entry];
     return 0;
 }
