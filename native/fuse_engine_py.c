@@ -823,6 +823,20 @@ static PyObject *Engine_fetch_engine(EngineObject *self, PyObject *obj)
 /* fetch_post(handle, qpn, chunk, cookie, laddr, lkey, raddr, rkey, length): one READ of
  * chunk ``chunk`` into the landing slot at ``laddr``; OSError EALREADY (in flight),
  * EAGAIN (too many), ESHUTDOWN (stopped), or the post's error. */
+/* The engine's fetch and the soft engine ``handle`` names (fetch_engine's), for the posts;
+ * NULL with OSError(EINVAL) raised when either is missing. */
+static struct fe_fetch *fetch_on(EngineObject *self, struct fe_engine *e, int handle,
+                                 const char *what, ks_engine **ke)
+{
+    struct fe_fetch *f = fe_fetcher(e);
+    if (!f || handle < 0 || handle >= self->nheld) {
+        raise_errno(EINVAL, "%s: no such fetch engine", what);
+        return NULL;
+    }
+    *ke = self->held_e[handle];
+    return f;
+}
+
 static PyObject *Engine_fetch_post(EngineObject *self, PyObject *args)
 {
     int handle;
@@ -832,12 +846,10 @@ static PyObject *Engine_fetch_post(EngineObject *self, PyObject *args)
                           &lkey, &raddr, &rkey, &len))
         return NULL;
     struct fe_engine *e = engine_of(self, "fetch_post");
-    if (!e)
+    ks_engine *ke;
+    struct fe_fetch *f = e ? fetch_on(self, e, handle, "fetch_post", &ke) : NULL;
+    if (!f)
         return NULL;
-    struct fe_fetch *f = fe_fetcher(e);
-    if (!f || handle < 0 || handle >= self->nheld)
-        return raise_errno(EINVAL, "fetch_post: no such fetch engine");
-    ks_engine *ke = self->held_e[handle];
     const char *why = "";
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -899,10 +911,10 @@ static PyObject *post_part(EngineObject *self, struct fe_engine *e, int handle, 
                           &q.size, &q.random, &since))
         return NULL;
     q.t0 = since > 0 ? (uint64_t)(since * 1e9) : 0;
-    struct fe_fetch *f = fe_fetcher(e);
-    if (!f || handle < 0 || handle >= self->nheld)
-        return raise_errno(EINVAL, "fetch_post_part: no such fetch engine");
-    ks_engine *ke = self->held_e[handle];
+    ks_engine *ke;
+    struct fe_fetch *f = fetch_on(self, e, handle, "fetch_post_part", &ke);
+    if (!f)
+        return NULL;
     const char *why = "";
     int rc;
     Py_BEGIN_ALLOW_THREADS
