@@ -25,11 +25,11 @@ struct parked {
 struct rec {                        /* one fetch in flight; all fields under f->lock */
     int used;
     uint32_t gen;                   /* in the WR id beside the index: a stale WC is ignored */
-    uint64_t k, cookie;             /* k: FE_NO_CHUNK for a small file's extent */
+    uint64_t k, cookie;             /* k: FE_NO_CHUNK for a part (an extent, a block):
+                                     * copied out of laddr once verified, and put under
+                                     * key[0..keylen) */
     uint8_t *laddr;
     uint32_t len;
-    int extent;                     /* a part (an extent, a block): copied out of laddr
-                                     * once verified, and put under key[0..keylen) */
     int orphan;                     /* its bytes came another way (fetch_unpark): no READ
                                      * parks on it any more */
     uint8_t key[20], keylen;        /* its tier key (a chunk's is f->digests + k * 16) */
@@ -156,7 +156,7 @@ static struct rec *rec_of(struct fe_fetch *f, uint64_t k)
 static struct rec *part_rec_of(struct fe_fetch *f, const uint8_t *key, size_t keylen)
 {
     for (int i = 0; i < FE_FETCH_MAX; i++)
-        if (f->recs[i].used && f->recs[i].extent && f->recs[i].keylen == keylen &&
+        if (f->recs[i].used && f->recs[i].k == FE_NO_CHUNK && f->recs[i].keylen == keylen &&
             memcmp(f->recs[i].key, key, keylen) == 0)
             return &f->recs[i];
     return NULL;
@@ -214,11 +214,11 @@ static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
     pthread_mutex_unlock(&f->lock);
 }
 
-/* fetch_post and fetch_post_part: a record for chunk ``k`` (or, ``extent``, for the part
+/* fetch_post and fetch_post_part: a record for chunk ``k`` (or, FE_NO_CHUNK, for the part
  * under tier key ``key``, digest ``want``, with the caller's READ ``read`` parked on it),
  * and its READ. */
 static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, const uint8_t *key,
-                size_t keylen, const uint8_t *want, size_t wantlen, int extent,
+                size_t keylen, const uint8_t *want, size_t wantlen,
                 const struct fe_request *read, uint64_t cookie, void *laddr, uint32_t lkey,
                 uint64_t raddr, uint32_t rkey, uint32_t len, const char **why)
 {
@@ -237,7 +237,7 @@ static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, con
         own->next = NULL;
     }
     pthread_mutex_lock(&f->lock);
-    if (extent ? part_rec_of(f, key, keylen) != NULL : rec_of(f, k) != NULL) {
+    if (k == FE_NO_CHUNK ? part_rec_of(f, key, keylen) != NULL : rec_of(f, k) != NULL) {
         pthread_mutex_unlock(&f->lock);
         free(own);
         *why = "fetch_post: in flight";
@@ -260,7 +260,6 @@ static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, con
     r->cookie = cookie;
     r->laddr = laddr;
     r->len = len;
-    r->extent = extent;
     r->orphan = 0;
     memcpy(r->key, key, keylen);
     r->keylen = (uint8_t)keylen;
@@ -312,8 +311,8 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
         *why = "fetch_post: no such chunk";
         return -EINVAL;
     }
-    return post(f, ke, qpn, k, f->digests + k * 16, 16, f->digests + k * 16, 16, 0, NULL,
-                cookie, laddr, lkey, raddr, rkey, len, why);
+    return post(f, ke, qpn, k, f->digests + k * 16, 16, f->digests + k * 16, 16, NULL, cookie,
+                laddr, lkey, raddr, rkey, len, why);
 }
 
 int fetch_post_part(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8_t *key,
@@ -325,8 +324,8 @@ int fetch_post_part(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8
         *why = "fetch_post_part: empty, or a key or digest of another size";
         return -EINVAL;
     }
-    return post(f, ke, qpn, FE_NO_CHUNK, key, keylen, want, wantlen, 1, read, cookie, laddr,
-                lkey, raddr, rkey, len, why);
+    return post(f, ke, qpn, FE_NO_CHUNK, key, keylen, want, wantlen, read, cookie, laddr, lkey,
+                raddr, rkey, len, why);
 }
 
 void *fetch_landed(struct fe_fetch *f, uint64_t cookie, uint32_t *len)
@@ -436,7 +435,6 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
     uint64_t k = r->k, cookie = r->cookie;
     uint8_t *laddr = r->laddr, key[20], want[16];
     uint32_t len = r->len;
-    int extent = r->extent;
     size_t keylen = r->keylen, wantlen = r->wantlen;
     memcpy(key, r->key, keylen);
     memcpy(want, r->want, wantlen);
@@ -453,8 +451,8 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
             fe_xxh128(laddr, len, d);
         if (memcmp(d, want, wantlen) != 0)
             status = FE_FETCH_MISMATCH;
-        else if (!extent) {
-            if (tier_put_new(f->t, key, 16, laddr, len) < 0)
+        else if (k != FE_NO_CHUNK) {
+            if (tier_put_new(f->t, key, keylen, laddr, len) < 0)
                 status = FE_FETCH_EXISTS;   /* Python put it meanwhile: its copy serves */
         } else
             status = put_part(f, cookie, key, keylen, laddr, len);
