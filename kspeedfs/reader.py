@@ -183,10 +183,15 @@ class Reader:
         """Bytes [lo, hi) of chunk ``k``: from its blocks for a small random read (a read
         across a chunk boundary too: the two ends are two small parts), else from the
         whole chunk."""
-        if random and self.policy.blocks_for(k, lo, hi) and not self._near(k):
+        if self._by_blocks(k, lo, hi, random):
             return await self._blocks(entry, k, lo, hi)
         data = memoryview(await self._chunk_for(entry, k))
         return data[lo:hi]                      # a view: pyfuse3 replies from any buffer
+
+    def _by_blocks(self, k: int, lo: int, hi: int, random: bool) -> bool:
+        """Whether bytes [lo, hi) of chunk ``k`` come from its blocks: a small random read
+        (``ReadPolicy.blocks_for``) of a chunk in no local tier and not loading."""
+        return random and self.policy.blocks_for(k, lo, hi) and not self._near(k)
 
     def _near(self, k: int) -> bool:
         """Whether chunk ``k`` is in a local tier or loading already."""
@@ -227,7 +232,7 @@ class Reader:
         k, c = chunks[0], ix.chunk_size
         lo = ix.data[entry] + offset - k * c
         hi = ix.data[entry] + min(offset + size, ix.size[entry]) - k * c
-        if hi <= lo or not self.policy.blocks_for(k, lo, hi) or self._near(k):
+        if hi <= lo or not self._by_blocks(k, lo, hi, True):
             return None
         span = self.policy.blocks(lo, hi)
         return (k, span[0]) if len(span) == 1 else None

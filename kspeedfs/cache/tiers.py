@@ -144,9 +144,9 @@ class TierChain:
     async def chunk(self, k: int) -> Data:
         """Verified bytes of chunk ``k`` from the nearest tier that has them."""
         key = self.index.chunk_digest(k)
-        if self.native is not None and key not in self.memory and \
-                self._native(key, lambda: self.native.start(k, key)):
-            await self.native.wait(key)       # landed (a memory hit below) or not (a load)
+        native = self.native
+        if native is not None:      # landed (a memory hit below) or not (a load)
+            await self._from_native(key, lambda: native.start(k, key))
         return await self.get(key, self.load, k)
 
     async def fill(self, k: int) -> str:
@@ -169,9 +169,15 @@ class TierChain:
         """Hand small file ``ext.entry``'s one extent (in chunk ``k``) to the native fetch
         when it may READ it, as ``chunk`` does a chunk, and wait until that is over; the
         caller then finds it in the memory tier, or loads it the usual way."""
-        if self.native is not None and ext.digest not in self.memory and \
-                self._native(ext.digest, lambda: self.native.start_extent(k, ext)):
-            await self.native.wait(ext.digest)
+        native = self.native
+        if native is not None:
+            await self._from_native(ext.digest, lambda: native.start_extent(k, ext))
+
+    async def _from_native(self, key: bytes, start: Callable[[], bool]) -> None:
+        """Unless the memory tier has ``key``: the native fetch's (``_native``), waited for."""
+        assert self.native is not None
+        if key not in self.memory and self._native(key, start):
+            await self.native.wait(key)
 
     def start_extent(self, k: int, ext: Extent, read: tuple) -> bool:
         """Hand small file ``ext.entry``'s extent and ``read``, a READ of it the native
