@@ -1,6 +1,7 @@
 /* fuse_xxh.c — xxh3-128 for the native fetch: the portable copy and the dispatch; and
  * xxh3-64, a block's digest (128 KiB: the portable copy). */
 #define XXH_INLINE_ALL
+#define XXH_PREFETCH_DIST 2048   /* fuse_xxh.h: a chunk another core just wrote */
 #include <stdatomic.h>
 #include <string.h>
 #include <xxhash.h>
