@@ -119,6 +119,7 @@ class _Fetch:
     want: bytes = b""                       # a part's digest (an extent's is its key)
     event: trio.Event | None = None
     delivered: bool = False                 # a hedge put its bytes: nobody waits for it
+    landed: bool = False                    # C's READ landed verified (before any hedge)
     hedged: bool = False
     late: bool = False                      # past its hedging deadline, not back yet
 
@@ -276,10 +277,11 @@ class NativeFetch:
         except Exception as e:          # noqa: BLE001 - the C READ is still there
             log.info("hedge of chunk %d (native READ from %s late): %s", f.k, f.node, e)
             return
-        if data is None or f.key in self.memory:
+        if data is None or f.landed:
             return                      # no other replica had it, or C's READ landed first
-        self.tiers.arrived(f.k, f.key, data, "peer", whole=not f.extent)
         self.peers.hedger.hedge_won(f.node)
+        if f.key not in self.memory:    # (else a load of Python's put it meanwhile)
+            self.tiers.arrived(f.k, f.key, data, "peer", whole=not f.extent)
         self.engine.fetch_unpark(f.cookie)
         f.delivered = True
         if f.event is not None:
@@ -310,6 +312,7 @@ class NativeFetch:
         block = self.engine.fetch_landed(cookie) if f.extent and status == _fe.FETCH_OK \
             else None
         if block is not None or (status == _fe.FETCH_OK and not f.extent):
+            f.landed = True
             if f.extent:                   # C's buffer, in the tier already: adopted
                 data = memoryview(block)
                 self.peers.give_staging(f.slot)
