@@ -57,6 +57,15 @@ log = logging.getLogger(__name__)
 
 PY = sys.executable
 KSPEEDFS = [PY, "-m", "kspeedfs.cli.app"]
+
+
+def package_cwd(env: dict[str, str] | None = None) -> str | None:
+    """Where to run ``KSPEEDFS``: the first ``PYTHONPATH`` entry (the tree under test).
+    ``python -m`` puts its working directory first on ``sys.path``, ahead of
+    ``PYTHONPATH``, so from a checkout's directory the checkout's kspeedfs was imported
+    and ``--ab-tree``/``--kspeedfs-tree``/``--kspeedfs-rev`` measured the checkout twice."""
+    first = (env if env is not None else os.environ).get("PYTHONPATH", "").split(os.pathsep)[0]
+    return first or None
 BENCH = Path(__file__).resolve().parent
 
 
@@ -151,7 +160,7 @@ class KspeedfsStore:
             cmd += ["--chunk-size", self.chunk]
         if self.block:
             cmd += ["--block-size", self.block]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=package_cwd())
         if r.returncode:
             raise RuntimeError(f"kspeedfs import failed: {r.stderr.strip()}")
         log.info("%s", r.stdout.strip())
@@ -194,7 +203,8 @@ class Kspeedfs(Target):
         if self.tree is not None:
             path = os.pathsep.join([str(self.tree), os.environ.get("PYTHONPATH", "")])
             env = {**os.environ, "PYTHONPATH": path}
-        r = subprocess.run(self._mount_args(), capture_output=True, text=True, env=env)
+        r = subprocess.run(self._mount_args(), capture_output=True, text=True, env=env,
+                           cwd=package_cwd(env))
         mp = self.mp
         self.mounts.add(mp, lambda: daemon_pid(mp))
         if r.returncode:
@@ -323,4 +333,4 @@ def build_ramfs_c(work: Path) -> Path:
 
 
 __all__ = ["Target", "SourceCold", "SourceWarm", "Kspeedfs", "KspeedfsStore", "RamFS", "UringKspeedfs",
-           "build_ramfs_c", "read_tree", "unmount"]
+           "build_ramfs_c", "package_cwd", "read_tree", "unmount"]
