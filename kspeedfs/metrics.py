@@ -139,6 +139,8 @@ ENGINE_COUNTERS = {
                         "after a hedge or Python's load had put the chunk"),
     "fetch_parked": ("native_fetch_parked_reads_total", "READs that waited in C for a chunk "
                      "the native fetch had in flight"),
+    "shared_requests": ("fuse_shared_requests_total", "requests read by request threads "
+                        "after the first (the solo gate open: several tasks send requests)"),
     "ring_requests": ("fuse_ring_requests_total", "requests through FUSE io_uring queues"),
     "ring_copy_bytes": ("fuse_ring_copy_bytes_total", "READ bytes copied into io_uring "
                         "payload buffers"),

@@ -98,6 +98,9 @@ struct fe_counters {
     uint64_t ring_requests;         /* requests that came through an io_uring queue */
     uint64_t ring_copy_bytes, ring_copy_ns;   /* READ hits copied into ring payloads */
     uint64_t ring_lost;             /* entries whose commit the kernel refused */
+    /* the solo gate (fuse_engine.c): times a /dev/fuse thread after the first waited at
+     * it, and requests those threads read (the gate open: several tasks, or not readahead) */
+    uint64_t gate_waits, shared_requests;
     /* the native chunk fetch (fuse_fetch.h): READs posted, landed verified, failed or
      * stepped aside, READs parked on one in flight, parked READs answered or handed on */
     uint64_t fetch_posted, fetch_landed, fetch_failed, fetch_parked, fetch_answered;

@@ -1,0 +1,85 @@
+"""The native engine's request threads and their solo gate (native/fuse_engine.c).
+
+One task reading one file sequentially is served by the first /dev/fuse thread alone
+(a second one, woken on the reader's CPU, preempted it: fuse_engine.c, the solo gate);
+requests from several tasks at once, or any that is not readahead, open the gate for
+every thread. Counted in ``gate_waits`` and ``shared_requests`` (requests read by the
+threads after the first), which the stats xattr carries."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.mounts import Cluster1
+
+BIG = 128 << 20
+
+pytestmark = pytest.mark.skipif(os.environ.get("KSPEEDFS_FUSE_ENGINE", "native") != "native",
+                                reason="the native engine's request threads")
+
+# read the file sequentially, 1 MiB at a time, from its own process (one task); the
+# pause after open lets the gate close again after the OPEN opened it
+READER = """import os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+time.sleep(0.2)
+n = 0
+while b := os.read(fd, 1 << 20):
+    n += len(b)
+print(n)
+"""
+
+
+@pytest.fixture(scope="module")
+def mounted(tmp_path_factory: pytest.TempPathFactory):
+    base = tmp_path_factory.mktemp("threads")
+    src = base / "src"
+    (src / "small").mkdir(parents=True)
+    (src / "big.bin").write_bytes(random.Random(3).randbytes(BIG))
+    for i in range(64):
+        (src / "small" / f"{i}.txt").write_bytes(b"%d" % i * 100)
+    c = Cluster1(base)
+    c.import_(src, "threads")
+    mnt = c.mount("threads", None, "--set", "fuse.threads=2", "--cache-mem", "512MiB")
+    try:
+        (mnt / "big.bin").read_bytes()          # into the memory tier: READs answered in C
+        yield mnt
+    finally:
+        c.close()
+
+
+def _stats(mnt: Path) -> dict:
+    return json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
+
+
+def test_one_task_reading_sequentially_is_served_by_the_first_thread(mounted: Path) -> None:
+    before = _stats(mounted)
+    out = subprocess.run([sys.executable, "-c", READER, str(mounted / "big.bin")],
+                         capture_output=True, text=True, check=True).stdout
+    after = _stats(mounted)
+    assert int(out) == BIG
+    reads = after["reads"] - before["reads"]
+    shared = after["shared_requests"] - before["shared_requests"]
+    assert reads >= BIG >> 20                   # 1 MiB READs (or fewer, larger: no)
+    assert shared <= 2, (shared, reads)         # a thread already in read(2) takes one
+    assert after["gate_waits"] > before["gate_waits"]
+
+
+def test_several_tasks_open_the_gate_for_every_thread(mounted: Path) -> None:
+    before = _stats(mounted)
+    names = [mounted / "small" / f"{i}.txt" for i in range(64)]
+    deadline = time.monotonic() + 10
+    with ThreadPoolExecutor(4) as pool:        # four tasks (threads) at once
+        while time.monotonic() < deadline:
+            list(pool.map(os.stat, names))
+            if _stats(mounted)["shared_requests"] > before["shared_requests"]:
+                break
+    assert _stats(mounted)["shared_requests"] > before["shared_requests"]
