@@ -66,6 +66,8 @@ def package_cwd(env: dict[str, str] | None = None) -> str | None:
     and ``--ab-tree``/``--kspeedfs-tree``/``--kspeedfs-rev`` measured the checkout twice."""
     first = (env if env is not None else os.environ).get("PYTHONPATH", "").split(os.pathsep)[0]
     return first or None
+
+
 BENCH = Path(__file__).resolve().parent
 
 

@@ -1733,8 +1733,8 @@ static void ring_refuse(struct fe_engine *e)
 
 /* ----------------------------------------------------------------------- threads */
 
-
-
+/* The solo gate (its reasons above solo_note): a thread after the first waits here
+ * until the gate is open, the engine stops, or a reader has left. */
 static void solo_gate(struct fe_engine *e, struct fe_worker *w)
 {
     if (w == &e->workers[0])

@@ -16,7 +16,7 @@
  *   which posts every chunk of a stream) stops paying the sendmsg, and on veth the
  *   receiving side's TCP softirq that runs inside it (issue 16: the trio thread 15-20 %
  *   less CPU per GB read from peers; a random 4 KiB READ keeps its inline send, since a
- *   doorbell for every lone READ cost 12-15 % of the IOPS).  Whatever does not fit the
+ *   doorbell for every lone READ cost 12-17 % of the IOPS).  Whatever does not fit the
  *   socket is finished by the engine thread on EPOLLOUT.
  *   READ responses are read with readv() straight into the WQE's SGEs (registered
  *   memory); only headers and payloads <= KS_SMALL go through a staging buffer.
