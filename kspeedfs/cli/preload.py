@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one JSON document on stdout (progress and messages on stderr)")
 
 
+def _count(prog: object, name: str) -> int:
+    """A count from a node's progress record (etcd: any JSON), 0 when it is not one."""
+    v = prog.get(name) if isinstance(prog, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
 def _progress(store, tag: str) -> tuple[dict, dict]:
     from ..cluster.membership import NodeRecord, list_json
 
@@ -83,9 +89,10 @@ def _wait(store, tag: str, timeout: float, as_json: bool = False) -> int:
     with progress_bar(every=10.0) as bar:
         while True:
             nodes, prog = _progress(store, tag)
-            owned = sum(p["owned"] for n, p in prog.items() if n in nodes)
-            cached = sum(p["cached"] for n, p in prog.items() if n in nodes)
-            done = bool(nodes) and set(nodes) <= set(prog) and cached >= owned
+            owned = sum(_count(p, "owned") for n, p in prog.items() if n in nodes)
+            cached = sum(_count(p, "cached") for n, p in prog.items() if n in nodes)
+            refused = sum(_count(p, "refused") for n, p in prog.items() if n in nodes)
+            done = bool(nodes) and set(nodes) <= set(prog) and cached + refused >= owned
             el = time.monotonic() - t0
             if first_cached is None:
                 first_cached = cached
@@ -101,10 +108,13 @@ def _wait(store, tag: str, timeout: float, as_json: bool = False) -> int:
             time.sleep(0.5 if tty else 2.0)
     if as_json:
         print(json.dumps({"dataset": tag, "complete": done, "seconds": round(el, 3),
-                          "owned": owned, "cached": cached, "nodes": len(nodes),
-                          "reporting": len(prog)}, indent=2))
+                          "owned": owned, "cached": cached, "refused": refused,
+                          "nodes": len(nodes), "reporting": len(prog)}, indent=2))
     elif done:
-        print(f"preload of {tag} complete in {el:.1f}s")
+        print(f"preload of {tag} complete in {el:.1f}s" + (
+            f"; {refused:,} chunk replicas not held (room for them would evict a higher "
+            "priority, or a full index bucket: their other replicas serve them; node logs)"
+            if refused else ""))
     else:
         print(f"preload of {tag}: still running after {el:.0f}s (it continues on the nodes)")
     return 0 if done else 1

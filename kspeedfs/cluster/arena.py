@@ -174,25 +174,50 @@ class Arena:
         slot, length, _ = hit
         return self.data.read(length, slot * self.g.slot_size)
 
+    def takes(self, key: bytes) -> bool:
+        """Whether ``put`` would store ``key`` now (True when it is held already): a
+        node asked to load a chunk it would refuse answers at once, without reading it."""
+        return key in self._slots or self._room(key)[0]
+
+    def _room(self, key: bytes) -> tuple[bool, bytes | None]:
+        """Whether ``key`` may be stored, and the chunk that must go first to make room
+        (None: there is room). One victim frees what is short: its way (and slot) in a
+        full bucket, or a slot. Refused when the victim outranks the key, and, in a full
+        bucket, when it ranks the same (a share's chunk, rank >= 0): with WAYS entries a
+        bucket, a node's share can hold more keys of one bucket than fit (at a full
+        arena ~2 % of buckets; ``Geometry.for_memory``), and two such chunks, each
+        loaded again whenever a reader missed it, evicted each other for as long as the
+        cluster was read (a peer's fetches of them failing every ~0.7 s, 19-25 in each 8 s
+        pass of the suite's 4-reader case). Outside the share (rank < 0) the oldest goes."""
+        ways = self._ways.get(bucket_of(key, self.g.nbuckets))
+        full = ways is not None and None not in ways
+        if not full and self._free:
+            return True, None
+        victim = self._victim([k for k in ways if k is not None] if full and ways
+                              else list(self._slots))
+        theirs, mine = self.rank(victim), self.rank(key)
+        if theirs > mine or (full and theirs == mine >= 0):
+            return False, victim
+        return True, victim
+
     def put(self, key: bytes, data: bytes | bytearray | memoryview) -> bool:
         """Store a *verified* chunk. Data first, index entry second (see the docstring).
-        False when it was not stored: room would have cost a higher-ranked chunk."""
+        False when it was not stored (``_room``: a higher-ranked chunk, or a full bucket
+        of its own rank, would have gone for it)."""
         if key in self._slots:
             return True
         if len(data) > self.g.slot_size:
             raise ValueError(f"chunk of {len(data)} bytes does not fit a {self.g.slot_size}-byte slot")
+        ok, victim = self._room(key)
+        if not ok:
+            self.refused += 1
+            if self.on_evict is not None:         # as if stored and evicted: the SSD tier
+                self.on_evict(key, bytes(data))
+            return False
+        if victim is not None:
+            self._evict(victim)
         b = bucket_of(key, self.g.nbuckets)
         ways = self._ways.setdefault(b, [None] * WAYS)
-        if None not in ways or not self._free:
-            # one victim frees what is short: its way (and slot) in a full bucket, or a slot
-            victim = self._victim([k for k in ways if k is not None] if None not in ways
-                                  else list(self._slots))
-            if self.rank(victim) > self.rank(key):
-                self.refused += 1
-                if self.on_evict is not None:     # as if stored and evicted: the SSD tier
-                    self.on_evict(key, bytes(data))
-                return False
-            self._evict(victim)
         slot = self._free.pop()
         way = ways.index(None)
         self.data.write(data, slot * self.g.slot_size)

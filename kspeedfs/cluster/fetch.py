@@ -347,9 +347,10 @@ class Peers:
             data = await self._read_from(rec, key, length, part, att)
             if data is None and ask_owner and not att.lost:
                 self.counters.loads_requested += 1
-                await self.rpc(rec).request({"op": "load", "dataset": dataset,
-                                             "version": version, "chunk": chunk})
-                data = await self._read_from(rec, key, length, part, att)
+                reply = await self.rpc(rec).request({"op": "load", "dataset": dataset,
+                                                     "version": version, "chunk": chunk})
+                if reply.get("source") != "refused":     # (it would not keep it: next)
+                    data = await self._read_from(rec, key, length, part, att)
             if data is not None and not att.lost:
                 att.data = data
                 self.counters.hits += 1
@@ -492,10 +493,12 @@ class Peers:
     # -- the native fetch's side (native_fetch.py) --------------------------------------
 
     def native_route(self, key: bytes, length: int) -> tuple[NodeRecord, int, VQP] | None:
-        """Where C may READ chunk ``key`` itself: its first replica not being skipped,
-        when a slot hint (or that node's index, READ whole: ``_index_slot``) says where
-        the chunk sits there and its vQP is connected — ``(record, slot, vqp)``; None:
-        ``read_chunk`` (which learns the hint)."""
+        """Where C may READ chunk ``key`` itself: its first replica not being skipped
+        (nor lacking it by a copy of its index: ``SlotHints.lacks``), when a slot hint
+        (or that node's index, READ whole: ``_index_slot``) says where the chunk sits
+        there and its vQP is connected — ``(record, slot, vqp)``; None: ``read_chunk``
+        (which learns the hint). (Without the skip, a chunk its first replica does not
+        hold took ``read_chunk`` on every pass, which asks that node to load it.)"""
         if length > self.slot_size:
             return None
         now = time.monotonic()
@@ -507,6 +510,8 @@ class Peers:
                 return None
             rslot = self.hints.get(rec.node, rec.started, key)
             if rslot is None:
+                if self.hints.lacks(rec, key):
+                    continue
                 rslot = self._index_slot(rec, key, length, now)
             return None if rslot is None else (rec, rslot, have[1])
         return None

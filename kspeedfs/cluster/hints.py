@@ -8,6 +8,7 @@ bucket READ first (and the native fetch's routes, :mod:`.native_fetch`).
     stale(node, started, key)        the slot held another chunk: forget the hint and the
                                      index copy it may have come from
     in_index(rec, key, length)       the slot by ``rec``'s index copy (learned as a hint)
+    lacks(rec, key)                  ``rec``'s index copy is held and does not list ``key``
     index_due(rec, room, now)        bytes of ``rec``'s whole index to READ now, or 0
     keep_index(rec, data)            what that READ brought
 
@@ -60,6 +61,16 @@ class SlotHints:
             return None
         self.learn(rec.node, rec.started, key, found[0])
         return found[0]
+
+    def lacks(self, rec: NodeRecord, key: bytes) -> bool:
+        """Whether a copy of ``rec``'s index is held and ``key`` is not in it (the node
+        did not hold the chunk when the copy was READ, at most INDEX_REFRESH s before a
+        stale hint from it; a node may refuse to hold one: ``Arena.takes``)."""
+        index = self._indexes.get((rec.node, rec.started))
+        if index is None or rec.nbuckets < 1:
+            return False
+        b = bucket_of(key, rec.nbuckets) * BUCKET_BYTES
+        return find_in_bucket(index[b:b + BUCKET_BYTES], key) is None
 
     def index_due(self, rec: NodeRecord, room: int, now: float) -> int:
         """The size of ``rec``'s whole index when no copy is held, it fits ``room`` bytes

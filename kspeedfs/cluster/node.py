@@ -220,8 +220,11 @@ class Node:
 
     async def load_chunk(self, ds: Dataset, k: int) -> str:
         """Make chunk ``k`` present in the arena; returns where it came from ("cache",
-        "disk", "peer" or "source"). Raises ``ChunkUnavailable`` or ``SourceChanged``
-        (``TierChain``'s contract), an ``error`` reply over RPC."""
+        "disk", "peer" or "source"), or "refused" when the arena would not keep it
+        (``Arena.takes``: then it is not read at all). Raises ``ChunkUnavailable`` or
+        ``SourceChanged`` (``TierChain``'s contract), an ``error`` reply over RPC."""
+        if not self.arena.takes(ds.index.chunk_digest(k)):
+            return "refused"
         return await self._tiers(ds).fill(k)
 
     def _tiers(self, ds: Dataset) -> TierChain:
@@ -437,7 +440,7 @@ class Node:
             for k in todo:
                 where = await self.load_chunk(ds, k)
                 if not self.has(ix.chunk_digest(k)):
-                    prog["refused"] += 1             # no room beside higher priorities
+                    prog["refused"] += 1             # Arena.put refused it (``_room``)
                     continue
                 prog["cached"] += 1
                 if where == "source":
@@ -456,8 +459,10 @@ class Node:
         await self._publish_progress(tag, [ix.chunk_digest(k) for k in mine])
         dt = time.monotonic() - t0
         if prog["refused"]:
-            log.warning("%s: %d of my %d chunks do not fit beside higher-priority datasets "
-                        "(preloaded with --force?)", tag, prog["refused"], len(mine))
+            log.warning("%s: %d of my %d chunks are not held here: room for them would evict "
+                        "a higher-priority dataset's (preloaded with --force?) or their index "
+                        "bucket is full of chunks of their own rank; their other replicas "
+                        "serve them", tag, prog["refused"], len(mine))
         else:
             log.info("%s: my share is cached: %d chunks (%d from peers, %d from the source) "
                      "in %.1fs", tag, len(mine), prog["from_peer"], prog["from_source"], dt)

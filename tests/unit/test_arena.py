@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kspeedfs.cluster.arena import BUCKET_BYTES, Arena, Geometry, bucket_of, find_in_bucket
+from kspeedfs.cluster.arena import BUCKET_BYTES, WAYS, Arena, Geometry, bucket_of, find_in_bucket
 
 
 class Mem:
@@ -37,11 +37,14 @@ def remote_lookup(g: Geometry, index: Mem, data: Mem, key: bytes) -> bytes | Non
 class ArenaModel(RuleBasedStateMachine):
     """Random puts of chunks of random ranks (-1: outside the share, 0..2: priorities)
     and drops: the index always agrees with the arena, a put is refused only when
-    every possible victim outranks it, and a refused put evicts nothing."""
+    every possible victim outranks it (or, in a full bucket, ranks the same, >= 0), a
+    refused put evicts nothing, and ``takes`` foretells every put."""
+
+    geometry = Geometry.for_memory(6 * 64, 64)              # 6 slots of 64 bytes, 2 buckets
 
     def __init__(self) -> None:
         super().__init__()
-        self.g = Geometry.for_memory(6 * 64, 64)            # 6 slots of 64 bytes
+        self.g = self.geometry
         self.data, self.index = Mem(self.g.arena_bytes), Mem(self.g.index_bytes)
         self.ranks: dict[bytes, int] = {}
         self.arena = Arena(self.g, self.data, self.index, rank=lambda k: self.ranks.get(k, -1))
@@ -55,16 +58,21 @@ class ArenaModel(RuleBasedStateMachine):
         if key not in self.arena:
             self.ranks[key] = rank
         before = set(self.arena.keys())
+        foretold = self.arena.takes(key)
         stored = self.arena.put(key, blob)
+        assert stored == foretold
         if stored:
             assert key in self.arena
         else:
             assert set(self.arena.keys()) == before, "a refused put evicted something"
             b = bucket_of(key, self.g.nbuckets)
-            # refused: the arena (or the key's bucket) is full of higher ranks
-            others = [k for k in before if len(before) == self.g.nslots
-                      or bucket_of(k, self.g.nbuckets) == b]
-            assert others and min(self.ranks.get(k, -1) for k in others) > self.ranks[key]
+            # refused: the key's bucket is full of higher ranks, or of its own (>= 0); or
+            # the arena is full of higher ranks
+            bucket = [k for k in before if bucket_of(k, self.g.nbuckets) == b]
+            others = bucket if len(bucket) == WAYS else \
+                list(before) if len(before) == self.g.nslots else []
+            low, mine = min(self.ranks.get(k, -1) for k in others), self.ranks[key]
+            assert others and (low > mine or (len(bucket) == WAYS and low == mine >= 0))
 
     @rule(seed=st.integers(0, 30), size=st.integers(1, 64))
     def drop(self, seed: int, size: int) -> None:
@@ -85,6 +93,38 @@ class ArenaModel(RuleBasedStateMachine):
 
 
 TestArenaModel = ArenaModel.TestCase
+
+
+class CrowdedArenaModel(ArenaModel):
+    """The same with one bucket of WAYS entries for 12 slots: full buckets are common."""
+
+    geometry = Geometry(nslots=12, slot_size=64, nbuckets=1)
+
+
+TestCrowdedArenaModel = CrowdedArenaModel.TestCase
+
+
+def test_a_full_bucket_of_its_own_rank_refuses_a_share_chunk_and_keeps_what_it_holds() -> None:
+    """Two chunks of one share that fall in a full bucket no longer take turns evicting
+    each other (each loaded again when a reader missed it); a higher rank still evicts,
+    and outside the share the oldest still goes."""
+    g = Geometry(nslots=WAYS + 4, slot_size=16, nbuckets=1)
+    ranks: dict[bytes, int] = {}
+    a = Arena(g, Mem(g.arena_bytes), Mem(g.index_bytes), rank=lambda k: ranks.get(k, -1))
+    keys = [xxhash.xxh3_128_digest(bytes([i])) for i in range(WAYS + 3)]
+    for i, k in enumerate(keys[:WAYS]):
+        ranks[k] = 0
+        assert a.put(k, bytes([i]) * 16)
+    ranks[keys[WAYS]] = 0
+    assert a.takes(keys[0]) and not a.takes(keys[WAYS])
+    assert not a.put(keys[WAYS], b"x" * 16)
+    assert all(k in a for k in keys[:WAYS]) and a.statistics().refused == 1
+    ranks[keys[WAYS + 1]] = 1
+    assert a.put(keys[WAYS + 1], b"y" * 16) and keys[0] not in a   # a higher rank: oldest out
+    for k in keys[1:WAYS]:
+        ranks[k] = -1                                       # their dataset was unloaded
+    assert a.put(keys[WAYS + 2], b"z" * 16)                 # outside the share: LRU
+    assert keys[1] not in a
 
 
 def test_chunks_outside_the_share_are_evicted_first() -> None:

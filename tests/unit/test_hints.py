@@ -1,6 +1,6 @@
 """``SlotHints``: slots by node incarnation, the oldest hint dropped first, an index copy
 read for slots (and dropped with a stale hint from its node), its READ asked for at most
-once per INDEX_REFRESH."""
+once per INDEX_REFRESH; a copy that does not list a chunk says its node lacks it."""
 from __future__ import annotations
 
 import xxhash
@@ -58,3 +58,18 @@ def test_an_index_copy_gives_slots_until_a_stale_hint_drops_it() -> None:
 def test_a_node_without_buckets_has_no_index_to_read() -> None:
     g = Geometry(0, SLOT, 0)
     assert SlotHints().index_due(_node(1.0, g), SLOT, now=5.0) == 0
+
+
+def test_a_chunk_missing_from_an_index_copy_is_lacking_there_and_nothing_else_is() -> None:
+    g = Geometry.for_memory(8 * SLOT, SLOT)
+    data, index = Mem(g.arena_bytes), Mem(g.index_bytes)
+    arena = Arena(g, data, index)
+    held, other = b"h" * 100, b"o" * 100
+    arena.put(xxhash.xxh3_128_digest(held), held)
+    rec, hints = _node(1.0, g), SlotHints()
+    missing = xxhash.xxh3_128_digest(other)
+    assert not hints.lacks(rec, missing)                          # no copy: not known
+    hints.keep_index(rec, index.read(g.index_bytes))
+    assert hints.lacks(rec, missing)
+    assert not hints.lacks(rec, xxhash.xxh3_128_digest(held))
+    assert not hints.lacks(_node(2.0, g), missing)                # another incarnation
