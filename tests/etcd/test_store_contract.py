@@ -336,6 +336,20 @@ def test_etcd_fails_over_to_next_endpoint(etcd_server: EtcdServer, caplog: pytes
     assert any("failed over" in r.message for r in caplog.records)
 
 
+def test_etcd_races_between_healthy_endpoints_are_not_failovers(
+        etcd_server: EtcdServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Two live endpoints answer races in either order: no "failed over" line for that
+    (it filled every node's log of a busy cluster every second or two)."""
+    url = etcd_server.endpoint
+    other = url.replace("127.0.0.1", "localhost")
+    assert other != url
+    with caplog.at_level(logging.INFO, logger="kspeedfs.manifest.store"):
+        with open_store(_etcd_cfg([url, other], timeout=2)) as store:
+            for _ in range(40):
+                store.race(lambda c: c.get_prefix_response("/kst-none/"))
+    assert not any("failed over" in r.message for r in caplog.records)
+
+
 def test_etcd_missing_part_and_orphans(etcd_server: EtcdServer) -> None:
     """An allocated version whose publish died (parts written, no info) is invisible and
     never reused; a part deleted behind our back is a corrupt manifest."""

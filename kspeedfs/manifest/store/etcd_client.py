@@ -395,10 +395,14 @@ class EtcdClient:
             raise StoreError(f"etcd {ep.url}: {type(e).__name__}: {e}") from e
         raise e
 
-    def _prefer(self, ep: _Endpoint) -> None:
+    def _prefer(self, ep: _Endpoint, failover: bool = True) -> None:
+        """Send to ``ep`` first from now on; ``failover``: because the endpoint preferred
+        until now failed (said once, at INFO), not because ``ep`` merely answered a race
+        first (both healthy: on a busy node the winner flips every second or two, and
+        this line filled the logs, 17 times in 10 s on each node of the bench cluster)."""
         with self._lock:
             before, self._preferred = self._preferred, self._endpoints.index(ep)
-        if before != self._preferred:
+        if before != self._preferred and failover:
             log.info("etcd: failed over to %s", ep.url)
 
     def _give_up(self, start: float, budget: float, errors: dict[str, _Unreachable]) -> None:
@@ -458,6 +462,8 @@ class EtcdClient:
         budget = self.timeout if budget is None else budget
         start = time.monotonic()
         errors: dict[str, _Unreachable] = {}
+        with self._lock:
+            preferred = self._endpoints[self._preferred].url
         while True:
             answers: queue.SimpleQueue[tuple[_Endpoint, bool, Any]] = queue.SimpleQueue()
             for ep in self._endpoints:
@@ -468,7 +474,7 @@ class EtcdClient:
                 except queue.Empty:
                     break
                 if ok:
-                    self._prefer(ep)
+                    self._prefer(ep, failover=preferred in errors)
                     self.reachable = True
                     return value
                 if not isinstance(value, _Unreachable):
