@@ -220,10 +220,11 @@ class Node:
 
     async def load_chunk(self, ds: Dataset, k: int) -> str:
         """Make chunk ``k`` present in the arena; returns where it came from ("cache",
-        "disk", "peer" or "source"), or "refused" when the arena would not keep it
-        (``Arena.takes``: then it is not read at all). Raises ``ChunkUnavailable`` or
-        ``SourceChanged`` (``TierChain``'s contract), an ``error`` reply over RPC."""
-        if not self.arena.takes(ds.index.chunk_digest(k)):
+        "disk", "peer" or "source"), or "refused" when the arena would not keep it and
+        there is no SSD tier to take it instead (``Arena.takes``: then it is not read at
+        all). Raises ``ChunkUnavailable`` or ``SourceChanged`` (``TierChain``'s
+        contract), an ``error`` reply over RPC."""
+        if self.disk is None and not self.arena.takes(ds.index.chunk_digest(k)):
             return "refused"
         return await self._tiers(ds).fill(k)
 
