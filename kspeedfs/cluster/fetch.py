@@ -510,7 +510,7 @@ class Peers:
                 return None
             rslot = self.hints.get(rec.node, rec.started, key)
             if rslot is None:
-                if self.hints.lacks(rec, key):
+                if self.hints.lacks(rec, key, now):
                     continue
                 rslot = self._index_slot(rec, key, length, now)
             return None if rslot is None else (rec, rslot, have[1])
@@ -534,7 +534,7 @@ class Peers:
             staging = await self._take_staging()
             try:
                 await vqp.read(staging[0], staging[1], "index", size, 0)
-                self.hints.keep_index(rec, staging[0].read(size, staging[1]))
+                self.hints.keep_index(rec, staging[0].read(size, staging[1]), time.monotonic())
             finally:
                 self.give_staging(staging)
         except (*_FAILED, RdmaError, *_MISBEHAVED) as e:     # only hints: never fatal

@@ -8,9 +8,10 @@ bucket READ first (and the native fetch's routes, :mod:`.native_fetch`).
     stale(node, started, key)        the slot held another chunk: forget the hint and the
                                      index copy it may have come from
     in_index(rec, key, length)       the slot by ``rec``'s index copy (learned as a hint)
-    lacks(rec, key)                  ``rec``'s index copy is held and does not list ``key``
+    lacks(rec, key, now)             ``rec``'s index copy, younger than INDEX_TRUST s, does
+                                     not list ``key``
     index_due(rec, room, now)        bytes of ``rec``'s whole index to READ now, or 0
-    keep_index(rec, data)            what that READ brought
+    keep_index(rec, data, now)       what that READ brought
 
 Keyed by the node's incarnation (``NodeRecord.started``), so a restarted node's arena is
 never addressed through what its predecessor held. Trio thread only.
@@ -25,6 +26,9 @@ HINTS = 1 << 14  # slot hints kept (~180 B each, 3 MB: 64 GiB of 4 MiB chunks)
 #: one staging slot (64 B per arena slot: 4 MiB of index for 64 Ki slots), at most once
 #: per INDEX_REFRESH seconds per node incarnation (again after a stale hint from it)
 INDEX_REFRESH = 1.0
+#: an index copy says a chunk is not on its node (``lacks``) for this long, and is READ
+#: again after it when it is looked at: a node may take chunks later (re-replication)
+INDEX_TRUST = 10.0
 
 
 class SlotHints:
@@ -36,6 +40,7 @@ class SlotHints:
         self._hints: dict[tuple[str, float, bytes], int] = {}   # (node, started, key) → slot
         self._indexes: dict[tuple[str, float], bytes] = {}     # (node, started) → its index
         self._index_read: dict[tuple[str, float], float] = {}  # ... → when last asked for
+        self._index_at: dict[tuple[str, float], float] = {}    # ... → when it arrived
 
     def get(self, node: str, started: float, key: bytes) -> int | None:
         return self._hints.get((node, started, key))
@@ -62,27 +67,30 @@ class SlotHints:
         self.learn(rec.node, rec.started, key, found[0])
         return found[0]
 
-    def lacks(self, rec: NodeRecord, key: bytes) -> bool:
-        """Whether a copy of ``rec``'s index is held and ``key`` is not in it (the node
-        did not hold the chunk when the copy was READ, at most INDEX_REFRESH s before a
-        stale hint from it; a node may refuse to hold one: ``Arena.takes``)."""
-        index = self._indexes.get((rec.node, rec.started))
-        if index is None or rec.nbuckets < 1:
+    def lacks(self, rec: NodeRecord, key: bytes, now: float) -> bool:
+        """Whether a copy of ``rec``'s index younger than INDEX_TRUST s is held and
+        ``key`` is not in it: the node did not hold the chunk then (a node may refuse to
+        hold one: ``Arena.takes``)."""
+        at = (rec.node, rec.started)
+        index = self._indexes.get(at)
+        if index is None or rec.nbuckets < 1 or now - self._index_at[at] >= INDEX_TRUST:
             return False
         b = bucket_of(key, rec.nbuckets) * BUCKET_BYTES
         return find_in_bucket(index[b:b + BUCKET_BYTES], key) is None
 
     def index_due(self, rec: NodeRecord, room: int, now: float) -> int:
-        """The size of ``rec``'s whole index when no copy is held, it fits ``room`` bytes
-        and none was asked for in the last INDEX_REFRESH s (the caller READs it now, and
-        passes it to ``keep_index``); else 0."""
+        """The size of ``rec``'s whole index when no copy younger than INDEX_TRUST s is
+        held, it fits ``room`` bytes and none was asked for in the last INDEX_REFRESH s
+        (the caller READs it now, and passes it to ``keep_index``); else 0."""
         at = (rec.node, rec.started)
         size = rec.nbuckets * BUCKET_BYTES
-        if at in self._indexes or not 0 < size <= room or \
+        if (at in self._indexes and now - self._index_at[at] < INDEX_TRUST) or \
+                not 0 < size <= room or \
                 now - self._index_read.get(at, -INDEX_REFRESH) < INDEX_REFRESH:
             return 0
         self._index_read[at] = now
         return size
 
-    def keep_index(self, rec: NodeRecord, data: bytes) -> None:
+    def keep_index(self, rec: NodeRecord, data: bytes, now: float) -> None:
         self._indexes[(rec.node, rec.started)] = data
+        self._index_at[(rec.node, rec.started)] = now

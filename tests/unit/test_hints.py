@@ -6,7 +6,7 @@ from __future__ import annotations
 import xxhash
 
 from kspeedfs.cluster.arena import Arena, Geometry
-from kspeedfs.cluster.hints import INDEX_REFRESH, SlotHints
+from kspeedfs.cluster.hints import INDEX_REFRESH, INDEX_TRUST, SlotHints
 from kspeedfs.cluster.membership import NodeRecord
 from tests.unit.test_arena import Mem
 
@@ -42,13 +42,14 @@ def test_an_index_copy_gives_slots_until_a_stale_hint_drops_it() -> None:
     size = hints.index_due(rec, SLOT, now=10.0)
     assert size == g.index_bytes
     assert hints.index_due(rec, SLOT, now=10.0 + INDEX_REFRESH / 2) == 0   # asked already
-    hints.keep_index(rec, index.read(size))
+    hints.keep_index(rec, index.read(size), now=10.0)
     slot = hints.in_index(rec, key, len(chunk))
     assert slot is not None and hints.get("n1", 1.0, key) == slot  # learned as a hint
     assert hints.in_index(rec, key, len(chunk) + 1) is None       # another length: not it
-    assert hints.index_due(rec, SLOT, now=100.0) == 0             # a copy is held
+    assert hints.index_due(rec, SLOT, now=10.0 + INDEX_TRUST / 2) == 0   # a copy is held
     assert hints.in_index(_node(2.0, g), key, len(chunk)) is None  # a restarted node
 
+    assert hints.index_due(rec, SLOT, now=10.0 + INDEX_TRUST) == size   # an old copy
     hints.stale("n1", 1.0, key)                                   # the slot was reused
     assert hints.in_index(rec, key, len(chunk)) is None
     assert hints.index_due(rec, SLOT, now=100.0) == size          # READ it again
@@ -60,7 +61,7 @@ def test_a_node_without_buckets_has_no_index_to_read() -> None:
     assert SlotHints().index_due(_node(1.0, g), SLOT, now=5.0) == 0
 
 
-def test_a_chunk_missing_from_an_index_copy_is_lacking_there_and_nothing_else_is() -> None:
+def test_a_chunk_missing_from_a_recent_index_copy_is_lacking_there_and_nothing_else_is() -> None:
     g = Geometry.for_memory(8 * SLOT, SLOT)
     data, index = Mem(g.arena_bytes), Mem(g.index_bytes)
     arena = Arena(g, data, index)
@@ -68,8 +69,9 @@ def test_a_chunk_missing_from_an_index_copy_is_lacking_there_and_nothing_else_is
     arena.put(xxhash.xxh3_128_digest(held), held)
     rec, hints = _node(1.0, g), SlotHints()
     missing = xxhash.xxh3_128_digest(other)
-    assert not hints.lacks(rec, missing)                          # no copy: not known
-    hints.keep_index(rec, index.read(g.index_bytes))
-    assert hints.lacks(rec, missing)
-    assert not hints.lacks(rec, xxhash.xxh3_128_digest(held))
-    assert not hints.lacks(_node(2.0, g), missing)                # another incarnation
+    assert not hints.lacks(rec, missing, now=5.0)                 # no copy: not known
+    hints.keep_index(rec, index.read(g.index_bytes), now=5.0)
+    assert hints.lacks(rec, missing, now=5.0 + INDEX_TRUST / 2)
+    assert not hints.lacks(rec, xxhash.xxh3_128_digest(held), now=6.0)
+    assert not hints.lacks(_node(2.0, g), missing, now=6.0)       # another incarnation
+    assert not hints.lacks(rec, missing, now=5.0 + INDEX_TRUST)   # too old to say
