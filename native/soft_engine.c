@@ -1707,6 +1707,16 @@ static int run_timers(ks_engine *e)
     return ms > 1000 ? 1000 : (int)ms;
 }
 
+/* Send what QP `qp`'s send queue holds, as far as its socket takes it (EPOLLOUT
+ * finishes the rest); a broken connection fails the QP.  Caller holds e->lock. */
+static void req_send(ks_engine *e, ks_qp *qp)
+{
+    if (req_tx(e, qp) < 0)
+        qp_fatal(e, qp, KS_WC_RETRY_EXC_ERR);
+    else if (qp->req)
+        conn_update_events(e, qp->req);
+}
+
 /* The engine thread, woken by the doorbell: send what posts queued on every QP. */
 static void doorbell_answer(ks_engine *e)
 {
@@ -1716,10 +1726,7 @@ static void doorbell_answer(ks_engine *e)
         if (!qp || qp->state != KS_QPS_RTS || !qp->req || qp->req->dead ||
             qp->sq_sent == qp->sq_tail)
             continue;
-        if (req_tx(e, qp) < 0)
-            qp_fatal(e, qp, KS_WC_RETRY_EXC_ERR);
-        else
-            conn_update_events(e, qp->req);
+        req_send(e, qp);
     }
 }
 
@@ -2376,10 +2383,7 @@ static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
         return;
     if (was_idle) {
         qp->last_progress = now_ns();
-        if (req_tx(e, qp) < 0)
-            qp_fatal(e, qp, KS_WC_RETRY_EXC_ERR);
-        else if (qp->req)
-            conn_update_events(e, qp->req);
+        req_send(e, qp);
     } else if (qp->req && !qp->req->dead) {
         e->doorbell = 1;    /* the engine thread sends: doorbell_answer */
     }
