@@ -61,8 +61,7 @@ class SlotHints:
         index = self._indexes.get((rec.node, rec.started))
         if index is None or rec.nbuckets < 1:
             return None
-        b = bucket_of(key, rec.nbuckets) * BUCKET_BYTES
-        found = find_in_bucket(index[b:b + BUCKET_BYTES], key)
+        found = _find(index, rec, key)
         if found is None or found[1] != length:
             return None
         self.learn(rec.node, rec.started, key, found[0])
@@ -76,8 +75,7 @@ class SlotHints:
         index = self._indexes.get(at)
         if index is None or rec.nbuckets < 1 or now - self._index_at[at] >= INDEX_TRUST:
             return False
-        b = bucket_of(key, rec.nbuckets) * BUCKET_BYTES
-        return find_in_bucket(index[b:b + BUCKET_BYTES], key) is None
+        return _find(index, rec, key) is None
 
     def index_due(self, rec: NodeRecord, room: int, now: float) -> int:
         """The size of ``rec``'s whole index when no copy younger than INDEX_TRUST s is
@@ -95,3 +93,9 @@ class SlotHints:
     def keep_index(self, rec: NodeRecord, data: bytes, now: float) -> None:
         self._indexes[(rec.node, rec.started)] = data
         self._index_at[(rec.node, rec.started)] = now
+
+
+def _find(index: bytes, rec: NodeRecord, key: bytes) -> tuple[int, int] | None:
+    """(slot, length) of ``key`` in a copy of ``rec``'s whole index, or None."""
+    b = bucket_of(key, rec.nbuckets) * BUCKET_BYTES
+    return find_in_bucket(index[b:b + BUCKET_BYTES], key)
