@@ -236,8 +236,14 @@ struct ks_engine {
      * registered memory (the hot path; holding the lock there stalled every post_send
      * for milliseconds).  While `rx_busy` is set nobody may close that socket, flush or
      * reset its QP, or deregister memory: those paths call quiesce() first, which waits
-     * on `rx_cond`.  post_send/post_recv only append to the rings and need not wait. */
+     * on `rx_cond`.  post_send/post_recv only append to the rings and need not wait.
+     * While one waits (`quiescing`), the engine starts no new unlocked readv: else, with
+     * READ responses streaming on several sockets, it set `rx_busy` again before the
+     * woken waiter had the lock, and a QP's move to ERR waited 23-30 ms of a 40 ms stream
+     * (tests/rdma/test_soft_faults.py), up to 101 ms in the 4-reader peer loop, with the
+     * GIL held: every Python thread of the mount stood still. */
     int rx_busy;                       /* protected by e->lock */
+    int quiescing;                     /* threads in quiesce(); protected by e->lock */
     pthread_cond_t rx_cond;            /* waited on with e->lock */
     ks_qp *qps[KS_MAX_QP];             /* protected by e->lock */
     ks_qp *qpn_tab[KS_QPN_TAB];        /* by QPN (linear probing); protected by e->lock */
@@ -268,8 +274,12 @@ static char TAG_LISTEN, TAG_KICK;
  * a no-op on the engine thread itself, which never calls this while rx_busy). */
 static void quiesce(ks_engine *e)
 {
+    if (!e->rx_busy)
+        return;
+    e->quiescing++;
     while (e->rx_busy)
         pthread_cond_wait(&e->rx_cond, &e->lock);
+    e->quiescing--;
 }
 
 /* The engine and the posting/polling thread hold these locks for microseconds at a time:
@@ -1008,6 +1018,9 @@ static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c)
             return 0;
         ssize_t n;
         if (c->in_payload) {
+            if (e->quiescing)
+                return 0;       /* a quiesce() waits: it goes first (level-triggered: the
+                                 * bytes wait in the socket for the next epoll round) */
             /* the bulk: straight from the socket into registered memory */
             ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
             struct iovec iov[KS_MAX_SGE + 1];

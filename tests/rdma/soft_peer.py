@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import contextlib
 
-from rdma.api import CQ, MR, QP, ConnInfo, Context, QPCap, QPInitAttr, open_device
+from rdma.api import CQ, MR, PD, QP, ConnInfo, Context, QPCap, QPInitAttr, open_device
 from rdma.testing import DEFAULT_ACCESS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,6 +87,24 @@ class RemoteSession:
         self.ctx.close()
 
 
+def connect_qp(peer: PeerProcess, pd: PD, cq: CQ, qd: int = 16,
+               **connect_kw: Any) -> tuple[QP, dict[str, int], socket.socket]:
+    """A new QP of ``pd`` at RTS against a new QP of the peer process: the QP, the peer
+    MR to READ (``addr``, ``rkey``, ``length``) and the control connection (the peer
+    keeps its QP while that is open)."""
+    qp = pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(max_send_wr=qd, max_recv_wr=16)))
+    ctl = socket.create_connection((peer.addr, peer.port), timeout=10)
+    try:
+        ctl.sendall(json.dumps({"mode": "rdma", "qd": qd,
+                                "conninfo": qp.local_info().to_dict()}).encode() + b"\n")
+        rep = json.loads(ctl.makefile("rb").readline())
+        qp.connect(ConnInfo.from_dict(rep["conninfo"]), **connect_kw)
+    except BaseException:
+        ctl.close()
+        raise
+    return qp, rep["mr"], ctl
+
+
 @contextlib.contextmanager
 def remote_session(peer: PeerProcess, local_addr: str = "127.0.0.1", mr_size: int = 1 << 20,
                    qd: int = 16, **connect_kw: Any) -> Iterator[RemoteSession]:
@@ -95,14 +113,8 @@ def remote_session(peer: PeerProcess, local_addr: str = "127.0.0.1", mr_size: in
         pd = ctx.alloc_pd()
         cq = ctx.create_cq(4 * qd)
         mr = pd.reg_mr(mr_size, DEFAULT_ACCESS)
-        qp = pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(max_send_wr=qd, max_recv_wr=16)))
-        ctl = socket.create_connection((peer.addr, peer.port), timeout=10)
-        ctl.sendall(json.dumps({"mode": "rdma", "qd": qd,
-                                "conninfo": qp.local_info().to_dict()}).encode() + b"\n")
-        rep = json.loads(ctl.makefile("rb").readline())
-        qp.connect(ConnInfo.from_dict(rep["conninfo"]), **connect_kw)
-        s = RemoteSession(ctx, cq, mr, qp, rep["mr"]["addr"], rep["mr"]["rkey"],
-                          rep["mr"]["length"], ctl)
+        qp, rmr, ctl = connect_qp(peer, pd, cq, qd, **connect_kw)
+        s = RemoteSession(ctx, cq, mr, qp, rmr["addr"], rmr["rkey"], rmr["length"], ctl)
     except BaseException:
         ctx.close()
         raise

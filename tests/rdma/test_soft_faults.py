@@ -8,12 +8,14 @@ from typing import Iterator
 
 import pytest
 
-from rdma.api import SendWR
+from rdma.api import QPAttr, QPCap, QPInitAttr, SendWR, open_device
 from rdma.enums import (IBV_QPS_ERR, IBV_SEND_SIGNALED, IBV_WC_RETRY_EXC_ERR,
                         IBV_WC_WR_FLUSH_ERR, IBV_WR_RDMA_READ)
 from rdma.errors import PostError
 
-from soft_peer import PeerProcess, RemoteSession, remote_session
+from rdma.testing import DEFAULT_ACCESS
+
+from soft_peer import PeerProcess, RemoteSession, connect_qp, remote_session
 
 
 @pytest.fixture
@@ -114,3 +116,48 @@ def test_continued_peer_serves_again_after_recovery(peer: PeerProcess) -> None:
     with remote_session(peer) as s2:
         s2.qp.post_send(_read(s2, 2))
         assert _wait(s2, 1, 5)[0].ok
+
+
+def test_qp_error_is_not_starved_by_reads_streaming_on_other_qps() -> None:
+    """Moving a QP to ERR waits until the engine thread is out of its unlocked readv
+    (``quiesce``). With 4 MiB READ responses streaming on three other QPs of the same
+    engine that wait must end after about one readv, not when the streams drain: it once
+    waited for about half of them in 2 of 8 tries (in the 4-reader peer loop up to 101 ms,
+    the GIL held)."""
+    peers = [PeerProcess(mr_size="4MiB") for _ in range(3)]
+    ctx = open_device(provider="soft", addr="127.0.0.1")
+    ctls = []
+    try:
+        pd, cq = ctx.alloc_pd(), ctx.create_cq(256)
+        mr = pd.reg_mr(4 << 20, DEFAULT_ACCESS)
+        streams = []
+        for p in peers:
+            qp, rmr, ctl = connect_qp(p, pd, cq)
+            ctls.append(ctl)
+            streams.append((qp, rmr))
+        done_at_err = []
+        for _ in range(8):
+            idle = pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(max_send_wr=4, max_recv_wr=4)))
+            idle.to_init(QPAttr(qp_access_flags=DEFAULT_ACCESS))
+            for qp, rmr in streams:
+                qp.post_send([SendWR(wr_id=i, opcode=IBV_WR_RDMA_READ,
+                                     sg_list=[mr.sge(0, 4 << 20)], send_flags=IBV_SEND_SIGNALED,
+                                     remote_addr=rmr["addr"], rkey=rmr["rkey"])
+                              for i in range(16)])
+            wcs = cq.poll_wait(1, 5)            # the streams are moving
+            idle.to_err()
+            wcs += cq.poll(256)
+            done_at_err.append(len(wcs))
+            while len(wcs) < 48:
+                got = cq.poll_wait(256, 5)
+                assert got, "the streams stopped"
+                wcs += got
+            assert all(w.ok for w in wcs)
+            idle.close()
+        assert max(done_at_err) <= 12, done_at_err      # of 48 READs (before: 24, 28)
+    finally:
+        for c in ctls:
+            c.close()
+        ctx.close()
+        for p in peers:
+            p.close()
