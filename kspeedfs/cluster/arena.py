@@ -27,15 +27,19 @@ Restart (``adopt``): the arena and index may live in files that outlive the node
 slot's bytes still hash to its key, clearing the others (a slot torn by the crash, or
 changed while the node was down), so it serves again without reloading what it held.
 
-Eviction order when the arena is full (``rank``, lower goes first; oldest first within
-a rank): chunks outside this node's share (placement moved them elsewhere, or no
-preloaded dataset has them: rank < 0), then the chunks of the lowest-priority preloaded
-dataset (``cluster/lifecycle.py``). A chunk is not stored at all when making room would
-evict a higher-ranked one: a low-priority load never pushes out a high-priority
-dataset. Finding a victim is a scan, oldest first, that stops at the first chunk
-outside the share; when every slot is in the share it reads every rank (one dict
-lookup each, ~5 ms per 10^5 slots; only when the share exceeds the arena, which the
-capacity plan refuses).
+Eviction order when the arena is full (``rank``, lower goes first): chunks outside this
+node's share (placement moved them elsewhere, or no preloaded dataset has them: rank <
+0, oldest first), then the chunks of the lowest-priority preloaded dataset
+(``cluster/lifecycle.py``). A chunk is not stored at all when making room would evict
+one of a higher rank, or, on a node without an SSD tier, of its own rank within the
+share: a low-priority load never pushes out a high-priority dataset, and a share larger
+than the arena (a preload forced past the capacity plan, a share grown by a lost peer)
+keeps the chunks it got first instead of each load evicting an earlier one that the
+next pass, or the next reader's miss, loads again. (With an SSD tier the evicted chunk
+goes there: still held by the node, the arena its memory part, oldest first.) Finding a
+victim is a scan, oldest first, that stops at the first chunk outside the share; when
+every slot is in the share it reads every rank (one dict lookup each, ~5 ms per 10^5
+slots; only when the share exceeds the arena).
 """
 from __future__ import annotations
 
@@ -182,13 +186,16 @@ class Arena:
     def _room(self, key: bytes) -> tuple[bool, bytes | None]:
         """Whether ``key`` may be stored, and the chunk that must go first to make room
         (None: there is room). One victim frees what is short: its way (and slot) in a
-        full bucket, or a slot. Refused when the victim outranks the key, and, in a full
-        bucket, when it ranks the same (a share's chunk, rank >= 0): with WAYS entries a
-        bucket, a node's share can hold more keys of one bucket than fit (at a full
-        arena ~2 % of buckets; ``Geometry.for_memory``), and two such chunks, each
-        loaded again whenever a reader missed it, evicted each other for as long as the
-        cluster was read (a peer's fetches of them failing every ~0.7 s, 19-25 in each 8 s
-        pass of the suite's 4-reader case). Outside the share (rank < 0) the oldest goes."""
+        full bucket, or a slot. Refused when the victim outranks the key, or ranks the
+        same within the share (rank >= 0) in a full bucket, or, with no SSD tier
+        (``on_evict``), in a full arena: chunks of one share that do not all fit evicted
+        one another whenever a reader missed one and its owner loaded it (found in a
+        full bucket: with WAYS entries a bucket, at a full arena ~2 % of buckets are
+        asked for more, ``Geometry.for_memory``; a peer's fetches of two such chunks
+        failed every ~0.7 s, 19-25 in each 8 s pass of the suite's 4-reader case). With
+        an SSD tier the arena is the memory part of the node's copy: the oldest of the
+        rank goes to the SSD, still held here. Outside the share (rank < 0) the oldest
+        goes."""
         ways = self._ways.get(bucket_of(key, self.g.nbuckets))
         full = ways is not None and None not in ways
         if not full and self._free:
@@ -196,7 +203,7 @@ class Arena:
         victim = self._victim([k for k in ways if k is not None] if full and ways
                               else list(self._slots))
         theirs, mine = self.rank(victim), self.rank(key)
-        if theirs > mine or (full and theirs == mine >= 0):
+        if theirs > mine or (theirs == mine >= 0 and (full or self.on_evict is None)):
             return False, victim
         return True, victim
 

@@ -8,9 +8,10 @@ etcd keys (under ``store.etcd_prefix``)::
                              which version (``rm`` refuses it, ``status`` shows it)
 
 Priority. Every preload has a priority (``kspeedfs preload --priority``, default 0). A
-node's arena evicts, oldest first within each class: chunks outside its share (not an
-owner any more, or of no preloaded dataset) first, then the chunks of the
-lowest-priority dataset (``cluster/arena.py``, ``Node.rank``). A preload is planned
+node's arena evicts chunks outside its share (not an owner any more, or of no preloaded
+dataset) first, oldest first, then the chunks of the lowest-priority dataset; never one
+of a higher priority for a chunk of its share, nor, without an SSD tier, one of the same
+(``cluster/arena.py``, ``Node.rank``). A preload is planned
 before it is requested (:func:`plan`), so a job's preload cannot silently push out the
 dataset another job trains on: it must fit beside every dataset of equal or higher
 priority, or it is refused.

@@ -461,9 +461,10 @@ class Node:
         dt = time.monotonic() - t0
         if prog["refused"]:
             log.warning("%s: %d of my %d chunks are not held here: room for them would evict "
-                        "a higher-priority dataset's (preloaded with --force?) or their index "
-                        "bucket is full of chunks of their own rank; their other replicas "
-                        "serve them", tag, prog["refused"], len(mine))
+                        "chunks of a dataset of higher or equal priority (preloaded with "
+                        "--force? a lost peer's share?), or their index bucket is full; their "
+                        "other replicas, or the source, serve them", tag, prog["refused"],
+                        len(mine))
         else:
             log.info("%s: my share is cached: %d chunks (%d from peers, %d from the source) "
                      "in %.1fs", tag, len(mine), prog["from_peer"], prog["from_source"], dt)

@@ -37,17 +37,19 @@ def remote_lookup(g: Geometry, index: Mem, data: Mem, key: bytes) -> bytes | Non
 class ArenaModel(RuleBasedStateMachine):
     """Random puts of chunks of random ranks (-1: outside the share, 0..2: priorities)
     and drops: the index always agrees with the arena, a put is refused only when
-    every possible victim outranks it (or, in a full bucket, ranks the same, >= 0), a
-    refused put evicts nothing, and ``takes`` foretells every put."""
+    every possible victim outranks it or ranks the same (>= 0), a refused put evicts
+    nothing, and ``takes`` foretells every put."""
 
     geometry = Geometry.for_memory(6 * 64, 64)              # 6 slots of 64 bytes, 2 buckets
+    ssd = False                                             # an SSD tier takes the evicted
 
     def __init__(self) -> None:
         super().__init__()
         self.g = self.geometry
         self.data, self.index = Mem(self.g.arena_bytes), Mem(self.g.index_bytes)
         self.ranks: dict[bytes, int] = {}
-        self.arena = Arena(self.g, self.data, self.index, rank=lambda k: self.ranks.get(k, -1))
+        self.arena = Arena(self.g, self.data, self.index, rank=lambda k: self.ranks.get(k, -1),
+                           on_evict=(lambda k, d: None) if self.ssd else None)
         self.blobs: dict[bytes, bytes] = {}
 
     @rule(seed=st.integers(0, 30), size=st.integers(1, 64), rank=st.integers(-1, 2))
@@ -66,13 +68,13 @@ class ArenaModel(RuleBasedStateMachine):
         else:
             assert set(self.arena.keys()) == before, "a refused put evicted something"
             b = bucket_of(key, self.g.nbuckets)
-            # refused: the key's bucket is full of higher ranks, or of its own (>= 0); or
-            # the arena is full of higher ranks
+            # refused: the key's bucket, or else the arena, is full of higher ranks, or of
+            # its own (>= 0; in a full arena only without an SSD tier)
             bucket = [k for k in before if bucket_of(k, self.g.nbuckets) == b]
-            others = bucket if len(bucket) == WAYS else \
-                list(before) if len(before) == self.g.nslots else []
+            full = len(bucket) == WAYS
+            others = bucket if full else list(before) if len(before) == self.g.nslots else []
             low, mine = min(self.ranks.get(k, -1) for k in others), self.ranks[key]
-            assert others and (low > mine or (len(bucket) == WAYS and low == mine >= 0))
+            assert others and (low > mine or (low == mine >= 0 and (full or not self.ssd)))
 
     @rule(seed=st.integers(0, 30), size=st.integers(1, 64))
     def drop(self, seed: int, size: int) -> None:
@@ -102,6 +104,15 @@ class CrowdedArenaModel(ArenaModel):
 
 
 TestCrowdedArenaModel = CrowdedArenaModel.TestCase
+
+
+class SsdArenaModel(ArenaModel):
+    """The same on a node with an SSD tier: a full arena evicts the oldest of a rank."""
+
+    ssd = True
+
+
+TestSsdArenaModel = SsdArenaModel.TestCase
 
 
 def test_a_full_bucket_of_its_own_rank_refuses_a_share_chunk_and_keeps_what_it_holds() -> None:
@@ -156,11 +167,32 @@ def test_lower_priority_goes_first_and_never_evicts_a_higher_one() -> None:
     assert keys[0] not in a and spilled == [keys[0]]
     ranks[keys[5]] = 1
     assert a.put(keys[5], b"y" * 16)                        # a priority-1 one is still there
-    assert keys[2] not in a
+    assert keys[2] not in a and spilled[-1] == keys[2]      # (to the SSD tier: still held)
     ranks[keys[0]] = 0
     assert not a.put(keys[0], b"z" * 16), "a priority-0 chunk evicted a higher one"
     assert keys[0] not in a and a.statistics().refused == 1
     assert spilled[-1] == keys[0], "a refused chunk goes to the SSD tier as if evicted"
+
+
+def test_without_an_ssd_tier_a_share_chunk_never_evicts_one_of_its_own_rank() -> None:
+    """A share larger than the arena (a forced preload, a lost peer's share) keeps what
+    it got first: a chunk of the same priority is refused, not stored by evicting an
+    earlier one (which the next pass or reader's miss would load again, evicting
+    another); a lower rank still goes for it."""
+    g = Geometry.for_memory(4 * 16, 16)
+    ranks: dict[bytes, int] = {}
+    a = Arena(g, Mem(g.arena_bytes), Mem(g.index_bytes), rank=lambda k: ranks.get(k, -1))
+    keys = [xxhash.xxh3_128_digest(bytes([i])) for i in range(7)]
+    for i, k in enumerate(keys[:4]):
+        ranks[k] = 1
+        assert a.put(k, bytes([i]) * 16)
+    ranks[keys[4]] = 1
+    assert not a.takes(keys[4]) and not a.put(keys[4], b"x" * 16)
+    assert all(k in a for k in keys[:4]) and a.statistics().refused == 1
+    ranks[keys[5]] = 2
+    assert a.put(keys[5], b"y" * 16) and keys[0] not in a    # a higher rank: the oldest goes
+    ranks[keys[6]] = -1
+    assert not a.put(keys[6], b"z" * 16)                     # outside the share: all outrank it
 
 
 def _verify(key: bytes, data: bytes) -> bool:
