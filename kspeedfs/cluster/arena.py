@@ -8,6 +8,8 @@ Two vMRs, registered on every NIC of the node and exported to authenticated peer
     index entry (32 B, little-endian):  key[16] = xxh3-128 of the chunk | slot u32 |
                                         length u32 | reserved u64
     bucket of a key = first 8 bytes of the key as an integer, mod nbuckets
+    nbuckets        = nslots / 4, plus up to half that again by a hash of the node's name
+                      (``Geometry.for_memory``): each node's bucket boundaries its own
 
 Why this shape — the reader needs no help from the owner's CPU on the hot path: it
 READs the key's bucket (WAYS × 32 = 256 bytes), finds its key, READs the slot, and
@@ -49,6 +51,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import xxhash
+
 log = logging.getLogger(__name__)
 
 WAYS = 8
@@ -88,10 +92,19 @@ class Geometry:
     nbuckets: int
 
     @classmethod
-    def for_memory(cls, memory: int, slot_size: int) -> "Geometry":
+    def for_memory(cls, memory: int, slot_size: int, node: str = "") -> "Geometry":
+        """The geometry of an arena of ``memory`` bytes. At most half the index ways are
+        in use on average at a full arena (few full buckets: a full one refuses a chunk
+        of its own rank, ``Arena._room``). With ``node`` the bucket count is spread by
+        up to half again, by a hash of the name, so that nodes of equal memory do not
+        share their bucket boundaries: a chunk refused by one full bucket is then
+        refused by its other replicas' only by chance (before, every replica holding
+        the same share refused the same chunks, and they were read from the source);
+        the index is 64-96 bytes per slot."""
         nslots = memory // slot_size
-        # at most half the index ways in use on average: few full buckets
         nbuckets = max(1, (2 * nslots + WAYS - 1) // WAYS)
+        if node:
+            nbuckets += xxhash.xxh64_intdigest(node.encode()) % (nbuckets // 2 + 1)
         return cls(nslots, slot_size, nbuckets)
 
     @property
@@ -135,8 +148,9 @@ class Arena:
 
     def adopt(self, verify: Callable[[bytes, memoryview | bytes], bool]) -> tuple[int, int]:
         """Take over what a previous process left in ``data``/``index`` (files that
-        outlived it): every entry whose slot's bytes ``verify`` against its key is kept,
-        every other entry cleared. Returns (kept, dropped). Call on an empty arena."""
+        outlived it): every entry in its key's bucket whose slot's bytes ``verify``
+        against its key is kept, every other entry cleared. Returns (kept, dropped).
+        Call on an empty arena."""
         assert not self._slots
         kept = dropped = 0
         used: set[int] = set()
@@ -147,7 +161,7 @@ class Arena:
                 if not length and key == bytes(16):
                     continue
                 ok = (0 < length <= self.g.slot_size and slot < self.g.nslots and slot not in used
-                      and key not in self._slots
+                      and key not in self._slots and bucket_of(key, self.g.nbuckets) == b
                       and verify(key, self.data.read(length, slot * self.g.slot_size)))
                 if not ok:
                     self.index.write(bytes(ENTRY.size), (b * WAYS + way) * ENTRY.size)
@@ -190,7 +204,7 @@ class Arena:
         same within the share (rank >= 0) in a full bucket, or, with no SSD tier
         (``on_evict``), in a full arena: chunks of one share that do not all fit evicted
         one another whenever a reader missed one and its owner loaded it (found in a
-        full bucket: with WAYS entries a bucket, at a full arena ~2 % of buckets are
+        full bucket: with WAYS entries a bucket, at a full arena up to ~2 % of buckets are
         asked for more, ``Geometry.for_memory``; a peer's fetches of two such chunks
         failed every ~0.7 s, 19-25 in each 8 s pass of the suite's 4-reader case). With
         an SSD tier the arena is the memory part of the node's copy: the oldest of the

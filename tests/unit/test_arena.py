@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kspeedfs.cluster.arena import BUCKET_BYTES, WAYS, Arena, Geometry, bucket_of, find_in_bucket
+from kspeedfs.cluster.arena import (BUCKET_BYTES, ENTRY, WAYS, Arena, Geometry, bucket_of,
+                                    find_in_bucket)
 
 
 class Mem:
@@ -243,6 +244,55 @@ def test_adopt_of_garbage_keeps_nothing() -> None:
     assert index.b == bytearray(g.index_bytes)          # every entry cleared
 
 
+def test_adopt_clears_an_entry_outside_its_keys_bucket() -> None:
+    """An entry a reader would never find (its key's bucket is another: files laid out
+    with another bucket count) is cleared, and its slot freed: eviction would clear the
+    wrong way."""
+    g = Geometry(nslots=4, slot_size=64, nbuckets=2)
+    data, index = Mem(g.arena_bytes), Mem(g.index_bytes)
+    blob = b"chunk"
+    key = xxhash.xxh3_128_digest(blob)
+    wrong = 1 - bucket_of(key, g.nbuckets)
+    data.write(blob, 0)
+    index.write(ENTRY.pack(key, 0, len(blob), 0), wrong * BUCKET_BYTES)
+    arena = Arena(g, data, index)
+    assert arena.adopt(_verify) == (0, 1)
+    assert index.b == bytearray(g.index_bytes)
+    assert arena.put(key, blob) and remote_lookup(g, index, data, key) == blob
+
+
+def test_bucket_count_is_spread_by_the_node_name() -> None:
+    """Each node's bucket count is its own (a hash of its name), from a quarter of its
+    slots up to half that again; without a name it is the quarter."""
+    plain = Geometry.for_memory(4096 * 64, 64)
+    assert plain.nbuckets == 4096 * 2 // WAYS
+    counts = {Geometry.for_memory(4096 * 64, 64, f"n{i}").nbuckets for i in range(40)}
+    assert all(plain.nbuckets <= n <= plain.nbuckets * 3 // 2 for n in counts)
+    assert len(counts) >= 38
+    assert Geometry.for_memory(4096 * 64, 64, "n1") == Geometry.for_memory(4096 * 64, 64, "n1")
+
+
+def test_replicas_holding_one_share_refuse_different_chunks() -> None:
+    """Two nodes of equal memory, each asked to hold the same full share (R of R nodes):
+    full buckets refuse some chunks on each, but a chunk refused by both — one that only
+    the source then serves — is rare once the bucket counts differ (before, both refused
+    exactly the same chunks)."""
+    import random
+
+    rnd = random.Random(7)
+    keys = [rnd.randbytes(16) for _ in range(2048)]
+
+    def refused(g: Geometry) -> set[bytes]:
+        arena = Arena(g, Mem(g.arena_bytes), Mem(g.index_bytes))
+        return {k for k in keys if not arena.put(k, b"x")}
+
+    same = [refused(Geometry.for_memory(2048 * 16, 16)) for _ in ("a", "b")]
+    assert same[0] and same[0] == same[1]
+    a, b = (refused(Geometry.for_memory(2048 * 16, 16, n)) for n in ("n1", "n2"))
+    assert Geometry.for_memory(2048 * 16, 16, "n1") != Geometry.for_memory(2048 * 16, 16, "n2")
+    assert len(a & b) * 10 <= len(same[0]), (len(a), len(b), len(a & b), len(same[0]))
+
+
 @settings(max_examples=500, deadline=None)
 @given(bucket=st.binary(min_size=BUCKET_BYTES, max_size=BUCKET_BYTES),
        key=st.binary(min_size=16, max_size=16), plant=st.booleans())
@@ -255,3 +305,30 @@ def test_find_in_bucket_takes_any_bytes_a_peer_sends(bucket: bytes, key: bytes,
         bucket = bucket[:BUCKET_BYTES - 32] + key + bucket[BUCKET_BYTES - 16:]
     found = find_in_bucket(bucket, key)
     assert found is None or (0 <= found[0] < 1 << 32 and 0 < found[1] < 1 << 32)
+
+
+def test_a_node_keeps_an_arena_laid_out_without_the_spread(tmp_path) -> None:
+    """A node upgraded over arena files of the unspread bucket count keeps them (and
+    what they hold) rather than reloading its share; without files, or with files of
+    its own geometry, it takes the spread one."""
+    import dataclasses
+    import os
+
+    from kspeedfs.cluster.node import _geometry
+    from kspeedfs.config import Config
+
+    base = Config()
+    cfg = dataclasses.replace(base, cluster=dataclasses.replace(
+        base.cluster, memory=4096 * 4096, slot_size=4096, arena_dir=str(tmp_path)))
+    plain = Geometry.for_memory(4096 * 4096, 4096)
+    spread = Geometry.for_memory(4096 * 4096, 4096, "n1")
+    assert plain != spread
+    assert _geometry(cfg, "n1") == spread                       # no files yet
+    for suffix, size in ((".arena", plain.arena_bytes), (".index", plain.index_bytes)):
+        with open(os.path.join(tmp_path, "kspeedfs-n1" + suffix), "wb") as f:
+            f.truncate(size)
+    assert _geometry(cfg, "n1") == plain
+    os.truncate(os.path.join(tmp_path, "kspeedfs-n1.index"), spread.index_bytes)
+    assert _geometry(cfg, "n1") == spread
+    assert _geometry(dataclasses.replace(cfg, cluster=dataclasses.replace(
+        cfg.cluster, arena_dir="")), "n1") == spread
