@@ -204,12 +204,12 @@ class Arena:
         same within the share (rank >= 0) in a full bucket, or, with no SSD tier
         (``on_evict``), in a full arena: chunks of one share that do not all fit evicted
         one another whenever a reader missed one and its owner loaded it (found in a
-        full bucket: with WAYS entries a bucket, at a full arena up to ~2 % of buckets are
-        asked for more, ``Geometry.for_memory``; a peer's fetches of two such chunks
-        failed every ~0.7 s, 19-25 in each 8 s pass of the suite's 4-reader case). With
-        an SSD tier the arena is the memory part of the node's copy: the oldest of the
-        rank goes to the SSD, still held here. Outside the share (rank < 0) the oldest
-        goes."""
+        full bucket: with WAYS entries a bucket, at a full arena up to ~2 % of buckets
+        are asked for more, ``Geometry.for_memory``; a peer's fetches of two such
+        chunks failed every ~0.7 s, 19-25 in each 8 s pass of the suite's 4-reader
+        case). With an SSD tier the arena is the memory part of the node's copy: the
+        oldest of the rank goes to the SSD, still held here. Outside the share (rank <
+        0) the oldest goes."""
         ways = self._ways.get(bucket_of(key, self.g.nbuckets))
         full = ways is not None and None not in ways
         if not full and self._free:

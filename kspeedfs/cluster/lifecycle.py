@@ -11,10 +11,10 @@ Priority. Every preload has a priority (``kspeedfs preload --priority``, default
 node's arena evicts chunks outside its share (not an owner any more, or of no preloaded
 dataset) first, oldest first, then the chunks of the lowest-priority dataset; never one
 of a higher priority for a chunk of its share, nor, without an SSD tier, one of the same
-(``cluster/arena.py``, ``Node.rank``). A preload is planned
-before it is requested (:func:`plan`), so a job's preload cannot silently push out the
-dataset another job trains on: it must fit beside every dataset of equal or higher
-priority, or it is refused.
+(``cluster/arena.py``, ``Node.rank``). A preload is planned before it is requested
+(:func:`plan`), so a job's preload cannot silently push out the dataset another job
+trains on: it must fit beside every dataset of equal or higher priority, or it is
+refused.
 
 Capacity rule (:func:`plan`). A version needs ``chunks × R`` arena slots (a slot holds
 one chunk whatever its length, so slots, not bytes, are what fill up); the cluster
