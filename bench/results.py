@@ -51,11 +51,24 @@ class Results:
         return {r.rep: r.figures[r.primary] for r in self.runs
                 if r.workload == wl and r.case == case and r.target == target}
 
+    def _cpu_without_nic(self, wl: str, case: str, target: str) -> dict[int, float]:
+        """Per rep: the daemon's CPU-s per GB less its emulated NIC's threads (the soft
+        provider's, when it reports them; else all of it)."""
+        return {r.rep: r.figures["daemon_cpu_s_per_GB"] - r.figures.get("daemon_nic_cpu_s_per_GB", 0.0)
+                for r in self.runs if r.workload == wl and r.case == case and r.target == target
+                and "daemon_cpu_s_per_GB" in r.figures}
+
+    @staticmethod
+    def _spread(per_rep: list[float]) -> dict:
+        return {"median": statistics.median(per_rep), "min": min(per_rep), "max": max(per_rep),
+                "n": len(per_rep)}
+
     def summary(self) -> list[dict]:
         out = []
         for wl, case in self.cases():
             primary = next(r.primary for r in self.runs if r.workload == wl and r.case == case)
-            row: dict = {"workload": wl, "case": case, "primary": primary, "targets": {}, "ratios": {}}
+            row: dict = {"workload": wl, "case": case, "primary": primary, "targets": {}, "ratios": {},
+                         "cpu_ratios": {}}
             for t in self.targets(wl):
                 v = list(self._values(wl, case, t).values())
                 if v:
@@ -72,9 +85,15 @@ class Results:
                 va, vb = self._values(wl, case, a), self._values(wl, case, b)
                 per_rep = [va[k] / vb[k] for k in va if k in vb and vb[k] > 0]
                 if per_rep:
-                    row["ratios"][f"{a} / {b}"] = {"median": statistics.median(per_rep),
-                                                   "min": min(per_rep), "max": max(per_rep),
-                                                   "n": len(per_rep)}
+                    row["ratios"][f"{a} / {b}"] = self._spread(per_rep)
+                # issue 16's peer figure: a's CPU per GB without the emulated NIC against
+                # b's, per rep (only where a reports its NIC threads: the cluster targets)
+                if any("daemon_nic_cpu_s_per_GB" in r.figures for r in self.runs
+                       if r.workload == wl and r.case == case and r.target == a):
+                    ca, cb = self._cpu_without_nic(wl, case, a), self._cpu_without_nic(wl, case, b)
+                    per_rep = [ca[k] / cb[k] for k in ca if k in cb and cb[k] > 0]
+                    if per_rep:
+                        row["cpu_ratios"][f"{a} / {b}"] = self._spread(per_rep)
             out.append(row)
         return out
 
@@ -102,6 +121,9 @@ class Results:
                 lines.append(f"    {t:<34} {_fmt(s['median']):>10}   [{_fmt(s['min'])} .. {_fmt(s['max'])}]{cpu}")
             for name, s in row["ratios"].items():
                 lines.append(f"    ratio {name:<40} {s['median']:6.2f}   [{s['min']:.2f} .. {s['max']:.2f}]")
+            for name, s in row["cpu_ratios"].items():
+                lines.append(f"    CPU-s/GB without NIC threads, {name:<18} {s['median']:6.2f}   "
+                             f"[{s['min']:.2f} .. {s['max']:.2f}]")
         return "\n".join(lines)
 
     def markdown(self) -> str:
