@@ -112,8 +112,9 @@ def _wait(store, tag: str, timeout: float, as_json: bool = False) -> int:
                           "nodes": len(nodes), "reporting": len(prog)}, indent=2))
     elif done:
         print(f"preload of {tag} complete in {el:.1f}s" + (
-            f"; {refused:,} chunk replicas not held (room for them would evict a higher "
-            "priority, or a full index bucket: their other replicas serve them; node logs)"
+            f"; {refused:,} chunk replicas not held (room for them would evict an equal or "
+            "higher priority, or a full index bucket: other replicas or the source serve "
+            "them; node logs)"
             if refused else ""))
     else:
         print(f"preload of {tag}: still running after {el:.0f}s (it continues on the nodes)")
