@@ -7,13 +7,25 @@ Two vMRs, registered on every NIC of the node and exported to authenticated peer
 
     index entry (32 B, little-endian):  key[16] = xxh3-128 of the chunk | slot u32 |
                                         length u32 | reserved u64
-    bucket of a key = first 8 bytes of the key as an integer, mod nbuckets
-    nbuckets        = nslots / 4, plus up to half that again by a hash of the node's name
-                      (``Geometry.for_memory``): each node's bucket boundaries its own
+    the buckets of a key = its first and its second 8 bytes as integers, mod nbuckets:
+                           the first while that holds fewer than SPILL entries, else the
+                           one of the two holding fewer (``buckets_of``)
 
 Why this shape — the reader needs no help from the owner's CPU on the hot path: it
 READs the key's bucket (WAYS × 32 = 256 bytes), finds its key, READs the slot, and
-checks the bytes against the key. Two one-sided READs, zero RPCs.
+checks the bytes against the key. Two one-sided READs, zero RPCs (a third, the second
+bucket, for the few keys not in their first).
+
+Why two buckets a key: with one, at a full arena (4 keys a bucket on average, Poisson)
+~2 % of buckets were asked for more than WAYS keys and refused ~0.8 % of the chunks (a
+copy fewer; none where every replica holds the same share, R nodes of R, and they all
+refused the same chunks: read from the source on every pass). The demo arena (128
+slots, 115 chunks on each of the 2 nodes left after the kill) refused one in 29 % of
+random datasets. With the second choice taken only past SPILL = 6 entries, simulated
+(``docs/design.md``): no refusal at a full arena of 128, 4,096 or 65,536 slots, and
+4.6 % of keys in their second bucket, so a reader of an earlier version (which READs
+only the first) misses only those, and an earlier node's files (every key in its
+first) are read as they are.
 
 Why eviction needs no locks or epochs with readers: the key *is* the checksum of the
 content (content addressing). The owner evicts by clearing the index entry first and
@@ -51,8 +63,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-import xxhash
-
 log = logging.getLogger(__name__)
 
 WAYS = 8
@@ -70,8 +80,17 @@ class Buffer(Protocol):
     def read(self, length: int, offset: int = 0) -> bytes: ...
 
 
-def bucket_of(key: bytes, nbuckets: int) -> int:
-    return int.from_bytes(key[:8], "little") % nbuckets
+#: a key goes to its second bucket only once its first holds this many entries (and the
+#: second fewer): few keys away from their first (what an earlier reader READs), and no
+#: full buckets at a full arena (module docstring)
+SPILL = 6
+
+
+def buckets_of(key: bytes, nbuckets: int) -> tuple[int, ...]:
+    """The buckets a key may be in, first bucket first (one when both are the same)."""
+    b1 = int.from_bytes(key[:8], "little") % nbuckets
+    b2 = int.from_bytes(key[8:16], "little") % nbuckets
+    return (b1,) if b1 == b2 else (b1, b2)
 
 
 def find_in_bucket(bucket: bytes, key: bytes) -> tuple[int, int] | None:
@@ -92,19 +111,11 @@ class Geometry:
     nbuckets: int
 
     @classmethod
-    def for_memory(cls, memory: int, slot_size: int, node: str = "") -> "Geometry":
-        """The geometry of an arena of ``memory`` bytes. At most half the index ways are
-        in use on average at a full arena (few full buckets: a full one refuses a chunk
-        of its own rank, ``Arena._room``). With ``node`` the bucket count is spread by
-        up to half again, by a hash of the name, so that nodes of equal memory do not
-        share their bucket boundaries: a chunk refused by one full bucket is then
-        refused by its other replicas' only by chance (before, every replica holding
-        the same share refused the same chunks, and they were read from the source);
-        the index is 64-96 bytes per slot."""
+    def for_memory(cls, memory: int, slot_size: int) -> "Geometry":
         nslots = memory // slot_size
+        # half the index ways in use on average at a full arena; with two buckets a key
+        # (module docstring), none full
         nbuckets = max(1, (2 * nslots + WAYS - 1) // WAYS)
-        if node:
-            nbuckets += xxhash.xxh64_intdigest(node.encode()) % (nbuckets // 2 + 1)
         return cls(nslots, slot_size, nbuckets)
 
     @property
@@ -139,7 +150,8 @@ class Arena:
         self.rank = rank                         # eviction class of a key: < 0 first
         self.on_evict = on_evict                 # (key, bytes) of an evicted chunk: SSD tier
         self._free = list(range(geometry.nslots - 1, -1, -1))
-        self._slots: OrderedDict[bytes, tuple[int, int, int]] = OrderedDict()  # key → (slot, len, way)
+        # key → (slot, length, bucket, way), oldest first
+        self._slots: OrderedDict[bytes, tuple[int, int, int, int]] = OrderedDict()
         self._ways: dict[int, list[bytes | None]] = {}     # bucket → keys by way
         self.evictions = 0
         self.refused = 0                         # puts not stored: see put()
@@ -148,8 +160,9 @@ class Arena:
 
     def adopt(self, verify: Callable[[bytes, memoryview | bytes], bool]) -> tuple[int, int]:
         """Take over what a previous process left in ``data``/``index`` (files that
-        outlived it): every entry in its key's bucket whose slot's bytes ``verify``
-        against its key is kept, every other entry cleared. Returns (kept, dropped).
+        outlived it): every entry in one of its key's buckets whose slot's bytes
+        ``verify`` against its key is kept, every other entry cleared (a reader would
+        not find it, and evicting it would clear another way). Returns (kept, dropped).
         Call on an empty arena."""
         assert not self._slots
         kept = dropped = 0
@@ -161,7 +174,7 @@ class Arena:
                 if not length and key == bytes(16):
                     continue
                 ok = (0 < length <= self.g.slot_size and slot < self.g.nslots and slot not in used
-                      and key not in self._slots and bucket_of(key, self.g.nbuckets) == b
+                      and key not in self._slots and b in buckets_of(key, self.g.nbuckets)
                       and verify(key, self.data.read(length, slot * self.g.slot_size)))
                 if not ok:
                     self.index.write(bytes(ENTRY.size), (b * WAYS + way) * ENTRY.size)
@@ -169,7 +182,7 @@ class Arena:
                     continue
                 used.add(slot)
                 self._ways.setdefault(b, [None] * WAYS)[way] = key
-                self._slots[key] = (slot, length, way)
+                self._slots[key] = (slot, length, b, way)
                 self.used_bytes += length
                 kept += 1
         self._free = [s for s in range(self.g.nslots - 1, -1, -1) if s not in used]
@@ -189,7 +202,7 @@ class Arena:
         hit = self._slots.get(key)
         if hit is None:
             return None
-        slot, length, _ = hit
+        slot, length, _, _ = hit
         return self.data.read(length, slot * self.g.slot_size)
 
     def takes(self, key: bytes) -> bool:
@@ -200,31 +213,46 @@ class Arena:
     def _room(self, key: bytes) -> tuple[bool, bytes | None]:
         """Whether ``key`` may be stored, and the chunk that must go first to make room
         (None: there is room). One victim frees what is short: its way (and slot) in a
-        full bucket, or a slot. Refused when the victim outranks the key, or ranks the
-        same within the share (rank >= 0) in a full bucket, or, with no SSD tier
+        full bucket (both of the key's full: a way in either), or a slot. Refused when
+        the victim outranks the key, or ranks the same within the share (rank >= 0) in
+        full buckets, or, with no SSD tier
         (``on_evict``), in a full arena: chunks of one share that do not all fit evicted
         one another whenever a reader missed one and its owner loaded it (found in a
-        full bucket: with WAYS entries a bucket, at a full arena up to ~2 % of buckets
-        are asked for more, ``Geometry.for_memory``; a peer's fetches of two such
-        chunks failed every ~0.7 s, 19-25 in each 8 s pass of the suite's 4-reader
-        case). With an SSD tier the arena is the memory part of the node's copy: the
+        full bucket, when a key had one: a peer's fetches of two such chunks failed
+        every ~0.7 s, 19-25 in each 8 s pass of the suite's 4-reader case). With an SSD
+        tier the arena is the memory part of the node's copy: the
         oldest of the rank goes to the SSD, still held here. Outside the share (rank <
         0) the oldest goes."""
-        ways = self._ways.get(bucket_of(key, self.g.nbuckets))
-        full = ways is not None and None not in ways
+        full = self._bucket_for(key) is None
         if not full and self._free:
             return True, None
-        victim = self._victim([k for k in ways if k is not None] if full and ways
+        victim = self._victim([k for b in buckets_of(key, self.g.nbuckets)
+                               for k in self._ways[b] if k is not None] if full
                               else list(self._slots))
         theirs, mine = self.rank(victim), self.rank(key)
         if theirs > mine or (theirs == mine >= 0 and (full or self.on_evict is None)):
             return False, victim
         return True, victim
 
+    def _bucket_for(self, key: bytes) -> int | None:
+        """The bucket ``key`` goes to now: its first while that holds fewer than SPILL
+        keys, else the one of its two holding fewer (the first on a tie); None when both
+        are full."""
+        best, load = -1, WAYS
+        for i, b in enumerate(buckets_of(key, self.g.nbuckets)):
+            ways = self._ways.get(b)
+            n = WAYS - ways.count(None) if ways is not None else 0
+            if i == 0 and n < SPILL:
+                return b
+            if n < load:
+                best, load = b, n
+        return best if load < WAYS else None
+
     def put(self, key: bytes, data: bytes | bytearray | memoryview) -> bool:
         """Store a *verified* chunk. Data first, index entry second (see the docstring).
-        False when it was not stored (``_room``: a higher-ranked chunk, or a full bucket
-        of its own rank, would have gone for it)."""
+        False when it was not stored (``_room``: a higher-ranked chunk, or full buckets,
+        or on a node without an SSD tier a full arena, of its own rank would have gone
+        for it)."""
         if key in self._slots:
             return True
         if len(data) > self.g.slot_size:
@@ -237,14 +265,15 @@ class Arena:
             return False
         if victim is not None:
             self._evict(victim)
-        b = bucket_of(key, self.g.nbuckets)
+        b = self._bucket_for(key)
+        assert b is not None                     # (_room: a way was free, or the victim's)
         ways = self._ways.setdefault(b, [None] * WAYS)
         slot = self._free.pop()
         way = ways.index(None)
         self.data.write(data, slot * self.g.slot_size)
         self.index.write(ENTRY.pack(key, slot, len(data), 0), (b * WAYS + way) * ENTRY.size)
         ways[way] = key
-        self._slots[key] = (slot, len(data), way)
+        self._slots[key] = (slot, len(data), b, way)
         self.used_bytes += len(data)
         self.puts += 1
         return True
@@ -262,11 +291,10 @@ class Arena:
         return best
 
     def _evict(self, key: bytes, spill: bool = True) -> None:
-        slot, length, way = self._slots[key]
+        slot, length, b, way = self._slots[key]
         if spill and self.on_evict is not None:
             self.on_evict(key, self.data.read(length, slot * self.g.slot_size))
         del self._slots[key]
-        b = bucket_of(key, self.g.nbuckets)
         self.index.write(bytes(ENTRY.size), (b * WAYS + way) * ENTRY.size)   # entry first ...
         self._ways[b][way] = None
         self._free.append(slot)                                              # ... then the slot

@@ -74,7 +74,7 @@ from rdma.vrdma.vqp import VQPStats
 
 from .. import checksum
 from ..cache.singleflight import SingleFlight
-from .arena import BUCKET_BYTES, bucket_of, find_in_bucket
+from .arena import BUCKET_BYTES, buckets_of, find_in_bucket
 from .hedge import BUCKETS_MS, Hedger, PeerLatency
 from .hints import SlotHints
 from .landing import Landing
@@ -424,8 +424,9 @@ class Peers:
     async def _read_from(self, rec: NodeRecord, key: bytes, length: int,
                          part: tuple[int, int, bytes] | None = None,
                          att: "_Attempt | None" = None) -> bytes | memoryview | None:
-        """Index bucket READ, then slot READ, then verify; None if the node lacks the chunk
-        (or, in a race, another attempt has won: nothing is kept or copied then)."""
+        """Index bucket READ (its second bucket's too, for a key not in its first), then
+        slot READ, then verify; None if the node lacks the chunk (or, in a race, another
+        attempt has won: nothing is kept or copied then)."""
         off, want, digest = part if part is not None else (0, length, key)
         if att is None:
             att = _Attempt(rec, _Race([], (), 0, self._overran))
@@ -448,12 +449,15 @@ class Peers:
                 if hinted:
                     self.counters.hinted += 1
                 else:
-                    b = bucket_of(key, rec.nbuckets)
-                    await self._read(att, vqp, rec, sbuf, base, "index", BUCKET_BYTES,
-                                     b * BUCKET_BYTES)
-                    if att.lost:
-                        return None
-                    found = find_in_bucket(sbuf.view[base:base + BUCKET_BYTES], key)
+                    found = None
+                    for b in buckets_of(key, rec.nbuckets):     # the second: a few keys
+                        await self._read(att, vqp, rec, sbuf, base, "index", BUCKET_BYTES,
+                                         b * BUCKET_BYTES)
+                        if att.lost:
+                            return None
+                        found = find_in_bucket(sbuf.view[base:base + BUCKET_BYTES], key)
+                        if found is not None:
+                            break
                     if found is None or found[1] != length:
                         return None
                     rslot = found[0]

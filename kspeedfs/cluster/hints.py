@@ -18,7 +18,7 @@ never addressed through what its predecessor held. Trio thread only.
 """
 from __future__ import annotations
 
-from .arena import BUCKET_BYTES, bucket_of, find_in_bucket
+from .arena import BUCKET_BYTES, buckets_of, find_in_bucket
 from .membership import NodeRecord
 
 HINTS = 1 << 14  # slot hints kept (~180 B each, 3 MB: 64 GiB of 4 MiB chunks)
@@ -96,6 +96,10 @@ class SlotHints:
 
 
 def _find(index: bytes, rec: NodeRecord, key: bytes) -> tuple[int, int] | None:
-    """(slot, length) of ``key`` in a copy of ``rec``'s whole index, or None."""
-    b = bucket_of(key, rec.nbuckets) * BUCKET_BYTES
-    return find_in_bucket(index[b:b + BUCKET_BYTES], key)
+    """(slot, length) of ``key`` in a copy of ``rec``'s whole index (in either of its
+    buckets, ``arena.buckets_of``), or None."""
+    for b in buckets_of(key, rec.nbuckets):
+        found = find_in_bucket(index[b * BUCKET_BYTES:(b + 1) * BUCKET_BYTES], key)
+        if found is not None:
+            return found
+    return None

@@ -521,27 +521,6 @@ async def _export_metrics(cfg: Config, node: Node) -> None:
         await trio.sleep_forever()
 
 
-def _geometry(cfg: Config, name: str) -> Geometry:
-    """This node's arena geometry: its bucket count spread by its name
-    (``Geometry.for_memory``), unless ``cluster.arena_dir`` holds the files of an arena
-    laid out without the spread (a node of an earlier version): that one is kept as it
-    is, not reloaded, until its files go."""
-    spread = Geometry.for_memory(cfg.cluster.memory, cfg.cluster.slot_size, name)
-    if cfg.cluster.arena_dir:
-        plain = Geometry.for_memory(cfg.cluster.memory, cfg.cluster.slot_size)
-        base = os.path.join(cfg.cluster.arena_dir, f"kspeedfs-{name}")
-        try:
-            sizes = os.path.getsize(base + ".arena"), os.path.getsize(base + ".index")
-        except OSError:
-            return spread
-        if plain != spread and sizes == (plain.arena_bytes, plain.index_bytes):
-            log.info("arena: keeping the files of an arena laid out by an earlier version "
-                     "(%d buckets, not %d: remove %s.* to spread them)", plain.nbuckets,
-                     spread.nbuckets, base)
-            return plain
-    return spread
-
-
 def _arena_memory(directory: str, name: str, g: Geometry) -> tuple[mmap.mmap | None, mmap.mmap | None, bool]:
     """The arena's and index's memory: files in ``directory`` that outlive this process
     (and whether both kept their content: same geometry as last time), or anonymous
@@ -568,7 +547,7 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
         raise ConfigError("kspeedfs node needs the etcd store (--etcd URL)")
     secret = cfg.cluster.secret()
     store = EtcdStore(cfg.store, secret)      # signs our record, verifies everyone's
-    geometry = _geometry(cfg, name)
+    geometry = Geometry.for_memory(cfg.cluster.memory, cfg.cluster.slot_size)
     async with Endpoint(secret, node=name, addrs=cfg.cluster.nics or None,
                         provider=cfg.cluster.provider or None, cfg=cfg.cluster.heartbeat()) as ep:
         arena_mem, index_mem, kept = _arena_memory(cfg.cluster.arena_dir, name, geometry)
@@ -587,8 +566,8 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
                 t0 = time.monotonic()
                 held, dropped = await trio.to_thread.run_sync(arena.adopt, _slot_ok)
                 log.info("arena: %d chunks kept from the last run (%d dropped: failed their "
-                         "checksum, or out of their bucket), verified in %.2fs", held, dropped,
-                         time.monotonic() - t0)
+                         "checksum, or in neither of their buckets), verified in %.2fs", held,
+                         dropped, time.monotonic() - t0)
             # <disk_dir>/<node>: several nodes may share a host (and a disk) in tests
             disk = (DiskCache(os.path.join(cfg.cache.disk_dir, name), cfg.cache.disk)
                     if cfg.cache.disk else None)

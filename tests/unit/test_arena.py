@@ -1,13 +1,16 @@
 """The node arena and its one-sided-readable index, against a dict model."""
 from __future__ import annotations
 
+import struct
+from collections import Counter
+
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kspeedfs.cluster.arena import (BUCKET_BYTES, ENTRY, WAYS, Arena, Geometry, bucket_of,
-                                    find_in_bucket)
+from kspeedfs.cluster.arena import (BUCKET_BYTES, ENTRY, SPILL, WAYS, Arena, Geometry,
+                                    buckets_of, find_in_bucket)
 
 
 class Mem:
@@ -24,10 +27,25 @@ class Mem:
         return bytes(self.b[offset:offset + length])
 
 
+def find_anywhere(g: Geometry, index: Mem, key: bytes) -> tuple[int, int] | None:
+    """(slot, length) of ``key`` in either of its buckets, as a peer's READs find it."""
+    for b in buckets_of(key, g.nbuckets):
+        found = find_in_bucket(index.read(BUCKET_BYTES, b * BUCKET_BYTES), key)
+        if found is not None:
+            return found
+    return None
+
+
+def bucket_keys(index: Mem, b: int) -> list[bytes]:
+    """The keys bucket ``b`` of an index holds."""
+    entries = (ENTRY.unpack_from(index.read(BUCKET_BYTES, b * BUCKET_BYTES), w * ENTRY.size)
+               for w in range(WAYS))
+    return [k for k, _, length, _ in entries if length]
+
+
 def remote_lookup(g: Geometry, index: Mem, data: Mem, key: bytes) -> bytes | None:
-    """What a peer does with two one-sided READs (fetch.py), here on local buffers."""
-    b = bucket_of(key, g.nbuckets)
-    found = find_in_bucket(index.read(BUCKET_BYTES, b * BUCKET_BYTES), key)
+    """What a peer does with one-sided READs (fetch.py), here on local buffers."""
+    found = find_anywhere(g, index, key)
     if found is None:
         return None
     slot, length = found
@@ -68,11 +86,11 @@ class ArenaModel(RuleBasedStateMachine):
             assert key in self.arena
         else:
             assert set(self.arena.keys()) == before, "a refused put evicted something"
-            b = bucket_of(key, self.g.nbuckets)
-            # refused: the key's bucket, or else the arena, is full of higher ranks, or of
+            # refused: the key's buckets, or else the arena, are full of higher ranks, or of
             # its own (>= 0; in a full arena only without an SSD tier)
-            bucket = [k for k in before if bucket_of(k, self.g.nbuckets) == b]
-            full = len(bucket) == WAYS
+            held = [bucket_keys(self.index, b) for b in buckets_of(key, self.g.nbuckets)]
+            full = all(len(h) == WAYS for h in held)
+            bucket = [k for h in held for k in h]
             others = bucket if full else list(before) if len(before) == self.g.nslots else []
             low, mine = min(self.ranks.get(k, -1) for k in others), self.ranks[key]
             assert others and (low > mine or (low == mine >= 0 and (full or not self.ssd)))
@@ -105,6 +123,16 @@ class CrowdedArenaModel(ArenaModel):
 
 
 TestCrowdedArenaModel = CrowdedArenaModel.TestCase
+
+
+class TwoBucketArenaModel(ArenaModel):
+    """The same with two buckets of WAYS entries for 20 slots: both of a key's buckets
+    full is common."""
+
+    geometry = Geometry(nslots=20, slot_size=64, nbuckets=2)
+
+
+TestTwoBucketArenaModel = TwoBucketArenaModel.TestCase
 
 
 class SsdArenaModel(ArenaModel):
@@ -211,8 +239,7 @@ def test_adopt_keeps_what_verifies_and_drops_the_rest() -> None:
     for key, value in chunks.items():
         old.put(key, value)
     victim = next(iter(chunks))
-    b = bucket_of(victim, g.nbuckets)
-    slot, _ = find_in_bucket(index.read(BUCKET_BYTES, b * BUCKET_BYTES), victim)
+    slot, _ = find_anywhere(g, index, victim)
     data.b[slot * g.slot_size] ^= 0xFF                  # changed while the node was down
     new = Arena(g, data, index)
     kept, dropped = new.adopt(_verify)
@@ -244,55 +271,6 @@ def test_adopt_of_garbage_keeps_nothing() -> None:
     assert index.b == bytearray(g.index_bytes)          # every entry cleared
 
 
-def test_adopt_clears_an_entry_outside_its_keys_bucket() -> None:
-    """An entry a reader would never find (its key's bucket is another: files laid out
-    with another bucket count) is cleared, and its slot freed: eviction would clear the
-    wrong way."""
-    g = Geometry(nslots=4, slot_size=64, nbuckets=2)
-    data, index = Mem(g.arena_bytes), Mem(g.index_bytes)
-    blob = b"chunk"
-    key = xxhash.xxh3_128_digest(blob)
-    wrong = 1 - bucket_of(key, g.nbuckets)
-    data.write(blob, 0)
-    index.write(ENTRY.pack(key, 0, len(blob), 0), wrong * BUCKET_BYTES)
-    arena = Arena(g, data, index)
-    assert arena.adopt(_verify) == (0, 1)
-    assert index.b == bytearray(g.index_bytes)
-    assert arena.put(key, blob) and remote_lookup(g, index, data, key) == blob
-
-
-def test_bucket_count_is_spread_by_the_node_name() -> None:
-    """Each node's bucket count is its own (a hash of its name), from a quarter of its
-    slots up to half that again; without a name it is the quarter."""
-    plain = Geometry.for_memory(4096 * 64, 64)
-    assert plain.nbuckets == 4096 * 2 // WAYS
-    counts = {Geometry.for_memory(4096 * 64, 64, f"n{i}").nbuckets for i in range(40)}
-    assert all(plain.nbuckets <= n <= plain.nbuckets * 3 // 2 for n in counts)
-    assert len(counts) >= 38
-    assert Geometry.for_memory(4096 * 64, 64, "n1") == Geometry.for_memory(4096 * 64, 64, "n1")
-
-
-def test_replicas_holding_one_share_refuse_different_chunks() -> None:
-    """Two nodes of equal memory, each asked to hold the same full share (R of R nodes):
-    full buckets refuse some chunks on each, but a chunk refused by both — one that only
-    the source then serves — is rare once the bucket counts differ (before, both refused
-    exactly the same chunks)."""
-    import random
-
-    rnd = random.Random(7)
-    keys = [rnd.randbytes(16) for _ in range(2048)]
-
-    def refused(g: Geometry) -> set[bytes]:
-        arena = Arena(g, Mem(g.arena_bytes), Mem(g.index_bytes))
-        return {k for k in keys if not arena.put(k, b"x")}
-
-    same = [refused(Geometry.for_memory(2048 * 16, 16)) for _ in ("a", "b")]
-    assert same[0] and same[0] == same[1]
-    a, b = (refused(Geometry.for_memory(2048 * 16, 16, n)) for n in ("n1", "n2"))
-    assert Geometry.for_memory(2048 * 16, 16, "n1") != Geometry.for_memory(2048 * 16, 16, "n2")
-    assert len(a & b) * 10 <= len(same[0]), (len(a), len(b), len(a & b), len(same[0]))
-
-
 @settings(max_examples=500, deadline=None)
 @given(bucket=st.binary(min_size=BUCKET_BYTES, max_size=BUCKET_BYTES),
        key=st.binary(min_size=16, max_size=16), plant=st.booleans())
@@ -307,28 +285,63 @@ def test_find_in_bucket_takes_any_bytes_a_peer_sends(bucket: bytes, key: bytes,
     assert found is None or (0 <= found[0] < 1 << 32 and 0 < found[1] < 1 << 32)
 
 
-def test_a_node_keeps_an_arena_laid_out_without_the_spread(tmp_path) -> None:
-    """A node upgraded over arena files of the unspread bucket count keeps them (and
-    what they hold) rather than reloading its share; without files, or with files of
-    its own geometry, it takes the spread one."""
-    import dataclasses
-    import os
+def _key(first: int, second: int) -> bytes:
+    """A key whose first and second bucket are ``first`` and ``second`` mod nbuckets."""
+    return struct.pack("<QQ", first, second)
 
-    from kspeedfs.cluster.node import _geometry
-    from kspeedfs.config import Config
 
-    base = Config()
-    cfg = dataclasses.replace(base, cluster=dataclasses.replace(
-        base.cluster, memory=4096 * 4096, slot_size=4096, arena_dir=str(tmp_path)))
-    plain = Geometry.for_memory(4096 * 4096, 4096)
-    spread = Geometry.for_memory(4096 * 4096, 4096, "n1")
-    assert plain != spread
-    assert _geometry(cfg, "n1") == spread                       # no files yet
-    for suffix, size in ((".arena", plain.arena_bytes), (".index", plain.index_bytes)):
-        with open(os.path.join(tmp_path, "kspeedfs-n1" + suffix), "wb") as f:
-            f.truncate(size)
-    assert _geometry(cfg, "n1") == plain
-    os.truncate(os.path.join(tmp_path, "kspeedfs-n1.index"), spread.index_bytes)
-    assert _geometry(cfg, "n1") == spread
-    assert _geometry(dataclasses.replace(cfg, cluster=dataclasses.replace(
-        cfg.cluster, arena_dir="")), "n1") == spread
+def test_a_key_goes_to_its_second_bucket_only_past_spill_then_to_the_emptier() -> None:
+    g = Geometry(nslots=3 * WAYS, slot_size=16, nbuckets=4)
+    index = Mem(g.index_bytes)
+    a = Arena(g, Mem(g.arena_bytes), index, rank=lambda k: 0)
+    keys = [_key(4 * i, 4 * i + 1) for i in range(2 * WAYS + 1)]     # buckets 0, then 1
+    for k in keys[:SPILL]:
+        assert a.put(k, b"x")
+    assert len(bucket_keys(index, 0)) == SPILL and not bucket_keys(index, 1)
+    loads = []
+    for k in keys[SPILL:2 * WAYS]:
+        assert a.put(k, b"x")
+        loads.append(tuple(len(bucket_keys(index, b)) for b in (0, 1)))
+    # past SPILL the emptier of the two, the first on a tie, until both are full
+    assert loads == [(6, 1), (6, 2), (6, 3), (6, 4), (6, 5), (6, 6), (7, 6), (7, 7), (8, 7),
+                     (8, 8)]
+    assert all(find_anywhere(g, index, k) is not None for k in keys[:2 * WAYS])
+    assert not a.takes(keys[-1]) and not a.put(keys[-1], b"x")        # both full: refused
+    a.evict(keys[0])                                                  # a way in bucket 0
+    assert a.put(keys[-1], b"x") and keys[-1] in bucket_keys(index, 0)
+
+
+def test_two_buckets_a_key_leave_no_chunk_refused_at_a_full_arena() -> None:
+    """20 arenas of 128 slots, each given 128 random chunks of one share: with one
+    bucket a key some of these refused a chunk (the first bucket asked for more than
+    WAYS keys); with two, none."""
+    import random
+
+    rnd = random.Random(5)
+    refused = overflowing = 0
+    for _ in range(20):
+        g = Geometry.for_memory(128 * 16, 16)
+        a = Arena(g, Mem(g.arena_bytes), Mem(g.index_bytes), rank=lambda k: 0)
+        keys = [rnd.randbytes(16) for _ in range(g.nslots)]
+        refused += sum(not a.put(k, b"x") for k in keys)
+        first = Counter(buckets_of(k, g.nbuckets)[0] for k in keys)
+        overflowing += sum(max(0, n - WAYS) for n in first.values())
+    assert overflowing > 0 and refused == 0, (overflowing, refused)
+
+
+def test_adopt_keeps_a_key_in_its_second_bucket_and_clears_one_outside_both() -> None:
+    g = Geometry(nslots=4, slot_size=64, nbuckets=4)
+    data, index = Mem(g.arena_bytes), Mem(g.index_bytes)
+    second, stray = b"in its second", b"in neither"
+    k2, k3 = xxhash.xxh3_128_digest(second), xxhash.xxh3_128_digest(stray)
+    b2 = buckets_of(k2, g.nbuckets)[-1]
+    other = next(b for b in range(g.nbuckets) if b not in buckets_of(k3, g.nbuckets))
+    data.write(second, 0)
+    data.write(stray, 64)
+    index.write(ENTRY.pack(k2, 0, len(second), 0), b2 * BUCKET_BYTES)
+    index.write(ENTRY.pack(k3, 1, len(stray), 0), other * BUCKET_BYTES + ENTRY.size)
+    a = Arena(g, data, index)
+    assert a.adopt(_verify) == (1, 1)
+    assert remote_lookup(g, index, data, k2) == second and k3 not in a
+    assert k3 not in bucket_keys(index, other)
+    assert a.put(k3, stray) and remote_lookup(g, index, data, k3) == stray
