@@ -9,7 +9,8 @@ Two vMRs, registered on every NIC of the node and exported to authenticated peer
                                         length u32 | reserved u64
     the buckets of a key = its first and its second 8 bytes as integers, mod nbuckets:
                            the first while that holds fewer than SPILL entries, else the
-                           one of the two holding fewer (``buckets_of``)
+                           one of the two holding fewer (``buckets_of``,
+                           ``Arena._bucket_for``)
 
 Why this shape — the reader needs no help from the owner's CPU on the hot path: it
 READs the key's bucket (WAYS × 32 = 256 bytes), finds its key, READs the slot, and

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import gc
 import os
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
 
 import trio
 import xxhash
 
-from kspeedfs.cluster.arena import Arena, Geometry
+from kspeedfs.cluster.arena import BUCKET_BYTES, SPILL, Arena, Geometry, buckets_of, find_in_bucket
 from kspeedfs.cluster.fetch import Peers
 from kspeedfs.cluster.membership import NodeRecord
 from rdma.vrdma import Endpoint
@@ -29,8 +31,10 @@ def _chunk(seed: int) -> tuple[bytes, bytes]:
     return xxhash.xxh3_128_digest(data), data
 
 
-async def test_a_stale_hint_falls_back_to_the_bucket_and_never_returns_wrong_bytes() -> None:
-    geometry = Geometry.for_memory(2 * SLOT, SLOT)          # two slots: reuse comes fast
+@asynccontextmanager
+async def _node_and_reader(geometry: Geometry) -> AsyncIterator[tuple[Arena, NodeRecord, Peers]]:
+    """A node's arena and index exported on loopback (as node.py does), its record, and
+    a reader's Peers."""
     async with Endpoint(SECRET, node="n1", addrs=[LO], provider="soft") as node, \
             Endpoint(SECRET, node="client", addrs=[LO], provider="soft") as client, \
             trio.open_nursery() as nursery:
@@ -38,12 +42,17 @@ async def test_a_stale_hint_falls_back_to_the_bucket_and_never_returns_wrong_byt
         index_mr = node.alloc(geometry.index_bytes, name="index", remote_read=True)
         node.export("arena", arena_mr)
         node.export("index", index_mr)
-        arena = Arena(geometry, arena_mr, index_mr)
         port = await node.listen(LO)
         rec = NodeRecord("n1", "host1", [LO], port, 0, geometry.arena_bytes, geometry.nslots,
                          SLOT, geometry.nbuckets)
         peers = Peers(client, None, SECRET, replicas=1, slot_size=SLOT,  # type: ignore[arg-type]
                       nursery=nursery, nbuf=2)
+        yield Arena(geometry, arena_mr, index_mr), rec, peers
+
+
+async def test_a_stale_hint_falls_back_to_the_bucket_and_never_returns_wrong_bytes() -> None:
+    geometry = Geometry.for_memory(2 * SLOT, SLOT)          # two slots: reuse comes fast
+    async with _node_and_reader(geometry) as (arena, rec, peers):
         (ka, a), (kb, b), (kc, c) = _chunk(1), _chunk(2), _chunk(3)
 
         arena.put(ka, a)
@@ -75,6 +84,28 @@ async def test_a_stale_hint_falls_back_to_the_bucket_and_never_returns_wrong_byt
         assert stats.peer_stale_hints == 2 and stats.peer_checksum_retries == 0
         wrong = (16 << 10, 16 << 10, xxhash.xxh3_64_digest(a[:16 << 10]))
         assert await peers._read_from(rec, ka, len(a), wrong) is None   # never unverified bytes
+        await peers.aclose()
+        await trio.sleep(0)
+
+
+async def test_a_chunk_in_its_second_bucket_is_found_there() -> None:
+    """Past SPILL keys in its first bucket a key goes to its second (arena.py); a reader
+    with no hint READs the first, then the second, and gets the chunk."""
+    geometry = Geometry(nslots=SPILL + 2, slot_size=SLOT, nbuckets=2)
+    chunks = []
+    while len(chunks) < SPILL + 1:                  # keys whose buckets are 0, then 1
+        k, d = _chunk(len(chunks))
+        if buckets_of(k, 2) == (0, 1):
+            chunks.append((k, d))
+    async with _node_and_reader(geometry) as (arena, rec, peers):
+        for k, d in chunks:
+            assert arena.put(k, d)
+        last, data = chunks[-1]
+        second = arena.index.read(BUCKET_BYTES, BUCKET_BYTES)
+        assert find_in_bucket(second, last) is not None          # it is in bucket 1
+        assert bytes(await peers._read_from(rec, last, len(data))) == data
+        assert bytes(await peers._read_from(rec, chunks[0][0], len(chunks[0][1]))) == chunks[0][1]
+        assert peers.counters.hinted == 0
         await peers.aclose()
         await trio.sleep(0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import xxhash
 
-from kspeedfs.cluster.arena import Arena, Geometry
+from kspeedfs.cluster.arena import BUCKET_BYTES, ENTRY, SPILL, WAYS, Arena, Geometry, buckets_of
 from kspeedfs.cluster.hints import INDEX_REFRESH, INDEX_TRUST, SlotHints
 from kspeedfs.cluster.membership import NodeRecord
 from tests.unit.test_arena import Mem
@@ -75,3 +75,27 @@ def test_a_chunk_missing_from_a_recent_index_copy_is_lacking_there_and_nothing_e
     assert not hints.lacks(rec, xxhash.xxh3_128_digest(held), now=6.0)
     assert not hints.lacks(_node(2.0, g), missing, now=6.0)       # another incarnation
     assert not hints.lacks(rec, missing, now=5.0 + INDEX_TRUST)   # too old to say
+
+
+def test_an_index_copy_finds_a_chunk_in_its_second_bucket() -> None:
+    """Past SPILL keys in its first bucket a key sits in its second (arena.py): the copy
+    lists it there, so it neither lacks it nor misses its slot."""
+    g = Geometry(nslots=SPILL + 2, slot_size=SLOT, nbuckets=2)
+    data, index = Mem(g.arena_bytes), Mem(g.index_bytes)
+    arena = Arena(g, data, index)
+    keys: list[bytes] = []
+    seed = 0
+    while len(keys) < SPILL + 1:                 # chunks whose buckets are 0, then 1
+        chunk = seed.to_bytes(4, "little") * 25
+        seed += 1
+        key = xxhash.xxh3_128_digest(chunk)
+        if buckets_of(key, 2) == (0, 1):
+            assert arena.put(key, chunk)
+            keys.append(key)
+    rec, hints = _node(1.0, g), SlotHints()
+    hints.keep_index(rec, index.read(g.index_bytes), now=10.0)
+    last = keys[-1]
+    assert last not in [k for k, *_ in (ENTRY.unpack_from(index.read(BUCKET_BYTES), w * ENTRY.size)
+                                         for w in range(WAYS))]       # not in its first
+    assert not hints.lacks(rec, last, now=11.0)
+    assert hints.in_index(rec, last, 100) is not None
