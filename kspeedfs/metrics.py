@@ -230,8 +230,9 @@ def node_families(snap: dict[str, Any], labels: dict[str, str]) -> Families:
     f.counter("arena_evictions_total", "chunks evicted from the arena", a.evictions)
     f.counter("arena_puts_total", "chunks stored into the arena", a.puts)
     f.counter("arena_refused_total", "chunks not stored: room would have evicted a higher "
-              "priority (cluster/lifecycle.py), or a chunk of their own rank in a full index "
-              "bucket or, without an SSD tier, a full arena (cluster/arena.py)", a.refused)
+              "priority (cluster/lifecycle.py), or a chunk of their own rank in both their "
+              "full index buckets or, without an SSD tier, a full arena (cluster/arena.py)",
+              a.refused)
     f.counter("node_unloaded_chunks_total", "chunks dropped because their dataset was unloaded",
               c.unloaded)
     f.counter("node_chunk_loads_total", "chunks this node loaded into its arena, by tier read",

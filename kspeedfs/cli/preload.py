@@ -113,7 +113,7 @@ def _wait(store, tag: str, timeout: float, as_json: bool = False) -> int:
     elif done:
         print(f"preload of {tag} complete in {el:.1f}s" + (
             f"; {refused:,} chunk replicas not held (room for them would evict an equal or "
-            "higher priority, or a full index bucket: other replicas or the source serve "
+            "higher priority, or full index buckets: other replicas or the source serve "
             "them; node logs)"
             if refused else ""))
     else:

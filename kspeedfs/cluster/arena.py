@@ -216,14 +216,13 @@ class Arena:
         (None: there is room). One victim frees what is short: its way (and slot) in a
         full bucket (both of the key's full: a way in either), or a slot. Refused when
         the victim outranks the key, or ranks the same within the share (rank >= 0) in
-        full buckets, or, with no SSD tier
-        (``on_evict``), in a full arena: chunks of one share that do not all fit evicted
-        one another whenever a reader missed one and its owner loaded it (found in a
-        full bucket, when a key had one: a peer's fetches of two such chunks failed
-        every ~0.7 s, 19-25 in each 8 s pass of the suite's 4-reader case). With an SSD
-        tier the arena is the memory part of the node's copy: the
-        oldest of the rank goes to the SSD, still held here. Outside the share (rank <
-        0) the oldest goes."""
+        full buckets, or, with no SSD tier (``on_evict``), in a full arena: chunks of
+        one share that do not all fit evicted one another whenever a reader missed one
+        and its owner loaded it (found in a full bucket, when a key had one: a peer's
+        fetches of two such chunks failed every ~0.7 s, 19-25 in each 8 s pass of the
+        suite's 4-reader case). With an SSD tier the arena is the memory part of the
+        node's copy: the oldest of the rank goes to the SSD, still held here. Outside
+        the share (rank < 0) the oldest goes."""
         full = self._bucket_for(key) is None
         if not full and self._free:
             return True, None

@@ -462,8 +462,8 @@ class Node:
         if prog["refused"]:
             log.warning("%s: %d of my %d chunks are not held here: room for them would evict "
                         "chunks of a dataset of higher or equal priority (preloaded with "
-                        "--force? a lost peer's share?), or their index bucket is full; their "
-                        "other replicas, or the source, serve them", tag, prog["refused"],
+                        "--force? a lost peer's share?), or both their index buckets are full; "
+                        "their other replicas, or the source, serve them", tag, prog["refused"],
                         len(mine))
         else:
             log.info("%s: my share is cached: %d chunks (%d from peers, %d from the source) "
