@@ -20,12 +20,12 @@ bucket, for the few keys not in their first).
 Why two buckets a key: with one, at a full arena (4 keys a bucket on average, Poisson)
 ~2 % of buckets were asked for more than WAYS keys and refused ~0.8 % of the chunks (a
 copy fewer; none where every replica holds the same share, R nodes of R, and they all
-refused the same chunks: read from the source on every pass). The demo arena (128
-slots, 115 chunks on each of the 2 nodes left after the kill) refused one in 29 % of
-random datasets. With the second choice taken only past SPILL = 6 entries, simulated
-(``docs/design.md``): no refusal at a full arena of 128, 4,096 or 65,536 slots, and
-4.6 % of keys in their second bucket, so a reader of an earlier version (which READs
-only the first) misses only those, and an earlier node's files (every key in its
+refused the same chunks: read from the source on every pass). An arena like the
+demo's (128 slots, 90 % full after its kill) refused a chunk in 31 % of random datasets.
+With the second choice taken only past SPILL = 6 entries (``python -m
+bench.arena_buckets``): no chunk refused at a full arena of 128, 4,096 or 65,536 slots,
+and 3.0-4.7 % of keys in their second bucket, so a reader of an earlier version (which
+READs only the first) misses only those, and an earlier node's files (every key in its
 first) are read as they are.
 
 Why eviction needs no locks or epochs with readers: the key *is* the checksum of the
