@@ -3,6 +3,8 @@
     read_chunk(k):
       for node in placement.reader_order(key):     local node first, then score order
           READ its index bucket (256 B)            arena.find_in_bucket → (slot, length);
+                                                   its second bucket too for the few keys
+                                                   not in their first (arena.buckets_of);
                                                    skipped when a hint remembers the slot
           READ the slot                            one READ of up to slot_size bytes
           xxh3-128 == key?  → done                 the checksum (key = content digest)
