@@ -90,6 +90,10 @@ def test_a_preload_that_does_not_fit_is_refused_and_priority_evicts_only_when_as
     assert rows["big@1"]["cached_pct"] == 100.0, rows
     assert 0 < rows["small@1"]["cached_pct"] < 100.0, rows
     assert 2 * big < _arena_chunks(c) <= 192         # (nearly) full, every big chunk stayed
+    deadline = time.monotonic() + 10                 # (nodes publish stats every 2 s)
+    while "not stored" not in c.ks(["status"]).stdout and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "not stored (no room without evicting" in c.ks(["status"]).stdout
     c.ks(["unload", "small"])
 
 
