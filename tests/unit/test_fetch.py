@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import AsyncIterator
 
 import trio
@@ -106,6 +107,9 @@ async def test_a_chunk_in_its_second_bucket_is_found_there() -> None:
         assert bytes(await peers._read_from(rec, last, len(data))) == data
         assert bytes(await peers._read_from(rec, chunks[0][0], len(chunks[0][1]))) == chunks[0][1]
         assert peers.counters.hinted == 0
+        # a record that says 0 buckets (no index) is a node without the chunk, not a crash
+        no_index = replace(rec, started=rec.started + 1, nbuckets=0)
+        assert await peers._read_from(no_index, chunks[1][0], len(chunks[1][1])) is None
         await peers.aclose()
         await trio.sleep(0)
 
@@ -118,7 +122,6 @@ async def test_a_silent_replica_is_hedged_then_tried_last_and_its_attempt_cleans
     winner, hold no read-in-progress token or staging slot although their connect is
     still hanging."""
     import socket
-    from dataclasses import replace
     from types import SimpleNamespace
 
     from kspeedfs.cluster.hedge import Hedger
