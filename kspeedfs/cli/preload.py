@@ -36,12 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one JSON document on stdout (progress and messages on stderr)")
 
 
-def _count(prog: object, name: str) -> int:
-    """A count from a node's progress record (etcd: any JSON), 0 when it is not one."""
-    v = prog.get(name) if isinstance(prog, dict) else None
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
-
-
 def _progress(store, tag: str) -> tuple[dict, dict]:
     from ..cluster.membership import NodeRecord, list_json
 
@@ -83,15 +77,17 @@ def _wait(store, tag: str, timeout: float, as_json: bool = False) -> int:
     (0) or ``timeout`` s pass (1; the preload goes on). A progress bar on stderr (plain
     lines when it is not a terminal; none with ``as_json``, which prints one JSON
     document on stdout at the end instead of the closing sentence)."""
+    from ..cluster.lifecycle import count
+
     t0 = time.monotonic()
     first_cached = None
     tty = is_terminal(sys.stderr)
     with progress_bar(every=10.0) as bar:
         while True:
             nodes, prog = _progress(store, tag)
-            owned = sum(_count(p, "owned") for n, p in prog.items() if n in nodes)
-            cached = sum(_count(p, "cached") for n, p in prog.items() if n in nodes)
-            refused = sum(_count(p, "refused") for n, p in prog.items() if n in nodes)
+            owned = sum(count(p, "owned") for n, p in prog.items() if n in nodes)
+            cached = sum(count(p, "cached") for n, p in prog.items() if n in nodes)
+            refused = sum(count(p, "refused") for n, p in prog.items() if n in nodes)
             done = bool(nodes) and set(nodes) <= set(prog) and cached + refused >= owned
             el = time.monotonic() - t0
             if first_cached is None:

@@ -45,12 +45,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name}: NICs {', '.join(rec['nics'])}; cache {a.get('used_bytes', 0) / 2**30:.2f}/"
               f"{rec['capacity'] / 2**30:.2f} GiB ({a.get('used_slots', 0)} chunks){ssd}; "
               f"up {now - rec['started']:.0f}s")
-        refused = a.get("refused")
+        refused = lifecycle.count(a, "refused")
         print(f"    loads: {c.get('source_loads', 0)} from source, {c.get('peer_loads', 0)} from "
               f"peers, {c.get('demand_loads', 0)} on demand, {c.get('rereplicated', 0)} re-replicated"
               + (f"; {c['unloaded']} dropped by unloads" if c.get("unloaded") else "")
               + (f"; {refused} not stored (no room without evicting an equal or higher "
-                 "priority)" if isinstance(refused, int) and refused > 0 else ""))
+                 "priority)" if refused else ""))
         reads = s.get("reads", {})
         if reads.get("peer_latency"):
             print(f"    peer READs: {_latency(reads)}")

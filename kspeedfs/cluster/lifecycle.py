@@ -59,6 +59,13 @@ RELEASE_GRACE_TTLS = 2          # a crashed holder's preload is released after 2
 _I64 = (1 << 63) - 1
 
 
+def count(record: object, name: str) -> int:
+    """A count a node published in etcd (its progress or stats record: any JSON): the
+    value of ``name`` when it is a non-negative int, else 0."""
+    v = record.get(name) if isinstance(record, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
 def _json_object(raw: bytes, what: str) -> dict[str, Any]:
     try:
         d = json.loads(raw)
