@@ -88,7 +88,10 @@ SPILL = 6
 
 
 def buckets_of(key: bytes, nbuckets: int) -> tuple[int, ...]:
-    """The buckets a key may be in, first bucket first (one when both are the same)."""
+    """The buckets a key may be in, first bucket first (one when both are the same;
+    none in an index of no buckets, which a node record may say)."""
+    if nbuckets < 1:
+        return ()
     b1 = int.from_bytes(key[:8], "little") % nbuckets
     b2 = int.from_bytes(key[8:16], "little") % nbuckets
     return (b1,) if b1 == b2 else (b1, b2)

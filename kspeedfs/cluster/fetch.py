@@ -451,8 +451,8 @@ class Peers:
                 if hinted:
                     self.counters.hinted += 1
                 else:
-                    found = None                  # (a record may say 0 buckets: no index)
-                    for b in buckets_of(key, rec.nbuckets) if rec.nbuckets > 0 else ():
+                    found = None
+                    for b in buckets_of(key, rec.nbuckets):     # the second: a few keys
                         await self._read(att, vqp, rec, sbuf, base, "index", BUCKET_BYTES,
                                          b * BUCKET_BYTES)
                         if att.lost:
