@@ -1,6 +1,7 @@
 """The dataset lifecycle's pure parts (``cluster/lifecycle.py``): the capacity plan, the
-version rule, and the parsers of the ``preload/`` and ``mounts/`` records, fuzzed
-(they read what etcd holds: any JSON, or any bytes, gives a record or ``ValueError``)."""
+version rule, and the parsers of the ``preload/`` and ``mounts/`` records and of the
+counts nodes publish, fuzzed (they read what etcd holds: any JSON, or any bytes, gives a
+record or ``ValueError``; a count, an int)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kspeedfs.cluster.lifecycle import (Holding, MountRecord, PreloadRequest, collectable,
-                                        plan)
+                                        count, plan)
 
 SLOT = 256 << 10
 
@@ -103,3 +104,20 @@ def test_deep_nesting_is_a_value_error() -> None:
         except ValueError:
             continue
         raise AssertionError("accepted")
+
+
+COUNTS = ("owned", "cached", "refused")
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(record=st.one_of(JSON, st.fixed_dictionaries(
+    {}, optional={n: st.integers() | JSON for n in COUNTS})), name=st.sampled_from(COUNTS))
+def test_a_published_count_is_a_non_negative_int_whatever_etcd_holds(record, name) -> None:
+    """``count`` reads what nodes published (progress, stats: any JSON): the value when
+    it is a non-negative int (not a bool), else 0, and never an exception."""
+    got = count(record, name)
+    value = record.get(name) if isinstance(record, dict) else None
+    ok = type(value) is int and value >= 0
+    assert type(got) is int and got == (value if ok else 0)
+    assert count({name: 7}, name) == 7 and count({name: True}, name) == 0
+    assert count({name: -1}, name) == 0 and count([name], name) == 0
