@@ -193,6 +193,7 @@ typedef struct ks_pending ks_pending;
 struct ks_stats {
     uint64_t dropped_conns, rx_bytes, tx_bytes;
     uint64_t hello_evicted, hello_timeouts, hello_refused;
+    uint64_t doorbell_posts;    /* posts whose requests the engine thread sent */
     int conns, qps, pending_hello;
 };
 

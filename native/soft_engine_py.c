@@ -187,14 +187,15 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *unused)
         return NULL;
     ks_engine_stats(e, &st);
     ks_engine_unlock(e);
-    return Py_BuildValue("{s:K,s:K,s:K,s:i,s:i,s:i,s:K,s:K,s:K}",
+    return Py_BuildValue("{s:K,s:K,s:K,s:i,s:i,s:i,s:K,s:K,s:K,s:K}",
                          "dropped_conns", (unsigned long long)st.dropped_conns,
                          "rx_bytes", (unsigned long long)st.rx_bytes,
                          "tx_bytes", (unsigned long long)st.tx_bytes, "conns", st.conns,
                          "qps", st.qps, "pending_hello", st.pending_hello,
                          "hello_evicted", (unsigned long long)st.hello_evicted,
                          "hello_timeouts", (unsigned long long)st.hello_timeouts,
-                         "hello_refused", (unsigned long long)st.hello_refused);
+                         "hello_refused", (unsigned long long)st.hello_refused,
+                         "doorbell_posts", (unsigned long long)st.doorbell_posts);
 }
 
 /* ---------------------------------------------------------------------------- MRs */

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import gc
 
 import pytest
@@ -12,7 +13,7 @@ from rdma.api import QPCap, QPInitAttr, RecvWR, find_device, get_device_list, op
 from rdma.enums import (IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ, IBV_PORT_ACTIVE,
                         IBV_QPS_RESET, IBV_WC_RECV, IBV_WC_WR_FLUSH_ERR)
 from rdma.errors import NoDeviceError, ResourceBusyError, ResourceClosedError, RdmaUserError
-from rdma.testing import soft_pair
+from rdma.testing import read_wr, soft_pair
 
 ACCESS = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ
 
@@ -195,3 +196,24 @@ def test_moderated_flush_from_app_thread_is_signalled_within_the_period() -> Non
         assert select.select([c.cq.fd], [], [], 2)[0] == [c.cq.fd]
         assert time.monotonic() - t0 < 0.5
         assert len(c.cq.poll(16)) == 3
+
+
+def test_chunk_sized_read_is_sent_by_the_engine_thread_a_small_one_inline() -> None:
+    """On an idle QP a READ below KS_DOORBELL_READ (1 MiB) is sent by the poster itself
+    (a lone READ's latency); a chunk-sized one rings the doorbell, and the engine thread
+    sends it, as a NIC's send engine would (native/soft_engine.c, "Requester")."""
+    size = 4 << 20
+    with soft_pair(mr_size=size) as p:
+        p.server.mr.write(os.urandom(size))
+        stats = p.client.ctx.statistics
+        rung = stats().doorbell_posts
+        for wr_id, length in enumerate((4096, (1 << 20) - 1)):
+            p.client.qp.post_send(read_wr(wr_id, p.client.mr, p.server.mr, length))
+            (wc,) = p.client.wait()
+            assert wc.ok and p.client.mr.read(length) == p.server.mr.read(length)
+        assert stats().doorbell_posts == rung
+        for wr_id, length in enumerate((1 << 20, size), start=2):
+            p.client.qp.post_send(read_wr(wr_id, p.client.mr, p.server.mr, length))
+            (wc,) = p.client.wait()
+            assert wc.ok and p.client.mr.read(length) == p.server.mr.read(length)
+        assert stats().doorbell_posts == rung + 2

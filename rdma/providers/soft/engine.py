@@ -60,6 +60,9 @@ class EngineStats:
     hello_evicted: int = 0
     hello_timeouts: int = 0
     hello_refused: int = 0
+    #: posts whose requests the engine thread sent (a busy QP's, or a chunk-sized READ:
+    #: native/soft_engine.c, "Requester"); the rest were sent inline by the poster
+    doorbell_posts: int = 0
 
 
 class Engine:
