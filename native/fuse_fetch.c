@@ -466,6 +466,7 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
 static void *fetch_main(void *arg)
 {
     struct fe_fetch *f = arg;
+    pthread_setname_np(pthread_self(), "ks-fetch");     /* top -H, bench: by role */
     ks_wc wcs[64];
     for (;;) {
         struct epoll_event evs[FE_FETCH_ENGINES + 1];
