@@ -305,7 +305,8 @@ def _peer_line(p: dict[str, Any]) -> str:
 # -- the cluster -------------------------------------------------------------------------
 
 class ClusterReader:
-    """The live nodes (signed ``nodes/`` records) and their ``stats/`` records."""
+    """The live nodes (signed ``nodes/`` records) and their ``stats/`` records (in the
+    shape ``lifecycle.node_stats`` gives them, whatever etcd holds)."""
 
     title = "the cluster"
 
@@ -313,12 +314,14 @@ class ClusterReader:
         self.store = store
 
     def __call__(self) -> dict[str, Any]:
+        from ..cluster.lifecycle import node_stats
         from ..cluster.membership import NodeRecord, list_json
 
         live = NodeRecord.list_verified(self.store)
         stats = list_json(self.store, "stats/")
         return {"time": time.time(), "live": {n: r.capacity for n, r in live.items()},
-                "stats": {n: s for n, s in stats.items() if n in live and isinstance(s, dict)}}
+                "stats": {n: node_stats(s) for n, s in stats.items()
+                          if n in live and isinstance(s, dict)}}
 
 
 class ClusterRates:

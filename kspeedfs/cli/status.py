@@ -26,7 +26,8 @@ def run(args: argparse.Namespace) -> int:
     # only nodes whose record is signed with the cluster secret (others: one warning each)
     nodes = {n: asdict(r) for n, r in NodeRecord.list_verified(store).items()}
     stats = _prefix(store, "stats/")
-    preload, progress = _prefix(store, "preload/"), _prefix(store, "progress/")
+    preload = {name: asdict(req) for name, req in lifecycle.preloads(store).items()}
+    progress = _prefix(store, "progress/")
     held = {tag: [asdict(r) for r in recs] for tag, recs in lifecycle.mounts(store).items()}
     datasets = _datasets(store, cfg.cluster.replicas, nodes, preload, progress, held)
     if args.json:
@@ -36,27 +37,8 @@ def run(args: argparse.Namespace) -> int:
     now = time.time()
     print(f"{len(nodes)} live node(s)")
     for name, rec in sorted(nodes.items()):
-        s = stats.get(name, {})
-        a = s.get("arena", {})
-        c = s.get("counters", {})
-        d = s.get("disk") or {}
-        ssd = (f"; SSD {d.get('used', 0) / 2**30:.2f}/{d['capacity'] / 2**30:.2f} GiB"
-               if d.get("capacity") else "")
-        print(f"  {name}: NICs {', '.join(rec['nics'])}; cache {a.get('used_bytes', 0) / 2**30:.2f}/"
-              f"{rec['capacity'] / 2**30:.2f} GiB ({a.get('used_slots', 0)} chunks){ssd}; "
-              f"up {now - rec['started']:.0f}s")
-        refused = lifecycle.count(a, "refused")
-        print(f"    loads: {c.get('source_loads', 0)} from source, {c.get('peer_loads', 0)} from "
-              f"peers, {c.get('demand_loads', 0)} on demand, {c.get('rereplicated', 0)} re-replicated"
-              + (f"; {c['unloaded']} dropped by unloads" if c.get("unloaded") else "")
-              + (f"; {refused} not stored (no room without evicting an equal or higher "
-                 "priority)" if refused else ""))
-        reads = s.get("reads", {})
-        if reads.get("peer_latency"):
-            print(f"    peer READs: {_latency(reads)}")
-        for peer, p in sorted(s.get("endpoint", {}).get("peers", {}).items()):
-            paths = ", ".join(f"{k} {v}" for k, v in p["paths"].items())
-            print(f"    to {peer}: {p['state']} ({paths}); reads failed over {p['reads_failed_over']}")
+        for line in node_lines(name, rec, lifecycle.node_stats(stats.get(name)), now):
+            print(line)
     table = Table(["DATASET", "PRIO", "CACHED", "MEMORY", "SSD", "R", "HIT", "MOUNTS"],
                   right=(1, 2, 3, 4, 5, 6), title="datasets held by the cluster:")
     for d in datasets:
@@ -69,21 +51,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def node_lines(name: str, rec: dict, s: dict, now: float) -> list[str]:
+    """What ``status`` prints of one live node: ``rec`` its (verified) node record, ``s``
+    its stats record as ``lifecycle.node_stats`` gives it."""
+    a, c, d = s["arena"], s["counters"], s["disk"]
+    ssd = (f"; SSD {d.get('used', 0) / 2**30:.2f}/{d['capacity'] / 2**30:.2f} GiB"
+           if d.get("capacity") else "")
+    out = [f"  {name}: NICs {', '.join(rec['nics'])}; cache {a.get('used_bytes', 0) / 2**30:.2f}/"
+           f"{rec['capacity'] / 2**30:.2f} GiB ({a.get('used_slots', 0)} chunks){ssd}; "
+           f"up {now - rec['started']:.0f}s"]
+    refused = a.get("refused", 0)
+    out.append(f"    loads: {c.get('source_loads', 0)} from source, {c.get('peer_loads', 0)} from "
+               f"peers, {c.get('demand_loads', 0)} on demand, {c.get('rereplicated', 0)} re-replicated"
+               + (f"; {c['unloaded']} dropped by unloads" if c.get("unloaded") else "")
+               + (f"; {refused} not stored (no room without evicting an equal or higher "
+                  "priority)" if refused else ""))
+    if s["reads"]["peer_latency"]:
+        out.append(f"    peer READs: {_latency(s['reads'])}")
+    for peer, p in sorted(s["endpoint"]["peers"].items()):
+        paths = ", ".join(f"{k} {v}" for k, v in p["paths"].items())
+        out.append(f"    to {peer}: {p['state']} ({paths}); reads failed over "
+                   f"{p['reads_failed_over']}")
+    return out
+
+
 def _datasets(store, replicas: int, nodes: dict, preload: dict, progress: dict,
               held: dict[str, list[dict]]) -> list[dict]:
     """Per preloaded dataset: chunk replicas cached (of those the live nodes own), bytes
     per tier (chunks in memory / on SSD × the mean chunk size), R achieved (replicas
     cached per chunk, on average), the hit ratio of its mounts (reads served by memory
     or a peer's arena, of chunk requests) and which mounts use it."""
+    from ..cluster.lifecycle import count
+
     out = []
     for name, req in sorted(preload.items()):
-        if not isinstance(req, dict) or "version" not in req:
-            continue
         tag = f"{name}@{req['version']}"
         mine = {k.split("/", 1)[1]: v for k, v in progress.items() if k.startswith(tag + "/")}
-        live = [v for n, v in mine.items() if n in nodes and isinstance(v, dict)]
-        owned = sum(v.get("owned", 0) for v in live)
-        cached = sum(v.get("cached", 0) for v in live)
+        live = [v for n, v in mine.items() if n in nodes]
+        owned = sum(count(v, "owned") for v in live)
+        cached = sum(count(v, "cached") for v in live)
         try:
             info = store.dataset(name, int(req["version"]))
             chunks, mean = info.chunks, info.bytes / max(info.chunks, 1)
@@ -96,8 +102,8 @@ def _datasets(store, replicas: int, nodes: dict, preload: dict, progress: dict,
         out.append({
             "tag": tag, "priority": req.get("priority", 0), "release": req.get("release", "manual"),
             "owned": owned, "cached": cached, "cached_pct": 100 * cached / owned if owned else 0.0,
-            "memory_bytes": int(sum(v.get("in_memory", 0) for v in live) * mean),
-            "disk_bytes": int(sum(v.get("on_disk", 0) for v in live) * mean),
+            "memory_bytes": int(sum(count(v, "in_memory") for v in live) * mean),
+            "disk_bytes": int(sum(count(v, "on_disk") for v in live) * mean),
             "r": replicas, "r_achieved": cached / chunks if chunks else 0.0,
             "hit_ratio": hits / total if total else None,
             "mounts": [f"{r['host']}:{r['mountpoint']}" for r in held.get(tag, [])],
@@ -111,7 +117,9 @@ def _p99(counts: list[int], buckets: list[float]) -> str:
     for i, n in enumerate(counts):
         seen += n
         if seen >= 0.99 * total:
-            return f"{buckets[i]:g} ms" if i < len(buckets) else f"> {buckets[-1]:g} ms"
+            if i < len(buckets):
+                return f"{buckets[i]:g} ms"
+            return f"> {buckets[-1]:g} ms" if buckets else "-"
     return "-"
 
 

@@ -38,7 +38,9 @@ preload :data:`RELEASE_GRACE_TTLS` lease TTLs later (:func:`release_if_unheld`, 
 compare-and-delete, so a mount arriving meanwhile keeps it).
 
 Every record is parsed by a ``from_json`` that takes untrusted JSON and raises only
-``ValueError`` (fuzzed in ``tests/unit/test_lifecycle.py``).
+``ValueError``; what nodes publish for the CLI (``stats/<node>``, ``progress/``) is read
+by :func:`node_stats` and :func:`count`, which take any JSON and never raise (all fuzzed
+in ``tests/unit/test_lifecycle.py``).
 """
 from __future__ import annotations
 
@@ -63,7 +65,73 @@ def count(record: object, name: str) -> int:
     """A count a node published in etcd (its progress or stats record: any JSON): the
     value of ``name`` when it is a non-negative int, else 0."""
     v = record.get(name) if isinstance(record, dict) else None
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+    return v if _is_count(v) else 0
+
+
+def node_stats(raw: object) -> dict[str, Any]:
+    """A node's ``stats/<node>`` record (``NodeStatistics``, as etcd holds it: any JSON)
+    in the shape the CLI reads it, whatever it holds: ``time`` a finite number (else 0);
+    ``arena``, ``counters``, ``disk`` their counts (``count``); ``progress`` a count
+    table per dataset; ``reads`` its numbers, ``peer_latency`` per peer (``counts`` a
+    list of counts, ``reads``, ``suspected``) and ``peer_latency_buckets_ms`` (finite
+    numbers); ``endpoint`` its ``nics`` (strings) and ``peers`` (``state``, ``paths``
+    as strings, ``reads_failed_over``). What does not fit is left out, so one malformed
+    record (a node of another version, a hand edit) costs its own fields, not the
+    command (fuzzed in ``tests/unit/test_lifecycle.py``)."""
+    r = _obj(raw)
+    reads = _obj(r.get("reads"))
+    out_reads: dict[str, Any] = {k: v for k, v in reads.items() if _number(v) is not None}
+    out_reads["peer_latency"] = {
+        peer: {"reads": count(p, "reads"), "suspected": _obj(p).get("suspected") is True,
+               "counts": [c if _is_count(c) else 0 for c in _list(_obj(p).get("counts"))]}
+        for peer, p in _obj(reads.get("peer_latency")).items()}
+    out_reads["peer_latency_buckets_ms"] = [
+        b for b in _list(reads.get("peer_latency_buckets_ms")) if _number(b) is not None]
+    endpoint = _obj(r.get("endpoint"))
+    return {
+        "node": r.get("node") if isinstance(r.get("node"), str) else "",
+        "time": _number(r.get("time")) or 0.0,
+        "arena": _counts(r.get("arena")), "counters": _counts(r.get("counters")),
+        "disk": _counts(r.get("disk")),
+        "progress": {tag: _counts(v) for tag, v in _obj(r.get("progress")).items()},
+        "reads": out_reads,
+        "endpoint": {
+            "nics": [n for n in _list(endpoint.get("nics")) if isinstance(n, str)],
+            "peers": {peer: {"state": _text(_obj(p).get("state")),
+                             "paths": {k: _text(v) for k, v in _obj(_obj(p).get("paths")).items()},
+                             "reads_failed_over": count(p, "reads_failed_over")}
+                      for peer, p in _obj(endpoint.get("peers")).items()}},
+    }
+
+
+def _obj(x: object) -> dict[str, Any]:
+    return x if isinstance(x, dict) else {}
+
+
+def _list(x: object) -> list[Any]:
+    return x if isinstance(x, list) else []
+
+
+def _text(x: object) -> str:
+    return x if isinstance(x, str) else "?"
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _counts(x: object) -> dict[str, int]:
+    return {k: v for k, v in _obj(x).items() if _is_count(v)}
+
+
+def _number(v: object) -> float | int | None:
+    """``v`` when it is a finite, non-negative number (not a bool), else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        return v if math.isfinite(v) and v >= 0 else None
+    except OverflowError:           # an int too large for a float
+        return None
 
 
 def _json_object(raw: bytes, what: str) -> dict[str, Any]:
@@ -346,8 +414,7 @@ def cluster_plan(store: Any, name: str, version: int, chunks: int, priority: int
     slot = min(r.slot_size for r in nodes.values())
     memory_slots = sum(r.nslots for r in nodes.values())
     stats = list_json(store, "stats/")
-    disk = sum(int(s.get("disk", {}).get("capacity", 0)) for n, s in stats.items()
-               if n in nodes and isinstance(s, dict) and isinstance(s.get("disk"), dict))
+    disk = sum(node_stats(s)["disk"].get("capacity", 0) for n, s in stats.items() if n in nodes)
     held = []
     for other, req in preloads(store).items():
         if other == name:
