@@ -323,8 +323,13 @@ class NativeSession:
     def _dispatch(self, nursery: trio.Nursery, req: tuple) -> None:
         kind, fd, unique, entry, offset, size, random, name, since = req
         if kind == _engine.READ:
-            nursery.start_soon(self._answer_read, fd, unique, entry, offset, size, random,
-                               since)
+            # a small file or a block from a peer: C READs and answers it, and the READ
+            # needs no task of its own (random 4 KiB from peers, 4 jobs: the trio thread
+            # 62-63 against 77-85 µs a READ, 8,729-8,828 against 7,021-8,239 IOPS)
+            if self.fetch is None or not self.ops.reader.hand_off(
+                    entry, (fd, unique, offset, size, random, since)):
+                nursery.start_soon(self._answer_read, fd, unique, entry, offset, size,
+                                   random, since)
         elif kind == _engine.PREFETCH:          # unique: the chunk the hinting READ reached
             self.ops.reader.reached(unique)
             for k in range(offset, size):
@@ -341,9 +346,6 @@ class NativeSession:
                            random: int, since: float) -> None:
         # the C thread did the sequential-read bookkeeping; this stream only carries
         # its verdict (``read_policy.is_random``) and starts no prefetch of its own
-        if self.fetch is not None and self.ops.reader.hand_off(
-                entry, (fd, unique, offset, size, random, since)):
-            return                      # a small file from a peer: C READs and answers it
         stream = Stream(next_offset=-1 if random else offset)
         try:
             data = await self.read(entry, offset, size, stream, since=since)
