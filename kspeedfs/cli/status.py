@@ -80,7 +80,9 @@ def _datasets(store, replicas: int, nodes: dict, preload: dict, progress: dict,
     """Per preloaded dataset: chunk replicas cached (of those the live nodes own), bytes
     per tier (chunks in memory / on SSD × the mean chunk size), R achieved (replicas
     cached per chunk, on average), the hit ratio of its mounts (reads served by memory
-    or a peer's arena, of chunk requests) and which mounts use it."""
+    or a peer's arena, of chunk requests) and which mounts use it. ``preload``: the
+    well-formed requests (``lifecycle.preloads``, as dicts); ``progress``: the nodes'
+    records as etcd holds them (any JSON, read through ``count``)."""
     from ..cluster.lifecycle import count
 
     out = []
@@ -91,7 +93,7 @@ def _datasets(store, replicas: int, nodes: dict, preload: dict, progress: dict,
         owned = sum(count(v, "owned") for v in live)
         cached = sum(count(v, "cached") for v in live)
         try:
-            info = store.dataset(name, int(req["version"]))
+            info = store.dataset(name, req["version"])
             chunks, mean = info.chunks, info.bytes / max(info.chunks, 1)
         except KspeedfsError:
             chunks, mean = 0, 0.0
