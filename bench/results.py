@@ -12,6 +12,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .system import ROLE_THREADS, role_key
+
 
 @dataclass
 class Run:
@@ -75,8 +77,9 @@ class Results:
                     row["targets"][t] = {"median": statistics.median(v), "min": min(v), "max": max(v),
                                          "n": len(v)}
                     for k in ("daemon_cpu_%", "daemon_cpu_s_per_GB", "daemon_nic_cpu_s_per_GB",
-                              "daemon_main_cpu_s_per_GB", "daemon_cpu_us_per_op",
-                              "daemon_main_cpu_us_per_op", "host_cpu_s_per_GB"):
+                              "daemon_main_cpu_s_per_GB", *map(role_key, ROLE_THREADS),
+                              "daemon_cpu_us_per_op", "daemon_main_cpu_us_per_op",
+                              "host_cpu_s_per_GB"):
                         cpu = [r.figures[k] for r in self.runs if r.workload == wl
                                and r.case == case and r.target == t and k in r.figures]
                         if cpu:
@@ -109,8 +112,8 @@ class Results:
                 if "daemon_cpu_s_per_GB" in s:
                     cpu += f", {s['daemon_cpu_s_per_GB']:.2f} s/GB"
                     parts = [f"{label} {s[k]:.2f}" for label, k in (
-                        ("soft NIC", "daemon_nic_cpu_s_per_GB"), ("main thread", "daemon_main_cpu_s_per_GB"))
-                        if k in s]
+                        ("soft NIC", "daemon_nic_cpu_s_per_GB"), ("main thread", "daemon_main_cpu_s_per_GB"),
+                        *((role, role_key(role)) for role in ROLE_THREADS)) if k in s]
                     cpu += f" ({', '.join(parts)})" if parts else ""
                 if "daemon_cpu_us_per_op" in s:
                     cpu += f", {s['daemon_cpu_us_per_op']:.1f} µs/op"

@@ -27,8 +27,8 @@ from pathlib import Path
 from . import workloads as W
 from .datasets import Dataset
 from .results import Results, Run
-from .system import (MAIN_THREAD, NIC_THREADS, Mounts, REPO, fresh_memory_rate, machine_cpu,
-                     mem_available, process_cpu, thread_cpu)
+from .system import (MAIN_THREAD, NIC_THREADS, ROLE_THREADS, Mounts, REPO, fresh_memory_rate,
+                     machine_cpu, mem_available, process_cpu, role_key, thread_cpu)
 from .targets import Target, build_ramfs_c, fuse_knobs
 
 log = logging.getLogger("bench")
@@ -209,6 +209,11 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                                           for n in NIC_THREADS)
                                 if nic > 0:
                                     figures["daemon_nic_cpu_s_per_GB"] = nic / gb
+                                for role, names in ROLE_THREADS.items():
+                                    used = sum(threads1.get(n, 0.0) - threads0.get(n, 0.0)
+                                               for n in names)
+                                    if used > 0:
+                                        figures[role_key(role)] = used / gb
                             if ops := _ops(figures):
                                 figures["daemon_cpu_us_per_op"] = 1e6 * cpu / ops
                                 figures["daemon_main_cpu_us_per_op"] = 1e6 * main / ops

@@ -151,6 +151,16 @@ def process_cpu(pid: int | None) -> float | None:
 #: does what an RDMA NIC does in hardware (TCP receive into registered memory)
 NIC_THREADS = ("ks-soft-nic",)
 
+#: the native engine's other threads, by role: its request threads (/dev/fuse or io_uring
+#: queues: hits answered in C) and the chunk fetch's (verification, the READs parked on a
+#: landing chunk); the suite prints each role's CPU per GB beside the main thread's
+ROLE_THREADS = {"request threads": ("ks-fuse", "ks-fuse-uring"), "fetch": ("ks-fetch",)}
+
+
+def role_key(role: str) -> str:
+    """The figure a role of :data:`ROLE_THREADS` is recorded under in results.json."""
+    return f"daemon_{role.replace(' ', '_')}_cpu_s_per_GB"
+
 #: the key of the process's main thread in ``thread_cpu``: a kspeedfs mount's trio loop
 #: (every request of the pyfuse3 engine; the native engine's misses, loads and vQP monitors)
 MAIN_THREAD = "main thread"

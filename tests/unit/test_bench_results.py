@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from bench.results import Results, Run
+from bench.system import role_key
 
 
 def _run(target: str, rep: int, mbs: float, cpu: float, nic: float | None = None) -> Run:
@@ -32,3 +33,19 @@ def test_no_cpu_ratio_where_the_first_target_reports_no_nic_threads() -> None:
     (row,) = res.summary()
     assert row["ratios"]["a / b"]["median"] == 0.5 and row["cpu_ratios"] == {}
     assert "without NIC" not in res.table()
+
+
+def test_the_native_threads_cpu_is_printed_by_role() -> None:
+    """Beside the soft NIC and the main thread, the request threads' and the fetch
+    thread's CPU per GB (``system.ROLE_THREADS``), medians over the reps."""
+    runs = []
+    for rep, (fuse, fetch) in enumerate(((0.20, 0.10), (0.18, 0.12), (0.22, 0.11))):
+        r = _run("peers", rep, 100, 0.6, 0.2)
+        r.figures[role_key("request threads")] = fuse
+        r.figures[role_key("fetch")] = fetch
+        runs += [r, _run("ramfs-c", rep, 300, 0.2)]
+    res = Results(meta={}, runs=runs, ratio_pairs={"cluster": [("peers", "ramfs-c")]})
+    (row,) = res.summary()
+    assert row["targets"]["peers"][role_key("fetch")] == pytest.approx(0.11)
+    assert "(soft NIC 0.20, request threads 0.20, fetch 0.11)" in res.table()
+    assert "request threads" not in res.table().split("ramfs-c")[1]
