@@ -26,6 +26,7 @@ import os
 
 import xxhash
 
+from .cache.memory import page_aligned
 from .errors import ChunkUnavailable, SourceChanged, SourceError
 from .manifest.index import ManifestIndex
 from .manifest.model import Extent
@@ -70,16 +71,15 @@ class Origin:
             return f"bytes {e.file_offset}..{e.file_offset + e.length} differ from the snapshot"
         return why
 
-    def _read_once(self, chunk: int) -> tuple[bytearray, list[tuple[int, bytes, str]]]:
+    def _read_once(self, chunk: int) -> tuple[memoryview, list[tuple[int, bytes, str]]]:
         ix = self.index
-        buf = bytearray(ix.chunk_len[chunk])
-        view = memoryview(buf)
+        view = page_aligned(ix.chunk_len[chunk])
         bad: list[tuple[int, bytes, str]] = []
         for e in ix.chunk_extents(chunk):
             why = self._read_extent(e, view[e.chunk_offset:e.chunk_offset + e.length])
             if why:
                 bad.append((e.entry, os.path.join(self.root, ix.path(e.entry)), why))
-        return buf, bad
+        return view, bad
 
     def _check_root(self, what: str) -> None:
         if not os.path.isdir(self.root):
@@ -96,16 +96,16 @@ class Origin:
         """Verified bytes of one extent alone (a small file when the dataset is larger than
         the cache tiers: reading its whole chunk would read ~chunk/size times the bytes)."""
         self._check_root(f"file {os.fsdecode(self.index.path(e.entry))}")
-        buf = bytearray(e.length)
-        why = self._read_extent(e, memoryview(buf))
+        buf = page_aligned(e.length)
+        why = self._read_extent(e, buf)
         if why:
             log.warning("extent of %s failed the checksum, retrying: %s",
                         os.fsdecode(self.index.path(e.entry)), why)
-            why = self._read_extent(e, memoryview(buf))
+            why = self._read_extent(e, buf)
         if why:
             raise self._changed(os.path.join(self.root, self.index.path(e.entry)), why,
                                 frozenset((e.entry,)), None)
-        return memoryview(buf).toreadonly()
+        return buf.toreadonly()
 
     def load_block(self, chunk: int, block: int) -> memoryview | None:
         """Verified bytes of one block of ``chunk`` (a random read's miss), read from the
@@ -117,8 +117,7 @@ class Origin:
         hi = lo + ix.block_len(chunk, block)
         expected = ix.block_digest(chunk, block)
         for attempt in range(2):
-            buf = bytearray(hi - lo)       # gaps between files are zeros
-            view = memoryview(buf)
+            view = page_aligned(hi - lo)   # gaps between files are zeros
             failed = False
             for e in ix.chunk_extents(chunk):
                 a, b = max(lo, e.chunk_offset), min(hi, e.chunk_offset + e.length)
@@ -126,7 +125,7 @@ class Origin:
                                          view[a - lo:b - lo]) is not None:
                     failed = True
                     break
-            if not failed and xxhash.xxh3_64_digest(buf) == expected:
+            if not failed and xxhash.xxh3_64_digest(view) == expected:
                 return view.toreadonly()
             log.warning("block %d of chunk %d of %s failed its checksum%s", block, chunk,
                         self.dataset, ", retrying" if attempt == 0 else "")
@@ -147,4 +146,4 @@ class Origin:
             raise self._changed(path, why, frozenset(entry for entry, _, _ in bad), bytes(buf))
         # a read-only view, not bytes(buf): no 4 MiB copy under the GIL per chunk (14 % of
         # the daemon's samples in a cold random-read profile); nothing else holds ``buf``
-        return memoryview(buf).toreadonly(), mismatches
+        return buf.toreadonly(), mismatches

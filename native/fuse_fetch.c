@@ -396,12 +396,18 @@ int fetch_unpark(struct fe_fetch *f, uint64_t cookie)
 
 /* A part's (an extent's, a block's) verified bytes out of its staging slot into a buffer
  * of its own (the fault of new memory is paid here, not on the trio thread), put in the
- * tier, and kept for Python (fetch_landed) ahead of the FE_FETCHED event. */
+ * tier, and kept for Python (fetch_landed) ahead of the FE_FETCHED event. From
+ * FE_ALIGN_MIN on the buffer starts on a page: the kernel copies a reply a page at a
+ * time, and a source that starts mid-page is two short copies per page (the memory
+ * tier's page_aligned, kspeedfs/cache/memory.py, says what it costs). */
+#define FE_ALIGN_MIN (16u << 10)
 static int put_part(struct fe_fetch *f, uint64_t cookie, const uint8_t *key, size_t keylen,
                     const uint8_t *laddr, uint32_t len)
 {
     struct landed *x = malloc(sizeof *x);
-    uint8_t *buf = malloc(len);
+    void *buf = NULL;
+    if (len >= FE_ALIGN_MIN ? posix_memalign(&buf, 4096, len) : !(buf = malloc(len)))
+        buf = NULL;
     if (!x || !buf) {
         free(x);
         free(buf);

@@ -17,6 +17,8 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
+from .memory import page_aligned
+
 log = logging.getLogger(__name__)
 
 
@@ -56,16 +58,23 @@ class DiskCache:
         h = key.hex()
         return self.dir / h[:2] / h
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes) -> memoryview | None:
+        """The file's bytes, unchecked (the caller verifies them), in a buffer the memory
+        tier replies from (``page_aligned``); None if the chunk is not held."""
         with self._lock:
             if key not in self._files:
                 return None
             self._files.move_to_end(key)
         try:
-            return self._path(key).read_bytes()
+            with open(self._path(key), "rb", buffering=0) as f:
+                buf = page_aligned(os.fstat(f.fileno()).st_size)
+                got = 0
+                while got < len(buf) and (n := f.readinto(buf[got:])):
+                    got += n
         except FileNotFoundError:
             self.discard(key)
             return None
+        return buf[:got].toreadonly()       # shorter if it shrank meanwhile: fails the check
 
     def put(self, key: bytes, data: bytes) -> None:
         if len(data) > self.capacity:

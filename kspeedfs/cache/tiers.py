@@ -261,7 +261,7 @@ class TierChain:
                 partial(trio.to_thread.run_sync, self.disk.put, key, data, limiter=self.limiter))
         return Loaded(data, "source")
 
-    def from_disk(self, key: bytes) -> bytes | None:
+    def from_disk(self, key: bytes) -> memoryview | None:
         """Worker thread: a disk-tier chunk, or None if absent or failing its checksum."""
         assert self.disk is not None
         data = self.disk.get(key)

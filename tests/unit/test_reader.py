@@ -2,6 +2,7 @@
 prefetch, bounded memory."""
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -12,7 +13,7 @@ import trio
 import xxhash
 
 from kspeedfs.cache.disk import DiskCache
-from kspeedfs.cache.memory import MemoryCache
+from kspeedfs.cache.memory import ALIGN_MIN, PAGE, MemoryCache, page_aligned
 from kspeedfs.cache.prefetch import Stream
 from kspeedfs.errors import SourceChanged, SourceError
 from kspeedfs.manifest.importer import import_tree
@@ -407,3 +408,46 @@ def test_block_digests_cover_every_chunk(blocked) -> None:
             assert ix.block_len(k, b) == len(part)
             assert ix.block_digest(k, b) == xxhash.xxh3_64_digest(part)
             assert bytes(origin.load_block(k, b)) == part
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int),
+                ("ndim", ctypes.c_int), ("format", ctypes.c_char_p),
+                ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+def _address(data) -> int:
+    """Where the bytes of any buffer (a read-only view too) start: what a C reply sees."""
+    view = _PyBuffer()
+    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(data), ctypes.byref(view), 0)
+    try:
+        return view.buf
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
+
+
+def test_tier_buffers_from_the_source_and_the_disk_start_on_a_page(blocked, tmp_path) -> None:
+    src, ix, big = blocked
+    origin = Origin(src, ix, "ds")
+    k = ix.chunks - 1                       # a chunk of packed small files, not 1 MiB long
+    chunk, _ = origin.load(k)
+    assert _address(chunk) % PAGE == 0 and bytes(chunk) == bytes(origin.load(k)[0])
+    assert ix.block_size >= ALIGN_MIN
+    block = origin.load_block(0, 1)
+    assert block is not None and _address(block) % PAGE == 0
+    assert bytes(block) == big[ix.block_size:2 * ix.block_size]
+    small = next(e for e in ix.chunk_extents(k) if e.length >= ALIGN_MIN)
+    extent = origin.load_extent(small)
+    assert _address(extent) % PAGE == 0 and len(extent) == small.length
+    disk = DiskCache(tmp_path / "disk", capacity=1 << 30)
+    disk.put(b"k" * 16, bytes(chunk))
+    again = disk.get(b"k" * 16)
+    assert again is not None and _address(again) % PAGE == 0 and again == chunk
+    # below ALIGN_MIN a buffer is a plain bytearray's: zeroed, writable, its length
+    tiny = page_aligned(100)
+    assert len(tiny) == 100 and not any(tiny) and not tiny.readonly
+    for n in (ALIGN_MIN, (4 << 20) + 3):
+        buf = page_aligned(n)
+        assert len(buf) == n and _address(buf) % PAGE == 0 and not any(buf[:4096])
