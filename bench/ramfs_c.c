@@ -5,6 +5,12 @@
  * every byte already in memory, one fuse_reply_buf per READ, the session loop
  * that is fastest here (single-threaded by default; see main()).
  *
+ * A file's bytes start on a page: the kernel copies a reply into the page cache a page
+ * at a time, and malloc's 16-byte-aligned bytes made every page two short copies. With
+ * malloc this daemon used 0.165-0.186 CPU-s per GB of psync 1 MiB sequential reads,
+ * page-aligned 0.144-0.151 (3 alternating rounds of 4 passes; before stop 35 the
+ * suite's ceiling was the malloc'd one, and kspeedfs's chunks were misaligned alike).
+ *
  * Usage: ramfs_c SOURCE MOUNTPOINT        (stays in the foreground; fusermount3 -u stops it)
  *
  * It makes the same promises to the kernel as kspeedfs: read-only, entry/attr
@@ -97,8 +103,12 @@ static void load_dir(const char *path, size_t self)
         if (lstat(sub, &st)) { perror(sub); exit(1); }
         size_t k = add_node(de->d_name, &st);
         if (S_ISREG(st.st_mode) && st.st_size) {
-            nodes[k].data = malloc(st.st_size);
-            if (!nodes[k].data || read_all(sub, nodes[k].data, st.st_size)) { perror(sub); exit(1); }
+            void *data = NULL;      /* on a page: see the file comment */
+            if (posix_memalign(&data, 4096, st.st_size) || read_all(sub, data, st.st_size)) {
+                perror(sub);
+                exit(1);
+            }
+            nodes[k].data = data;
         } else if (S_ISLNK(st.st_mode)) {
             nodes[k].data = calloc(1, st.st_size + 1);
             if (readlink(sub, nodes[k].data, st.st_size) < 0) { perror(sub); exit(1); }
