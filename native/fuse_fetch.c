@@ -400,7 +400,7 @@ int fetch_unpark(struct fe_fetch *f, uint64_t cookie)
  * FE_ALIGN_MIN on the buffer starts on a page: the kernel copies a reply a page at a
  * time, and a source that starts mid-page is two short copies per page (the memory
  * tier's page_aligned, kspeedfs/cache/memory.py, says what it costs). */
-#define FE_ALIGN_MIN (16u << 10)
+#define FE_ALIGN_MIN (64u << 10)   /* = ALIGN_MIN there */
 static int put_part(struct fe_fetch *f, uint64_t cookie, const uint8_t *key, size_t keylen,
                     const uint8_t *laddr, uint32_t len)
 {

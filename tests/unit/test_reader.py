@@ -428,8 +428,16 @@ def _address(data) -> int:
         ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
 
 
-def test_tier_buffers_from_the_source_and_the_disk_start_on_a_page(blocked, tmp_path) -> None:
-    src, ix, big = blocked
+def test_tier_buffers_from_the_source_and_the_disk_start_on_a_page(tmp_path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    big = os.urandom(3 * (1 << 20) + 5000)
+    (src / "big").write_bytes(big)
+    for i in range(4):
+        (src / f"t{i}").write_bytes(os.urandom(ALIGN_MIN + 5000 + i))
+    store = EmbeddedStore(tmp_path / "store")
+    info = import_tree(src, "ds", store, 1 << 20, block_size=ALIGN_MIN)
+    ix = ManifestIndex.from_blob(store.manifest("ds", info.version))
     origin = Origin(src, ix, "ds")
     k = ix.chunks - 1                       # a chunk of packed small files, not 1 MiB long
     chunk, _ = origin.load(k)
