@@ -1130,9 +1130,10 @@ static void count(struct fe_worker *w, int op, uint64_t t0, int err)
 /* The solo gate's bookkeeping (solo_gate, below), on every /dev/fuse request, at its
  * arrival ``now``: while the gate was opened within the last quarter of FE_SOLO_NS it
  * touches nothing shared (fio's random 4 KiB j4 is ~0.5 us per READ). */
-static void solo_note(struct fe_engine *e, const struct fuse_in_header *h, size_t n,
+static void solo_note(struct fe_worker *w, const struct fuse_in_header *h, size_t n,
                       uint64_t now)
 {
+    struct fe_engine *e = w->e;
     if (e->nworkers < 2 || !h->pid)
         return;                     /* (the kernel's own requests carry no task) */
     if (atomic_load_explicit(&e->multi_until, memory_order_relaxed) > now + FE_SOLO_NS / 4 * 3)
@@ -1145,6 +1146,10 @@ static void solo_note(struct fe_engine *e, const struct fuse_in_header *h, size_
         in->size >= FE_SOLO_READ)
         return;                     /* readahead of the one task reading */
     if (atomic_exchange(&e->multi_until, now + FE_SOLO_NS) <= now) {
+        if (prev != h->pid)
+            w->c.gate_opened_tasks++;
+        else
+            w->c.gate_opened_requests++;
         pthread_mutex_lock(&e->slock);
         pthread_cond_broadcast(&e->scond);
         pthread_mutex_unlock(&e->slock);
@@ -1158,7 +1163,7 @@ static void dispatch(struct fe_worker *w, const uint8_t *buf, size_t n)
     const struct fuse_in_header *h = (const void *)buf;
     struct req r = {w, h, buf + sizeof *h, n - sizeof *h, FE_OP_OTHER, now_ns(), 0};
     if (!w->ent) {
-        solo_note(w->e, h, n, r.t0);
+        solo_note(w, h, n, r.t0);
         if (w != &w->e->workers[0])
             w->c.shared_requests++;
     }
@@ -2012,6 +2017,8 @@ static void add_counters(struct fe_counters *sum, const struct fe_counters *c)
         sum->ring_lost += c->ring_lost;
         sum->gate_waits += c->gate_waits;
         sum->shared_requests += c->shared_requests;
+        sum->gate_opened_tasks += c->gate_opened_tasks;
+        sum->gate_opened_requests += c->gate_opened_requests;
     }
 }
 

@@ -99,8 +99,10 @@ struct fe_counters {
     uint64_t ring_copy_bytes, ring_copy_ns;   /* READ hits copied into ring payloads */
     uint64_t ring_lost;             /* entries whose commit the kernel refused */
     /* the solo gate (fuse_engine.c): times a /dev/fuse thread after the first waited at
-     * it, and requests those threads read (the gate open: several tasks, or not readahead) */
-    uint64_t gate_waits, shared_requests;
+     * it, and requests those threads read (the gate open: several tasks, or not readahead);
+     * times it opened for a request of another task than the last, and for one of the
+     * same task that was not readahead (not a READ, or a READ under FE_SOLO_READ) */
+    uint64_t gate_waits, shared_requests, gate_opened_tasks, gate_opened_requests;
     /* the native chunk fetch (fuse_fetch.h): READs posted, landed verified, failed or
      * stepped aside, READs parked on one in flight, parked READs answered or handed on */
     uint64_t fetch_posted, fetch_landed, fetch_failed, fetch_parked, fetch_answered;

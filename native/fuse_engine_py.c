@@ -748,7 +748,7 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
     if (!ops)
         return NULL;
     return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K}", "ops", ops,
+                         "s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
                          "read_hits", (unsigned long long)c.read_hits,
                          "read_hit_bytes", (unsigned long long)c.read_hit_bytes,
                          "memory_hits", (unsigned long long)c.memory_hits,
@@ -762,6 +762,8 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
                          "ring_lost", (unsigned long long)c.ring_lost,
                          "gate_waits", (unsigned long long)c.gate_waits,
                          "shared_requests", (unsigned long long)c.shared_requests,
+                         "gate_opened_tasks", (unsigned long long)c.gate_opened_tasks,
+                         "gate_opened_requests", (unsigned long long)c.gate_opened_requests,
                          "fetch_posted", (unsigned long long)c.fetch_posted,
                          "fetch_landed", (unsigned long long)c.fetch_landed,
                          "fetch_failed", (unsigned long long)c.fetch_failed,
