@@ -138,7 +138,8 @@ ENGINE_COUNTERS = {
     "fetch_redundant": ("native_fetch_redundant_total", "chunk READs posted in C that landed "
                         "after a hedge or Python's load had put the chunk"),
     "fetch_parked": ("native_fetch_parked_reads_total", "READs that waited in C for a chunk "
-                     "the native fetch had in flight"),
+                     "the native fetch had in flight (a READ over several, once per chunk "
+                     "it waited for)"),
     "shared_requests": ("fuse_shared_requests_total", "requests read by request threads "
                         "after the first (the solo gate open: several tasks send requests)"),
     "ring_requests": ("fuse_ring_requests_total", "requests through FUSE io_uring queues"),

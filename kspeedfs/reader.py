@@ -206,10 +206,14 @@ class Reader:
         queued (fd, unique, offset, size, random, since): a small file read alone, or a
         random read inside one block (``read_parts``' rules), whose extent or block C
         READs, verifies and answers it from (``TierChain.start_extent``,
-        ``start_block``). False: the caller answers it."""
+        ``start_block``); or a sequential read, parked in C on its chunks' fetches
+        (``TierChain.hand_chunks``). False: the caller answers it."""
         small = self._small_extent(entry)
         if small is not None:
             return self.tiers.start_extent(*small, read)
+        if not read[4]:                 # sequential: its whole chunks, the READ parked on them
+            chunks = self.index.chunk_range(entry, read[2], read[3])
+            return bool(chunks) and self.tiers.hand_chunks(chunks, entry, read)
         block = self._random_block(entry, read[2], read[3], read[4])
         if block is None:
             return False

@@ -1004,8 +1004,10 @@ static void count_hit(struct fe_counters *c, uint64_t bytes, int units)
     c->memory_hits += (uint64_t)units;
 }
 
-void fe_read_again(struct fe_engine *e, const struct fe_request *q)
+int fe_read_or_park(struct fe_engine *e, const struct fe_request *q)
 {
+    if (q->entry >= e->ix.entries || !S_ISREG(e->ix.mode[q->entry]))
+        return 0;                   /* (Python's READ tuple: not trusted blindly) */
     uint64_t end, first, last;
     read_span(e, q->entry, q->offset, q->size, &end, &first, &last);
     struct hit h;
@@ -1016,12 +1018,16 @@ void fe_read_again(struct fe_engine *e, const struct fe_request *q)
         count_hit(&e->again, end - q->offset, h.units);
         count_into(&e->again, FE_OP_READ, q->t0, 0);
         pthread_mutex_unlock(&e->alock);
-        return;
+        return 1;
     }
-    struct fe_fetch *f = atomic_load(&e->fetch);   /* another of its chunks still in flight */
-    if (q->offset < end && f && fetch_park(f, first, last, q))
-        return;
-    enqueue(e, q);
+    struct fe_fetch *f = atomic_load(&e->fetch);   /* one of its chunks in flight */
+    return q->offset < end && f && fetch_park(f, first, last, q);
+}
+
+void fe_read_again(struct fe_engine *e, const struct fe_request *q)
+{
+    if (!fe_read_or_park(e, q))
+        enqueue(e, q);
 }
 
 int fe_queue(struct fe_engine *e, const struct fe_request *q) { return enqueue(e, q); }

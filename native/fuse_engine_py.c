@@ -896,6 +896,40 @@ static PyTypeObject BlockType = {
     .tp_as_buffer = &Block_as_buffer,
 };
 
+/* A READ of ``entry`` taken from the queue, as Python holds it: (fd, unique, offset, size,
+ * random, since). 0, or -1 with an exception set. */
+static int read_request(PyObject *read, unsigned long long entry, struct fe_request *q)
+{
+    double since = 0;
+    *q = (struct fe_request){.kind = FE_READ, .entry = entry};
+    if (!PyArg_ParseTuple(read, "iKKKid:READ", &q->fd, &q->unique, &q->offset, &q->size,
+                          &q->random, &since))
+        return -1;
+    q->t0 = since > 0 ? (uint64_t)(since * 1e9) : 0;
+    return 0;
+}
+
+/* read_or_park(entry, read) -> bool: ``read``, a READ of ``entry`` taken from the queue,
+ * answered from the tier or parked in C on one of its chunks the native fetch has in
+ * flight (answered when it lands, or queued again if it fails): True; False: it stays
+ * the caller's. */
+static PyObject *Engine_read_or_park(EngineObject *self, PyObject *args)
+{
+    unsigned long long entry;
+    PyObject *read;
+    if (!PyArg_ParseTuple(args, "KO!:read_or_park", &entry, &PyTuple_Type, &read))
+        return NULL;
+    struct fe_engine *e = engine_of(self, "read_or_park");
+    struct fe_request q;
+    if (!e || read_request(read, entry, &q) < 0)
+        return NULL;
+    int taken;
+    Py_BEGIN_ALLOW_THREADS
+    taken = fe_read_or_park(e, &q);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(taken);
+}
+
 /* fetch_post_extent and fetch_post_block: ``read`` (None, or a READ of ``entry`` taken from
  * the queue: (fd, unique, offset, size, random, since)) parked on one READ of ``len``
  * bytes into the staging buffer at laddr/lkey, verified against ``want``, copied into a
@@ -908,13 +942,9 @@ static PyObject *post_part(EngineObject *self, struct fe_engine *e, int handle, 
                            unsigned int lkey, unsigned long long raddr, unsigned int rkey,
                            PyObject *read)
 {
-    struct fe_request q = {.kind = FE_READ, .entry = entry};
-    double since = 0;
-    if (read != Py_None &&
-        !PyArg_ParseTuple(read, "iKKKid:fetch_post_part read", &q.fd, &q.unique, &q.offset,
-                          &q.size, &q.random, &since))
+    struct fe_request q;
+    if (read != Py_None && read_request(read, entry, &q) < 0)
         return NULL;
-    q.t0 = since > 0 ? (uint64_t)(since * 1e9) : 0;
     ks_engine *ke;
     struct fe_fetch *f = fetch_on(self, e, handle, "fetch_post_part", &ke);
     if (!f)
@@ -1105,6 +1135,8 @@ static PyMethodDef Engine_methods[] = {
     {"fetch_post_block", (PyCFunction)Engine_fetch_post_block, METH_VARARGS,
      "fetch_post_block(handle, qpn, entry, chunk, block, digest, cookie, laddr, lkey, raddr, "
      "rkey, read=None)"},
+    {"read_or_park", (PyCFunction)Engine_read_or_park, METH_VARARGS,
+     "read_or_park(entry, read) -> bool: a queued READ answered from the tier or parked in C"},
     {"fetch_landed", (PyCFunction)Engine_fetch_landed, METH_O,
      "fetch_landed(cookie) -> Block | None: the buffer an extent's fetch put in the tier"},
     {"fetch_post", (PyCFunction)Engine_fetch_post, METH_VARARGS,

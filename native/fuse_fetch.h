@@ -53,14 +53,15 @@ struct fe_request;
 struct fe_tier;
 struct fe_fetch;
 
-/* From fuse_engine.c: answer a parked READ again (from the tier; parked again on another
- * of its chunks still in flight; or queued for Python), and queue a request or event for
- * Python. */
+/* From fuse_engine.c: answer a READ from the tier, or park it on one of its chunks in
+ * flight (1), else leave it to the caller (0); answer a parked READ again the same way,
+ * or queue it for Python; and queue a request or event for Python. */
+int fe_read_or_park(struct fe_engine *e, const struct fe_request *q);
 void fe_read_again(struct fe_engine *e, const struct fe_request *q);
 int fe_queue(struct fe_engine *e, const struct fe_request *q);
 
 struct fe_fetch_counters {
-    uint64_t posted, landed, failed, parked, answered;
+    uint64_t posted, landed, failed, parked, answered;  /* parked: per READ and chunk waited for */
     uint64_t redundant;             /* landed verified, but the tier had the chunk (EXISTS) */
 };
 

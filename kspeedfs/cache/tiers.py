@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple, Protocol, Sequence, TypeVar
 
 import trio
 
@@ -194,6 +194,24 @@ class TierChain:
         native = self.native
         return native is not None and self._hand(
             key, lambda: native.start_block(k, b, key, entry, read))
+
+    def hand_chunks(self, ks: Sequence[int], entry: int, read: tuple) -> bool:
+        """Hand ``read``, a sequential READ of ``entry`` over chunks ``ks`` that the native
+        engine queued, to the native fetch: each chunk not in the memory tier started
+        there (or in flight there already), the READ parked in C on them
+        (``NativeFetch.read_or_park``). False: nothing parked (a chunk loading here, on
+        the disk tier, with no route, or whose native fetch just failed), the caller
+        answers ``read``; chunks started meanwhile go on loading."""
+        native = self.native
+        if native is None:
+            return False
+        for k in ks:
+            key = self.index.chunk_digest(k)
+            if key in self.memory:
+                continue
+            if native.failed_lately(key) or not self._native(key, partial(native.start, k, key)):
+                return False
+        return native.read_or_park(entry, read)
 
     def _hand(self, key: bytes, start: Callable[[], bool]) -> bool:
         assert self.native is not None

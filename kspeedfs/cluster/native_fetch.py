@@ -14,6 +14,12 @@ and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
                                           hint dropped, and the chunk's READs (queued for
                                           Python by C) take today's path
 
+    NativeSession, a chunk READ missed    a sequential READ whose chunks are neither held
+      TierChain.hand_chunks(ks, read)        nor in flight (a pass's first, a hint that
+        NativeFetch.start, read_or_park      came late): each started here, the READ
+                                             parked in C on them (``Reader.hand_off``); on a
+                                             fault it comes back, and Python's path takes it
+
     NativeSession, a small file's READ    the READ a small file's extent alone would
       TierChain.start_extent(k, ext, read)   answer, or one block (a random READ), its
       NativeFetch.start_extent / _block      chunk's slot known (``Reader.hand_off``): as a
@@ -79,8 +85,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: seconds a small file's extent whose native fetch failed is not handed to C with a READ
-#: again (the READ comes back to Python after the failure: it takes Python's path)
+#: seconds a chunk or a small file's extent whose native fetch failed is not handed to C
+#: with a READ again (the READ comes back to Python after the failure: it takes Python's
+#: path)
 FAILED_FOR = 1.0
 
 try:
@@ -191,8 +198,7 @@ class NativeFetch:
                want: bytes = b"") -> bool:
         if self._closed or key in self.inflight:
             return False
-        if read is not None and time.monotonic() - self._failed.get(key, -FAILED_FOR) \
-                < FAILED_FOR:
+        if read is not None and self.failed_lately(key):
             return False            # its READ came back after a failure: Python's path
         if length > self.memory.transient_capacity:
             return False        # MemoryCache.put would not keep it: C must not serve it
@@ -292,6 +298,17 @@ class NativeFetch:
         if f.event is not None:
             f.event.set()
 
+    def failed_lately(self, key: bytes) -> bool:
+        """Whether the native fetch of ``key`` (a chunk, an extent) failed in the last
+        FAILED_FOR seconds: a READ of it is not handed to C again meanwhile."""
+        return time.monotonic() - self._failed.get(key, -FAILED_FOR) < FAILED_FOR
+
+    def read_or_park(self, entry: int, read: tuple) -> bool:
+        """``read`` (a queued READ of ``entry``: fd, unique, offset, size, random, since)
+        answered from the tier or parked in C on its chunks in flight here; False: it
+        stays the caller's."""
+        return not self._closed and self.engine.read_or_park(entry, read)
+
     async def wait(self, key: bytes) -> None:
         """Until the fetch of ``key`` is over (at once if there is none, or a hedge has
         put its bytes: the memory tier may have evicted them again since, and waiting
@@ -331,7 +348,7 @@ class NativeFetch:
         else:
             if status != _fe.FETCH_STOPPED:        # else a NIC may yet write the slot
                 self._give(f.slot, f.extent)
-            if f.extent and status != _fe.FETCH_EXISTS:
+            if status != _fe.FETCH_EXISTS:
                 if len(self._failed) >= NATIVE_READS * 8:
                     self._failed.clear()
                 self._failed[f.key] = time.monotonic()   # its READ takes Python's path
