@@ -406,7 +406,9 @@ static int put_part(struct fe_fetch *f, uint64_t cookie, const uint8_t *key, siz
 {
     struct landed *x = malloc(sizeof *x);
     void *buf = NULL;
-    if (len >= FE_ALIGN_MIN ? posix_memalign(&buf, 4096, len) : !(buf = malloc(len)))
+    if (len < FE_ALIGN_MIN)
+        buf = malloc(len);
+    else if (posix_memalign(&buf, 4096, len))
         buf = NULL;
     if (!x || !buf) {
         free(x);

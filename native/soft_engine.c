@@ -18,10 +18,10 @@
  *   less CPU per GB read from peers; a random 4 KiB READ keeps its inline send, since a
  *   doorbell for every lone READ cost 12-17 % of the IOPS).  A READ of a whole chunk
  *   (KS_DOORBELL_READ or more) rings the doorbell on an idle QP too: the engine thread's
- *   wake (10-30 us) is ~1 % of a 4 MiB chunk's transfer, and the inline sendmsg was the trio thread's largest
- *   syscall (4 peer readers, 10 s steady: its CPU 0.054-0.059 -> 0.046-0.049 s per GB,
- *   the engine thread's +0.01, MB/s unchanged).  Whatever does not fit the
- *   socket is finished by the engine thread on EPOLLOUT.
+ *   wake (10-30 us) is ~1 % of a 4 MiB chunk's transfer, and the inline sendmsg was the
+ *   trio thread's largest syscall (4 peer readers, 10 s steady: its CPU 0.054-0.059 ->
+ *   0.046-0.049 s per GB, the engine thread's +0.01, MB/s unchanged).  Whatever does not
+ *   fit the socket is finished by the engine thread on EPOLLOUT.
  *   READ responses are read with readv() straight into the WQE's SGEs (registered
  *   memory); only headers and payloads <= KS_SMALL go through a staging buffer.
  * * Responder: the engine thread reads requests from the incoming connection, checks
@@ -2371,6 +2371,7 @@ void ks_qp_to_err(ks_engine *e, ks_qp *qp)
 static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
 {
     int was_idle = qp->sq_head == qp->sq_tail;
+    uint64_t reads = 0;             /* response bytes the batch asks for */
     size_t i = 0;
     for (; i < n && qp->state == KS_QPS_RTS; i++) {
         ks_wqe *w = &qp->sq[qp->sq_tail % qp->max_send_wr];
@@ -2385,6 +2386,7 @@ static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
             h.rkey = w->rkey;
             h.rlen = (uint32_t)w->total;
             h.raddr = w->raddr;
+            reads += w->total;
         } else {
             h.opcode = KS_OP_SEND;
             h.length = (uint32_t)w->total;
@@ -2403,10 +2405,6 @@ static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
                     0, qp->qpn);
     if (qp->state != KS_QPS_RTS)
         return;
-    uint64_t reads = 0;             /* response bytes the batch asks for */
-    for (size_t j = 0; j < n; j++)
-        if (wrs[j].opcode == KS_WR_RDMA_READ)
-            reads += wrs[j].total;
     if (was_idle)
         qp->last_progress = now_ns();
     if (was_idle && reads < KS_DOORBELL_READ)
