@@ -130,6 +130,8 @@ struct fe_worker {
     size_t outlen;
     struct fe_counters c;
     struct fe_uent *ent;            /* the ring entry of the request in hand (NULL: /dev/fuse) */
+    /* the crowd rule's totals (crowd_note): written by this thread only */
+    _Atomic uint64_t busy_ns, requests;
 };
 
 /* A ring entry's life, in its ``state`` (the kernel's own FRRS_* states in brackets):
@@ -210,6 +212,13 @@ struct fe_engine {
     atomic_int gate_open;           /* a reader left (unmount, stop): nobody waits any more */
     pthread_mutex_t slock;
     pthread_cond_t scond;
+    /* the crowd rule (crowd_note): the last FE_SOLO_NS window's tasks, its requests'
+     * time in dispatch (every /dev/fuse thread's) and their number, and its verdict */
+    int ncpu;                       /* CPUs this process may run on (fe_start) */
+    _Atomic uint64_t crowd_tasks;   /* bit pid % 64 of each task seen this window */
+    _Atomic uint64_t crowd_since;   /* when this window began */
+    uint64_t crowd_busy, crowd_requests;   /* the totals when it began; its closer only */
+    atomic_int crowded;
     /* io_uring queues (fe_start, when INIT negotiated FUSE_OVER_IO_URING) */
     int uring;                      /* negotiated */
     struct fe_uqueue *queues;
@@ -1133,6 +1142,58 @@ static void count(struct fe_worker *w, int op, uint64_t t0, int err)
 #define FE_SOLO_NS 20000000ull
 #define FE_SOLO_READ (256u << 10)   /* a READ this large is readahead, answered ahead of need */
 
+/* The crowd rule.  More tasks than CPUs, each sending short requests in turn (8 workers
+ * opening and reading ImageNet-like files on 2 CPUs): no CPU is idle for a second
+ * thread, and each request that woke it from read(2) cost a sleep and a wake-up; the
+ * threads slept 1.6-1.8 times per file each, and a file cost 65-78 us of their CPU
+ * against 43-46 when they happened not to sleep (14-17k against 18-20k files/s, the
+ * mode changing from one pass to the next); one thread: 40-42 us, 19-20k files/s every
+ * pass (ramfs-c, one thread: 40-42 us).  So while, over the last FE_SOLO_NS, more tasks
+ * than CPUs sent requests averaging under FE_CROWD_SHORT_NS that one thread could have
+ * answered alone (all threads' time in dispatch under FE_CROWD_BUSY_PCT of the window),
+ * the gate stays as it is (closed, once its last opening ran out). Long requests (4
+ * sequential readers' 1 MiB READs: one thread 0.88x of two) or a busy thread (a large
+ * machine's crowd) leave it to the solo gate's own reasons. */
+#define FE_CROWD_SHORT_NS 50000ull
+#define FE_CROWD_BUSY_PCT 90u
+
+/* After each /dev/fuse request (arrived ``t0``) of task ``pid``: count it, and judge the
+ * window that ended (one thread, by CAS on crowd_since). One shared write per task and
+ * window; the rest are this thread's own totals. */
+static void crowd_note(struct fe_worker *w, uint32_t pid, uint64_t t0)
+{
+    struct fe_engine *e = w->e;
+    if (e->nworkers < 2)
+        return;
+    uint64_t now = now_ns();
+    atomic_store_explicit(&w->busy_ns, atomic_load_explicit(&w->busy_ns, memory_order_relaxed)
+                          + (now - t0), memory_order_relaxed);
+    atomic_store_explicit(&w->requests, atomic_load_explicit(&w->requests,
+                          memory_order_relaxed) + 1, memory_order_relaxed);
+    uint64_t bit = 1ull << (pid % 64);
+    if (pid && !(atomic_load_explicit(&e->crowd_tasks, memory_order_relaxed) & bit))
+        atomic_fetch_or_explicit(&e->crowd_tasks, bit, memory_order_relaxed);
+    uint64_t since = atomic_load_explicit(&e->crowd_since, memory_order_relaxed);
+    if (now - since < FE_SOLO_NS ||
+        !atomic_compare_exchange_strong(&e->crowd_since, &since, now))
+        return;
+    uint64_t busy = 0, requests = 0;
+    for (int i = 0; i < e->nworkers; i++) {
+        busy += atomic_load_explicit(&e->workers[i].busy_ns, memory_order_relaxed);
+        requests += atomic_load_explicit(&e->workers[i].requests, memory_order_relaxed);
+    }
+    uint64_t db = busy - e->crowd_busy, dr = requests - e->crowd_requests;
+    e->crowd_busy = busy;
+    e->crowd_requests = requests;
+    int tasks = __builtin_popcountll(atomic_exchange(&e->crowd_tasks, 0));
+    int crowded = tasks > e->ncpu && dr && db / dr < FE_CROWD_SHORT_NS &&
+                  db < (now - since) / 100 * FE_CROWD_BUSY_PCT;
+    if (crowded && !atomic_exchange(&e->crowded, 1))
+        w->c.gate_crowded++;
+    else if (!crowded)
+        atomic_store(&e->crowded, 0);
+}
+
 /* The solo gate's bookkeeping (solo_gate, below), on every /dev/fuse request, at its
  * arrival ``now``: while the gate was opened within the last quarter of FE_SOLO_NS it
  * touches nothing shared (fio's random 4 KiB j4 is ~0.5 us per READ). */
@@ -1142,6 +1203,8 @@ static void solo_note(struct fe_worker *w, const struct fuse_in_header *h, size_
     struct fe_engine *e = w->e;
     if (e->nworkers < 2 || !h->pid)
         return;                     /* (the kernel's own requests carry no task) */
+    if (atomic_load_explicit(&e->crowded, memory_order_relaxed))
+        return;                     /* the crowd rule: the gate stays as it is */
     if (atomic_load_explicit(&e->multi_until, memory_order_relaxed) > now + FE_SOLO_NS / 4 * 3)
         return;
     uint32_t prev = atomic_load_explicit(&e->last_pid, memory_order_relaxed);
@@ -1162,12 +1225,22 @@ static void solo_note(struct fe_worker *w, const struct fuse_in_header *h, size_
     }
 }
 
+static void dispatch_one(struct fe_worker *w, const uint8_t *buf, size_t n, uint64_t t0);
+
 static void dispatch(struct fe_worker *w, const uint8_t *buf, size_t n)
+{
+    uint64_t t0 = now_ns();
+    dispatch_one(w, buf, n, t0);
+    if (!w->ent && n >= sizeof(struct fuse_in_header))
+        crowd_note(w, ((const struct fuse_in_header *)buf)->pid, t0);
+}
+
+static void dispatch_one(struct fe_worker *w, const uint8_t *buf, size_t n, uint64_t t0)
 {
     if (n < sizeof(struct fuse_in_header))
         return;
     const struct fuse_in_header *h = (const void *)buf;
-    struct req r = {w, h, buf + sizeof *h, n - sizeof *h, FE_OP_OTHER, now_ns(), 0};
+    struct req r = {w, h, buf + sizeof *h, n - sizeof *h, FE_OP_OTHER, t0, 0};
     if (!w->ent) {
         solo_note(w, h, n, r.t0);
         if (w != &w->e->workers[0])
@@ -1948,6 +2021,8 @@ int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen)
     e->workers = calloc((size_t)nthreads, sizeof *e->workers);
     if (!e->workers)
         return -ENOMEM;
+    cpu_set_t cpus;                     /* the crowd rule's CPUs */
+    e->ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
     for (int i = 0; i < nthreads; i++) {
         struct fe_worker *w = &e->workers[i];
         int bufs = worker_buffers(w, e, i == 0 ? e->fd : i < e->ngiven ? e->given[i]
@@ -2025,6 +2100,7 @@ static void add_counters(struct fe_counters *sum, const struct fe_counters *c)
         sum->shared_requests += c->shared_requests;
         sum->gate_opened_tasks += c->gate_opened_tasks;
         sum->gate_opened_requests += c->gate_opened_requests;
+        sum->gate_crowded += c->gate_crowded;
     }
 }
 

@@ -103,6 +103,7 @@ struct fe_counters {
      * times it opened for a request of another task than the last, and for one of the
      * same task that was not readahead (not a READ, or a READ under FE_SOLO_READ) */
     uint64_t gate_waits, shared_requests, gate_opened_tasks, gate_opened_requests;
+    uint64_t gate_crowded;          /* windows the crowd rule began to keep it as it was */
     /* the native chunk fetch (fuse_fetch.h): READs posted, landed verified, failed or
      * stepped aside, READs parked on one in flight, parked READs answered or handed on */
     uint64_t fetch_posted, fetch_landed, fetch_failed, fetch_parked, fetch_answered;

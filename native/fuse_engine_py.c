@@ -748,7 +748,7 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
     if (!ops)
         return NULL;
     return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
                          "read_hits", (unsigned long long)c.read_hits,
                          "read_hit_bytes", (unsigned long long)c.read_hit_bytes,
                          "memory_hits", (unsigned long long)c.memory_hits,
@@ -764,6 +764,7 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
                          "shared_requests", (unsigned long long)c.shared_requests,
                          "gate_opened_tasks", (unsigned long long)c.gate_opened_tasks,
                          "gate_opened_requests", (unsigned long long)c.gate_opened_requests,
+                         "gate_crowded", (unsigned long long)c.gate_crowded,
                          "fetch_posted", (unsigned long long)c.fetch_posted,
                          "fetch_landed", (unsigned long long)c.fetch_landed,
                          "fetch_failed", (unsigned long long)c.fetch_failed,

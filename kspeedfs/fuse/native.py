@@ -418,8 +418,9 @@ class NativeSession:
         buffers (what /dev/fuse's writev from the tier does not cost); READs the tier
         could not answer in C (``read_misses``: ``fetch_parked`` of them waited for the
         native fetch, the rest were answered in Python) and prefetch hints sent to
-        Python; the solo gate's (``gate_waits``, ``shared_requests``, and the times it
-        opened for another task or a request that was not readahead: fuse_engine.c); and
+        Python; the solo gate's (``gate_waits``, ``shared_requests``, the times it
+        opened for another task or a request that was not readahead, and the windows
+        the crowd rule began to keep it as it was: fuse_engine.c); and
         the native chunk fetch's counters (native/fuse_fetch.h)."""
         c = self.counters()
         return {"transport": f"native {self.transport}",
@@ -427,6 +428,7 @@ class NativeSession:
                                             "ring_lost", "read_misses", "prefetch_hints",
                                             "gate_waits", "shared_requests",
                                             "gate_opened_tasks", "gate_opened_requests",
+                                            "gate_crowded",
                                             "fetch_posted", "fetch_landed", "fetch_failed",
                                             "fetch_redundant", "fetch_parked",
                                             "fetch_answered")}}

@@ -3,8 +3,10 @@
 One task reading one file sequentially is served by the first /dev/fuse thread alone
 (a second one, woken on the reader's CPU, preempted it: fuse_engine.c, the solo gate);
 requests from several tasks at once, or any that is not readahead, open the gate for
-every thread. Counted in ``gate_waits`` and ``shared_requests`` (requests read by the
-threads after the first), which the stats xattr carries."""
+every thread, unless more tasks than CPUs send short requests that one thread keeps up
+with (the crowd rule). Counted in ``gate_waits``, ``gate_crowded`` and
+``shared_requests`` (requests read by the threads after the first), which the stats
+xattr carries."""
 from __future__ import annotations
 
 import json
@@ -101,3 +103,44 @@ def test_several_tasks_open_the_gate_for_every_thread(mounted: Path) -> None:
     after = _stats(mounted)
     assert after["shared_requests"] > before["shared_requests"]
     assert after["gate_opened_tasks"] > before["gate_opened_tasks"]
+
+
+# open and read one small file after another, uncached, for argv[2] seconds; a short
+# pause after each keeps the daemon far from busy (the crowd rule's third condition)
+CROWD = """import os, sys, time
+names, end = sys.argv[1].split(","), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    for name in names:
+        fd = os.open(name, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.read(fd, 1 << 16)
+        os.close(fd)
+        time.sleep(0.0005)
+"""
+
+
+def test_more_tasks_than_cpus_with_short_requests_are_served_by_the_first_thread(
+        mounted: Path) -> None:
+    """The crowd rule (fuse_engine.c): more tasks than CPUs, each sending short requests
+    that one thread keeps up with, leave the gate closed: the threads after the first
+    read (almost) nothing, where each request that woke one cost a sleep and a wake-up."""
+    ncpu = len(os.sched_getaffinity(0))
+    if ncpu > 8:
+        pytest.skip(f"{ncpu} CPUs: a crowd would be {2 * ncpu + 2} processes")
+    names = ",".join(str(mounted / "small" / f"{i}.txt") for i in range(64))
+    procs = [subprocess.Popen([sys.executable, "-c", CROWD, names, "2.5"])
+             for _ in range(2 * ncpu + 2)]
+    try:
+        time.sleep(1.0)                 # every task started; the first windows judged
+        before = _stats(mounted)
+        time.sleep(1.0)
+        after = _stats(mounted)
+    finally:
+        for p in procs:
+            p.wait(timeout=30)
+    requests = sum(after["ops"][k] - before["ops"].get(k, 0) for k in after["ops"])
+    shared = after["shared_requests"] - before["shared_requests"]
+    assert after["gate_crowded"] >= 1, after
+    assert requests > 1000 and shared <= requests * 0.05, (requests, shared)
+    print(f"{2 * ncpu + 2} tasks on {ncpu} CPUs: {shared} of {requests} requests read by "
+          f"the threads after the first")
