@@ -130,7 +130,9 @@ struct fe_worker {
     size_t outlen;
     struct fe_counters c;
     struct fe_uent *ent;            /* the ring entry of the request in hand (NULL: /dev/fuse) */
-    /* the crowd rule's totals (crowd_note): written by this thread only */
+    /* the crowd rule's totals (crowd_note): written by this thread only. Not the sums of
+     * ``c.ns``/``c.count``: those stop before the reply is written (a 1 MiB READ's copy,
+     * which makes it long) and leave out the requests queued for Python */
     _Atomic uint64_t busy_ns, requests;
 };
 
