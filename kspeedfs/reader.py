@@ -371,7 +371,7 @@ class Reader:
         if self.push is not None:
             self.nursery.start_soon(self._push_ahead, entry, k)
         elif loading:
-            self.tiers.start(k)
+            self.tiers.start(k, key)
 
     def _room(self) -> int:
         """Bytes the memory tier can take without evicting prefetched chunks."""

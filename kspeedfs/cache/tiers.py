@@ -158,10 +158,12 @@ class TierChain:
         loaded, _ = await self.flights.run(key, self.load, k)
         return loaded.tier
 
-    def start(self, k: int) -> None:
-        """Start (or join) the load of chunk ``k`` without waiting for it (prefetch)."""
-        key = self.index.chunk_digest(k)
-        if self.native is not None and self._native(key, lambda: self.native.start(k, key)):
+    def start(self, k: int, key: bytes | None = None) -> None:
+        """Start (or join) the load of chunk ``k`` (digest ``key``, when the caller has
+        it) without waiting for it (prefetch)."""
+        if key is None:
+            key = self.index.chunk_digest(k)
+        if self.native is not None and self._native(key, partial(self.native.start, k, key)):
             return
         self.flights.start(key, self.load, k)
 

@@ -105,7 +105,7 @@ def soft_capi() -> Any:
     return getattr(_soft_engine, "_C_API", None)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Fetch:
     """One chunk (or small file's extent) C is READing: where it lands, from which
     incarnation of which node (for its hint), and the Event of whoever waits for it."""

@@ -97,6 +97,14 @@ class VMR:
     def nics(self) -> list[str]:
         return list(self.mrs)
 
+    def on(self, nic: str, offset: int) -> tuple[int, int]:
+        """``(addr, lkey)`` of byte ``offset`` through local NIC ``nic`` (unchecked: the
+        caller knows the range is inside; ``sge`` checks it), as ``RemoteVMR.on`` names
+        a peer's byte. For the native fetch's per-chunk target, where an SGE object
+        was a tenth of the call."""
+        mr = self.mrs[nic]
+        return mr.buf + offset, mr.lkey
+
     def sge(self, nic: str, offset: int, length: int) -> SGE:
         if offset < 0 or length < 0 or offset + length > self.length:
             raise RdmaUserError(f"[{offset}, {offset + length}) outside vMR of {self.length}")

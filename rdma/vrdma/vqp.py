@@ -197,10 +197,10 @@ class VQP:
             if not p.m.postable or raw is None:
                 continue
             self._native_rr = (self._native_rr + i + 1) % n
-            sge = local_vmr.sge(p.local_nic, local_off, length)
+            laddr, lkey = local_vmr.on(p.local_nic, local_off)    # (checked above)
             raddr, rkey = rm.on(p.remote_nic, off)
             assert p.qp is not None
-            return NativeTarget(raw, p.qp.qp_num, sge.addr, sge.lkey, raddr, rkey)
+            return NativeTarget(raw, p.qp.qp_num, laddr, lkey, raddr, rkey)
         return None
 
     def native_done(self, qpn: int) -> None:
