@@ -182,7 +182,7 @@ class Hedger:
         if not sample:
             return
         c = size_class(nbytes)
-        if seconds <= self._limit(h, c):
+        if (h.overruns or h.suspected_until) and seconds <= self._limit(h, c):
             h.overruns = 0
             h.suspected_until = 0.0
         h.windows[c].add(seconds)
