@@ -1043,6 +1043,8 @@ void fe_read_again(struct fe_engine *e, const struct fe_request *q)
 
 int fe_queue(struct fe_engine *e, const struct fe_request *q) { return enqueue(e, q); }
 
+static uint64_t now_ns(void);
+
 static int do_read(struct req *r)
 {
     struct fe_engine *e = r->w->e;
@@ -1085,8 +1087,11 @@ static int do_read(struct req *r)
         queued = QUEUED;
     }
     if (pstop > pstart) {
+        /* chunks Python routed start here (fetch_start); from the first that does not,
+         * the rest are hinted to Python */
+        struct fe_fetch *f = atomic_load(&e->fetch);
         for (uint64_t k = pstart; k < pstop; k++)
-            if (!tier_has(e->tier, chunk_key(e, k), 16)) {
+            if (!tier_has(e->tier, chunk_key(e, k), 16) && !(f && fetch_start(f, k, now_ns()))) {
                 struct fe_request q = {.kind = FE_PREFETCH, .fd = -1, .unique = last,
                                        .entry = entry, .offset = k, .size = pstop};
                 r->w->c.prefetch_hints++;
@@ -2126,6 +2131,7 @@ void fe_counters(struct fe_engine *e, struct fe_counters *sum)
         sum->fetch_redundant = fc.redundant;
         sum->fetch_parked = fc.parked;
         sum->fetch_answered = fc.answered;
+        sum->fetch_started = fc.started;
     }
 }
 
@@ -2137,8 +2143,8 @@ int fe_fetch_enable(struct fe_engine *e, const struct ks_capi *api, char *err, s
         set_err(err, errlen, "fetch: the soft engine's C API is not ABI %d", KS_CAPI_ABI);
         return -EINVAL;
     }
-    struct fe_fetch *f = fetch_new(e, e->tier, e->ix.chunk_digests, e->ix.chunks, api, err,
-                                   errlen);
+    struct fe_fetch *f = fetch_new(e, e->tier, e->ix.chunk_digests, e->ix.chunk_len,
+                                   e->ix.chunks, api, err, errlen);
     if (!f)
         return -ENOMEM;
     atomic_store(&e->fetch, f);

@@ -748,7 +748,7 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
     if (!ops)
         return NULL;
     return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
                          "read_hits", (unsigned long long)c.read_hits,
                          "read_hit_bytes", (unsigned long long)c.read_hit_bytes,
                          "memory_hits", (unsigned long long)c.memory_hits,
@@ -770,7 +770,8 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
                          "fetch_failed", (unsigned long long)c.fetch_failed,
                          "fetch_redundant", (unsigned long long)c.fetch_redundant,
                          "fetch_parked", (unsigned long long)c.fetch_parked,
-                         "fetch_answered", (unsigned long long)c.fetch_answered);
+                         "fetch_answered", (unsigned long long)c.fetch_answered,
+                         "fetch_started", (unsigned long long)c.fetch_started);
 }
 
 /* --------------------------------------------------------------- the native fetch */
@@ -1047,6 +1048,125 @@ static PyObject *Engine_fetch_landed(EngineObject *self, PyObject *arg)
     return (PyObject *)b;
 }
 
+/* The engine's native fetch, or NULL with an exception set (none enabled: EINVAL). */
+static struct fe_fetch *fetch_of(EngineObject *self, const char *what)
+{
+    struct fe_engine *e = engine_of(self, what);
+    struct fe_fetch *f = e ? fe_fetcher(e) : NULL;
+    if (e && !f)
+        raise_errno(EINVAL, "%s: fetch_enable first", what);
+    return f;
+}
+
+/* fetch_peer(peer, paths, limit_ns): peer ``peer``'s UP paths, each (handle, qpn, raddr,
+ * rkey, nic): the fetch engine, QP, the arena's first byte and rkey through it, and which
+ * lkey of a landing slot it takes; [] turns the peer off. */
+static PyObject *Engine_fetch_peer(EngineObject *self, PyObject *args)
+{
+    int peer;
+    PyObject *seq;
+    unsigned long long limit_ns;
+    if (!PyArg_ParseTuple(args, "iOK:fetch_peer", &peer, &seq, &limit_ns))
+        return NULL;
+    struct fe_fetch *f = fetch_of(self, "fetch_peer");
+    if (!f)
+        return NULL;
+    PyObject *fast = PySequence_Fast(seq, "fetch_peer: paths must be a sequence");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    struct fe_path paths[FE_PATHS];
+    if (n > FE_PATHS) {
+        Py_DECREF(fast);
+        return raise_errno(EINVAL, "fetch_peer: more than %d paths", FE_PATHS);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int handle;
+        unsigned int qpn, rkey, nic;
+        unsigned long long raddr;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iIKII:fetch_peer path",
+                              &handle, &qpn, &raddr, &rkey, &nic)) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        if (handle < 0 || handle >= self->nheld) {
+            Py_DECREF(fast);
+            return raise_errno(EINVAL, "fetch_peer: no such fetch engine");
+        }
+        paths[i] = (struct fe_path){.ke = self->held_e[handle], .qpn = qpn, .rkey = rkey,
+                                    .nic = nic, .raddr = raddr};
+    }
+    Py_DECREF(fast);
+    int rc = fetch_peer(f, peer, paths, (int)n, limit_ns);
+    if (rc < 0)
+        return raise_errno(-rc, "fetch_peer: no such peer, NIC or fetch CQ");
+    Py_RETURN_NONE;
+}
+
+/* fetch_route(chunk, peer, offset): the chunk lies at ``offset`` of that peer's arena
+ * (peer -1: no route). */
+static PyObject *Engine_fetch_route(EngineObject *self, PyObject *args)
+{
+    unsigned long long k, offset;
+    int peer;
+    if (!PyArg_ParseTuple(args, "KiK:fetch_route", &k, &peer, &offset))
+        return NULL;
+    struct fe_fetch *f = fetch_of(self, "fetch_route");
+    if (!f)
+        return NULL;
+    if (fetch_route(f, k, peer, offset) < 0)
+        return raise_errno(EINVAL, "fetch_route: no such chunk or peer, or offset too large");
+    Py_RETURN_NONE;
+}
+
+/* fetch_unroute(): every route and peer forgotten. */
+static PyObject *Engine_fetch_unroute(EngineObject *self, PyObject *unused)
+{
+    struct fe_engine *e = engine_of(self, "fetch_unroute");
+    struct fe_fetch *f = e ? fe_fetcher(e) : NULL;
+    if (f)
+        fetch_unroute(f);
+    if (!e)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* fetch_slot(id, laddr, lkeys) -> bool: a landing slot for C-started fetches (False: C
+ * holds FE_SLOTS already). */
+static PyObject *Engine_fetch_slot(EngineObject *self, PyObject *args)
+{
+    unsigned int id;
+    unsigned long long laddr;
+    PyObject *seq;
+    if (!PyArg_ParseTuple(args, "IKO:fetch_slot", &id, &laddr, &seq))
+        return NULL;
+    struct fe_fetch *f = fetch_of(self, "fetch_slot");
+    if (!f)
+        return NULL;
+    PyObject *fast = PySequence_Fast(seq, "fetch_slot: lkeys must be a sequence");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    uint32_t lkeys[FE_NICS];
+    if (n > FE_NICS) {
+        Py_DECREF(fast);
+        return raise_errno(EINVAL, "fetch_slot: more than %d lkeys", FE_NICS);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == (unsigned long)-1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        lkeys[i] = (uint32_t)v;
+    }
+    Py_DECREF(fast);
+    int rc = fetch_slot(f, id, (void *)(uintptr_t)laddr, lkeys, (int)n);
+    if (rc == -EINVAL)
+        return raise_errno(EINVAL, "fetch_slot: bad lkeys");
+    return PyBool_FromLong(rc == 0);
+}
+
 /* fetch_unpark(cookie) -> int: answer the READs parked on that fetch from the tier now. */
 static PyObject *Engine_fetch_unpark(EngineObject *self, PyObject *arg)
 {
@@ -1142,6 +1262,14 @@ static PyMethodDef Engine_methods[] = {
      "fetch_landed(cookie) -> Block | None: the buffer an extent's fetch put in the tier"},
     {"fetch_post", (PyCFunction)Engine_fetch_post, METH_VARARGS,
      "fetch_post(handle, qpn, chunk, cookie, laddr, lkey, raddr, rkey, length)"},
+    {"fetch_peer", (PyCFunction)Engine_fetch_peer, METH_VARARGS,
+     "fetch_peer(peer, [(handle, qpn, raddr, rkey, nic)...], limit_ns): a peer's UP paths"},
+    {"fetch_route", (PyCFunction)Engine_fetch_route, METH_VARARGS,
+     "fetch_route(chunk, peer, offset): where the chunk lies (peer -1: no route)"},
+    {"fetch_unroute", (PyCFunction)Engine_fetch_unroute, METH_NOARGS,
+     "fetch_unroute(): every route and peer forgotten"},
+    {"fetch_slot", (PyCFunction)Engine_fetch_slot, METH_VARARGS,
+     "fetch_slot(id, laddr, lkeys) -> bool: a landing slot for C-started fetches"},
     {"fetch_unpark", (PyCFunction)Engine_fetch_unpark, METH_O,
      "fetch_unpark(cookie) -> int: the READs parked on that fetch answered from the tier now"},
     {"fetch_stop", (PyCFunction)Engine_fetch_stop, METH_VARARGS,
@@ -1372,6 +1500,11 @@ PyMODINIT_FUNC PyInit__engine(void)
         PyModule_AddIntConstant(m, "FETCH_EXISTS", FE_FETCH_EXISTS) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_STOPPED", FE_FETCH_STOPPED) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_NOMEM", FE_FETCH_NOMEM) < 0 ||
+        PyModule_AddIntConstant(m, "FETCH_LATE", FE_FETCH_LATE) < 0 ||
+        PyModule_AddObject(m, "FETCH_OWN", PyLong_FromUnsignedLongLong(FE_OWN)) < 0 ||
+        PyModule_AddIntConstant(m, "FETCH_PEERS", FE_PEERS) < 0 ||
+        PyModule_AddIntConstant(m, "FETCH_NICS", FE_NICS) < 0 ||
+        PyModule_AddIntConstant(m, "FETCH_SLOTS", FE_SLOTS) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_MAX", FE_FETCH_MAX) < 0 ||
         PyModule_AddIntConstant(m, "BUCKETS", FE_BUCKETS) < 0) {
         Py_DECREF(m);

@@ -22,6 +22,13 @@ struct parked {
     struct fe_request q;
 };
 
+struct own {                        /* what a C-started fetch's FE_FETCHED names */
+    uint32_t slot;                  /* Python's id of its landing slot */
+    int peer, path;
+    uint64_t t0, deadline;          /* CLOCK_MONOTONIC ns; deadline 0: none */
+    int late;                       /* FE_FETCH_LATE sent */
+};
+
 struct rec {                        /* one fetch in flight; all fields under f->lock */
     int used;
     uint32_t gen;                   /* in the WR id beside the index: a stale WC is ignored */
@@ -35,6 +42,7 @@ struct rec {                        /* one fetch in flight; all fields under f->
     uint8_t key[20], keylen;        /* its tier key (a chunk's is f->digests + k * 16) */
     uint8_t want[16], wantlen;      /* its digest: xxh3-128 (16), or xxh3-64 (8: a block) */
     struct parked *parked;
+    struct own own;                 /* a C-started fetch's (cookie & FE_OWN) */
 };
 
 struct landed {                     /* an extent's buffer in the tier, until Python takes it */
@@ -50,11 +58,29 @@ struct fcq {                        /* a fetch CQ on one soft engine */
     int id, efd;
 };
 
+struct peer {                       /* fetch_peer's; under f->lock */
+    struct fe_path path[FE_PATHS];
+    int npaths, turn;
+    uint64_t limit_ns;
+};
+
+struct slot {
+    uint32_t id;
+    uint8_t *laddr;
+    uint32_t lkey[FE_NICS];
+};
+
 struct fe_fetch {
     struct fe_engine *e;
     struct fe_tier *t;
     const uint8_t *digests;
+    const uint32_t *chunk_len;
     uint64_t chunks;
+    uint64_t *routes;               /* chunk → (peer + 1) << 56 | arena offset; 0: none */
+    struct peer peers[FE_PEERS];    /* under lock, as routes and slots */
+    struct slot slots[FE_SLOTS];
+    int nslots;
+    uint64_t own_seq;
     const struct ks_capi *api;
     pthread_mutex_t lock;
     struct rec recs[FE_FETCH_MAX];  /* under lock */
@@ -63,7 +89,8 @@ struct fe_fetch {
     int stopping;                   /* under lock: no more posts */
     struct fcq cqs[FE_FETCH_ENGINES];
     atomic_int ncqs;                /* cqs[0..ncqs) published; added under lock */
-    int epfd, stopfd;
+    int epfd, stopfd, kickfd;
+    atomic_int idle;                /* the thread sleeps with no deadline to watch */
     pthread_t thread;
     int started;
     struct landed *landed;          /* under lock */
@@ -73,30 +100,43 @@ struct fe_fetch {
 static void *fetch_main(void *arg);
 
 struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t, const uint8_t *chunk_digests,
-                           uint64_t chunks, const struct ks_capi *api, char *err, size_t errlen)
+                           const uint32_t *chunk_len, uint64_t chunks, const struct ks_capi *api,
+                           char *err, size_t errlen)
 {
     struct fe_fetch *f = calloc(1, sizeof *f);
-    if (!f) {
+    uint64_t *routes = calloc(chunks ? chunks : 1, sizeof *routes);
+    if (!f || !routes) {
+        free(f);
+        free(routes);
         snprintf(err, errlen, "fetch: out of memory");
         return NULL;
     }
     f->e = e;
     f->t = t;
     f->digests = chunk_digests;
+    f->chunk_len = chunk_len;
     f->chunks = chunks;
+    f->routes = routes;
     f->api = api;
     pthread_mutex_init(&f->lock, NULL);
     f->epfd = epoll_create1(EPOLL_CLOEXEC);
     f->stopfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    f->kickfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     struct epoll_event ev = {.events = EPOLLIN, .data.u32 = FE_FETCH_ENGINES};
-    if (f->epfd < 0 || f->stopfd < 0 || epoll_ctl(f->epfd, EPOLL_CTL_ADD, f->stopfd, &ev) < 0 ||
+    struct epoll_event kick = {.events = EPOLLIN, .data.u32 = FE_FETCH_ENGINES + 1};
+    if (f->epfd < 0 || f->stopfd < 0 || f->kickfd < 0 ||
+        epoll_ctl(f->epfd, EPOLL_CTL_ADD, f->stopfd, &ev) < 0 ||
+        epoll_ctl(f->epfd, EPOLL_CTL_ADD, f->kickfd, &kick) < 0 ||
         pthread_create(&f->thread, NULL, fetch_main, f) != 0) {
         snprintf(err, errlen, "fetch: %s", strerror(errno));
         if (f->epfd >= 0)
             close(f->epfd);
         if (f->stopfd >= 0)
             close(f->stopfd);
+        if (f->kickfd >= 0)
+            close(f->kickfd);
         pthread_mutex_destroy(&f->lock);
+        free(f->routes);
         free(f);
         return NULL;
     }
@@ -196,13 +236,27 @@ static int hand_on(struct fe_fetch *f, struct parked *p, int again)
     return n;
 }
 
-/* Queue the event for Python, then hand the READs on (behind the event). */
-static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
-                   struct parked *p, int again)
+/* The FE_FETCHED event of a fetch (a C-started one's also names its slot, peer, path and
+ * start: fetch_slot). */
+static void event(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
+                  const struct own *own)
 {
     struct fe_request ev = {.kind = FE_FETCHED, .fd = -1, .entry = cookie, .offset = k,
                             .size = (uint64_t)status};
+    if (cookie & FE_OWN) {
+        ev.unique = own->slot;
+        ev.fd = own->peer;
+        ev.random = own->path;
+        ev.t0 = own->t0;
+    }
     fe_queue(f->e, &ev);
+}
+
+/* Queue the event for Python, then hand the READs on (behind the event). */
+static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
+                   struct parked *p, int again, const struct own *own)
+{
+    event(f, k, cookie, status, own);
     hand_on(f, p, again);
     pthread_mutex_lock(&f->lock);
     if (status == FE_FETCH_OK)
@@ -212,6 +266,26 @@ static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
     else
         f->c.failed++;
     pthread_mutex_unlock(&f->lock);
+}
+
+/* One signaled RDMA READ of ``len`` bytes at ``raddr``/``rkey`` into ``laddr``/``lkey`` on
+ * QP ``qpn`` of ``ke``, its WC on fetch CQ ``q`` under ``wr_id`` (no lock held). */
+static int post_read(struct fe_fetch *f, ks_engine *ke, struct fcq *q, uint32_t qpn,
+                     uint64_t wr_id, void *laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey,
+                     uint32_t len, const char **why)
+{
+    ks_wqe w;
+    memset(&w, 0, sizeof w);
+    w.wr_id = wr_id;
+    w.opcode = KS_WR_RDMA_READ;
+    w.flags = KS_SEND_SIGNALED;
+    w.nsge = 1;
+    w.total = len;
+    w.raddr = raddr;
+    w.rkey = rkey;
+    w.sge[0] = (ks_sge){.addr = (uint64_t)(uintptr_t)laddr, .length = len, .lkey = lkey};
+    w.cq = q->cq;
+    return f->api->post_send(ke, qpn, &w, 1, why);
 }
 
 /* fetch_post and fetch_post_part: a record for chunk ``k`` (or, FE_NO_CHUNK, for the part
@@ -266,6 +340,7 @@ static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, con
     memcpy(r->want, want, wantlen);
     r->wantlen = (uint8_t)wantlen;
     r->parked = own;
+    r->own = (struct own){0};
     if (own)
         f->c.parked++;
     f->active++;
@@ -274,18 +349,7 @@ static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, con
     uint64_t wr_id = (uint64_t)r->gen << 32 | (uint32_t)free_i;
     pthread_mutex_unlock(&f->lock);
 
-    ks_wqe w;
-    memset(&w, 0, sizeof w);
-    w.wr_id = wr_id;
-    w.opcode = KS_WR_RDMA_READ;
-    w.flags = KS_SEND_SIGNALED;
-    w.nsge = 1;
-    w.total = len;
-    w.raddr = raddr;
-    w.rkey = rkey;
-    w.sge[0] = (ks_sge){.addr = (uint64_t)(uintptr_t)laddr, .length = len, .lkey = lkey};
-    w.cq = q->cq;
-    int rc = f->api->post_send(ke, qpn, &w, 1, why);
+    int rc = post_read(f, ke, q, qpn, wr_id, laddr, lkey, raddr, rkey, len, why);
     if (rc < 0) {               /* never posted: READs that parked meanwhile go to Python */
         pthread_mutex_lock(&f->lock);
         f->c.posted--;
@@ -326,6 +390,132 @@ int fetch_post_part(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8
     }
     return post(f, ke, qpn, FE_NO_CHUNK, key, keylen, want, wantlen, read, cookie, laddr, lkey,
                 raddr, rkey, len, why);
+}
+
+int fetch_peer(struct fe_fetch *f, int peer, const struct fe_path *paths, int npaths,
+               uint64_t limit_ns)
+{
+    if (peer < 0 || peer >= FE_PEERS || npaths < 0 || npaths > FE_PATHS)
+        return -EINVAL;
+    for (int i = 0; i < npaths; i++)
+        if (paths[i].nic >= FE_NICS || !cq_of(f, paths[i].ke))
+            return -EINVAL;
+    pthread_mutex_lock(&f->lock);
+    struct peer *p = &f->peers[peer];
+    memcpy(p->path, paths, sizeof *paths * (size_t)npaths);
+    p->npaths = npaths;
+    p->limit_ns = limit_ns;
+    pthread_mutex_unlock(&f->lock);
+    return 0;
+}
+
+int fetch_route(struct fe_fetch *f, uint64_t k, int peer, uint64_t offset)
+{
+    if (k >= f->chunks || peer >= FE_PEERS || offset >> 56)
+        return -EINVAL;
+    pthread_mutex_lock(&f->lock);
+    f->routes[k] = peer < 0 ? 0 : (uint64_t)(peer + 1) << 56 | offset;
+    pthread_mutex_unlock(&f->lock);
+    return 0;
+}
+
+void fetch_unroute(struct fe_fetch *f)
+{
+    pthread_mutex_lock(&f->lock);
+    memset(f->routes, 0, sizeof *f->routes * f->chunks);
+    memset(f->peers, 0, sizeof f->peers);
+    pthread_mutex_unlock(&f->lock);
+}
+
+int fetch_slot(struct fe_fetch *f, uint32_t id, void *laddr, const uint32_t *lkeys, int nlkeys)
+{
+    if (nlkeys < 0 || nlkeys > FE_NICS)
+        return -EINVAL;
+    pthread_mutex_lock(&f->lock);
+    int rc = -ENOSPC;
+    if (f->nslots < FE_SLOTS) {
+        struct slot *s = &f->slots[f->nslots++];
+        s->id = id;
+        s->laddr = laddr;
+        memset(s->lkey, 0, sizeof s->lkey);
+        memcpy(s->lkey, lkeys, sizeof *lkeys * (size_t)nlkeys);
+        rc = 0;
+    }
+    pthread_mutex_unlock(&f->lock);
+    return rc;
+}
+
+int fetch_start(struct fe_fetch *f, uint64_t k, uint64_t now)
+{
+    if (k >= f->chunks)
+        return 0;
+    pthread_mutex_lock(&f->lock);
+    if (rec_of(f, k)) {
+        pthread_mutex_unlock(&f->lock);
+        return 1;                   /* in flight: nothing to start */
+    }
+    uint64_t route = f->routes[k];
+    int peer = (int)(route >> 56) - 1, free_i = -1;
+    struct peer *p = peer >= 0 ? &f->peers[peer] : NULL;
+    if (!p || !p->npaths || !f->nslots || f->stopping || !f->chunk_len[k]) {
+        pthread_mutex_unlock(&f->lock);
+        return 0;
+    }
+    for (int i = 0; i < FE_FETCH_MAX && free_i < 0; i++)
+        if (!f->recs[i].used)
+            free_i = i;
+    if (free_i < 0) {
+        pthread_mutex_unlock(&f->lock);
+        return 0;
+    }
+    struct slot s = f->slots[--f->nslots];
+    int pi = p->turn++ % p->npaths;
+    struct fe_path path = p->path[pi];
+    struct rec *r = &f->recs[free_i];
+    r->used = 1;
+    r->gen++;
+    r->k = k;
+    r->cookie = FE_OWN | ++f->own_seq;
+    r->laddr = s.laddr;
+    r->len = f->chunk_len[k];
+    r->orphan = 0;
+    memcpy(r->key, f->digests + k * 16, 16);
+    r->keylen = 16;
+    memcpy(r->want, f->digests + k * 16, 16);
+    r->wantlen = 16;
+    r->parked = NULL;
+    r->own = (struct own){.slot = s.id, .peer = peer, .path = pi, .t0 = now,
+                          .deadline = p->limit_ns ? now + p->limit_ns : 0};
+    f->active++;
+    atomic_store(&f->nactive, f->active);
+    f->c.posted++;
+    f->c.started++;
+    uint64_t wr_id = (uint64_t)r->gen << 32 | (uint32_t)free_i;
+    uint32_t len = r->len;
+    int watch = r->own.deadline != 0;
+    pthread_mutex_unlock(&f->lock);
+    if (watch && atomic_exchange(&f->idle, 0)) {    /* its deadline needs the thread awake */
+        uint64_t one = 1;
+        ssize_t wr = write(f->kickfd, &one, sizeof one);
+        (void)wr;
+    }
+
+    const char *why;
+    if (post_read(f, path.ke, cq_of(f, path.ke) /* (fetch_peer checked it) */, path.qpn, wr_id,
+                  s.laddr, s.lkey[path.nic], path.raddr + (route & ((1ULL << 56) - 1)),
+                  path.rkey, len, &why) >= 0)
+        return 1;
+    /* never posted: the slot back, the route gone, READs parked meanwhile to Python */
+    pthread_mutex_lock(&f->lock);
+    f->c.posted--;
+    f->c.started--;
+    struct parked *parked = rec_end(f, free_i);
+    f->routes[k] = 0;
+    if (f->nslots < FE_SLOTS)
+        f->slots[f->nslots++] = s;
+    pthread_mutex_unlock(&f->lock);
+    hand_on(f, parked, 0);
+    return 0;
 }
 
 void *fetch_landed(struct fe_fetch *f, uint64_t cookie, uint32_t *len)
@@ -444,6 +634,7 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
     uint8_t *laddr = r->laddr, key[20], want[16];
     uint32_t len = r->len;
     size_t keylen = r->keylen, wantlen = r->wantlen;
+    struct own own = r->own;
     memcpy(key, r->key, keylen);
     memcpy(want, r->want, wantlen);
     pthread_mutex_unlock(&f->lock);
@@ -467,8 +658,44 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
     }
     pthread_mutex_lock(&f->lock);
     struct parked *p = rec_end(f, i);
+    if ((cookie & FE_OWN) && status != FE_FETCH_OK && status != FE_FETCH_EXISTS)
+        f->routes[k] = 0;           /* a stale or dead route: the next hint goes to Python */
     pthread_mutex_unlock(&f->lock);
-    finish(f, k, cookie, status, p, status == FE_FETCH_OK || status == FE_FETCH_EXISTS);
+    finish(f, k, cookie, status, p, status == FE_FETCH_OK || status == FE_FETCH_EXISTS, &own);
+}
+
+/* FE_FETCH_LATE for each C-started fetch past its deadline (once; it goes on); returns
+ * the epoll timeout until the next check: FE_LATE_TICK_MS while one with a deadline is
+ * out (a deadline is the peer's hedging threshold, ≥ 2 ms and ~20-100 ms for a chunk
+ * here: a tick of 5 ms is within its noise), else -1. */
+#define FE_LATE_TICK_MS 5
+static int late_check(struct fe_fetch *f)
+{
+    struct late { uint64_t k, cookie; struct own own; } late[16];
+    int n = 0, waiting = 0;
+    atomic_store(&f->idle, 1);      /* before the scan: fetch_start kicks after it */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+    pthread_mutex_lock(&f->lock);
+    for (int i = 0; i < FE_FETCH_MAX; i++) {
+        struct rec *r = &f->recs[i];
+        if (!r->used || !(r->cookie & FE_OWN) || !r->own.deadline || r->own.late)
+            continue;
+        if (r->own.deadline > now || n == 16) {
+            waiting = 1;
+            continue;
+        }
+        r->own.late = 1;
+        late[n++] = (struct late){r->k, r->cookie, r->own};
+    }
+    pthread_mutex_unlock(&f->lock);
+    for (int i = 0; i < n; i++)
+        event(f, late[i].k, late[i].cookie, FE_FETCH_LATE, &late[i].own);
+    if (!waiting)
+        return -1;
+    atomic_store(&f->idle, 0);
+    return FE_LATE_TICK_MS;
 }
 
 static void *fetch_main(void *arg)
@@ -477,8 +704,8 @@ static void *fetch_main(void *arg)
     pthread_setname_np(pthread_self(), "ks-fetch");     /* top -H, bench: by role */
     ks_wc wcs[64];
     for (;;) {
-        struct epoll_event evs[FE_FETCH_ENGINES + 1];
-        int n = epoll_wait(f->epfd, evs, FE_FETCH_ENGINES + 1, -1);
+        struct epoll_event evs[FE_FETCH_ENGINES + 2];
+        int n = epoll_wait(f->epfd, evs, FE_FETCH_ENGINES + 2, late_check(f));
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0)
@@ -488,6 +715,12 @@ static void *fetch_main(void *arg)
             uint32_t which = evs[j].data.u32;
             if (which == FE_FETCH_ENGINES) {
                 stop = 1;
+                continue;
+            }
+            if (which == FE_FETCH_ENGINES + 1) {    /* a deadline to watch: late_check */
+                uint64_t v;
+                ssize_t rd = read(f->kickfd, &v, sizeof v);
+                (void)rd;
                 continue;
             }
             struct fcq *q = &f->cqs[which];     /* polling it empty re-arms its eventfd */
@@ -532,9 +765,10 @@ int fetch_stop(struct fe_fetch *f, int timeout_ms)
         if (!f->recs[i].used)
             continue;
         uint64_t k = f->recs[i].k, cookie = f->recs[i].cookie;
+        struct own own = f->recs[i].own;
         struct parked *p = rec_end(f, i);
         pthread_mutex_unlock(&f->lock);
-        finish(f, k, cookie, FE_FETCH_STOPPED, p, 0);
+        finish(f, k, cookie, FE_FETCH_STOPPED, p, 0, &own);
         pthread_mutex_lock(&f->lock);
     }
     int n = atomic_load(&f->ncqs);
@@ -561,7 +795,9 @@ void fetch_free(struct fe_fetch *f)
     }
     close(f->epfd);
     close(f->stopfd);
+    close(f->kickfd);
     pthread_mutex_destroy(&f->lock);
+    free(f->routes);
     free(f);
 }
 

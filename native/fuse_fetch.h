@@ -24,10 +24,23 @@
  *                                                      READ answered; Python takes the
  *                                                      buffer (fetch_landed) and adopts it
  *
+ *   a chunk entering a sequential reader's       ─► fetch_start (request thread, at the
+ *   prefetch window (fuse_engine.c do_read)          prefetch hint): when Python routed it
+ *                                                    (fetch_route: its replica and slot
+ *                                                    there, fetch_peer: that peer's UP
+ *                                                    paths) and gave a landing slot
+ *                                                    (fetch_slot), posted here with no hint
+ *                                                    to Python: a C-started fetch (cookie
+ *                                                    with FE_OWN); its FE_FETCHED names
+ *                                                    the slot, the peer and the path
+ *   past the peer's hedging limit, not back       ─► FE_FETCHED with FE_FETCH_LATE (once;
+ *                                                    the fetch goes on): Python hedges it
+ *
  * The fetch is never right about a fault, only steps aside: a WC error, a short READ or
  * a digest mismatch (the replica reused the slot) hands everything to Python's path.
  * Python decides what to fetch (placement, hints, path state, the prefetch budget);
- * C never picks a peer.
+ * C never picks a peer: a C-started fetch follows the route Python published for that
+ * chunk, which a failure clears (the chunk's next hint goes to Python).
  *
  * Locks: f->lock guards the records (a handful in flight: a linear scan); the fetch
  * thread is the only caller of the soft engine's cq_poll on the fetch's CQs; post and
@@ -46,7 +59,21 @@
 
 /* FE_FETCHED's status beyond the WC's (ks_wc.status, < 64) */
 enum { FE_FETCH_OK = 0, FE_FETCH_SHORT = 64, FE_FETCH_MISMATCH = 65, FE_FETCH_EXISTS = 66,
-       FE_FETCH_STOPPED = 67, FE_FETCH_NOMEM = 68 };
+       FE_FETCH_STOPPED = 67, FE_FETCH_NOMEM = 68, FE_FETCH_LATE = 69 };
+
+#define FE_OWN (1ULL << 63)         /* in the cookie of a fetch C started (fetch_start) */
+#define FE_PEERS 64                 /* peers routes may name */
+#define FE_PATHS 2                  /* UP paths a peer's entry holds (used in turn) */
+#define FE_NICS 4                   /* local NICs a landing slot has an lkey on */
+#define FE_SLOTS 64                 /* landing slots Python may give C at once */
+
+/* One UP path to a peer: the soft engine of its local NIC (a fetch CQ there), its QP, the
+ * peer's arena through it, and which of a landing slot's lkeys it takes. */
+struct fe_path {
+    ks_engine *ke;
+    uint32_t qpn, rkey, nic;
+    uint64_t raddr;                 /* the arena's first byte through this path */
+};
 
 struct fe_engine;
 struct fe_request;
@@ -63,10 +90,12 @@ int fe_queue(struct fe_engine *e, const struct fe_request *q);
 struct fe_fetch_counters {
     uint64_t posted, landed, failed, parked, answered;  /* parked: per READ and chunk waited for */
     uint64_t redundant;             /* landed verified, but the tier had the chunk (EXISTS) */
+    uint64_t started;               /* of ``posted``: started in C (fetch_start) */
 };
 
 struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t, const uint8_t *chunk_digests,
-                           uint64_t chunks, const struct ks_capi *api, char *err, size_t errlen);
+                           const uint32_t *chunk_len, uint64_t chunks, const struct ks_capi *api,
+                           char *err, size_t errlen);
 /* A fetch CQ on soft engine ``ke`` (held by the caller until fetch_free), once. */
 int fetch_engine(struct fe_fetch *f, ks_engine *ke, const char **why);
 /* READ ``len`` bytes at ``raddr``/``rkey`` on QP ``qpn`` of ``ke`` into ``laddr``/``lkey``,
@@ -100,6 +129,23 @@ int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct f
  * (the chunk may be evicted again before that READ fails at the peer timeout: READs
  * parked on it then waited for that, 0.3-0.5 s). Returns how many. */
 int fetch_unpark(struct fe_fetch *f, uint64_t cookie);
+/* Peer ``peer``'s entry: ``npaths`` (≤ FE_PATHS; 0: off) UP paths, used in turn, and the
+ * hedging limit of a chunk READ from it (0: none). -EINVAL for a peer out of range. */
+int fetch_peer(struct fe_fetch *f, int peer, const struct fe_path *paths, int npaths,
+               uint64_t limit_ns);
+/* Chunk ``k`` lies at byte ``offset`` of peer ``peer``'s arena (peer < 0: no route). */
+int fetch_route(struct fe_fetch *f, uint64_t k, int peer, uint64_t offset);
+/* Forget every route and peer (Python renumbers its peers). */
+void fetch_unroute(struct fe_fetch *f);
+/* A landing slot for C-started fetches: ``id`` comes back in their FE_FETCHED (the
+ * ``unique`` field; ``fd`` the peer, ``random`` the path), ``lkeys[nic]`` its lkey on each
+ * local NIC. -ENOSPC when FE_SLOTS are held. */
+int fetch_slot(struct fe_fetch *f, uint32_t id, void *laddr, const uint32_t *lkeys, int nlkeys);
+/* Start chunk ``k`` here if it has a route to a peer that is on and a landing slot is free:
+ * 1 (or it is in flight already), else 0 (the caller hints Python). ``now``: CLOCK_MONOTONIC
+ * ns. Any thread. */
+int fetch_start(struct fe_fetch *f, uint64_t k, uint64_t now);
+
 /* Stop: no more posts; wait up to ``timeout_ms`` for every posted READ's WC, then end the
  * thread and close the CQs. Returns how many were still out (their records are
  * abandoned: their CQs are left for the soft engine's close). */

@@ -72,6 +72,11 @@ class Landing:
             return None
         return self._free.pop()
 
+    @property
+    def spare(self) -> int:
+        """Slots ``take`` can still hand out: free, or not registered yet."""
+        return len(self._free) + self.limit - self.slots
+
     def give(self, slot: Slot) -> None:
         """Back to the pool (the READ failed, or its bytes were not kept)."""
         self._free.append(slot)

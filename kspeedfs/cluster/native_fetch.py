@@ -14,6 +14,17 @@ and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
                                           hint dropped, and the chunk's READs (queued for
                                           Python by C) take today's path
 
+      after each chunk posted             _route_ahead: the ROUTE_AHEAD chunks after k, each
+                                          its first replica's peer and slot (fetch_route),
+                                          the peers' UP paths (fetch_peer) and landing slots
+                                          for C to use (fetch_slot, ``_feed``)
+    a sequential reader's window reaches  C starts a routed chunk itself (fuse_fetch.h
+      a chunk (C request thread)             fetch_start), no hint to Python; its FETCHED
+                                             names slot, peer and path: ``_fetched_own``
+                                             adopts it as ``fetched`` a record; past its
+                                             peer's hedging limit C reports it LATE once:
+                                             ``_late_own`` makes it a record and hedges it
+
     NativeSession, a chunk READ missed    a sequential READ whose chunks are neither held
       TierChain.hand_chunks(ks, read)        nor in flight (a pass's first, a hint that
         NativeFetch.start, read_or_park      came late): each started here, the READ
@@ -52,6 +63,10 @@ those, hedging each): with up to 32 in flight, a stopped replica otherwise caugh
 fetches than the hedge budget covers, and their READs waited out the peer timeout (one
 517 ms read in that test, once its routes came from the index copies).
 
+Why C starts routed chunks: per chunk, the hint's wake-up and Python's start (route,
+target, record) were about half of the trio thread's ~250 µs; with routes, one chunk in
+~13 of a steady sequential loop comes back to Python (docs/design.md, stop 37).
+
 Why (docs/design.md, "The plan for that step"): the Python around each chunk READ from a
 peer (single-flight, race, vQP dispatch, CQ consumer, xxh3 on the trio thread, the
 answers to READs waiting for it) was most of the trio thread's 0.3 s per GB; and around
@@ -63,7 +78,9 @@ random 4 KiB READ's block 87 against 169 µs, 6.8-7.2k IOPS against 5.1-5.2k
 """
 from __future__ import annotations
 
+import errno
 import heapq
+import itertools
 import logging
 import time
 from collections import Counter
@@ -89,6 +106,13 @@ log = logging.getLogger(__name__)
 #: with a READ again (the READ comes back to Python after the failure: it takes Python's
 #: path)
 FAILED_FOR = 1.0
+
+#: chunks after one Python started whose routes it gives C (``_route_ahead``): the next
+#: hint for that stream comes this many chunks later
+ROUTE_AHEAD = 8
+
+#: landing slots C holds for the chunks it starts (``_feed``)
+C_SLOTS = 16
 
 try:
     from ..fuse import _engine as _fe      # FETCHED statuses (native/fuse_fetch.h)
@@ -168,6 +192,16 @@ class NativeFetch:
         self._wake = trio.Event()
         self._late: Counter[str] = Counter()   # node → its fetches past their deadline
         self._failed: dict[bytes, float] = {}  # extent → when its fetch last failed
+        # C-started fetches (fuse_fetch.h fetch_start): the peers routes name, what each
+        # was last told (its paths: (handle, qpn, raddr, rkey, nic), and hedging limit),
+        # the landing slots C holds, and the local NICs in the order of a slot's lkeys
+        self._peer_ids: dict[tuple[str, float], int] = {}
+        self._peer_of: dict[int, tuple[Any, VQP]] = {}      # idx → (NodeRecord, vQP)
+        self._told: dict[int, tuple[Any, ...]] = {}
+        self._slots: dict[int, Slot] = {}
+        self._slot_ids = itertools.count()
+        self._nics: list[str] = []
+        self._nursery: trio.Nursery | None = None
 
     def start(self, k: int, key: bytes) -> bool:
         """Post chunk ``k`` (digest ``key``) to C if its first replica allows (module
@@ -233,6 +267,8 @@ class NativeFetch:
                                              target.raddr, target.rkey, read)
         except OSError as e:
             self._give(slot, entry is not None)
+            if e.errno == errno.EALREADY and entry is None:
+                return True         # C started it (a route): its READs park there
             log.debug("native fetch of chunk %d not posted: %s", k, e)
             return False
         now = time.monotonic()
@@ -244,11 +280,143 @@ class NativeFetch:
             if not self._deadlines or limit < self._deadlines[0][0]:
                 self._wake.set()
             heapq.heappush(self._deadlines, (limit, self._cookies))
+        if entry is None:
+            self._route_ahead(k)
         return True
+
+    # -- the chunks C starts itself --------------------------------------------------------
+
+    def _route_ahead(self, k: int) -> None:
+        """Give C the routes of the ``ROUTE_AHEAD`` chunks after ``k`` (their first
+        replica's peer and slot, as ``start`` would READ them): a sequential reader's
+        prefetch window then starts each there as it enters (fuse_engine.c ``do_read``,
+        no hint), and only the chunk after them comes back to Python. A route is only
+        a hint: a chunk that moved fails its digest, C drops the route, Python's path
+        takes it."""
+        ix = self.index
+        told: dict[tuple[str, float], int | None] = {}     # each peer told once a call
+        for j in range(k + 1, min(k + 1 + ROUTE_AHEAD, ix.chunks)):
+            length = ix.chunk_len[j]
+            key = ix.chunk_digest(j)
+            if length > self.memory.transient_capacity or key in self.memory:
+                continue
+            route = self.peers.native_route(key, length)
+            if route is None:
+                continue
+            rec = route[0]
+            ident = (rec.node, rec.started)
+            peer = told[ident] if ident in told else told.setdefault(
+                ident, self._peer(rec, route[2]))
+            if peer is not None:
+                self.engine.fetch_route(j, peer, route[1] * rec.slot_size)
+        self._feed()
+
+    def _peer(self, rec: Any, vqp: VQP) -> int | None:
+        """``rec``'s index in C's peer table, its UP paths told again when they (or its
+        hedging limit) changed; None when it has none, or a READ of it is overdue
+        (``read_chunk`` takes its chunks then, hedging each)."""
+        ident = (rec.node, rec.started)
+        idx = self._peer_ids.get(ident)
+        if idx is None:
+            if len(self._peer_ids) >= _fe.FETCH_PEERS:     # (incarnations come and go)
+                # numbered anew; a C-started fetch still out is then counted against the
+                # new holder of its number (its bytes and slot are handled all the same)
+                self.engine.fetch_unroute()
+                self._peer_ids.clear()
+                self._told.clear()
+            idx = self._peer_ids[ident] = len(self._peer_ids)
+        self._peer_of[idx] = (rec, vqp)
+        paths = []
+        if not self._late[rec.node]:
+            for raw, qpn, nic, raddr, rkey in vqp.native_paths("arena")[:2]:
+                if nic not in self._nics:
+                    if len(self._nics) == _fe.FETCH_NICS:
+                        continue
+                    self._nics.append(nic)
+                paths.append((self._handle(raw), qpn, raddr, rkey, self._nics.index(nic)))
+        limit = 0
+        if paths and self.peers.hedge is not None:
+            limit = int(self.peers.hedger.threshold(rec.node, self.peers.slot_size) * 1e9)
+        told = (tuple(paths), limit)
+        if self._told.get(idx) != told:
+            self.engine.fetch_peer(idx, paths, limit)
+            self._told[idx] = told
+        return idx if paths else None
+
+    def _handle(self, raw: Any) -> int:
+        handle = self._handles.get(id(raw))
+        if handle is None:
+            handle = self._handles[id(raw)] = self.engine.fetch_engine(raw)
+        return handle
+
+    def _feed(self) -> None:
+        """Keep ``C_SLOTS`` landing slots with C (each with its lkey on every local NIC
+        C's peers use), while the landing pool keeps as many for Python's own fetches (a
+        small memory tier's pool ran dry otherwise, and its READs went to Python)."""
+        landing = self.peers.landing
+        while len(self._slots) < C_SLOTS and self._nics and not self._closed \
+                and landing.spare > C_SLOTS:
+            slot = landing.take()
+            if slot is None:
+                return
+            vmr, at = slot
+            keys = [vmr.on(nic, at) for nic in self._nics]
+            sid = next(self._slot_ids)
+            if not self.engine.fetch_slot(sid, keys[0][0], [lkey for _, lkey in keys]):
+                landing.give(slot)
+                return
+            self._slots[sid] = slot
+
+    def _own(self, cookie: int, k: int, slot: Slot, peer: int, path: int,
+             since: float) -> _Fetch:
+        """A record of the C-started fetch ``cookie`` (landing in ``slot``, from ``peer``
+        on its ``path``-th path, started at ``since``: its FETCHED's fields)."""
+        rec, vqp = self._peer_of[peer]
+        paths = self._told.get(peer, ((), 0))[0]
+        qpn = paths[path][1] if path < len(paths) else 0
+        key = self.index.chunk_digest(k)
+        return _Fetch(k, key, slot, self.index.chunk_len[k], rec.node, rec.started, since,
+                      cookie, vqp, qpn, key)
+
+    def _late_own(self, cookie: int, k: int, slot: int, peer: int, path: int,
+                  since: float) -> None:
+        """A C-started fetch passed its peer's hedging limit: a record for it, then as
+        ``run`` does for its own (the peer's other chunks go to ``read_chunk`` meanwhile:
+        its entry in C is off until none of its READs is overdue)."""
+        if cookie in self._by_cookie or slot not in self._slots or peer not in self._peer_of:
+            return
+        f = self._own(cookie, k, self._slots[slot], peer, path, since)
+        if f.key in self.inflight:
+            return
+        self.inflight[f.key] = self._by_cookie[cookie] = f
+        self._overdue(f)
+        self._peer(*self._peer_of[peer])          # off in C while it is late
+
+    def _overdue(self, f: _Fetch) -> None:
+        """``f`` passed its hedging deadline (once): noted against its peer, and READ from
+        another replica within the hedge budget."""
+        f.late = True
+        self._late[f.node] += 1
+        self.peers.hedger.overran(f.node, time.monotonic())
+        if self._nursery is not None and self.peers.hedger.may_hedge(f.length):
+            f.hedged = True
+            self.peers.hedger.hedged(f.node)
+            self._nursery.start_soon(self._hedge, f)
+
+    def _fetched_own(self, cookie: int, k: int, status: int, slot: int, peer: int,
+                     path: int, since: float) -> None:
+        """The FETCHED of a C-started fetch nobody made a record of (it was not late):
+        as ``fetched`` handles a record, from the event's own fields."""
+        at = self._slots.pop(slot, None)
+        if at is None or peer not in self._peer_of:
+            return
+        self._end(self._own(cookie, k, at, peer, path, since), status)
+        self._feed()
 
     async def run(self, nursery: trio.Nursery) -> None:
         """Hedge fetches past their deadline (module docstring), until cancelled; the
-        hedges run in ``nursery``."""
+        hedges run in ``nursery`` (so do those of C-started fetches C reports late)."""
+        self._nursery = nursery
         while True:
             # Fetches back in time leave their deadline in the heap: drop them from its
             # head first, or this task woke once per fetch for nothing (the steady
@@ -269,13 +437,7 @@ class NativeFetch:
                 f = self._by_cookie.get(cookie)
                 if f is None:
                     continue                        # landed (or failed) in time
-                f.late = True                       # (one deadline per fetch)
-                self._late[f.node] += 1
-                self.peers.hedger.overran(f.node, time.monotonic())
-                if self.peers.hedger.may_hedge(f.length):
-                    f.hedged = True
-                    self.peers.hedger.hedged(f.node)
-                    nursery.start_soon(self._hedge, f)
+                self._overdue(f)                    # (one deadline per fetch)
 
     async def _hedge(self, f: _Fetch) -> None:
         """READ ``f``'s chunk from another replica; once it is in the memory tier, answer
@@ -320,15 +482,34 @@ class NativeFetch:
             f.event = trio.Event()
         await f.event.wait()
 
-    def fetched(self, cookie: int, k: int, status: int) -> None:
+    def fetched(self, cookie: int, k: int, status: int, slot: int = 0, peer: int = -1,
+                path: int = 0, since: float = 0.0) -> None:
         """A FETCHED event from the engine's queue (``status``: fuse_fetch.h; ``k``, the
-        chunk, is the record's too: FE_NO_CHUNK for an extent)."""
+        chunk, is the record's too: FE_NO_CHUNK for an extent). A C-started fetch's
+        (``cookie & FETCH_OWN``) also names its landing slot, peer, path and start, and
+        may be FETCH_LATE (it goes on)."""
+        if cookie & _fe.FETCH_OWN:
+            if status == _fe.FETCH_LATE:
+                self._late_own(cookie, k, slot, peer, path, since)
+                return
+            if cookie not in self._by_cookie:
+                self._fetched_own(cookie, k, status, slot, peer, path, since)
+                return
+            self._slots.pop(slot, None)        # a late one: its record has the slot
         f = self._by_cookie.pop(cookie, None)
         if f is None:
             return
         del self.inflight[f.key]
         if f.late:
             self._late[f.node] -= 1
+        self._end(f, status)
+        if cookie & _fe.FETCH_OWN:
+            self._feed()
+
+    def _end(self, f: _Fetch, status: int) -> None:
+        """``f`` is back with ``status``: its bytes into the memory tier, or its slot back
+        and the fault noted; whoever waits for it woken."""
+        cookie = f.cookie
         if status in (_fe.FETCH_OK, _fe.FETCH_MISMATCH, _fe.FETCH_EXISTS):
             f.vqp.native_done(f.qpn)                # the READ came back: its path lives
         block = self.engine.fetch_landed(cookie) if f.extent and status == _fe.FETCH_OK \

@@ -334,9 +334,9 @@ class NativeSession:
             self.ops.reader.reached(unique)
             for k in range(offset, size):
                 self.ops.reader.prefetch(entry, k)
-        elif kind == _engine.FETCHED:
+        elif kind == _engine.FETCHED:        # a C-started one's: slot, peer, path, start
             if self.fetch is not None:
-                self.fetch.fetched(entry, offset, size)
+                self.fetch.fetched(entry, offset, size, unique, fd, random, since)
         elif kind == _engine.GETXATTR:
             nursery.start_soon(self._answer_getxattr, fd, unique, entry, name, size, since)
         elif kind == _engine.LISTXATTR:
@@ -421,7 +421,8 @@ class NativeSession:
         Python; the solo gate's (``gate_waits``, ``shared_requests``, the times it
         opened for another task or a request that was not readahead, and the windows
         the crowd rule began to keep it as it was: fuse_engine.c); and
-        the native chunk fetch's counters (native/fuse_fetch.h)."""
+        the native chunk fetch's counters (native/fuse_fetch.h; ``fetch_started``: of
+        ``fetch_posted``, the chunks C started from Python's routes)."""
         c = self.counters()
         return {"transport": f"native {self.transport}",
                 **{k: c.get(k, 0) for k in ("ring_requests", "ring_copy_bytes", "ring_copy_ns",
@@ -431,7 +432,7 @@ class NativeSession:
                                             "gate_crowded",
                                             "fetch_posted", "fetch_landed", "fetch_failed",
                                             "fetch_redundant", "fetch_parked",
-                                            "fetch_answered")}}
+                                            "fetch_answered", "fetch_started")}}
 
     def served(self) -> tuple[int, int, int]:
         """Reads, bytes and memory-tier units answered in C (``Reader.served_elsewhere``)."""

@@ -203,6 +203,24 @@ class VQP:
             return NativeTarget(raw, p.qp.qp_num, laddr, lkey, raddr, rkey)
         return None
 
+    def native_paths(self, remote: str) -> list[tuple[Any, int, str, int, int]]:
+        """Every UP path on the soft provider as C may post READs of vMR ``remote`` on it
+        itself (the FUSE engine's C-started fetches, ``native_target`` for many READs):
+        ``(soft engine, QP number, local NIC, remote address of the vMR's first byte,
+        rkey)`` each; [] when none is UP, the vQP is closed or the peer exports no
+        ``remote``. As with ``native_target``, nothing is posted here and a READ posted
+        there is not the vQP's."""
+        if self._closed or remote not in self.peer_info.remote_mrs:
+            return []
+        rm = self.peer_info.remote_mrs[remote]
+        out = []
+        for p in self.paths:
+            raw = getattr(getattr(p.qp, "engine", None), "raw", None)
+            if p.m.postable and raw is not None and p.qp is not None:
+                raddr, rkey = rm.on(p.remote_nic, 0)
+                out.append((raw, p.qp.qp_num, p.local_nic, raddr, rkey))
+        return out
+
     def native_done(self, qpn: int) -> None:
         """A READ C posted on the path of QP ``qpn`` (:meth:`native_target`) completed
         successfully: proof that the path lives, as a data READ's WC is

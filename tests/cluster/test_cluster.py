@@ -143,6 +143,9 @@ def test_preload_then_reads_come_from_peers(world) -> None:
         # a fresh mount's first pass: the nodes' indexes READ whole give the native
         # fetch its routes (Peers._index_slot), so C READs chunks already
         assert s["fetch_landed"] > 0, s
+        # ... and starts chunks of the shards' sequential readers itself, from the routes
+        # Python gives it for the chunks after each one it starts (fuse_fetch.h)
+        assert s["fetch_started"] > 0, s
         # random 4 KiB reads on a fresh mount: one block READ each, not a chunk
         fresh = c.mount("imgs", "--source", str(src))
         shard = files["shards/s0.bin"]

@@ -170,9 +170,10 @@ def test_a_slowed_replica_keeps_the_p99(world) -> None:
         (base.summary(), slow_on.summary())
 
 
-def _stopped(c, mnt: Path, files: dict[str, bytes], what: str) -> tuple[Readers, dict, dict]:
+def _stopped(c, mnt: Path, files: dict[str, bytes], what: str,
+             readers: Readers | None = None) -> tuple[Readers, dict, dict]:
     before = _stats(mnt)
-    with Readers(mnt, files, 8, seed=2) as rd:
+    with readers or Readers(mnt, files, 8, seed=2) as rd:
         time.sleep(1.0)
         c.procs["n2"].stopped_for(1.5)
         time.sleep(1.0)
@@ -198,6 +199,50 @@ def test_a_stopped_replica_costs_milliseconds_not_the_peer_timeout(world) -> Non
     # peer_timeout would take it out of the order anyway)
     assert after["peer_hedges"] - before["peer_hedges"] < 100, after["peer_latency"]["n2"]
     assert max(rd_on.latencies) < 0.25, rd_on.summary()
+    assert after["source_loads"] == before["source_loads"]
+
+
+class Streams(Readers):
+    """``n`` threads each reading one shard whole, 1 MiB at a time, again and again (its
+    cached pages dropped first), every byte checked and every read timed: sequential
+    readers, whose chunks C starts itself from Python's routes."""
+
+    def _run(self, seed: int) -> None:
+        shards = sorted(rel for rel in self.files if rel.startswith("shards/"))
+        rel = shards[seed % len(shards)]
+        want = self.files[rel]
+        while not self._stop.is_set():
+            with open(self.mnt / rel, "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                off = 0
+                while not self._stop.is_set():
+                    t0 = time.monotonic()
+                    try:
+                        got = f.read(1 << 20)
+                    except OSError as e:
+                        self.errors.append(f"{rel}@{off}: {e}")
+                        break
+                    self.latencies.append(time.monotonic() - t0)
+                    if not got:
+                        break
+                    if got != want[off:off + len(got)]:
+                        self.errors.append(f"{rel}@{off}: wrong bytes")
+                    off += len(got)
+
+
+def test_a_stopped_replica_under_sequential_readers_is_hedged_from_c(world) -> None:
+    """Chunks C started itself (fuse_fetch.h ``fetch_start``) from a SIGSTOPped replica:
+    C reports each one past its peer's hedging limit (FE_FETCH_LATE), Python READs it
+    from the other replica and answers the READs waiting in C. Without the report those
+    READs waited for the soft QP's transport timeout (~1 s)."""
+    c, files, _, on = world
+    rd, before, after = _stopped(c, on, files, "4 sequential readers",
+                                 Streams(on, files, 4, seed=0))
+    print(f"  chunks started in C {after['fetch_started'] - before['fetch_started']}")
+    assert rd.errors == [], rd.errors[:5]
+    assert after["fetch_started"] > before["fetch_started"], after
+    assert after["peer_hedges"] > before["peer_hedges"], after["peer_latency"]["n2"]
+    assert max(rd.latencies) < 0.25, rd.summary()
     assert after["source_loads"] == before["source_loads"]
 
 
