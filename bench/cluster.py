@@ -206,13 +206,14 @@ class ClusterBed:
                  self.ds.bytes // 10**6, self.nodes, self.preload_s)
         return c
 
-    def mount(self, mounts: Mounts, *extra: str, cache: str = CLIENT_CACHE) -> Path:
-        """A fresh client mount (empty chunk cache of ``cache``), registered for the
-        suite's cleanup."""
+    def mount(self, mounts: Mounts, *extra: str, cache: str = CLIENT_CACHE,
+              tree: Path | None = None) -> Path:
+        """A fresh client mount (empty chunk cache of ``cache``; kspeedfs from ``tree``,
+        else this checkout), registered for the suite's cleanup."""
         c = self.ensure()
         mp = c.base / f"mnt{len(c.mounts)}"
         mounts.add(mp, lambda: daemon_pid(mp))
-        got = c.mount(self.dataset, "--cache-mem", cache, *extra)
+        got = c.mount(self.dataset, "--cache-mem", cache, *extra, tree=tree)
         assert got == mp, (got, mp)
         return mp
 
@@ -275,14 +276,17 @@ class PeersTarget(Target):
     dataset (a small file is then read with its whole chunk: ``ReadPolicy.small_file``),
     else it is ``CLIENT_CACHE``."""
 
-    def __init__(self, ds: Dataset, bed: ClusterBed, flap_rail: int = 0, fits: bool = False) -> None:
+    def __init__(self, ds: Dataset, bed: ClusterBed, flap_rail: int = 0, fits: bool = False,
+                 tree: Path | None = None) -> None:
         super().__init__(ds)
         self.bed = bed
         self.flap_rail = flap_rail
+        self.tree = tree                # --ab-tree: the mount runs that tree's kspeedfs
         # room for every chunk (files start chunks, so the chunks hold more than the bytes)
         self.cache = f"{(ds.bytes * 5 // 4 + (64 << 20)) >> 20}MiB" if fits else CLIENT_CACHE
         self.name = (f"kspeedfs-peers-flap-eth{flap_rail}" if flap_rail
-                     else "kspeedfs-peers-fits" if fits else "kspeedfs-peers")
+                     else "kspeedfs-peers-fits" if fits
+                     else "B:kspeedfs-peers" if tree else "kspeedfs-peers")
         self.mounts: Mounts | None = None
         self.mp: Path | None = None
         self.flapper: Flapper | None = None
@@ -297,7 +301,7 @@ class PeersTarget(Target):
     def prepare(self) -> None:
         self.finish()
         assert self.mounts is not None
-        self.mp = self.path = self.bed.mount(self.mounts, cache=self.cache)
+        self.mp = self.path = self.bed.mount(self.mounts, cache=self.cache, tree=self.tree)
         drop_caches()
         if self.flapper:
             self.flapper.start()
@@ -408,8 +412,10 @@ def cluster_targets(ds: Dataset, ctx: Context) -> list[Target]:
     bed = ClusterBed(ctx.work / "cluster", ds, chunk=ctx.cluster_chunk)
     # ramfs-c: the ceiling issue 16's target is stated against (client CPU-s per GB)
     ramfs_c = [RamFS(ds, "c", ctx.ramfs_c)] if ctx.ramfs_c else []
-    return [SourceCold(ds), SourceWarm(ds), PeersTarget(ds, bed), PeersTarget(ds, bed, fits=True),
-            RamFS(ds, "py"), *ramfs_c]
+    # --ab-tree: the same peers read by a mount of another checkout (ratios B / A)
+    ab = [PeersTarget(ds, bed, tree=ctx.ab_tree)] if ctx.ab_tree else []
+    return [SourceCold(ds), SourceWarm(ds), PeersTarget(ds, bed), *ab,
+            PeersTarget(ds, bed, fits=True), RamFS(ds, "py"), *ramfs_c]
 
 
 def cluster_cases(ds: Dataset, ctx: Context) -> list[Case]:
@@ -451,6 +457,7 @@ def flap_cases(ds: Dataset, ctx: Context) -> list[Case]:
 
 CLUSTER_RATIOS = [("kspeedfs-peers", "source-cold"), ("kspeedfs-peers", "source-warm"),
                   ("kspeedfs-peers", "ramfs-py"), ("kspeedfs-peers", "ramfs-c"),
-                  ("kspeedfs-peers-fits", "kspeedfs-peers"), ("kspeedfs-peers-fits", "ramfs-c")]
+                  ("kspeedfs-peers-fits", "kspeedfs-peers"), ("kspeedfs-peers-fits", "ramfs-c"),
+                  ("B:kspeedfs-peers", "kspeedfs-peers"), ("B:kspeedfs-peers", "ramfs-c")]
 FLAP_RATIOS = [("kspeedfs-peers-flap-eth1", "kspeedfs-peers")]
 TRANSPORT_RATIOS = [("soft", "tcp")]

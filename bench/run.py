@@ -55,8 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="import.chunk_size (and node slot size) of the cluster workloads' dataset")
     p.add_argument("--ab-tree", metavar="DIR",
                    help="A/B: also mount kspeedfs from the tree in DIR (DIR/kspeedfs/...) as targets "
-                        "B:kspeedfs-cold/-warm, interleaved with the others; ratios B / A (both trees "
-                        "mount one store: they must read the same manifest format)")
+                        "B:kspeedfs-cold/-warm (the cluster workload: B:kspeedfs-peers), interleaved "
+                        "with the others; ratios B / A (both trees mount one store: they must read "
+                        "the same manifest format)")
     p.add_argument("--kspeedfs-rev", metavar="REV",
                    help="benchmark kspeedfs as committed at REV (git archive into WORKDIR), "
                         "not the working tree: a stable subject while others edit the checkout "
