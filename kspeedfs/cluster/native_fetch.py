@@ -14,10 +14,10 @@ and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
                                           hint dropped, and the chunk's READs (queued for
                                           Python by C) take today's path
 
-      after each chunk posted             _route_ahead: the ROUTE_AHEAD chunks after k, each
+      after each chunk posted             Routes.ahead: the ROUTE_AHEAD chunks after k, each
                                           its first replica's peer and slot (fetch_route),
                                           the peers' UP paths (fetch_peer) and landing slots
-                                          for C to use (fetch_slot, ``_feed``)
+                                          for C to use (fetch_slot, ``Routes.feed``)
     a sequential reader's window reaches  C starts a routed chunk itself (fuse_fetch.h
       a chunk (C request thread)             fetch_start), no hint to Python; its FETCHED
                                              names slot, peer and path: ``_fetched_own``
@@ -85,7 +85,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
@@ -107,11 +107,11 @@ log = logging.getLogger(__name__)
 #: path)
 FAILED_FOR = 1.0
 
-#: chunks after one Python started whose routes it gives C (``_route_ahead``): the next
+#: chunks after one Python started whose routes it gives C (``Routes.ahead``): the next
 #: hint for that stream comes this many chunks later
 ROUTE_AHEAD = 8
 
-#: landing slots C holds for the chunks it starts (``_feed``)
+#: landing slots C holds for the chunks it starts (``Routes.feed``)
 C_SLOTS = 16
 
 try:
@@ -192,15 +192,7 @@ class NativeFetch:
         self._wake = trio.Event()
         self._late: Counter[str] = Counter()   # node → its fetches past their deadline
         self._failed: dict[bytes, float] = {}  # extent → when its fetch last failed
-        # C-started fetches (fuse_fetch.h fetch_start): the peers routes name, what each
-        # was last told (its paths: (handle, qpn, raddr, rkey, nic), and hedging limit),
-        # the landing slots C holds, and the local NICs in the order of a slot's lkeys
-        self._peer_ids: dict[tuple[str, float], int] = {}
-        self._peer_of: dict[int, tuple[Any, VQP]] = {}      # idx → (NodeRecord, vQP)
-        self._told: dict[int, tuple[Any, ...]] = {}
-        self._slots: dict[int, Slot] = {}
-        self._slot_ids = itertools.count()
-        self._nics: list[str] = []
+        self.routes = Routes(engine, peers, memory, index, self._handle, self._late)
         self._nursery: trio.Nursery | None = None
 
     def start(self, k: int, key: bytes) -> bool:
@@ -250,9 +242,7 @@ class NativeFetch:
                 self._give(slot, entry is not None)
             return False
         try:
-            handle = self._handles.get(id(target.engine))
-            if handle is None:
-                handle = self._handles[id(target.engine)] = self.engine.fetch_engine(target.engine)
+            handle = self._handle(target.engine)
             self._cookies += 1
             if entry is None:
                 self.engine.fetch_post(handle, target.qpn, k, self._cookies, target.laddr,
@@ -281,99 +271,23 @@ class NativeFetch:
                 self._wake.set()
             heapq.heappush(self._deadlines, (limit, self._cookies))
         if entry is None:
-            self._route_ahead(k)
+            self.routes.ahead(k)
         return True
 
-    # -- the chunks C starts itself --------------------------------------------------------
-
-    def _route_ahead(self, k: int) -> None:
-        """Give C the routes of the ``ROUTE_AHEAD`` chunks after ``k`` (their first
-        replica's peer and slot, as ``start`` would READ them): a sequential reader's
-        prefetch window then starts each there as it enters (fuse_engine.c ``do_read``,
-        no hint), and only the chunk after them comes back to Python. A route is only
-        a hint: a chunk that moved fails its digest, C drops the route, Python's path
-        takes it."""
-        ix = self.index
-        told: dict[tuple[str, float], int | None] = {}     # each peer told once a call
-        for j in range(k + 1, min(k + 1 + ROUTE_AHEAD, ix.chunks)):
-            length = ix.chunk_len[j]
-            key = ix.chunk_digest(j)
-            if length > self.memory.transient_capacity or key in self.memory:
-                continue
-            route = self.peers.native_route(key, length)
-            if route is None:
-                continue
-            rec = route[0]
-            ident = (rec.node, rec.started)
-            peer = told[ident] if ident in told else told.setdefault(
-                ident, self._peer(rec, route[2]))
-            if peer is not None:
-                self.engine.fetch_route(j, peer, route[1] * rec.slot_size)
-        self._feed()
-
-    def _peer(self, rec: Any, vqp: VQP) -> int | None:
-        """``rec``'s index in C's peer table, its UP paths told again when they (or its
-        hedging limit) changed; None when it has none, or a READ of it is overdue
-        (``read_chunk`` takes its chunks then, hedging each)."""
-        ident = (rec.node, rec.started)
-        idx = self._peer_ids.get(ident)
-        if idx is None:
-            if len(self._peer_ids) >= _fe.FETCH_PEERS:     # (incarnations come and go)
-                # numbered anew; a C-started fetch still out is then counted against the
-                # new holder of its number (its bytes and slot are handled all the same)
-                self.engine.fetch_unroute()
-                self._peer_ids.clear()
-                self._told.clear()
-            idx = self._peer_ids[ident] = len(self._peer_ids)
-        self._peer_of[idx] = (rec, vqp)
-        paths = []
-        if not self._late[rec.node]:
-            for raw, qpn, nic, raddr, rkey in vqp.native_paths("arena")[:2]:
-                if nic not in self._nics:
-                    if len(self._nics) == _fe.FETCH_NICS:
-                        continue
-                    self._nics.append(nic)
-                paths.append((self._handle(raw), qpn, raddr, rkey, self._nics.index(nic)))
-        limit = 0
-        if paths and self.peers.hedge is not None:
-            limit = int(self.peers.hedger.threshold(rec.node, self.peers.slot_size) * 1e9)
-        told = (tuple(paths), limit)
-        if self._told.get(idx) != told:
-            self.engine.fetch_peer(idx, paths, limit)
-            self._told[idx] = told
-        return idx if paths else None
-
     def _handle(self, raw: Any) -> int:
+        """The fetch engine handle of soft engine ``raw`` (a fetch CQ there, once)."""
         handle = self._handles.get(id(raw))
         if handle is None:
             handle = self._handles[id(raw)] = self.engine.fetch_engine(raw)
         return handle
 
-    def _feed(self) -> None:
-        """Keep ``C_SLOTS`` landing slots with C (each with its lkey on every local NIC
-        C's peers use), while the landing pool keeps as many for Python's own fetches (a
-        small memory tier's pool ran dry otherwise, and its READs went to Python)."""
-        landing = self.peers.landing
-        while len(self._slots) < C_SLOTS and self._nics and not self._closed \
-                and landing.spare > C_SLOTS:
-            slot = landing.take()
-            if slot is None:
-                return
-            vmr, at = slot
-            keys = [vmr.on(nic, at) for nic in self._nics]
-            sid = next(self._slot_ids)
-            if not self.engine.fetch_slot(sid, keys[0][0], [lkey for _, lkey in keys]):
-                landing.give(slot)
-                return
-            self._slots[sid] = slot
+    # -- the chunks C starts itself (their routes: ``Routes``) --------------------------
 
-    def _own(self, cookie: int, k: int, slot: Slot, peer: int, path: int,
+    def _own(self, cookie: int, k: int, slot: Slot, origin: tuple[Any, VQP, int],
              since: float) -> _Fetch:
-        """A record of the C-started fetch ``cookie`` (landing in ``slot``, from ``peer``
-        on its ``path``-th path, started at ``since``: its FETCHED's fields)."""
-        rec, vqp = self._peer_of[peer]
-        paths = self._told.get(peer, ((), 0))[0]
-        qpn = paths[path][1] if path < len(paths) else 0
+        """A record of the C-started fetch ``cookie`` (landing in ``slot``, from
+        ``origin``: its peer's record, vQP and QP; started at ``since``)."""
+        rec, vqp, qpn = origin
         key = self.index.chunk_digest(k)
         return _Fetch(k, key, slot, self.index.chunk_len[k], rec.node, rec.started, since,
                       cookie, vqp, qpn, key)
@@ -383,14 +297,15 @@ class NativeFetch:
         """A C-started fetch passed its peer's hedging limit: a record for it, then as
         ``run`` does for its own (the peer's other chunks go to ``read_chunk`` meanwhile:
         its entry in C is off until none of its READs is overdue)."""
-        if cookie in self._by_cookie or slot not in self._slots or peer not in self._peer_of:
+        at, origin = self.routes.slot(slot), self.routes.origin(peer, path)
+        if cookie in self._by_cookie or at is None or origin is None:
             return
-        f = self._own(cookie, k, self._slots[slot], peer, path, since)
+        f = self._own(cookie, k, at, origin, since)
         if f.key in self.inflight:
             return
         self.inflight[f.key] = self._by_cookie[cookie] = f
         self._overdue(f)
-        self._peer(*self._peer_of[peer])          # off in C while it is late
+        self.routes.tell(origin[0], origin[1])      # off in C while it is late
 
     def _overdue(self, f: _Fetch) -> None:
         """``f`` passed its hedging deadline (once): noted against its peer, and READ from
@@ -407,11 +322,13 @@ class NativeFetch:
                      path: int, since: float) -> None:
         """The FETCHED of a C-started fetch nobody made a record of (it was not late):
         as ``fetched`` handles a record, from the event's own fields."""
-        at = self._slots.pop(slot, None)
-        if at is None or peer not in self._peer_of:
+        at, origin = self.routes.slot(slot, back=True), self.routes.origin(peer, path)
+        if at is None or origin is None:
             return
-        self._end(self._own(cookie, k, at, peer, path, since), status)
-        self._feed()
+        self._end(self._own(cookie, k, at, origin, since), status)
+        if status not in (_fe.FETCH_OK, _fe.FETCH_EXISTS, _fe.FETCH_MISMATCH):
+            self.routes.tell(origin[0], origin[1])  # a path that failed is not told again
+        self.routes.feed()
 
     async def run(self, nursery: trio.Nursery) -> None:
         """Hedge fetches past their deadline (module docstring), until cancelled; the
@@ -495,7 +412,7 @@ class NativeFetch:
             if cookie not in self._by_cookie:
                 self._fetched_own(cookie, k, status, slot, peer, path, since)
                 return
-            self._slots.pop(slot, None)        # a late one: its record has the slot
+            self.routes.slot(slot, back=True)      # a late one: its record has the slot
         f = self._by_cookie.pop(cookie, None)
         if f is None:
             return
@@ -504,7 +421,7 @@ class NativeFetch:
             self._late[f.node] -= 1
         self._end(f, status)
         if cookie & _fe.FETCH_OWN:
-            self._feed()
+            self.routes.feed()
 
     def _end(self, f: _Fetch, status: int) -> None:
         """``f`` is back with ``status``: its bytes into the memory tier, or its slot back
@@ -553,9 +470,127 @@ class NativeFetch:
         thread) and release the soft engines, so the cluster's endpoint can close them."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self.routes.closed = True
         left = await trio.to_thread.run_sync(self.engine.fetch_stop, timeout_ms)
         if left:
             log.warning("native fetch: %d READs still out at close; their landing slots "
                         "are not reused", left)
 
+
+
+class Routes:
+    """What C may start by itself (fuse_fetch.h ``fetch_start``): the routes of chunks,
+    the peers they name and the landing slots C holds, all told to the engine; and the
+    way back from a C-started fetch's FETCHED (its slot, peer and path numbers) to the
+    slot, the node and the QP.
+
+    Contract: every route and peer told comes from ``Peers.native_route`` and the vQP's
+    UP paths now (Python decides; C never picks a peer); a peer with a READ overdue
+    (``late``) or no UP path is told off; a slot is C's from ``feed`` until ``slot(id,
+    back=True)``. Not thread-safe: the trio thread's.
+    """
+
+    def __init__(self, engine: Any, peers: Peers, memory: "MemoryCache",
+                 index: "ManifestIndex", handle: Callable[[Any], int],
+                 late: Counter[str]) -> None:
+        self.engine = engine
+        self.peers = peers
+        self.memory = memory
+        self.index = index
+        self.closed = False
+        self._handle = handle                  # soft engine → fetch engine handle
+        self._late = late                      # node → its fetches past their deadline
+        self._ids: dict[tuple[str, float], int] = {}        # (node, started) → peer number
+        self._of: dict[int, tuple[Any, VQP]] = {}           # number → (NodeRecord, vQP)
+        self._told: dict[int, tuple[Any, ...]] = {}         # number → ((paths), limit)
+        self._slots: dict[int, Slot] = {}                   # C's landing slots by id
+        self._slot_ids = itertools.count()
+        self._nics: list[str] = []             # the local NICs, in a slot's lkey order
+
+    def ahead(self, k: int) -> None:
+        """Give C the routes of the ``ROUTE_AHEAD`` chunks after ``k`` (their first
+        replica's peer and slot, as ``NativeFetch.start`` would READ them): a sequential
+        reader's prefetch window then starts each there as it enters (fuse_engine.c
+        ``do_read``, no hint), and only the chunk after them comes back to Python. A
+        route is only a hint: a chunk that moved fails its digest, C drops the route,
+        Python's path takes it."""
+        ix = self.index
+        told: dict[tuple[str, float], int | None] = {}     # each peer told once a call
+        for j in range(k + 1, min(k + 1 + ROUTE_AHEAD, ix.chunks)):
+            length = ix.chunk_len[j]
+            key = ix.chunk_digest(j)
+            if length > self.memory.transient_capacity or key in self.memory:
+                continue
+            route = self.peers.native_route(key, length)
+            if route is None:
+                continue
+            rec = route[0]
+            ident = (rec.node, rec.started)
+            peer = told[ident] if ident in told else told.setdefault(
+                ident, self.tell(rec, route[2]))
+            if peer is not None:
+                self.engine.fetch_route(j, peer, route[1] * rec.slot_size)
+        self.feed()
+
+    def tell(self, rec: Any, vqp: VQP) -> int | None:
+        """``rec``'s number in C's peer table, its UP paths told again when they (or its
+        hedging limit) changed; None when it has none, or a READ of it is overdue
+        (``read_chunk`` takes its chunks then, hedging each)."""
+        ident = (rec.node, rec.started)
+        idx = self._ids.get(ident)
+        if idx is None:
+            if len(self._ids) >= _fe.FETCH_PEERS:     # (incarnations come and go)
+                # numbered anew; a C-started fetch still out is then counted against the
+                # new holder of its number (its bytes and slot are handled all the same)
+                self.engine.fetch_unroute()
+                self._ids.clear()
+                self._told.clear()
+            idx = self._ids[ident] = len(self._ids)
+        self._of[idx] = (rec, vqp)
+        paths = []
+        if not self._late[rec.node]:
+            for raw, qpn, nic, raddr, rkey in vqp.native_paths("arena")[:2]:
+                if nic not in self._nics:
+                    if len(self._nics) == _fe.FETCH_NICS:
+                        continue
+                    self._nics.append(nic)
+                paths.append((self._handle(raw), qpn, raddr, rkey, self._nics.index(nic)))
+        limit = 0
+        if paths and self.peers.hedge is not None:
+            limit = int(self.peers.hedger.threshold(rec.node, self.peers.slot_size) * 1e9)
+        told = (tuple(paths), limit)
+        if self._told.get(idx) != told:
+            self.engine.fetch_peer(idx, paths, limit)
+            self._told[idx] = told
+        return idx if paths else None
+
+    def feed(self) -> None:
+        """Keep ``C_SLOTS`` landing slots with C (each with its lkey on every local NIC
+        C's peers use), while the landing pool keeps as many for Python's own fetches (a
+        small memory tier's pool ran dry otherwise, and its READs went to Python)."""
+        landing = self.peers.landing
+        while len(self._slots) < C_SLOTS and self._nics and not self.closed \
+                and landing.spare > C_SLOTS:
+            slot = landing.take()
+            if slot is None:
+                return
+            vmr, at = slot
+            keys = [vmr.on(nic, at) for nic in self._nics]
+            sid = next(self._slot_ids)
+            if not self.engine.fetch_slot(sid, keys[0][0], [lkey for _, lkey in keys]):
+                landing.give(slot)
+                return
+            self._slots[sid] = slot
+
+    def slot(self, sid: int, back: bool = False) -> Slot | None:
+        """C's landing slot ``sid`` (``back``: C has given it back), or None."""
+        return self._slots.pop(sid, None) if back else self._slots.get(sid)
+
+    def origin(self, peer: int, path: int) -> tuple[Any, VQP, int] | None:
+        """Peer number ``peer``'s record and vQP, and the QP of its ``path``-th path as
+        last told; None for a number never told."""
+        if peer not in self._of:
+            return None
+        rec, vqp = self._of[peer]
+        paths = self._told.get(peer, ((), 0))[0]
+        return rec, vqp, paths[path][1] if 0 <= path < len(paths) else 0
