@@ -794,14 +794,21 @@ static PyObject *Engine_fetch_enable(EngineObject *self, PyObject *capsule)
     Py_RETURN_NONE;
 }
 
+/* The engine's native fetch, or NULL with an exception set (none enabled: EINVAL). */
+static struct fe_fetch *fetch_of(EngineObject *self, const char *what)
+{
+    struct fe_engine *e = engine_of(self, what);
+    struct fe_fetch *f = e ? fe_fetcher(e) : NULL;
+    if (e && !f)
+        raise_errno(EINVAL, "%s: fetch_enable first", what);
+    return f;
+}
+
 /* fetch_engine(soft_engine) -> handle: a fetch CQ on that rdma._soft_engine.Engine,
  * which stays held (its close() refuses) until fetch_stop. */
 static PyObject *Engine_fetch_engine(EngineObject *self, PyObject *obj)
 {
-    struct fe_engine *e = engine_of(self, "fetch_engine");
-    struct fe_fetch *f = e ? fe_fetcher(e) : NULL;
-    if (e && !f)
-        return raise_errno(EINVAL, "fetch_engine: fetch_enable first");
+    struct fe_fetch *f = fetch_of(self, "fetch_engine");
     if (!f)
         return NULL;
     for (int i = 0; i < self->nheld; i++)
@@ -1046,16 +1053,6 @@ static PyObject *Engine_fetch_landed(EngineObject *self, PyObject *arg)
         Py_RETURN_NONE;
     }
     return (PyObject *)b;
-}
-
-/* The engine's native fetch, or NULL with an exception set (none enabled: EINVAL). */
-static struct fe_fetch *fetch_of(EngineObject *self, const char *what)
-{
-    struct fe_engine *e = engine_of(self, what);
-    struct fe_fetch *f = e ? fe_fetcher(e) : NULL;
-    if (e && !f)
-        raise_errno(EINVAL, "%s: fetch_enable first", what);
-    return f;
 }
 
 /* fetch_peer(peer, paths, limit_ns): peer ``peer``'s UP paths, each (handle, qpn, raddr,

@@ -288,6 +288,48 @@ static int post_read(struct fe_fetch *f, ks_engine *ke, struct fcq *q, uint32_t 
     return f->api->post_send(ke, qpn, &w, 1, why);
 }
 
+/* Under f->lock: a record for a fetch of chunk ``k`` (FE_NO_CHUNK: a part under ``key``),
+ * verified against ``want``, landing at ``laddr``, with READs ``parked`` on it and ``own``
+ * (a C-started fetch's), counted as posted; its index, or -1 when FE_FETCH_MAX are in
+ * flight. Its WR id is wr_id_of(f, index). */
+static int rec_open(struct fe_fetch *f, uint64_t k, const uint8_t *key, size_t keylen,
+                    const uint8_t *want, size_t wantlen, uint64_t cookie, void *laddr,
+                    uint32_t len, struct parked *parked, struct own own)
+{
+    int i = 0;
+    while (i < FE_FETCH_MAX && f->recs[i].used)
+        i++;
+    if (i == FE_FETCH_MAX)
+        return -1;
+    struct rec *r = &f->recs[i];
+    r->used = 1;
+    r->gen++;
+    r->k = k;
+    r->cookie = cookie;
+    r->laddr = laddr;
+    r->len = len;
+    r->orphan = 0;
+    memcpy(r->key, key, keylen);
+    r->keylen = (uint8_t)keylen;
+    memcpy(r->want, want, wantlen);
+    r->wantlen = (uint8_t)wantlen;
+    r->parked = parked;
+    r->own = own;
+    if (parked)
+        f->c.parked++;
+    f->active++;
+    atomic_store(&f->nactive, f->active);
+    f->c.posted++;
+    return i;
+}
+
+/* The WR id of record ``i``'s READ: its generation beside its index (a stale WC is
+ * ignored by complete). */
+static uint64_t wr_id_of(const struct fe_fetch *f, int i)
+{
+    return (uint64_t)f->recs[i].gen << 32 | (uint32_t)i;
+}
+
 /* fetch_post and fetch_post_part: a record for chunk ``k`` (or, FE_NO_CHUNK, for the part
  * under tier key ``key``, digest ``want``, with the caller's READ ``read`` parked on it),
  * and its READ. */
@@ -317,36 +359,15 @@ static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, con
         *why = "fetch_post: in flight";
         return -EALREADY;
     }
-    int free_i = -1;
-    for (int i = 0; i < FE_FETCH_MAX && free_i < 0; i++)
-        if (!f->recs[i].used)
-            free_i = i;
-    if (f->stopping || free_i < 0) {
+    int free_i = f->stopping ? -1 : rec_open(f, k, key, keylen, want, wantlen, cookie, laddr,
+                                             len, own, (struct own){0});
+    if (free_i < 0) {
         pthread_mutex_unlock(&f->lock);
         free(own);
         *why = f->stopping ? "fetch_post: stopped" : "fetch_post: too many in flight";
         return f->stopping ? -ESHUTDOWN : -EAGAIN;
     }
-    struct rec *r = &f->recs[free_i];
-    r->used = 1;
-    r->gen++;
-    r->k = k;
-    r->cookie = cookie;
-    r->laddr = laddr;
-    r->len = len;
-    r->orphan = 0;
-    memcpy(r->key, key, keylen);
-    r->keylen = (uint8_t)keylen;
-    memcpy(r->want, want, wantlen);
-    r->wantlen = (uint8_t)wantlen;
-    r->parked = own;
-    r->own = (struct own){0};
-    if (own)
-        f->c.parked++;
-    f->active++;
-    atomic_store(&f->nactive, f->active);
-    f->c.posted++;
-    uint64_t wr_id = (uint64_t)r->gen << 32 | (uint32_t)free_i;
+    uint64_t wr_id = wr_id_of(f, free_i);
     pthread_mutex_unlock(&f->lock);
 
     int rc = post_read(f, ke, q, qpn, wr_id, laddr, lkey, raddr, rkey, len, why);
@@ -455,44 +476,31 @@ int fetch_start(struct fe_fetch *f, uint64_t k, uint64_t now)
         return 1;                   /* in flight: nothing to start */
     }
     uint64_t route = f->routes[k];
-    int peer = (int)(route >> 56) - 1, free_i = -1;
+    int peer = (int)(route >> 56) - 1;
     struct peer *p = peer >= 0 ? &f->peers[peer] : NULL;
-    if (!p || !p->npaths || !f->nslots || f->stopping || !f->chunk_len[k]) {
+    uint32_t len = f->chunk_len[k];
+    if (!p || !p->npaths || !f->nslots || f->stopping || !len) {
         pthread_mutex_unlock(&f->lock);
         return 0;
     }
-    for (int i = 0; i < FE_FETCH_MAX && free_i < 0; i++)
-        if (!f->recs[i].used)
-            free_i = i;
+    struct slot s = f->slots[f->nslots - 1];
+    int pi = p->turn % p->npaths;
+    struct own own = {.slot = s.id, .peer = peer, .path = pi, .t0 = now,
+                      .deadline = p->limit_ns ? now + p->limit_ns : 0};
+    const uint8_t *digest = f->digests + k * 16;
+    int free_i = rec_open(f, k, digest, 16, digest, 16, FE_OWN | (f->own_seq + 1), s.laddr,
+                          len, NULL, own);
     if (free_i < 0) {
         pthread_mutex_unlock(&f->lock);
         return 0;
     }
-    struct slot s = f->slots[--f->nslots];
-    int pi = p->turn++ % p->npaths;
-    struct fe_path path = p->path[pi];
-    struct rec *r = &f->recs[free_i];
-    r->used = 1;
-    r->gen++;
-    r->k = k;
-    r->cookie = FE_OWN | ++f->own_seq;
-    r->laddr = s.laddr;
-    r->len = f->chunk_len[k];
-    r->orphan = 0;
-    memcpy(r->key, f->digests + k * 16, 16);
-    r->keylen = 16;
-    memcpy(r->want, f->digests + k * 16, 16);
-    r->wantlen = 16;
-    r->parked = NULL;
-    r->own = (struct own){.slot = s.id, .peer = peer, .path = pi, .t0 = now,
-                          .deadline = p->limit_ns ? now + p->limit_ns : 0};
-    f->active++;
-    atomic_store(&f->nactive, f->active);
-    f->c.posted++;
+    f->nslots--;
+    f->own_seq++;
+    p->turn++;
     f->c.started++;
-    uint64_t wr_id = (uint64_t)r->gen << 32 | (uint32_t)free_i;
-    uint32_t len = r->len;
-    int watch = r->own.deadline != 0;
+    struct fe_path path = p->path[pi];
+    uint64_t wr_id = wr_id_of(f, free_i);
+    int watch = own.deadline != 0;
     pthread_mutex_unlock(&f->lock);
     if (watch && atomic_exchange(&f->idle, 0)) {    /* its deadline needs the thread awake */
         uint64_t one = 1;

@@ -57,7 +57,6 @@ and one more overrun re-suspects it (the count is only reset by an in-time READ)
 from __future__ import annotations
 
 import bisect
-import functools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -70,10 +69,7 @@ SUSPECT_AFTER = 2     # overruns without an in-time READ in between
 CLASSES = 7           # ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M, larger
 
 
-@functools.lru_cache(maxsize=1024)
 def size_class(nbytes: int) -> int:
-    """(Cached: every chunk READ asks for its class twice, and a chunk or block READ
-    has one of a few lengths.)"""
     return min(CLASSES - 1, max(0, ((max(nbytes, 1) - 1).bit_length() - 11) // 2))
 
 
@@ -144,7 +140,6 @@ class Hedger:
         self.credit = float(burst)        # bytes a hedge may still cost
         self.peers: dict[str, PeerHealth] = {}
         self.all = [Window() for _ in range(CLASSES)]
-        self.suspects_until = 0.0         # the latest suspected_until of any peer
         self.hedges = self.won = self.refused = 0
         self.hedge_bytes = 0
         self.read_bytes = 0
@@ -194,7 +189,6 @@ class Hedger:
         h.overruns += 1
         if h.overruns >= SUSPECT_AFTER:
             h.suspected_until = now + self.suspect_time
-            self.suspects_until = max(self.suspects_until, h.suspected_until)
 
     def may_hedge(self, nbytes: int) -> bool:
         """Take ``nbytes`` from the budget, or refuse (counted)."""
@@ -220,9 +214,8 @@ class Hedger:
         return h is not None and h.suspected_until > now
 
     def order(self, nodes: list[str], now: float) -> list[str]:
-        """``nodes`` (placement order) with suspected peers moved last, order kept. (While
-        no peer is suspected, that is ``nodes`` at once: asked once per chunk READ.)"""
-        if now >= self.suspects_until or not any(self.suspected(n, now) for n in nodes):
+        """``nodes`` (placement order) with suspected peers moved last, order kept."""
+        if not any(self.suspected(n, now) for n in nodes):
             return nodes
         return ([n for n in nodes if not self.suspected(n, now)]
                 + [n for n in nodes if self.suspected(n, now)])

@@ -19,9 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from rdma.vrdma import VMR, Endpoint
 
@@ -52,7 +50,6 @@ class Landing:
         self.limit = max(1, limit)
         self.segments: list[VMR] = []
         self._free: list[Slot] = []     # appended to by finalizers, from any thread (GIL)
-        self._owners: dict[int, weakref.ref[Any]] = {}  # the kept slots' owners (keep)
         self.kept = 0                   # chunks handed out (lifetime)
         self.exhausted = 0              # take() found every slot held
 
@@ -86,18 +83,9 @@ class Landing:
         the pool when the last view derived from this one is gone."""
         vmr, at = slot
         owner = (ctypes.c_char * length).from_buffer(vmr.memory, at)
-        # a weakref whose callback returns the slot (kept alive in ``_owners`` until
-        # then): a C-level callback, a third of ``weakref.finalize``'s cost per chunk
-        ref = weakref.ref(owner, self._back(slot))
-        self._owners[id(ref)] = ref
+        weakref.finalize(owner, self._free.append, slot)
         self.kept += 1
         return memoryview(owner).cast("B").toreadonly()
-
-    def _back(self, slot: Slot) -> Callable[["weakref.ref[Any]"], None]:
-        def back(ref: "weakref.ref[Any]") -> None:
-            self._owners.pop(id(ref), None)
-            self._free.append(slot)
-        return back
 
     def statistics(self) -> LandingStatistics:
         return LandingStatistics(slots=self.slots, free=len(self._free), kept=self.kept,

@@ -526,8 +526,9 @@ class Routes:
                 continue
             rec = route[0]
             ident = (rec.node, rec.started)
-            peer = told[ident] if ident in told else told.setdefault(
-                ident, self.tell(rec, route[2]))
+            if ident not in told:
+                told[ident] = self.tell(rec, route[2])
+            peer = told[ident]
             if peer is not None:
                 self.engine.fetch_route(j, peer, route[1] * rec.slot_size)
         self.feed()

@@ -100,8 +100,8 @@ class VMR:
     def on(self, nic: str, offset: int) -> tuple[int, int]:
         """``(addr, lkey)`` of byte ``offset`` through local NIC ``nic`` (unchecked: the
         caller knows the range is inside; ``sge`` checks it), as ``RemoteVMR.on`` names
-        a peer's byte. For the native fetch's per-chunk target, where an SGE object
-        was a tenth of the call."""
+        a peer's byte: what the native fetch hands C (a READ's target, a landing slot's
+        lkey on every NIC), where no SGE is built."""
         mr = self.mrs[nic]
         return mr.buf + offset, mr.lkey
 
