@@ -58,7 +58,12 @@ reads of hedging off on this machine (+57–153 µs daemon CPU per read). Stagin
 are two counts: ``nbuf`` reads in progress (a semaphore per read_chunk; a hedge takes
 none: the budget bounds it) and physical slots, registered lazily in segments of
 ``nbuf`` up to ``3 × nbuf``, so buffers a hung peer still holds do not block the reads
-that follow. Peers whose READs overrun repeatedly are tried last (``Hedger.order``).
+that follow. A hedge never waits for a staging slot either: with none free it adds one
+(the budget bounds how many hedges run, and so how far the pool grows). Waiting, a
+hedge was held by the very READs it was to overtake: the losers of a stopped peer keep
+their slots until its timeout. The native fetch's hedge of a late C READ
+(``read_chunk(budgeted=True)``) is a hedge too: its attempts take neither. Peers whose
+READs overrun repeatedly are tried last (``Hedger.order``).
 """
 from __future__ import annotations
 
@@ -269,7 +274,8 @@ class Peers:
 
     async def read_chunk(self, dataset: str, version: int, chunk: int, key: bytes, length: int,
                          *, ask_owner: bool = True, exclude: str | None = None,
-                         part: tuple[int, int, bytes] | None = None) -> bytes | memoryview | None:
+                         part: tuple[int, int, bytes] | None = None,
+                         budgeted: bool = False) -> bytes | memoryview | None:
         """Verified bytes of the chunk from some replica, or None (go to the source).
 
         ``part = (offset, length, digest)`` READs only that extent (or block) of the
@@ -279,13 +285,18 @@ class Peers:
         Replicas in turn, each in this task; with hedging, a READ (or connect) that
         overruns its threshold starts the next replica as a task, once per read; the
         first bytes that verify win and the other attempt is cancelled (module
-        docstring)."""
+        docstring).
+
+        ``budgeted``: this read is itself a hedge, charged to the byte budget already
+        (``NativeFetch``'s, of a C READ past its deadline): its attempts take no
+        read-in-progress token and wait for no staging slot (module docstring)."""
         if length > self.slot_size:
             return None
         t0 = time.monotonic()
         recs = [r for r in self.order(key, exclude) if self._skip_until.get(r.node, 0.0) <= t0]
         race = _Race(recs, (dataset, version, chunk, key, length, part, ask_owner),
-                     BUCKET_BYTES + (part[1] if part is not None else length), self._overran)
+                     BUCKET_BYTES + (part[1] if part is not None else length), self._overran,
+                     budgeted)
         failed = False
         try:
             while race.queue and race.winner is None:
@@ -397,9 +408,12 @@ class Peers:
         took = time.monotonic() - t
         self.hedger.done(rec.node, nbytes, took, sample=took <= limit)
 
-    async def _take_staging(self) -> tuple[VMR, int]:
+    async def _take_staging(self, hedge: bool = False) -> tuple[VMR, int]:
         """A physical staging slot, registering another segment of ``nbuf`` if none is
-        free (up to STAGING × nbuf: losers a hung peer still holds)."""
+        free (up to STAGING × nbuf: losers a hung peer still holds); for a ``hedge``
+        without waiting: past that bound, one more slot for good."""
+        if hedge and self._staging_free.value == 0:
+            self._staging_free.release()
         await _take(self._staging_free)
         return self._staging_slot()
 
@@ -437,10 +451,11 @@ class Peers:
             att.read_since = time.monotonic()   # joiner: it goes on in its single-flight)
         vqp = await wait_noting_overrun(lambda: self._vqp(rec),
                                         (self.hedger.cap, att.overran) if connecting else None)
-        token = not att.is_hedge       # a hedge is bounded by the budget, not by nbuf
+        hedge = att.is_hedge or att.race.budgeted   # bounded by the budget, not by nbuf
+        token = not hedge
         if token:
             await _take(self._slot_free)
-        staging = await self._take_staging()
+        staging = await self._take_staging(hedge)
         sbuf, base = staging
         landing = self.landing.take() if part is None else None
         try:
@@ -597,12 +612,14 @@ class _Race:
     stayed held after the memory tier had let them go: 35 % of a sequential reader's
     chunks found every landing slot held and were copied out of a staging buffer."""
 
-    __slots__ = ("queue", "args", "nbytes", "on_overrun", "first", "hedge", "winner", "error")
+    __slots__ = ("queue", "args", "nbytes", "on_overrun", "budgeted", "first", "hedge",
+                 "winner", "error")
 
     def __init__(self, queue: list[NodeRecord], args: tuple, nbytes: int,
-                 on_overrun: Callable[["_Attempt"], None]) -> None:
+                 on_overrun: Callable[["_Attempt"], None], budgeted: bool = False) -> None:
         self.queue, self.args, self.nbytes = queue, args, nbytes
         self.on_overrun = on_overrun            # Peers._overran
+        self.budgeted = budgeted                # read_chunk(budgeted=True): a hedge itself
         self.first: _Attempt | None = None
         self.hedge: _Attempt | None = None
         self.winner: _Attempt | None = None

@@ -363,7 +363,7 @@ class NativeFetch:
         try:
             data = await self.peers.read_chunk(self.tiers.dataset[0], self.tiers.dataset[1],
                                                f.k, f.chunk_key, self.index.chunk_len[f.k],
-                                               exclude=f.node, part=part)
+                                               exclude=f.node, part=part, budgeted=True)
         except Exception as e:          # noqa: BLE001 - the C READ is still there
             log.info("hedge of chunk %d (native READ from %s late): %s", f.k, f.node, e)
             return

@@ -172,6 +172,45 @@ async def test_a_silent_replica_is_hedged_then_tried_last_and_its_attempt_cleans
             nursery.cancel_scope.cancel()
 
 
+async def test_a_hedge_waits_for_no_token_or_staging_slot_that_hung_reads_hold() -> None:
+    """A stopped peer's READs keep their read-in-progress tokens and staging slots until
+    its timeout. A hedge must not wait for them, or the READs it is to overtake hold it
+    back: the hedge of a C READ past its deadline (``read_chunk(budgeted=True)``) once
+    waited 516 ms so, its readers with it (the sequential-readers tail test, sanitized
+    build). Here every token and staging slot is held, as such READs hold them: a plain
+    read waits; a budgeted one returns the chunk at once, one more staging slot made."""
+    from types import SimpleNamespace
+
+    from kspeedfs.cluster.hedge import Hedger
+    from tests.unit.test_rpc_hostile import SECRET as S, SLOT as SL, _chunk as chunk, _node
+
+    async with _node("good") as (_, arena, good), \
+            Endpoint(S, node="mount", addrs=[LO], provider="soft") as mount, \
+            trio.open_nursery() as nursery:
+        members = SimpleNamespace(nodes={"good": good}, members=[good.member()])
+        peers = Peers(mount, members, S, replicas=1, slot_size=SL,  # type: ignore[arg-type]
+                      nursery=nursery, nbuf=2, hedge=Hedger())
+        key, data = chunk()
+        arena.put(key, data)
+        staging = peers._staging_free.value
+        for sem in (peers._slot_free, peers._staging_free):     # all held, as hung READs
+            while sem.value:
+                sem.acquire_nowait()
+        with trio.move_on_after(0.3) as waited:
+            await peers.read_chunk("ds", 1, 0, key, len(data))
+        assert waited.cancelled_caught                  # a plain read waits for a token
+        with trio.fail_after(5):
+            got = await peers.read_chunk("ds", 1, 0, key, len(data), budgeted=True)
+        assert got is not None and bytes(got) == data
+        del got
+        assert peers._slot_free.value == 0 and peers._staging_free.value == 1
+        for _ in range(staging):                # the hung READs end: the pool is one larger
+            peers._staging_free.release()
+        assert peers._staging_free.value == staging + 1
+        await peers.aclose()
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_replica_order_follows_every_membership_change() -> None:
     """Replica orders are kept per key (a rendezvous hash over every member per read
     cost 37 µs with 128 members), but a new member list is seen by the next read."""
