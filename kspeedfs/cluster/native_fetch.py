@@ -89,6 +89,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
+from rdma.enums import ibv_wc_status
+
 from .fetch import NATIVE_READS, Peers
 from .landing import Slot
 
@@ -453,8 +455,12 @@ class NativeFetch:
             if status == _fe.FETCH_MISMATCH:
                 self.peers.stale_hint(f.node, f.started, f.chunk_key)
             elif status != _fe.FETCH_EXISTS:
-                log.info("native fetch of chunk %d%s from %s: status %d; the usual path "
-                         "takes it", f.k, " (an extent)" if f.extent else "", f.node, status)
+                # a flush is its path's reset, which the vQP logs once: not a line per
+                # READ that was on it (up to 16 at once, at every path DOWN)
+                log.log(logging.DEBUG if status == ibv_wc_status.IBV_WC_WR_FLUSH_ERR
+                        else logging.INFO, "native fetch of chunk %d%s from %s: status %d; "
+                        "the usual path takes it", f.k, " (an extent)" if f.extent else "",
+                        f.node, status)
         if f.event is not None:
             f.event.set()
 
