@@ -49,13 +49,10 @@ class Landing:
         self.slot_size = slot_size
         self.limit = max(1, limit)
         self.segments: list[VMR] = []
+        self.slots = 0                  # registered (``spare`` reads it once a chunk)
         self._free: list[Slot] = []     # appended to by finalizers, from any thread (GIL)
         self.kept = 0                   # chunks handed out (lifetime)
         self.exhausted = 0              # take() found every slot held
-
-    @property
-    def slots(self) -> int:
-        return sum(v.length // self.slot_size for v in self.segments)
 
     def take(self) -> Slot | None:
         """A free slot (registering another segment if allowed), or None."""
@@ -63,6 +60,7 @@ class Landing:
             n = min(SEGMENT, self.limit - self.slots)
             vmr = self.ep.alloc(n * self.slot_size, name=f"landing{len(self.segments)}")
             self.segments.append(vmr)
+            self.slots += n
             self._free.extend((vmr, i * self.slot_size) for i in range(n))
         if not self._free:
             self.exhausted += 1
