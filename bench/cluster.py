@@ -198,7 +198,10 @@ class ClusterBed:
         self.cluster = c = Cluster(self.base, nodes=self.nodes, chunk_size=self.chunk,
                                    node_memory=f"{mem}MiB")
         c.start()
-        c.ks(["import", str(self.ds.root), "--name", self.dataset, "-q"], timeout=1800)
+        # the chunk size too, not only the nodes' slot size: without it, from 61262dd on,
+        # --cluster-chunk-size put 4 MiB chunks into larger slots
+        c.ks(["import", str(self.ds.root), "--name", self.dataset, "--chunk-size", self.chunk,
+              "-q"], timeout=1800)
         t0 = time.monotonic()
         c.ks(["preload", self.dataset, "--timeout", "900"], timeout=1000)
         self.preload_s = time.monotonic() - t0
