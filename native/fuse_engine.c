@@ -210,7 +210,7 @@ struct fe_engine {
     /* the solo gate (solo_gate): requests from one task at a time are read by the first
      * /dev/fuse thread alone; the others read too while several tasks send */
     atomic_uint last_pid;           /* the task of the last request read */
-    _Atomic uint64_t multi_until;   /* now_ns() before which every thread reads */
+    _Atomic uint64_t multi_until;   /* fe_now_ns() before which every thread reads */
     atomic_int gate_open;           /* a reader left (unmount, stop): nobody waits any more */
     pthread_mutex_t slock;
     pthread_cond_t scond;
@@ -1043,8 +1043,6 @@ void fe_read_again(struct fe_engine *e, const struct fe_request *q)
 
 int fe_queue(struct fe_engine *e, const struct fe_request *q) { return enqueue(e, q); }
 
-static uint64_t now_ns(void);
-
 static int do_read(struct req *r)
 {
     struct fe_engine *e = r->w->e;
@@ -1091,7 +1089,7 @@ static int do_read(struct req *r)
          * the rest are hinted to Python */
         struct fe_fetch *f = atomic_load(&e->fetch);
         for (uint64_t k = pstart; k < pstop; k++)
-            if (!tier_has(e->tier, chunk_key(e, k), 16) && !(f && fetch_start(f, k, now_ns()))) {
+            if (!tier_has(e->tier, chunk_key(e, k), 16) && !(f && fetch_start(f, k))) {
                 struct fe_request q = {.kind = FE_PREFETCH, .fd = -1, .unique = last,
                                        .entry = entry, .offset = k, .size = pstop};
                 r->w->c.prefetch_hints++;
@@ -1108,7 +1106,7 @@ static const uint64_t bounds_ns[FE_BUCKETS - 1] = {
     100000, 250000, 500000, 1000000, 2500000, 5000000, 10000000, 25000000, 50000000,
     100000000, 250000000, 500000000, 1000000000, 2500000000ULL, 10000000000ULL};
 
-static uint64_t now_ns(void)
+uint64_t fe_now_ns(void)
 {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -1117,7 +1115,7 @@ static uint64_t now_ns(void)
 
 static void count_into(struct fe_counters *c, int op, uint64_t t0, int err)
 {
-    uint64_t dt = now_ns() - t0;
+    uint64_t dt = fe_now_ns() - t0;
     int b = 0;
     while (b < FE_BUCKETS - 1 && dt > bounds_ns[b])
         b++;
@@ -1172,7 +1170,7 @@ static void crowd_note(struct fe_worker *w, uint32_t pid, uint64_t t0)
     struct fe_engine *e = w->e;
     if (e->nworkers < 2)
         return;
-    uint64_t now = now_ns();
+    uint64_t now = fe_now_ns();
     atomic_store_explicit(&w->busy_ns, atomic_load_explicit(&w->busy_ns, memory_order_relaxed)
                           + (now - t0), memory_order_relaxed);
     atomic_store_explicit(&w->requests, atomic_load_explicit(&w->requests,
@@ -1236,7 +1234,7 @@ static void dispatch_one(struct fe_worker *w, const uint8_t *buf, size_t n, uint
 
 static void dispatch(struct fe_worker *w, const uint8_t *buf, size_t n)
 {
-    uint64_t t0 = now_ns();
+    uint64_t t0 = fe_now_ns();
     dispatch_one(w, buf, n, t0);
     if (!w->ent && n >= sizeof(struct fuse_in_header))
         crowd_note(w, ((const struct fuse_in_header *)buf)->pid, t0);
@@ -1365,14 +1363,14 @@ static void ring_fill(struct fe_uent *ent, uint64_t unique, int err, const struc
     if (err) {
         len = 0;
     } else if (len) {
-        uint64_t t0 = c ? now_ns() : 0;     /* what the copy costs (a writev has none) */
+        uint64_t t0 = c ? fe_now_ns() : 0;     /* what the copy costs (a writev has none) */
         size_t at = 0;
         for (int i = 1; i < n; i++) {
             memcpy(ent->payload + at, iov[i].iov_base, iov[i].iov_len);
             at += iov[i].iov_len;
         }
         if (c) {
-            c->ring_copy_ns += now_ns() - t0;
+            c->ring_copy_ns += fe_now_ns() - t0;
             c->ring_copy_bytes += len;
         }
     }
@@ -1832,7 +1830,7 @@ static void solo_gate(struct fe_engine *e, struct fe_worker *w)
         return;
     pthread_mutex_lock(&e->slock);
     for (int waited = 0; !atomic_load(&e->stopping) && !atomic_load(&e->gate_open) &&
-         now_ns() >= atomic_load(&e->multi_until); waited = 1) {
+         fe_now_ns() >= atomic_load(&e->multi_until); waited = 1) {
         if (!waited)
             w->c.gate_waits++;
         struct timespec t;

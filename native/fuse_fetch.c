@@ -466,7 +466,7 @@ int fetch_slot(struct fe_fetch *f, uint32_t id, void *laddr, const uint32_t *lke
     return rc;
 }
 
-int fetch_start(struct fe_fetch *f, uint64_t k, uint64_t now)
+int fetch_start(struct fe_fetch *f, uint64_t k)
 {
     if (k >= f->chunks)
         return 0;
@@ -485,6 +485,7 @@ int fetch_start(struct fe_fetch *f, uint64_t k, uint64_t now)
     }
     struct slot s = f->slots[f->nslots - 1];
     int pi = p->turn % p->npaths;
+    uint64_t now = fe_now_ns();
     struct own own = {.slot = s.id, .peer = peer, .path = pi, .t0 = now,
                       .deadline = p->limit_ns ? now + p->limit_ns : 0};
     const uint8_t *digest = f->digests + k * 16;
@@ -682,9 +683,7 @@ static int late_check(struct fe_fetch *f)
     struct late { uint64_t k, cookie; struct own own; } late[16];
     int n = 0, waiting = 0;
     atomic_store(&f->idle, 1);      /* before the scan: fetch_start kicks after it */
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+    uint64_t now = fe_now_ns();
     pthread_mutex_lock(&f->lock);
     for (int i = 0; i < FE_FETCH_MAX; i++) {
         struct rec *r = &f->recs[i];

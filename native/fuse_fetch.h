@@ -82,10 +82,12 @@ struct fe_fetch;
 
 /* From fuse_engine.c: answer a READ from the tier, or park it on one of its chunks in
  * flight (1), else leave it to the caller (0); answer a parked READ again the same way,
- * or queue it for Python; and queue a request or event for Python. */
+ * or queue it for Python; queue a request or event for Python; and the engine's clock
+ * (CLOCK_MONOTONIC, ns: a request's t0, a C-started fetch's start and deadline). */
 int fe_read_or_park(struct fe_engine *e, const struct fe_request *q);
 void fe_read_again(struct fe_engine *e, const struct fe_request *q);
 int fe_queue(struct fe_engine *e, const struct fe_request *q);
+uint64_t fe_now_ns(void);
 
 struct fe_fetch_counters {
     uint64_t posted, landed, failed, parked, answered;  /* parked: per READ and chunk waited for */
@@ -142,9 +144,8 @@ void fetch_unroute(struct fe_fetch *f);
  * local NIC. -ENOSPC when FE_SLOTS are held. */
 int fetch_slot(struct fe_fetch *f, uint32_t id, void *laddr, const uint32_t *lkeys, int nlkeys);
 /* Start chunk ``k`` here if it has a route to a peer that is on and a landing slot is free:
- * 1 (or it is in flight already), else 0 (the caller hints Python). ``now``: CLOCK_MONOTONIC
- * ns. Any thread. */
-int fetch_start(struct fe_fetch *f, uint64_t k, uint64_t now);
+ * 1 (or it is in flight already), else 0 (the caller hints Python). Any thread. */
+int fetch_start(struct fe_fetch *f, uint64_t k);
 
 /* Stop: no more posts; wait up to ``timeout_ms`` for every posted READ's WC, then end the
  * thread and close the CQs. Returns how many were still out (their records are
