@@ -170,6 +170,8 @@ def mount_families(snap: dict[str, Any], labels: dict[str, str]) -> Families:
     f = _Families(labels)
     r = snap["read"]
     f.counter("read_requests_total", "FUSE read requests", r.reads)
+    f.counter("python_read_requests_total", "FUSE read requests answered by the Python thread "
+              "(the native engine answers the rest in C)", r.python_reads)
     f.counter("read_bytes_total", "bytes returned to readers", r.read_bytes)
     f.counter("chunk_requests_total", "chunk requests served, by the tier that served them",
               by="tier", values={"memory": r.memory_hits, "disk": r.disk_hits,

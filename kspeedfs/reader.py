@@ -127,7 +127,7 @@ class Reader:
 
     def statistics(self) -> ReadStatistics:
         gauges = dict(memory_bytes=self.memory.used, memory_resident_bytes=self.memory.resident_used,
-                      disk_bytes=self.disk.used if self.disk else 0)
+                      disk_bytes=self.disk.used if self.disk else 0, python_reads=self.counters.reads)
         if self.served_elsewhere is not None:     # reads the native engine answered in C
             reads, nbytes, hits = self.served_elsewhere()
             c = self.counters

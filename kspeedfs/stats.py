@@ -22,6 +22,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ReadStatistics:
     reads: int = 0                 # FUSE read requests
+    python_reads: int = 0          # ... of them answered by the trio thread (native engine: not in C)
     read_bytes: int = 0            # bytes returned to readers
     memory_hits: int = 0           # chunk requests served by the memory tier
     disk_hits: int = 0             # ... by the disk tier (verified on load)

@@ -1015,24 +1015,39 @@ static void count_hit(struct fe_counters *c, uint64_t bytes, int units)
     c->memory_hits += (uint64_t)units;
 }
 
+/* Queued READ ``q`` ([offset, end) over chunks first..last) answered from the tier if it
+ * holds them all, counted with the READs answered again; 0: it does not. */
+static int answer_again(struct fe_engine *e, const struct fe_request *q, uint64_t end,
+                        uint64_t first, uint64_t last)
+{
+    struct hit h;
+    if (!read_hit(e, q->entry, q->offset, end, first, last, &h))
+        return 0;
+    reply_iov(q->fd, q->unique, h.iov, h.n);
+    release_hit(e, &h);
+    pthread_mutex_lock(&e->alock);
+    count_hit(&e->again, end - q->offset, h.units);
+    count_into(&e->again, FE_OP_READ, q->t0, 0);
+    pthread_mutex_unlock(&e->alock);
+    return 1;
+}
+
 int fe_read_or_park(struct fe_engine *e, const struct fe_request *q)
 {
     if (q->entry >= e->ix.entries || !S_ISREG(e->ix.mode[q->entry]))
         return 0;                   /* (Python's READ tuple: not trusted blindly) */
     uint64_t end, first, last;
     read_span(e, q->entry, q->offset, q->size, &end, &first, &last);
-    struct hit h;
-    if (q->offset < end && read_hit(e, q->entry, q->offset, end, first, last, &h)) {
-        reply_iov(q->fd, q->unique, h.iov, h.n);
-        release_hit(e, &h);
-        pthread_mutex_lock(&e->alock);
-        count_hit(&e->again, end - q->offset, h.units);
-        count_into(&e->again, FE_OP_READ, q->t0, 0);
-        pthread_mutex_unlock(&e->alock);
+    if (q->offset >= end)
+        return 0;
+    if (answer_again(e, q, end, first, last))
         return 1;
-    }
     struct fe_fetch *f = atomic_load(&e->fetch);   /* one of its chunks in flight */
-    return q->offset < end && f && fetch_park(f, first, last, q);
+    if (!f)
+        return 0;
+    /* Nothing to park on may also mean its last chunk landed between the two looks: the
+     * READ is then answered from the tier, not left to Python for a trio task. */
+    return fetch_park(f, first, last, q) || answer_again(e, q, end, first, last);
 }
 
 void fe_read_again(struct fe_engine *e, const struct fe_request *q)

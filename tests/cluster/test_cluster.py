@@ -278,11 +278,17 @@ def test_sequential_reads_that_miss_wait_in_c_for_their_chunks(world) -> None:
     s = _stats(mnt)
     misses = s["read_misses"] - before["read_misses"]
     parked = s["fetch_parked"] - before["fetch_parked"]
-    # (the first READ of a handle is random: Python's; each 1 MiB READ spans 4 chunks)
-    assert misses >= 4 and parked >= (misses - 1) * 0.8, (misses, parked, s)
+    in_python = s["python_reads"] - before["python_reads"]
+    # A miss is answered in C, parked on its chunks or, when chunks C started for the
+    # READs before it landed while it sat in the queue, from the tier at once
+    # (``read_or_park``, not parked: a loaded machine's slower trio thread sees more of
+    # that, and CI once had 4 misses and 2 parks). Python answers at most one (a chunk
+    # the native fetch declined: e.g. landing slots all held by chunks not yet adopted).
+    assert misses >= 4 and parked >= 1 and in_python <= 1, (misses, parked, in_python, s)
     assert s["fetch_parked"] == s["fetch_answered"], s
     assert s["source_loads"] == before["source_loads"], s
-    print(f"sequential misses from peers: {misses} READs, {parked} waited in C")
+    print(f"sequential misses from peers: {misses} READs, {parked} waited in C, "
+          f"{in_python} answered in Python")
 
 
 @pytest.mark.parametrize("rail", [0, 1])
