@@ -142,10 +142,9 @@ def test_preload_then_reads_come_from_peers(world) -> None:
         assert s["peer_hits"] > 0 and len(s["per_peer_bytes"]) == 3, s["per_peer_bytes"]
         # a fresh mount's first pass: the nodes' indexes READ whole give the native
         # fetch its routes (Peers._index_slot), so C READs chunks already
+        # (whether C or Python's prefetcher starts a chunk of this first pass is timing:
+        # C's own starts are asserted on the streams of the next test)
         assert s["fetch_landed"] > 0, s
-        # ... and starts chunks of the shards' sequential readers itself, from the routes
-        # Python gives it for the chunks after each one it starts (fuse_fetch.h)
-        assert s["fetch_started"] > 0, s
         # random 4 KiB reads on a fresh mount: one block READ each, not a chunk
         fresh = c.mount("imgs", "--source", str(src))
         shard = files["shards/s0.bin"]
@@ -200,9 +199,13 @@ def test_chunks_read_again_are_fetched_verified_and_answered_in_c(world) -> None
     # for a 1 MiB READ over 256 KiB chunks)
     assert 0 < s["fetch_parked"] == s["fetch_answered"] <= s["read_misses"] * 5, s
     assert s["source_loads"] == before["source_loads"], s
+    # C starts chunks of the sequential streams itself, from the routes Python gives it
+    # for the chunks after each one it starts (fuse_fetch.h): about half of them here
+    started = s["fetch_started"] - before["fetch_started"]
+    assert started * 5 > s["fetch_posted"] - before["fetch_posted"], (started, s)
     print(f"native fetch: {s['fetch_landed']} chunks landed, {s['fetch_failed']} stepped "
           f"aside, {s['fetch_redundant']} landed after a hedge won, {s['fetch_parked']} "
-          f"READs parked; {st.reads} shard reads, 0 errors")
+          f"READs parked, {started} started by C; {st.reads} shard reads, 0 errors")
 
 
 def test_small_files_from_peers_are_fetched_verified_and_answered_in_c(world) -> None:
