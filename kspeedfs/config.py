@@ -256,7 +256,10 @@ class ClusterConfig:
     hb_interval: float = _opt(0.010, "vRDMA heartbeat interval per path, s")
     hb_miss: int = _opt(5, "heartbeats missed before a path is DOWN (detection ~ miss x interval)")
     hb_idle_interval: float = _opt(0.100, "heartbeat interval of a peer connection with no READ "
-                                   "for 1 s, s (the next READ restores hb_interval at once)")
+                                   "from Python for 1 s, s (the next READ restores hb_interval "
+                                   "at once)")
+    hb_quiet_interval: float = _opt(1.0, "heartbeat interval of a peer connection with no READ "
+                                    "at all (nor one of the native fetch's) for 1 s, s")
     peer_timeout: float = _opt(0.5, "all paths to a peer dead this long -> try the next replica, s")
     hedge: bool = _opt(True, "READ the next replica too when a peer READ is slow (mounts, and "
                        "nodes re-replicating) "
@@ -298,6 +301,10 @@ class ClusterConfig:
             raise ConfigError(f"cluster.hb_idle_interval: {self.hb_idle_interval} must be >= "
                               f"cluster.hb_interval ({self.hb_interval})")
         _positive("cluster.hb_idle_interval", self.hb_idle_interval, 60)
+        if self.hb_quiet_interval < self.hb_idle_interval:
+            raise ConfigError(f"cluster.hb_quiet_interval: {self.hb_quiet_interval} must be >= "
+                              f"cluster.hb_idle_interval ({self.hb_idle_interval})")
+        _positive("cluster.hb_quiet_interval", self.hb_quiet_interval, 600)
         _positive("cluster.peer_timeout", self.peer_timeout, 3600)
         _range("cluster.hedge_factor", self.hedge_factor, 1, 100)
         _positive("cluster.hedge_floor", self.hedge_floor, 60)
@@ -326,15 +333,16 @@ class ClusterConfig:
 
     def heartbeat(self) -> HeartbeatConfig:
         """The vRDMA heartbeat and failover knobs every endpoint of this cluster uses
-        (nodes and mounts alike): ``hb_interval``, ``hb_miss``, ``hb_idle_interval`` and
-        ``peer_timeout`` as the grace before a peer with no live path is unreachable.
+        (nodes and mounts alike): ``hb_interval``, ``hb_miss``, ``hb_idle_interval``,
+        ``hb_quiet_interval`` and ``peer_timeout`` as the grace before a peer with no live path is unreachable.
         Imports ``rdma`` here, not at module level, so ``kspeedfs --help`` never does."""
         from rdma.vrdma import HeartbeatConfig
 
         return HeartbeatConfig(interval=self.hb_interval, miss_threshold=self.hb_miss,
                                suspect_after=min(2, self.hb_miss),
                                unreachable_grace=self.peer_timeout,
-                               idle_interval=self.hb_idle_interval)
+                               idle_interval=self.hb_idle_interval,
+                               quiet_interval=self.hb_quiet_interval)
 
     def secret(self) -> bytes:
         """The shared secret: the file's bytes, surrounding whitespace stripped, used as

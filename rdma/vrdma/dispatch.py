@@ -115,6 +115,8 @@ class ReadDispatcher:
         paths: the :class:`PathSet` it posts on and reports failures to.
         waiting: ops with no path to go to, oldest first.
         last_read: when the last READ was issued (the monitor's idle test).
+        last_native: when a READ of the native fetch's was last posted or completed (the
+            monitor's quiet test).
         reads_ok, failed_over, unreachable: counters for ``VQP.statistics()``.
     """
 
@@ -127,6 +129,7 @@ class ReadDispatcher:
         self._rr = 0
         self.waiting: collections.deque[ReadOp] = collections.deque()
         self.last_read = now                  # last data READ posted (idle heartbeats)
+        self.last_native = now                # ... of the native fetch's, posted or done
         self._wake = trio.Event()             # set by the first READ after an idle spell
         self.reads_ok = self.failed_over = self.unreachable = 0
 
@@ -169,6 +172,18 @@ class ReadDispatcher:
         """No data READ for ``idle_after``, none in flight or waiting: probe slowly."""
         return (now - self.last_read >= self.cfg.idle_after and not self.waiting
                 and not any(p.data_inflight for p in self.paths.paths))
+
+    def quiet(self, now: float) -> bool:
+        """Idle, and no READ of the native fetch's posted or completed for ``idle_after``
+        either: probe more slowly still (:mod:`.heartbeat`)."""
+        return now - self.last_native >= self.cfg.idle_after and self.idle(now)
+
+    def native_posted(self, now: float) -> None:
+        """A READ of the native fetch's is about to be posted (``VQP.native_target``):
+        a quiet monitor back to its idle ticks at once."""
+        if now - self.last_native >= self.cfg.idle_after:
+            self._wake.set()
+        self.last_native = now
 
     async def wait_for_read(self, timeout: float) -> None:
         """Sleep ``timeout``, or less if a READ ends the idle spell first."""

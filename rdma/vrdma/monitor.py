@@ -1,6 +1,7 @@
 """The heartbeat monitor of a virtual QP: the one task that keeps time for its paths.
 
-Every tick (``interval``; ``idle_interval`` on an idle vQP, see :mod:`.heartbeat`)::
+Every tick (``interval``; ``idle_interval`` on an idle vQP, ``quiet_interval`` on a quiet
+one, see :mod:`.heartbeat`)::
 
     for each path:
         looks quiet, but response bytes arrived on its QP within I ─► alive (_rx_evidence)
@@ -87,7 +88,8 @@ class HeartbeatMonitor:
                 self.give_up_held(now)
             self.reads.expire(now, dead_long)
             if self.reads.idle(now):
-                await self.reads.wait_for_read(self.cfg.idle_interval)
+                await self.reads.wait_for_read(self.cfg.quiet_interval
+                                               if self.reads.quiet(now) else self.cfg.idle_interval)
             else:
                 await trio.sleep(iv)
 

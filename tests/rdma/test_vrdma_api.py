@@ -282,7 +282,7 @@ async def test_an_idle_vqp_probes_slowly_until_the_next_read(server: Any) -> Non
     next READ wakes the monitor at once and probing is back to every ``interval``."""
     srv, port = server
     cfg = HeartbeatConfig(connect_timeout=5.0, unreachable_grace=3.0, interval=0.01,
-                          idle_interval=0.1, idle_after=0.3)
+                          idle_interval=0.1, quiet_interval=0.1, idle_after=0.3)  # (no quiet tier)
     async with Endpoint(SECRET, node="A", addrs=[LO], cfg=cfg) as ep:
         vqp = await ep.connect([LO], port)
         buf = ep.alloc(4096)
@@ -303,6 +303,34 @@ async def test_an_idle_vqp_probes_slowly_until_the_next_read(server: Any) -> Non
         busy = beats() - h1
         assert busy >= 8, f"{busy} probes in 0.25 s after a READ (every 10 ms: ~25)"
         assert buf.read(4096) == srv.exports["data"].read(4096)
+
+
+async def test_a_quiet_vqp_probes_more_slowly_until_a_native_read_is_posted(server: Any) -> None:
+    """No READ of Python's nor of the native fetch's for ``idle_after``: probes every
+    ``quiet_interval``; a READ C is about to post (``native_target``) wakes the monitor
+    at once, back to ``idle_interval`` (a NIC dying under C's READs is found by those
+    ticks), and quiet again ``idle_after`` after it."""
+    srv, port = server
+    cfg = HeartbeatConfig(connect_timeout=5.0, unreachable_grace=3.0, interval=0.01,
+                          idle_interval=0.05, quiet_interval=0.5, idle_after=0.3)
+    async with Endpoint(SECRET, node="A", addrs=[LO], cfg=cfg) as ep:
+        vqp = await ep.connect([LO], port)
+        buf = ep.alloc(4096)
+        await vqp.read(buf, 0, vqp.remote_mr("data"), 4096)
+
+        def beats() -> int:
+            return sum(p.heartbeats_ok for p in vqp.statistics().paths)
+
+        await trio.sleep(0.8)                              # quiet from 0.3 s on
+        h0 = beats()
+        await trio.sleep(1.0)
+        quiet = beats() - h0
+        assert quiet <= 4, f"{quiet} probes in 1 s quiet (every 500 ms: ~2)"
+        h1 = beats()
+        assert vqp.native_target(buf, 0, "data", 0, 4096) is not None
+        await trio.sleep(0.25)
+        idle = beats() - h1
+        assert idle >= 3, f"{idle} probes in 0.25 s after a native READ (every 50 ms: ~5)"
 
 
 async def test_reads_c_completed_on_a_path_stand_in_for_its_probes(server: Any) -> None:

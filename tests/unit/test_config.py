@@ -211,4 +211,10 @@ def test_cluster_heartbeat_is_built_from_the_hb_keys() -> None:
                                           "KSPEEDFS_CLUSTER_PEER_TIMEOUT": "1.5"})
     hb = cfg.cluster.heartbeat()
     assert (hb.interval, hb.miss_threshold, hb.suspect_after) == (0.010, 7, 2)
-    assert (hb.unreachable_grace, hb.idle_interval) == (1.5, 0.100)
+    assert (hb.unreachable_grace, hb.idle_interval, hb.quiet_interval) == (1.5, 0.100, 1.0)
+
+
+@pytest.mark.parametrize("value", ["0.05", "nan", "601"])
+def test_a_quiet_heartbeat_interval_below_the_idle_one_or_absurd_is_refused(value: str) -> None:
+    with pytest.raises(config.ConfigError, match="cluster.hb_quiet_interval"):
+        config.load(path=None, environ={"KSPEEDFS_CLUSTER_HB_QUIET_INTERVAL": value})
