@@ -334,7 +334,8 @@ class ClusterConfig:
     def heartbeat(self) -> HeartbeatConfig:
         """The vRDMA heartbeat and failover knobs every endpoint of this cluster uses
         (nodes and mounts alike): ``hb_interval``, ``hb_miss``, ``hb_idle_interval``,
-        ``hb_quiet_interval`` and ``peer_timeout`` as the grace before a peer with no live path is unreachable.
+        ``hb_quiet_interval`` and ``peer_timeout`` as the grace before a peer with no
+        live path is unreachable.
         Imports ``rdma`` here, not at module level, so ``kspeedfs --help`` never does."""
         from rdma.vrdma import HeartbeatConfig
 
