@@ -209,12 +209,15 @@ def mount_sample(prev: dict[str, Any], cur: dict[str, Any], dt: float) -> dict[s
         "transport": cur.get("transport"),   # "native io_uring", "native /dev/fuse", "pyfuse3"
         "ops_per_s": _r(max(0, ops_now - ops_before) / dt if dt > 0 else 0.0),
         "reads_per_s": _r(rate("reads")), "read_mb_per_s": _r((rate("read_bytes") or 0) / 1e6, 2),
+        # (of them answered by the Python thread: on the native engine, its slow path)
+        "python_reads_per_s": _r(rate("python_reads")),
         "hit_ratio": round(hits / (hits + misses), 4) if hits + misses else None,
         "tiers": tiers,
         "memory_bytes": cur.get("memory_bytes", 0), "disk_bytes": cur.get("disk_bytes", 0),
         "errors_per_s": _r(sum(rate(k) or 0 for k in ("corrupt_discarded", "source_mismatches"))),
-        "totals": {k: cur.get(k, 0) for k in ("reads", "read_bytes", "memory_hits", "disk_hits",
-                                                "peer_hits", "source_loads", "source_bytes")}
+        "totals": {k: cur.get(k, 0) for k in ("reads", "python_reads", "read_bytes", "memory_hits",
+                                                "disk_hits", "peer_hits", "source_loads",
+                                                "source_bytes")}
                   | {"ops": ops_now},
     }
     if "vqps" in cur:                    # a cluster mount: its READs from peers

@@ -19,12 +19,15 @@ def mount_record(t: float, **counters: int) -> dict[str, Any]:
 
 
 def test_mount_rates_per_tier_and_hit_ratio() -> None:
-    before = mount_record(T0, reads=100, read_bytes=10 << 20, memory_hits=50, source_loads=5)
-    after = mount_record(T0 + 2, reads=300, read_bytes=(10 << 20) + 4_000_000, memory_hits=140,
+    before = mount_record(T0, reads=100, python_reads=10, read_bytes=10 << 20, memory_hits=50,
+                          source_loads=5)
+    after = mount_record(T0 + 2, reads=300, python_reads=30, read_bytes=(10 << 20) + 4_000_000,
+                         memory_hits=140,
                          disk_hits=4, disk_hit_bytes=2_000_000, source_loads=11,
                          source_bytes=6_000_000, lookups=40, memory_bytes=3 << 30)
     s = stats.mount_sample(before, after, 2.0)
     assert s["reads_per_s"] == 100 and s["read_mb_per_s"] == 2.0
+    assert s["python_reads_per_s"] == 10 and s["totals"]["python_reads"] == 30
     assert s["ops_per_s"] == 120                           # 200 reads + 40 lookups in 2 s
     assert s["tiers"]["memory"] == {"chunks_per_s": 45, "mb_per_s": None}
     assert s["tiers"]["disk"] == {"chunks_per_s": 2, "mb_per_s": 1.0}
