@@ -173,14 +173,18 @@ class ReadDispatcher:
         return (now - self.last_read >= self.cfg.idle_after and not self.waiting
                 and not any(p.data_inflight for p in self.paths.paths))
 
-    def quiet(self, now: float) -> bool:
-        """Idle, and no READ of the native fetch's posted or completed for ``idle_after``
-        either: probe more slowly still (:mod:`.heartbeat`)."""
-        return now - self.last_native >= self.cfg.idle_after and self.idle(now)
+    def idle_tick(self, now: float) -> float | None:
+        """The monitor's tick while ``idle``: ``idle_interval``, or ``quiet_interval`` once
+        no READ of the native fetch's was posted or completed for ``idle_after`` either
+        (:mod:`.heartbeat`); None when not idle (it ticks every ``interval``)."""
+        if not self.idle(now):
+            return None
+        quiet = now - self.last_native >= self.cfg.idle_after
+        return self.cfg.quiet_interval if quiet else self.cfg.idle_interval
 
-    def native_posted(self, now: float) -> None:
-        """A READ of the native fetch's is about to be posted (``VQP.native_target``):
-        a quiet monitor back to its idle ticks at once."""
+    def native_traffic(self, now: float) -> None:
+        """A READ of the native fetch's is about to be posted (``VQP.native_target``) or
+        completed (``VQP.native_done``): a quiet monitor back to its idle ticks at once."""
         if now - self.last_native >= self.cfg.idle_after:
             self._wake.set()
         self.last_native = now

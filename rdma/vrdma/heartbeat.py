@@ -112,7 +112,7 @@ class HeartbeatConfig:
     idle_interval: float = 0.100
     idle_after: float = 1.0
     #: ... and every ``quiet_interval`` once no READ of the native fetch's has been posted
-    #: or completed on it for ``idle_after`` either (``ReadDispatcher.quiet``)
+    #: or completed on it for ``idle_after`` either (``ReadDispatcher.idle_tick``)
     quiet_interval: float = 1.0
     #: all paths dead for this long → pending and new READs get PeerUnreachable
     unreachable_grace: float = 0.25

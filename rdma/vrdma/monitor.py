@@ -87,9 +87,9 @@ class HeartbeatMonitor:
             if dead_long:
                 self.give_up_held(now)
             self.reads.expire(now, dead_long)
-            if self.reads.idle(now):
-                await self.reads.wait_for_read(self.cfg.quiet_interval
-                                               if self.reads.quiet(now) else self.cfg.idle_interval)
+            tick = self.reads.idle_tick(now)
+            if tick is not None:
+                await self.reads.wait_for_read(tick)
             else:
                 await trio.sleep(iv)
 

@@ -197,7 +197,7 @@ class VQP:
             if not p.m.postable or raw is None:
                 continue
             self._native_rr = (self._native_rr + i + 1) % n
-            self.reads.native_posted(self.clock())
+            self.reads.native_traffic(self.clock())
             laddr, lkey = local_vmr.on(p.local_nic, local_off)    # (checked above)
             raddr, rkey = rm.on(p.remote_nic, off)
             assert p.qp is not None
@@ -235,7 +235,7 @@ class VQP:
         for p in self.paths:
             if p.qp is not None and p.qp.qp_num == qpn and p.m.alive:
                 now = self.clock()
-                self.reads.last_native = now
+                self.reads.native_traffic(now)
                 self.pathset.note(p.m.traffic(now))
                 return
 
