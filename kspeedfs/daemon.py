@@ -268,7 +268,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
                 from .cluster.native_fetch import NativeFetch, soft_capi
 
                 if soft_capi() is not None:
-                    native = NativeFetch(session.engine, peers, reader.tiers, memory, index)
+                    native = NativeFetch(session.engine, peers, reader.tiers, memory, index,
+                                         reader.policy.small_file_limit)
                     session.fetch = reader.tiers.native = native
                     nursery.start_soon(native.run, nursery, name="native-fetch")
             if cfg.metrics.listen:                # off by default: no thread, no socket

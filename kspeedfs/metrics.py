@@ -132,8 +132,11 @@ ENGINE_COUNTERS = {
     "prefetch_hints": ("fuse_prefetch_hints_total", "chunks ahead of a reader the C threads "
                        "asked Python to load"),
     "fetch_posted": ("native_fetch_posted_total", "chunk READs from peers posted in C"),
-    "fetch_started": ("native_fetch_started_total", "of those, chunks C started itself from "
-                      "the routes Python gave it (no prefetch hint to Python)"),
+    "fetch_started": ("native_fetch_started_total", "of those, chunks and small files' "
+                      "extents C started itself from the routes Python gave it (no prefetch "
+                      "hint or READ to Python)"),
+    "fetch_started_parts": ("native_fetch_started_parts_total", "of those, small files' "
+                            "extents (a READ that missed, started in C)"),
     "fetch_landed": ("native_fetch_landed_total", "chunk READs posted in C that landed verified"),
     "fetch_failed": ("native_fetch_failed_total", "chunk READs posted in C that stepped aside "
                      "(WC error, short READ, stale slot): Python's path took the chunk"),

@@ -83,7 +83,12 @@ class ReadPolicy:
         2,606-3,589 and 196-314 against 298-408 µs of mount CPU per file, 7 runs each,
         alternating). When it does not fit, the chunk is evicted before its neighbours
         are read, and a file alone is 2.4x the files/s (``docs/design.md``)."""
-        return not self.chunks_fit and size <= self.chunk_size // SMALL_FILE_DIVISOR
+        return not self.chunks_fit and size <= self.small_file_limit
+
+    @property
+    def small_file_limit(self) -> int:
+        """The largest file ``small_file`` fetches alone; 0: none (the dataset fits)."""
+        return 0 if self.chunks_fit else self.chunk_size // SMALL_FILE_DIVISOR
 
     # -- blocks or the chunk -----------------------------------------------------------------
 

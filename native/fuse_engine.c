@@ -793,10 +793,14 @@ static int enqueue(struct fe_engine *e, const struct fe_request *q)
     return 0;
 }
 
+static int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_request *q,
+                       uint64_t k);
+
 /* Queue ``q`` for Python, to be answered on the fd or ring entry its request came from;
  * or, when ``fetch`` has every chunk of [first, last] the tier lacks in flight, park it
  * there (fuse_fetch.h: answered by the fetch thread, or queued for Python if a chunk
- * does not land). */
+ * does not land); or, a small file's READ, park it on its extent's fetch started here
+ * (``start_small``). */
 static int enqueue_for_python(struct fe_worker *w, struct fe_request *q,
                               struct fe_fetch *fetch, uint64_t first, uint64_t last)
 {
@@ -806,7 +810,8 @@ static int enqueue_for_python(struct fe_worker *w, struct fe_request *q,
         q->fd = ring_token(w->ent);
         atomic_store(&w->ent->state, ENT_PY);   /* before another thread can answer it */
     }
-    if (fetch && fetch_park(fetch, first, last, q))
+    if (fetch && (fetch_park(fetch, first, last, q) ||
+                  (first == last && start_small(w->e, fetch, q, first))))
         return 0;
     int rc = enqueue(w->e, q);
     if (rc < 0 && w->ent)
@@ -915,6 +920,22 @@ static const uint8_t *one_extent(const struct fe_index *ix, uint64_t entry)
     if (!ix->size[entry] || base / c != (base + ix->size[entry] - 1) / c || x >= ix->extents)
         return NULL;
     return ix->ext_digests + x * 16;
+}
+
+/* READ ``q`` of a file in chunk ``k`` alone, missed: its one extent started by the native
+ * fetch and ``q`` parked on it (fuse_fetch.h fetch_start_part), when Python routed ``k``
+ * and gave C staging slots — it does when small files are read alone (ReadPolicy
+ * .small_file: the dataset outgrows the tiers), slots of that limit, so a file larger
+ * finds none. Else 0: the caller's. */
+static int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_request *q,
+                       uint64_t k)
+{
+    const struct fe_index *ix = &e->ix;
+    const uint8_t *xkey = one_extent(ix, q->entry);
+    uint64_t size = ix->size[q->entry], base = ix->data[q->entry];
+    if (!xkey || size > UINT32_MAX || base / ix->chunk_size != k)
+        return 0;
+    return fetch_start_part(f, k, base - k * ix->chunk_size, (uint32_t)size, xkey, q);
 }
 
 /* The tier key of block ``b`` of chunk ``k``: the chunk's digest, then ``b`` little-endian
@@ -2145,6 +2166,7 @@ void fe_counters(struct fe_engine *e, struct fe_counters *sum)
         sum->fetch_parked = fc.parked;
         sum->fetch_answered = fc.answered;
         sum->fetch_started = fc.started;
+        sum->fetch_started_parts = fc.started_parts;
     }
 }
 

@@ -108,6 +108,7 @@ struct fe_counters {
      * stepped aside, READs parked on one in flight, parked READs answered or handed on */
     uint64_t fetch_posted, fetch_landed, fetch_failed, fetch_parked, fetch_answered;
     uint64_t fetch_started;  /* of fetch_posted: started in C (fuse_fetch.h fetch_start) */
+    uint64_t fetch_started_parts;   /* of those, small files' extents (fetch_start_part) */
     uint64_t fetch_redundant;
 };
 

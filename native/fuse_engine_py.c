@@ -748,7 +748,7 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
     if (!ops)
         return NULL;
     return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
                          "read_hits", (unsigned long long)c.read_hits,
                          "read_hit_bytes", (unsigned long long)c.read_hit_bytes,
                          "memory_hits", (unsigned long long)c.memory_hits,
@@ -771,7 +771,8 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
                          "fetch_redundant", (unsigned long long)c.fetch_redundant,
                          "fetch_parked", (unsigned long long)c.fetch_parked,
                          "fetch_answered", (unsigned long long)c.fetch_answered,
-                         "fetch_started", (unsigned long long)c.fetch_started);
+                         "fetch_started", (unsigned long long)c.fetch_started,
+                         "fetch_started_parts", (unsigned long long)c.fetch_started_parts);
 }
 
 /* --------------------------------------------------------------- the native fetch */
@@ -1062,8 +1063,8 @@ static PyObject *Engine_fetch_peer(EngineObject *self, PyObject *args)
 {
     int peer;
     PyObject *seq;
-    unsigned long long limit_ns;
-    if (!PyArg_ParseTuple(args, "iOK:fetch_peer", &peer, &seq, &limit_ns))
+    unsigned long long limit_ns, part_limit_ns = 0;
+    if (!PyArg_ParseTuple(args, "iOK|K:fetch_peer", &peer, &seq, &limit_ns, &part_limit_ns))
         return NULL;
     struct fe_fetch *f = fetch_of(self, "fetch_peer");
     if (!f)
@@ -1094,7 +1095,7 @@ static PyObject *Engine_fetch_peer(EngineObject *self, PyObject *args)
                                     .nic = nic, .raddr = raddr};
     }
     Py_DECREF(fast);
-    int rc = fetch_peer(f, peer, paths, (int)n, limit_ns);
+    int rc = fetch_peer(f, peer, paths, (int)n, limit_ns, part_limit_ns);
     if (rc < 0)
         return raise_errno(-rc, "fetch_peer: no such peer, NIC or fetch CQ");
     Py_RETURN_NONE;
@@ -1128,6 +1129,31 @@ static PyObject *Engine_fetch_unroute(EngineObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* ``seq``, a sequence of lkeys (one per local NIC, at most FE_NICS), into ``lkeys``; their
+ * number, or -1 with an exception set. */
+static int lkeys_of(PyObject *seq, uint32_t lkeys[FE_NICS], const char *what)
+{
+    PyObject *fast = PySequence_Fast(seq, "lkeys must be a sequence");
+    if (!fast)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > FE_NICS) {
+        Py_DECREF(fast);
+        raise_errno(EINVAL, "%s: more than %d lkeys", what, FE_NICS);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == (unsigned long)-1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        lkeys[i] = (uint32_t)v;
+    }
+    Py_DECREF(fast);
+    return (int)n;
+}
+
 /* fetch_slot(id, laddr, lkeys) -> bool: a landing slot for C-started fetches (False: C
  * holds FE_SLOTS already). */
 static PyObject *Engine_fetch_slot(EngineObject *self, PyObject *args)
@@ -1138,29 +1164,33 @@ static PyObject *Engine_fetch_slot(EngineObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "IKO:fetch_slot", &id, &laddr, &seq))
         return NULL;
     struct fe_fetch *f = fetch_of(self, "fetch_slot");
-    if (!f)
-        return NULL;
-    PyObject *fast = PySequence_Fast(seq, "fetch_slot: lkeys must be a sequence");
-    if (!fast)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     uint32_t lkeys[FE_NICS];
-    if (n > FE_NICS) {
-        Py_DECREF(fast);
-        return raise_errno(EINVAL, "fetch_slot: more than %d lkeys", FE_NICS);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(fast, i));
-        if (v == (unsigned long)-1 && PyErr_Occurred()) {
-            Py_DECREF(fast);
-            return NULL;
-        }
-        lkeys[i] = (uint32_t)v;
-    }
-    Py_DECREF(fast);
-    int rc = fetch_slot(f, id, (void *)(uintptr_t)laddr, lkeys, (int)n);
+    int n = f ? lkeys_of(seq, lkeys, "fetch_slot") : -1;
+    if (n < 0)
+        return NULL;
+    int rc = fetch_slot(f, id, (void *)(uintptr_t)laddr, lkeys, n);
     if (rc == -EINVAL)
         return raise_errno(EINVAL, "fetch_slot: bad lkeys");
+    return PyBool_FromLong(rc == 0);
+}
+
+/* fetch_staging(laddr, size, lkeys) -> bool: a staging slot of ``size`` bytes for the small
+ * files' extents C starts, C's for good (False: C holds FE_STAGING already). */
+static PyObject *Engine_fetch_staging(EngineObject *self, PyObject *args)
+{
+    unsigned long long laddr;
+    unsigned int size;
+    PyObject *seq;
+    if (!PyArg_ParseTuple(args, "KIO:fetch_staging", &laddr, &size, &seq))
+        return NULL;
+    struct fe_fetch *f = fetch_of(self, "fetch_staging");
+    uint32_t lkeys[FE_NICS];
+    int n = f ? lkeys_of(seq, lkeys, "fetch_staging") : -1;
+    if (n < 0)
+        return NULL;
+    int rc = fetch_staging(f, (void *)(uintptr_t)laddr, size, lkeys, n);
+    if (rc == -EINVAL)
+        return raise_errno(EINVAL, "fetch_staging: bad lkeys or size 0");
     return PyBool_FromLong(rc == 0);
 }
 
@@ -1260,7 +1290,10 @@ static PyMethodDef Engine_methods[] = {
     {"fetch_post", (PyCFunction)Engine_fetch_post, METH_VARARGS,
      "fetch_post(handle, qpn, chunk, cookie, laddr, lkey, raddr, rkey, length)"},
     {"fetch_peer", (PyCFunction)Engine_fetch_peer, METH_VARARGS,
-     "fetch_peer(peer, [(handle, qpn, raddr, rkey, nic)...], limit_ns): a peer's UP paths"},
+     "fetch_peer(peer, [(handle, qpn, raddr, rkey, nic)...], limit_ns, part_limit_ns=0): a "
+     "peer's UP paths"},
+    {"fetch_staging", (PyCFunction)Engine_fetch_staging, METH_VARARGS,
+     "fetch_staging(laddr, size, lkeys) -> bool: a staging slot for the extents C starts"},
     {"fetch_route", (PyCFunction)Engine_fetch_route, METH_VARARGS,
      "fetch_route(chunk, peer, offset): where the chunk lies (peer -1: no route)"},
     {"fetch_unroute", (PyCFunction)Engine_fetch_unroute, METH_NOARGS,
@@ -1499,8 +1532,10 @@ PyMODINIT_FUNC PyInit__engine(void)
         PyModule_AddIntConstant(m, "FETCH_NOMEM", FE_FETCH_NOMEM) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_LATE", FE_FETCH_LATE) < 0 ||
         PyModule_AddObject(m, "FETCH_OWN", PyLong_FromUnsignedLongLong(FE_OWN)) < 0 ||
+        PyModule_AddObject(m, "FETCH_PART", PyLong_FromUnsignedLongLong(FE_PART)) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_PEERS", FE_PEERS) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_NICS", FE_NICS) < 0 ||
+        PyModule_AddIntConstant(m, "FETCH_STAGING", FE_STAGING) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_SLOTS", FE_SLOTS) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_MAX", FE_FETCH_MAX) < 0 ||
         PyModule_AddIntConstant(m, "BUCKETS", FE_BUCKETS) < 0) {

@@ -23,10 +23,12 @@ struct parked {
 };
 
 struct own {                        /* what a C-started fetch's FE_FETCHED names */
-    uint32_t slot;                  /* Python's id of its landing slot */
+    uint32_t slot;                  /* Python's id of its landing slot; a part's: the
+                                     * index of its staging slot in f->stage */
     int peer, path;
     uint64_t t0, deadline;          /* CLOCK_MONOTONIC ns; deadline 0: none */
     int late;                       /* FE_FETCH_LATE sent */
+    uint64_t chunk, entry;          /* a part's (FE_PART): its chunk, and the file it is */
 };
 
 struct rec {                        /* one fetch in flight; all fields under f->lock */
@@ -61,7 +63,7 @@ struct fcq {                        /* a fetch CQ on one soft engine */
 struct peer {                       /* fetch_peer's; under f->lock */
     struct fe_path path[FE_PATHS];
     int npaths, turn;
-    uint64_t limit_ns;
+    uint64_t limit_ns, part_limit_ns;
 };
 
 struct slot {
@@ -80,6 +82,9 @@ struct fe_fetch {
     struct peer peers[FE_PEERS];    /* under lock, as routes and slots */
     struct slot slots[FE_SLOTS];
     int nslots;
+    struct slot stage[FE_STAGING];  /* fetch_staging's, each C's for good (id: its size) */
+    int stage_free[FE_STAGING];     /* indexes into stage of the free ones */
+    int nstage, nstage_free;
     uint64_t own_seq;
     const struct ks_capi *api;
     pthread_mutex_t lock;
@@ -244,7 +249,9 @@ static void event(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
     struct fe_request ev = {.kind = FE_FETCHED, .fd = -1, .entry = cookie, .offset = k,
                             .size = (uint64_t)status};
     if (cookie & FE_OWN) {
-        ev.unique = own->slot;
+        ev.unique = cookie & FE_PART ? own->entry : own->slot;
+        if (cookie & FE_PART)
+            ev.offset = own->chunk;
         ev.fd = own->peer;
         ev.random = own->path;
         ev.t0 = own->t0;
@@ -414,7 +421,7 @@ int fetch_post_part(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8
 }
 
 int fetch_peer(struct fe_fetch *f, int peer, const struct fe_path *paths, int npaths,
-               uint64_t limit_ns)
+               uint64_t limit_ns, uint64_t part_limit_ns)
 {
     if (peer < 0 || peer >= FE_PEERS || npaths < 0 || npaths > FE_PATHS)
         return -EINVAL;
@@ -426,6 +433,7 @@ int fetch_peer(struct fe_fetch *f, int peer, const struct fe_path *paths, int np
     memcpy(p->path, paths, sizeof *paths * (size_t)npaths);
     p->npaths = npaths;
     p->limit_ns = limit_ns;
+    p->part_limit_ns = part_limit_ns;
     pthread_mutex_unlock(&f->lock);
     return 0;
 }
@@ -466,6 +474,120 @@ int fetch_slot(struct fe_fetch *f, uint32_t id, void *laddr, const uint32_t *lke
     return rc;
 }
 
+/* Record ``i``, a fetch C starts from peer ``p``'s path ``pi`` into slot ``s``, is open
+ * (under f->lock, released here): counted, the path's turn taken, the fetch thread woken
+ * for its deadline, and its READ of ``len`` bytes at ``off`` of the peer's arena posted.
+ * post_read's result: below 0, the caller takes the record back. */
+static int own_post(struct fe_fetch *f, struct peer *p, int pi, int i, const struct slot *s,
+                    uint64_t off, uint32_t len)
+{
+    f->own_seq++;
+    p->turn++;
+    f->c.started++;
+    struct fe_path path = p->path[pi];
+    uint64_t wr_id = wr_id_of(f, i);
+    int watch = f->recs[i].own.deadline != 0;
+    pthread_mutex_unlock(&f->lock);
+    if (watch && atomic_exchange(&f->idle, 0)) {    /* its deadline needs the thread awake */
+        uint64_t one = 1;
+        ssize_t wr = write(f->kickfd, &one, sizeof one);
+        (void)wr;
+    }
+    const char *why;
+    return post_read(f, path.ke, cq_of(f, path.ke) /* (fetch_peer checked it) */, path.qpn,
+                     wr_id, s->laddr, s->lkey[path.nic], path.raddr + off, path.rkey, len, &why);
+}
+
+int fetch_staging(struct fe_fetch *f, void *laddr, uint32_t size, const uint32_t *lkeys,
+                  int nlkeys)
+{
+    if (nlkeys < 0 || nlkeys > FE_NICS || !size)
+        return -EINVAL;
+    pthread_mutex_lock(&f->lock);
+    int rc = -ENOSPC;
+    if (f->nstage < FE_STAGING) {
+        struct slot *s = &f->stage[f->nstage];
+        s->id = size;
+        s->laddr = laddr;
+        memset(s->lkey, 0, sizeof s->lkey);
+        memcpy(s->lkey, lkeys, sizeof *lkeys * (size_t)nlkeys);
+        f->stage_free[f->nstage_free++] = f->nstage++;
+        rc = 0;
+    }
+    pthread_mutex_unlock(&f->lock);
+    return rc;
+}
+
+int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t len,
+                     const uint8_t *key, const struct fe_request *read)
+{
+    if (k >= f->chunks || !len || offset + len > f->chunk_len[k])
+        return 0;
+    struct parked *mine = malloc(sizeof *mine);
+    if (!mine)
+        return 0;
+    mine->q = *read;
+    mine->next = NULL;
+    pthread_mutex_lock(&f->lock);
+    struct rec *r = part_rec_of(f, key, 16);
+    if (r) {                        /* in flight: the READ waits for it (unless a hedge
+                                     * answered that fetch's READs: then Python's) */
+        int park = !r->orphan;
+        if (park) {
+            mine->next = r->parked;
+            r->parked = mine;
+            f->c.parked++;
+        }
+        pthread_mutex_unlock(&f->lock);
+        if (!park)
+            free(mine);
+        return park;
+    }
+    uint64_t route = f->routes[k];
+    int peer = (int)(route >> 56) - 1;
+    struct peer *p = peer >= 0 ? &f->peers[peer] : NULL;
+    int si = f->nstage_free ? f->stage_free[f->nstage_free - 1] : -1;
+    if (!p || !p->npaths || si < 0 || f->stage[si].id < len || f->stopping) {
+        pthread_mutex_unlock(&f->lock);
+        free(mine);
+        return 0;
+    }
+    struct slot s = f->stage[si];
+    int pi = p->turn % p->npaths;
+    uint64_t now = fe_now_ns();
+    struct own own = {.slot = (uint32_t)si, .peer = peer, .path = pi, .t0 = now,
+                      .deadline = p->part_limit_ns ? now + p->part_limit_ns : 0,
+                      .chunk = k, .entry = read->entry};
+    int free_i = rec_open(f, FE_NO_CHUNK, key, 16, key, 16,
+                          FE_OWN | FE_PART | (f->own_seq + 1), s.laddr, len, mine, own);
+    if (free_i < 0) {
+        pthread_mutex_unlock(&f->lock);
+        free(mine);
+        return 0;
+    }
+    f->nstage_free--;
+    f->c.started_parts++;
+    if (own_post(f, p, pi, free_i, &s, (route & ((1ULL << 56) - 1)) + offset, len) >= 0)
+        return 1;
+    /* never posted: the slot back, the route gone; ``read`` stays the caller's, READs
+     * that parked on it meanwhile go to Python */
+    pthread_mutex_lock(&f->lock);
+    f->c.posted--;
+    f->c.started--;
+    f->c.started_parts--;
+    f->c.parked--;
+    struct parked *parked = rec_end(f, free_i), **link = &parked;
+    while (*link != mine)
+        link = &(*link)->next;
+    *link = mine->next;
+    free(mine);
+    f->routes[k] = 0;
+    f->stage_free[f->nstage_free++] = si;
+    pthread_mutex_unlock(&f->lock);
+    hand_on(f, parked, 0);
+    return 0;
+}
+
 int fetch_start(struct fe_fetch *f, uint64_t k)
 {
     if (k >= f->chunks)
@@ -496,23 +618,7 @@ int fetch_start(struct fe_fetch *f, uint64_t k)
         return 0;
     }
     f->nslots--;
-    f->own_seq++;
-    p->turn++;
-    f->c.started++;
-    struct fe_path path = p->path[pi];
-    uint64_t wr_id = wr_id_of(f, free_i);
-    int watch = own.deadline != 0;
-    pthread_mutex_unlock(&f->lock);
-    if (watch && atomic_exchange(&f->idle, 0)) {    /* its deadline needs the thread awake */
-        uint64_t one = 1;
-        ssize_t wr = write(f->kickfd, &one, sizeof one);
-        (void)wr;
-    }
-
-    const char *why;
-    if (post_read(f, path.ke, cq_of(f, path.ke) /* (fetch_peer checked it) */, path.qpn, wr_id,
-                  s.laddr, s.lkey[path.nic], path.raddr + (route & ((1ULL << 56) - 1)),
-                  path.rkey, len, &why) >= 0)
+    if (own_post(f, p, pi, free_i, &s, route & ((1ULL << 56) - 1), len) >= 0)
         return 1;
     /* never posted: the slot back, the route gone, READs parked meanwhile to Python */
     pthread_mutex_lock(&f->lock);
@@ -668,7 +774,10 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
     pthread_mutex_lock(&f->lock);
     struct parked *p = rec_end(f, i);
     if ((cookie & FE_OWN) && status != FE_FETCH_OK && status != FE_FETCH_EXISTS)
-        f->routes[k] = 0;           /* a stale or dead route: the next hint goes to Python */
+        f->routes[cookie & FE_PART ? own.chunk : k] = 0;   /* a stale or dead route: the
+                                                             * next hint goes to Python */
+    if ((cookie & (FE_OWN | FE_PART)) == (FE_OWN | FE_PART))
+        f->stage_free[f->nstage_free++] = (int)own.slot;   /* its bytes are copied out */
     pthread_mutex_unlock(&f->lock);
     finish(f, k, cookie, status, p, status == FE_FETCH_OK || status == FE_FETCH_EXISTS, &own);
 }

@@ -36,6 +36,16 @@
  *   past the peer's hedging limit, not back       ─► FE_FETCHED with FE_FETCH_LATE (once;
  *                                                    the fetch goes on): Python hedges it
  *
+ *   a small file's READ that missed, its chunk    ─► fetch_start_part (request thread,
+ *   routed and a staging slot free                   fuse_engine.c do_read): its one
+ *                                                    extent READ into one of C's staging
+ *                                                    slots (fetch_staging), the READ parked
+ *                                                    on it, verified, copied out and put as
+ *                                                    fetch_post_part's; the staging slot is
+ *                                                    C's again at once; FE_FETCHED (cookie
+ *                                                    with FE_OWN | FE_PART) names the file,
+ *                                                    its chunk, the peer and the path
+ *
  * The fetch is never right about a fault, only steps aside: a WC error, a short READ or
  * a digest mismatch (the replica reused the slot) hands everything to Python's path.
  * Python decides what to fetch (placement, hints, path state, the prefetch budget);
@@ -62,10 +72,12 @@ enum { FE_FETCH_OK = 0, FE_FETCH_SHORT = 64, FE_FETCH_MISMATCH = 65, FE_FETCH_EX
        FE_FETCH_STOPPED = 67, FE_FETCH_NOMEM = 68, FE_FETCH_LATE = 69 };
 
 #define FE_OWN (1ULL << 63)         /* in the cookie of a fetch C started (fetch_start) */
+#define FE_PART (1ULL << 62)        /* beside FE_OWN: a small file's extent (fetch_start_part) */
 #define FE_PEERS 64                 /* peers routes may name */
 #define FE_PATHS 2                  /* UP paths a peer's entry holds (used in turn) */
 #define FE_NICS 4                   /* local NICs a landing slot has an lkey on */
 #define FE_SLOTS 64                 /* landing slots Python may give C at once */
+#define FE_STAGING 32               /* staging slots for the extents C starts (fetch_staging) */
 
 /* One UP path to a peer: the soft engine of its local NIC (a fetch CQ there), its QP, the
  * peer's arena through it, and which of a landing slot's lkeys it takes. */
@@ -92,7 +104,8 @@ uint64_t fe_now_ns(void);
 struct fe_fetch_counters {
     uint64_t posted, landed, failed, parked, answered;  /* parked: per READ and chunk waited for */
     uint64_t redundant;             /* landed verified, but the tier had the chunk (EXISTS) */
-    uint64_t started;               /* of ``posted``: started in C (fetch_start) */
+    uint64_t started;               /* of ``posted``: started in C (fetch_start, _start_part) */
+    uint64_t started_parts;         /* of ``started``: small files' extents (fetch_start_part) */
 };
 
 struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t, const uint8_t *chunk_digests,
@@ -113,7 +126,8 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
  * no owner: with status 0, the caller takes the buffer with fetch_landed and puts it,
  * adopting the entry. ``read`` (or NULL): the READ the caller took from the queue,
  * parked on the record (answered as a chunk's parked READs are); when the post fails it
- * stays the caller's. No other READ parks on it. Errors as fetch_post's. */
+ * stays the caller's. Other READs of that file that miss park on it too
+ * (fetch_start_part). Errors as fetch_post's. */
 int fetch_post_part(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8_t *key,
                     size_t keylen, const uint8_t *want, size_t wantlen,
                     const struct fe_request *read, uint64_t cookie, void *laddr, uint32_t lkey,
@@ -132,9 +146,10 @@ int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct f
  * parked on it then waited for that, 0.3-0.5 s). Returns how many. */
 int fetch_unpark(struct fe_fetch *f, uint64_t cookie);
 /* Peer ``peer``'s entry: ``npaths`` (≤ FE_PATHS; 0: off) UP paths, used in turn, and the
- * hedging limit of a chunk READ from it (0: none). -EINVAL for a peer out of range. */
+ * hedging limits of a chunk's and of a small file's extent's READ from it (0: none).
+ * -EINVAL for a peer out of range. */
 int fetch_peer(struct fe_fetch *f, int peer, const struct fe_path *paths, int npaths,
-               uint64_t limit_ns);
+               uint64_t limit_ns, uint64_t part_limit_ns);
 /* Chunk ``k`` lies at byte ``offset`` of peer ``peer``'s arena (peer < 0: no route). */
 int fetch_route(struct fe_fetch *f, uint64_t k, int peer, uint64_t offset);
 /* Forget every route and peer (Python renumbers its peers). */
@@ -143,6 +158,18 @@ void fetch_unroute(struct fe_fetch *f);
  * ``unique`` field; ``fd`` the peer, ``random`` the path), ``lkeys[nic]`` its lkey on each
  * local NIC. -ENOSPC when FE_SLOTS are held. */
 int fetch_slot(struct fe_fetch *f, uint32_t id, void *laddr, const uint32_t *lkeys, int nlkeys);
+/* A staging slot of ``size`` bytes for the extents C starts (fetch_start_part): C's from
+ * now on, used again as soon as each READ into it completed (its bytes are copied out).
+ * -ENOSPC when FE_STAGING are held. */
+int fetch_staging(struct fe_fetch *f, void *laddr, uint32_t size, const uint32_t *lkeys,
+                  int nlkeys);
+/* Start small file ``read->entry``'s one extent (``len`` bytes at ``offset`` of chunk
+ * ``k``, digest and tier key ``key``, 16 bytes) here, READ ``read`` parked on it, when
+ * ``k`` has a route to a peer that is on and a staging slot of ``len`` bytes is free; or
+ * park ``read`` on that extent's fetch in flight: 1. Else 0 (``read`` stays the
+ * caller's). Any thread. */
+int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t len,
+                     const uint8_t *key, const struct fe_request *read);
 /* Start chunk ``k`` here if it has a route to a peer that is on and a landing slot is free:
  * 1 (or it is in flight already), else 0 (the caller hints Python). Any thread. */
 int fetch_start(struct fe_fetch *f, uint64_t k);

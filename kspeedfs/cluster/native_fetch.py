@@ -35,7 +35,8 @@ and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
       TierChain.start_extent(k, ext, read)   answer, or one block (a random READ), its
       NativeFetch.start_extent / _block      chunk's slot known (``Reader.hand_off``): as a
         engine.fetch_post_extent / _block    chunk, into a staging slot, with the READ
-                                             handed to C (parked there);
+                                             handed to C (parked there); an extent's chunk
+                                             is then routed (``Routes.route``);
       FETCHED event                          C copies the verified extent into a buffer of
                                              its own, puts it, answers the READ; fetched()
                                              takes the buffer (``fetch_landed``) into the
@@ -43,6 +44,12 @@ and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
                                              back after the event, and Python's path takes
                                              it (the part is not handed to C again for
                                              FAILED_FOR s)
+    a small file's READ misses in a routed   C starts its extent itself (fuse_fetch.h
+      chunk (C request thread)               fetch_start_part) into one of the staging slots
+                                             it holds for good (``Routes.feed``), no READ to
+                                             Python; its FETCHED names the file, the peer and
+                                             the path: ``_fetched_own`` adopts it; LATE as a
+                                             chunk's (``_late_own``: a hedge of the extent)
 
 Python decides every load (placement, hints, path state, the prefetch budget); C never
 picks a peer, and on any fault it steps aside: a WC error, a short READ, a digest
@@ -65,7 +72,10 @@ fetches than the hedge budget covers, and their READs waited out the peer timeou
 
 Why C starts routed chunks: per chunk, the hint's wake-up and Python's start (route,
 target, record) were about half of the trio thread's ~250 µs; with routes, one chunk in
-~13 of a steady sequential loop comes back to Python (docs/design.md, stop 37).
+~13 of a steady sequential loop comes back to Python (docs/design.md, stop 37). Why it
+starts small files' extents: per ImageNet-like file from peers the trio thread spent
+~78 µs, ~55 % of it handing the READ to C (the extent, route, target, post, deadline);
+now only the first file read of each chunk comes to Python (docs/design.md, stop 40).
 
 Why (docs/design.md, "The plan for that step"): the Python around each chunk READ from a
 peer (single-flight, race, vQP dispatch, CQ consumer, xxh3 on the trio thread, the
@@ -116,6 +126,10 @@ ROUTE_AHEAD = 8
 #: landing slots C holds for the chunks it starts (``Routes.feed``)
 C_SLOTS = 16
 
+#: staging slots C holds for good for the small files' extents it starts (``Routes.feed``;
+#: each of ReadPolicy.small_file_limit bytes): twice the readers of the ImageNet-like case
+C_STAGING = 16
+
 try:
     from ..fuse import _engine as _fe      # FETCHED statuses (native/fuse_fetch.h)
 except ImportError:                        # a checkout whose native code was not built
@@ -138,7 +152,8 @@ class _Fetch:
 
     k: int
     key: bytes                              # what the memory tier keeps it under
-    slot: Slot                              # a landing slot; an extent's: a staging slot
+    slot: Slot | None                       # a landing slot; an extent's: a staging slot
+                                            # (None: C's own, an extent C started)
     length: int
     node: str
     started: float
@@ -175,7 +190,9 @@ class NativeFetch:
     """
 
     def __init__(self, engine: Any, peers: Peers, tiers: "TierChain", memory: "MemoryCache",
-                 index: "ManifestIndex") -> None:
+                 index: "ManifestIndex", small_file_limit: int = 0) -> None:
+        """``small_file_limit``: ReadPolicy.small_file_limit, the largest small file read
+        alone (0: none), the size of the staging slots C holds for those it starts."""
         capi = soft_capi()
         if capi is None:
             raise RuntimeError("the soft engine's C API is not built")
@@ -194,7 +211,8 @@ class NativeFetch:
         self._wake = trio.Event()
         self._late: Counter[str] = Counter()   # node → its fetches past their deadline
         self._failed: dict[bytes, float] = {}  # extent → when its fetch last failed
-        self.routes = Routes(engine, peers, memory, index, self._handle, self._late)
+        self.routes = Routes(engine, peers, memory, index, self._handle, self._late,
+                             small_file_limit)
         self._nursery: trio.Nursery | None = None
 
     def start(self, k: int, key: bytes) -> bool:
@@ -274,6 +292,8 @@ class NativeFetch:
             heapq.heappush(self._deadlines, (limit, self._cookies))
         if entry is None:
             self.routes.ahead(k)
+        elif block is None:
+            self.routes.route(k, route)     # C starts the other files of k itself
         return True
 
     def _handle(self, raw: Any) -> int:
@@ -285,29 +305,42 @@ class NativeFetch:
 
     # -- the chunks C starts itself (their routes: ``Routes``) --------------------------
 
-    def _own(self, cookie: int, k: int, slot: Slot, origin: tuple[Any, VQP, int],
-             since: float) -> _Fetch:
-        """A record of the C-started fetch ``cookie`` (landing in ``slot``, from
-        ``origin``: its peer's record, vQP and QP; started at ``since``)."""
+    def _own(self, cookie: int, k: int, slot: int, peer: int, path: int, since: float,
+             back: bool = False) -> tuple[_Fetch, Any] | None:
+        """A record of the C-started fetch ``cookie`` of chunk ``k``, from its event: a
+        chunk's lands in C's landing slot ``slot`` (``back``: C gave it back), a part's
+        (``cookie & FETCH_PART``) is file ``slot``'s extent in a staging slot of C's; READ
+        from peer number ``peer``'s ``path``-th path since ``since``. With the peer's
+        record; None for a slot or peer not known."""
+        part = cookie & _fe.FETCH_PART
+        at = None if part else self.routes.slot(slot, back=back)
+        origin = self.routes.origin(peer, path)
+        if origin is None or (at is None and not part):
+            return None
         rec, vqp, qpn = origin
         key = self.index.chunk_digest(k)
-        return _Fetch(k, key, slot, self.index.chunk_len[k], rec.node, rec.started, since,
-                      cookie, vqp, qpn, key)
+        if part:
+            (ext,) = self.index.file_extents(slot)      # (C's own index said it is one)
+            f = _Fetch(k, ext.digest, None, ext.length, rec.node, rec.started, since, cookie,
+                       vqp, qpn, key, ext.chunk_offset, True, ext.digest)
+        else:
+            f = _Fetch(k, key, at, self.index.chunk_len[k], rec.node, rec.started, since,
+                       cookie, vqp, qpn, key)
+        return f, rec
 
     def _late_own(self, cookie: int, k: int, slot: int, peer: int, path: int,
                   since: float) -> None:
         """A C-started fetch passed its peer's hedging limit: a record for it, then as
         ``run`` does for its own (the peer's other chunks go to ``read_chunk`` meanwhile:
         its entry in C is off until none of its READs is overdue)."""
-        at, origin = self.routes.slot(slot), self.routes.origin(peer, path)
-        if cookie in self._by_cookie or at is None or origin is None:
+        own = None if cookie in self._by_cookie else self._own(cookie, k, slot, peer, path,
+                                                                since)
+        if own is None or own[0].key in self.inflight:
             return
-        f = self._own(cookie, k, at, origin, since)
-        if f.key in self.inflight:
-            return
+        f, rec = own
         self.inflight[f.key] = self._by_cookie[cookie] = f
         self._overdue(f)
-        self.routes.tell(origin[0], origin[1])      # off in C while it is late
+        self.routes.tell(rec, f.vqp)                # off in C while it is late
 
     def _overdue(self, f: _Fetch) -> None:
         """``f`` passed its hedging deadline (once): noted against its peer, and READ from
@@ -324,12 +357,13 @@ class NativeFetch:
                      path: int, since: float) -> None:
         """The FETCHED of a C-started fetch nobody made a record of (it was not late):
         as ``fetched`` handles a record, from the event's own fields."""
-        at, origin = self.routes.slot(slot, back=True), self.routes.origin(peer, path)
-        if at is None or origin is None:
+        own = self._own(cookie, k, slot, peer, path, since, back=True)
+        if own is None:
             return
-        self._end(self._own(cookie, k, at, origin, since), status)
+        f, rec = own
+        self._end(f, status)
         if status not in (_fe.FETCH_OK, _fe.FETCH_EXISTS, _fe.FETCH_MISMATCH):
-            self.routes.tell(origin[0], origin[1])  # a path that failed is not told again
+            self.routes.tell(rec, f.vqp)            # a path that failed is not told again
         self.routes.feed()
 
     async def run(self, nursery: trio.Nursery) -> None:
@@ -414,7 +448,8 @@ class NativeFetch:
             if cookie not in self._by_cookie:
                 self._fetched_own(cookie, k, status, slot, peer, path, since)
                 return
-            self.routes.slot(slot, back=True)      # a late one: its record has the slot
+            if not cookie & _fe.FETCH_PART:
+                self.routes.slot(slot, back=True)  # a late one: its record has the slot
         f = self._by_cookie.pop(cookie, None)
         if f is None:
             return
@@ -437,7 +472,7 @@ class NativeFetch:
             f.landed = True
             if f.extent:                   # C's buffer, in the tier already: adopted
                 data = memoryview(block)
-                self.peers.give_staging(f.slot)
+                self._give(f.slot, True)
             else:
                 data = self.peers.landing.keep(f.slot, f.length)
             self.peers.landed_native(f.node, f.length)
@@ -464,8 +499,10 @@ class NativeFetch:
         if f.event is not None:
             f.event.set()
 
-    def _give(self, slot: Slot, staging: bool) -> None:
-        """A slot whose READ is over back to its pool, unused."""
+    def _give(self, slot: Slot | None, staging: bool) -> None:
+        """A slot whose READ is over back to its pool (None: C's staging slot, C's)."""
+        if slot is None:
+            return
         if staging:
             self.peers.give_staging(slot)
         else:
@@ -485,20 +522,21 @@ class NativeFetch:
 
 
 class Routes:
-    """What C may start by itself (fuse_fetch.h ``fetch_start``): the routes of chunks,
-    the peers they name and the landing slots C holds, all told to the engine; and the
-    way back from a C-started fetch's FETCHED (its slot, peer and path numbers) to the
-    slot, the node and the QP.
+    """What C may start by itself (fuse_fetch.h ``fetch_start``, ``fetch_start_part``):
+    the routes of chunks, the peers they name, the landing slots and the staging slots C
+    holds, all told to the engine; and the way back from a C-started fetch's FETCHED (its
+    slot, peer and path numbers) to the slot, the node and the QP.
 
     Contract: every route and peer told comes from ``Peers.native_route`` and the vQP's
     UP paths now (Python decides; C never picks a peer); a peer with a READ overdue
-    (``late``) or no UP path is told off; a slot is C's from ``feed`` until ``slot(id,
-    back=True)``. Not thread-safe: the trio thread's.
+    (``late``) or no UP path is told off; a landing slot is C's from ``feed`` until
+    ``slot(id, back=True)``; the staging slots (with ``small_file_limit``) are C's for
+    good, from one vMR of their own. Not thread-safe: the trio thread's.
     """
 
     def __init__(self, engine: Any, peers: Peers, memory: "MemoryCache",
                  index: "ManifestIndex", handle: Callable[[Any], int],
-                 late: Counter[str]) -> None:
+                 late: Counter[str], small_file_limit: int = 0) -> None:
         self.engine = engine
         self.peers = peers
         self.memory = memory
@@ -511,7 +549,11 @@ class Routes:
         self._told: dict[int, tuple[Any, ...]] = {}         # number → ((paths), limit)
         self._slots: dict[int, Slot] = {}                   # C's landing slots by id
         self._slot_ids = itertools.count()
-        self._nics: list[str] = []             # the local NICs, in a slot's lkey order
+        # the local NICs, in a slot's lkey order: all of them from the start (a staging
+        # slot is C's for good, with an lkey on each), a NIC a path names later appended
+        self._nics: list[str] = list(getattr(peers.ep, "nics", ()))[:_fe.FETCH_NICS]
+        self._part_size = small_file_limit
+        self._staging: Any = None              # the vMR of C's staging slots, once given
 
     def ahead(self, k: int) -> None:
         """Give C the routes of the ``ROUTE_AHEAD`` chunks after ``k`` (their first
@@ -539,6 +581,16 @@ class Routes:
                 self.engine.fetch_route(j, peer, route[1] * rec.slot_size)
         self.feed()
 
+    def route(self, k: int, route: tuple[Any, int, VQP]) -> None:
+        """Give C chunk ``k``'s route (``Peers.native_route``'s record, slot, vQP): a small
+        file's READ that misses in it then starts its extent in C (fuse_engine.c
+        ``start_small``), and a sequential reader's window the chunk."""
+        rec, rslot, vqp = route
+        peer = self.tell(rec, vqp)
+        if peer is not None:
+            self.engine.fetch_route(k, peer, rslot * rec.slot_size)
+        self.feed()
+
     def tell(self, rec: Any, vqp: VQP) -> int | None:
         """``rec``'s number in C's peer table, its UP paths told again when they (or its
         hedging limit) changed; None when it has none, or a READ of it is overdue
@@ -562,19 +614,24 @@ class Routes:
                         continue
                     self._nics.append(nic)
                 paths.append((self._handle(raw), qpn, raddr, rkey, self._nics.index(nic)))
-        limit = 0
+        limit = part = 0
         if paths and self.peers.hedge is not None:
             limit = int(self.peers.hedger.threshold(rec.node, self.peers.slot_size) * 1e9)
-        told = (tuple(paths), limit)
+            if self._part_size:
+                part = int(self.peers.hedger.threshold(rec.node, self._part_size) * 1e9)
+        told = (tuple(paths), limit, part)
         if self._told.get(idx) != told:
-            self.engine.fetch_peer(idx, paths, limit)
+            self.engine.fetch_peer(idx, paths, limit, part)
             self._told[idx] = told
         return idx if paths else None
 
     def feed(self) -> None:
         """Keep ``C_SLOTS`` landing slots with C (each with its lkey on every local NIC
         C's peers use), while the landing pool keeps as many for Python's own fetches (a
-        small memory tier's pool ran dry otherwise, and its READs went to Python)."""
+        small memory tier's pool ran dry otherwise, and its READs went to Python); and,
+        once, C's staging slots."""
+        if self._staging is None and self._part_size and self._nics and not self.closed:
+            self._stage()
         landing = self.peers.landing
         while len(self._slots) < C_SLOTS and self._nics and not self.closed \
                 and landing.spare > C_SLOTS:
@@ -589,6 +646,16 @@ class Routes:
                 return
             self._slots[sid] = slot
 
+    def _stage(self) -> None:
+        """C_STAGING staging slots of ``small_file_limit`` bytes (pages), C's for good."""
+        size = -(-self._part_size // 4096) * 4096
+        vmr = self._staging = self.peers.ep.alloc(C_STAGING * size, name="c-staging")
+        for i in range(C_STAGING):
+            keys = [vmr.on(nic, i * size) for nic in self._nics]
+            if not self.engine.fetch_staging(keys[0][0], self._part_size,
+                                             [lkey for _, lkey in keys]):
+                return
+
     def slot(self, sid: int, back: bool = False) -> Slot | None:
         """C's landing slot ``sid`` (``back``: C has given it back), or None."""
         return self._slots.pop(sid, None) if back else self._slots.get(sid)
@@ -599,5 +666,5 @@ class Routes:
         if peer not in self._of:
             return None
         rec, vqp = self._of[peer]
-        paths = self._told.get(peer, ((), 0))[0]
+        paths = self._told.get(peer, ((), 0, 0))[0]
         return rec, vqp, paths[path][1] if 0 <= path < len(paths) else 0

@@ -422,7 +422,8 @@ class NativeSession:
         opened for another task or a request that was not readahead, and the windows
         the crowd rule began to keep it as it was: fuse_engine.c); and
         the native chunk fetch's counters (native/fuse_fetch.h; ``fetch_started``: of
-        ``fetch_posted``, the chunks C started from Python's routes)."""
+        ``fetch_posted``, the chunks and extents C started from Python's routes,
+        ``fetch_started_parts``: of those, small files' extents)."""
         c = self.counters()
         return {"transport": f"native {self.transport}",
                 **{k: c.get(k, 0) for k in ("ring_requests", "ring_copy_bytes", "ring_copy_ns",
@@ -432,7 +433,8 @@ class NativeSession:
                                             "gate_crowded",
                                             "fetch_posted", "fetch_landed", "fetch_failed",
                                             "fetch_redundant", "fetch_parked",
-                                            "fetch_answered", "fetch_started")}}
+                                            "fetch_answered", "fetch_started",
+                                            "fetch_started_parts")}}
 
     def served(self) -> tuple[int, int, int]:
         """Reads, bytes and memory-tier units answered in C (``Reader.served_elsewhere``)."""
