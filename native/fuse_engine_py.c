@@ -1063,8 +1063,9 @@ static PyObject *Engine_fetch_peer(EngineObject *self, PyObject *args)
 {
     int peer;
     PyObject *seq;
-    unsigned long long limit_ns, part_limit_ns = 0;
-    if (!PyArg_ParseTuple(args, "iOK|K:fetch_peer", &peer, &seq, &limit_ns, &part_limit_ns))
+    unsigned long long limit_ns;
+    PyObject *parts = NULL;
+    if (!PyArg_ParseTuple(args, "iOK|O:fetch_peer", &peer, &seq, &limit_ns, &parts))
         return NULL;
     struct fe_fetch *f = fetch_of(self, "fetch_peer");
     if (!f)
@@ -1095,7 +1096,24 @@ static PyObject *Engine_fetch_peer(EngineObject *self, PyObject *args)
                                     .nic = nic, .raddr = raddr};
     }
     Py_DECREF(fast);
-    int rc = fetch_peer(f, peer, paths, (int)n, limit_ns, part_limit_ns);
+    uint64_t part_limits[FE_SIZE_CLASSES] = {0};
+    if (parts) {
+        PyObject *pf = PySequence_Fast(parts, "fetch_peer: part limits must be a sequence");
+        if (!pf)
+            return NULL;
+        Py_ssize_t np = PySequence_Fast_GET_SIZE(pf);
+        for (Py_ssize_t i = 0; i < np && i < FE_SIZE_CLASSES; i++) {
+            part_limits[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(pf, i));
+            if (PyErr_Occurred()) {
+                Py_DECREF(pf);
+                return NULL;
+            }
+        }
+        Py_DECREF(pf);
+        if (np > FE_SIZE_CLASSES)
+            return raise_errno(EINVAL, "fetch_peer: more than %d part limits", FE_SIZE_CLASSES);
+    }
+    int rc = fetch_peer(f, peer, paths, (int)n, limit_ns, part_limits);
     if (rc < 0)
         return raise_errno(-rc, "fetch_peer: no such peer, NIC or fetch CQ");
     Py_RETURN_NONE;
@@ -1290,8 +1308,8 @@ static PyMethodDef Engine_methods[] = {
     {"fetch_post", (PyCFunction)Engine_fetch_post, METH_VARARGS,
      "fetch_post(handle, qpn, chunk, cookie, laddr, lkey, raddr, rkey, length)"},
     {"fetch_peer", (PyCFunction)Engine_fetch_peer, METH_VARARGS,
-     "fetch_peer(peer, [(handle, qpn, raddr, rkey, nic)...], limit_ns, part_limit_ns=0): a "
-     "peer's UP paths"},
+     "fetch_peer(peer, [(handle, qpn, raddr, rkey, nic)...], limit_ns, part_limits=()): a "
+     "peer's UP paths and hedging limits"},
     {"fetch_staging", (PyCFunction)Engine_fetch_staging, METH_VARARGS,
      "fetch_staging(laddr, size, lkeys) -> bool: a staging slot for the extents C starts"},
     {"fetch_route", (PyCFunction)Engine_fetch_route, METH_VARARGS,

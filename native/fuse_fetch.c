@@ -63,7 +63,7 @@ struct fcq {                        /* a fetch CQ on one soft engine */
 struct peer {                       /* fetch_peer's; under f->lock */
     struct fe_path path[FE_PATHS];
     int npaths, turn;
-    uint64_t limit_ns, part_limit_ns;
+    uint64_t limit_ns, part_limit_ns[FE_SIZE_CLASSES];
 };
 
 struct slot {
@@ -421,7 +421,7 @@ int fetch_post_part(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8
 }
 
 int fetch_peer(struct fe_fetch *f, int peer, const struct fe_path *paths, int npaths,
-               uint64_t limit_ns, uint64_t part_limit_ns)
+               uint64_t limit_ns, const uint64_t *part_limits)
 {
     if (peer < 0 || peer >= FE_PEERS || npaths < 0 || npaths > FE_PATHS)
         return -EINVAL;
@@ -433,7 +433,8 @@ int fetch_peer(struct fe_fetch *f, int peer, const struct fe_path *paths, int np
     memcpy(p->path, paths, sizeof *paths * (size_t)npaths);
     p->npaths = npaths;
     p->limit_ns = limit_ns;
-    p->part_limit_ns = part_limit_ns;
+    for (int c = 0; c < FE_SIZE_CLASSES; c++)
+        p->part_limit_ns[c] = part_limits ? part_limits[c] : 0;
     pthread_mutex_unlock(&f->lock);
     return 0;
 }
@@ -518,6 +519,14 @@ int fetch_staging(struct fe_fetch *f, void *laddr, uint32_t size, const uint32_t
     return rc;
 }
 
+/* The hedger's size class of a READ of ``len`` bytes (cluster/hedge.py size_class). */
+static int size_class(uint32_t len)
+{
+    int bits = len > 1 ? 32 - __builtin_clz(len - 1) : 0;   /* (len - 1).bit_length() */
+    int c = (bits - 11) / 2;
+    return bits < 11 ? 0 : c < FE_SIZE_CLASSES - 1 ? c : FE_SIZE_CLASSES - 1;
+}
+
 int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t len,
                      const uint8_t *key, const struct fe_request *read)
 {
@@ -555,8 +564,9 @@ int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t l
     struct slot s = f->stage[si];
     int pi = p->turn % p->npaths;
     uint64_t now = fe_now_ns();
+    uint64_t limit = p->part_limit_ns[size_class(len)];
     struct own own = {.slot = (uint32_t)si, .peer = peer, .path = pi, .t0 = now,
-                      .deadline = p->part_limit_ns ? now + p->part_limit_ns : 0,
+                      .deadline = limit ? now + limit : 0,
                       .chunk = k, .entry = read->entry};
     int free_i = rec_open(f, FE_NO_CHUNK, key, 16, key, 16,
                           FE_OWN | FE_PART | (f->own_seq + 1), s.laddr, len, mine, own);

@@ -78,6 +78,8 @@ enum { FE_FETCH_OK = 0, FE_FETCH_SHORT = 64, FE_FETCH_MISMATCH = 65, FE_FETCH_EX
 #define FE_NICS 4                   /* local NICs a landing slot has an lkey on */
 #define FE_SLOTS 64                 /* landing slots Python may give C at once */
 #define FE_STAGING 32               /* staging slots for the extents C starts (fetch_staging) */
+#define FE_SIZE_CLASSES 7           /* the hedger's READ size classes (cluster/hedge.py):
+                                     * ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M, larger */
 
 /* One UP path to a peer: the soft engine of its local NIC (a fetch CQ there), its QP, the
  * peer's arena through it, and which of a landing slot's lkeys it takes. */
@@ -146,10 +148,11 @@ int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct f
  * parked on it then waited for that, 0.3-0.5 s). Returns how many. */
 int fetch_unpark(struct fe_fetch *f, uint64_t cookie);
 /* Peer ``peer``'s entry: ``npaths`` (≤ FE_PATHS; 0: off) UP paths, used in turn, and the
- * hedging limits of a chunk's and of a small file's extent's READ from it (0: none).
- * -EINVAL for a peer out of range. */
+ * hedging limits of a chunk READ from it and of a small file's extent's, by its size
+ * class (``part_limits``: FE_SIZE_CLASSES of them, or NULL; 0: none). -EINVAL for a peer
+ * out of range. */
 int fetch_peer(struct fe_fetch *f, int peer, const struct fe_path *paths, int npaths,
-               uint64_t limit_ns, uint64_t part_limit_ns);
+               uint64_t limit_ns, const uint64_t *part_limits);
 /* Chunk ``k`` lies at byte ``offset`` of peer ``peer``'s arena (peer < 0: no route). */
 int fetch_route(struct fe_fetch *f, uint64_t k, int peer, uint64_t offset);
 /* Forget every route and peer (Python renumbers its peers). */

@@ -102,6 +102,7 @@ import trio
 from rdma.enums import ibv_wc_status
 
 from .fetch import NATIVE_READS, Peers
+from .hedge import size_class
 from .landing import Slot
 
 if TYPE_CHECKING:
@@ -320,7 +321,7 @@ class NativeFetch:
         rec, vqp, qpn = origin
         key = self.index.chunk_digest(k)
         if part:
-            (ext,) = self.index.file_extents(slot)      # (C's own index said it is one)
+            ext = self.index.one_extent(slot)         # (C's own index said it is one)
             f = _Fetch(k, ext.digest, None, ext.length, rec.node, rec.started, since, cookie,
                        vqp, qpn, key, ext.chunk_offset, True, ext.digest)
         else:
@@ -614,14 +615,17 @@ class Routes:
                         continue
                     self._nics.append(nic)
                 paths.append((self._handle(raw), qpn, raddr, rkey, self._nics.index(nic)))
-        limit = part = 0
+        limit, parts = 0, ()
         if paths and self.peers.hedge is not None:
-            limit = int(self.peers.hedger.threshold(rec.node, self.peers.slot_size) * 1e9)
-            if self._part_size:
-                part = int(self.peers.hedger.threshold(rec.node, self._part_size) * 1e9)
-        told = (tuple(paths), limit, part)
+            threshold = self.peers.hedger.threshold
+            limit = int(threshold(rec.node, self.peers.slot_size) * 1e9)
+            # an extent's, by its size class (4 KiB << 2c is the largest READ of class c)
+            parts = tuple(int(threshold(rec.node, 4096 << 2 * c) * 1e9)
+                          for c in range(size_class(self._part_size) + 1)) \
+                if self._part_size else ()
+        told = (tuple(paths), limit, parts)
         if self._told.get(idx) != told:
-            self.engine.fetch_peer(idx, paths, limit, part)
+            self.engine.fetch_peer(idx, paths, limit, parts)
             self._told[idx] = told
         return idx if paths else None
 
@@ -666,5 +670,5 @@ class Routes:
         if peer not in self._of:
             return None
         rec, vqp = self._of[peer]
-        paths = self._told.get(peer, ((), 0, 0))[0]
+        paths = self._told.get(peer, ((), 0, ()))[0]
         return rec, vqp, paths[path][1] if 0 <= path < len(paths) else 0
