@@ -793,8 +793,7 @@ static int enqueue(struct fe_engine *e, const struct fe_request *q)
     return 0;
 }
 
-static int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_request *q,
-                       uint64_t k);
+static int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_request *q);
 
 /* Queue ``q`` for Python, to be answered on the fd or ring entry its request came from;
  * or, when ``fetch`` has every chunk of [first, last] the tier lacks in flight, park it
@@ -810,8 +809,7 @@ static int enqueue_for_python(struct fe_worker *w, struct fe_request *q,
         q->fd = ring_token(w->ent);
         atomic_store(&w->ent->state, ENT_PY);   /* before another thread can answer it */
     }
-    if (fetch && (fetch_park(fetch, first, last, q) ||
-                  (first == last && start_small(w->e, fetch, q, first))))
+    if (fetch && (fetch_park(fetch, first, last, q) || start_small(w->e, fetch, q)))
         return 0;
     int rc = enqueue(w->e, q);
     if (rc < 0 && w->ent)
@@ -922,20 +920,19 @@ static const uint8_t *one_extent(const struct fe_index *ix, uint64_t entry)
     return ix->ext_digests + x * 16;
 }
 
-/* READ ``q`` of a file in chunk ``k`` alone, missed: its one extent started by the native
- * fetch and ``q`` parked on it (fuse_fetch.h fetch_start_part), when Python routed ``k``
- * and gave C staging slots — it does when small files are read alone (ReadPolicy
- * .small_file: the dataset outgrows the tiers), slots of that limit, so a file larger
- * finds none. Else 0: the caller's. */
-static int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_request *q,
-                       uint64_t k)
+/* READ ``q``, missed, of a file in one chunk (``fe_file_extent``): its one extent started
+ * by the native fetch and ``q`` parked on it (fuse_fetch.h fetch_start_part), when Python
+ * routed that chunk and gave C staging slots — it does when small files are read alone
+ * (ReadPolicy.small_file: the dataset outgrows the tiers), slots of that limit, so a file
+ * larger finds none. Else 0: the caller's. */
+static int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_request *q)
 {
-    const struct fe_index *ix = &e->ix;
-    const uint8_t *xkey = one_extent(ix, q->entry);
-    uint64_t size = ix->size[q->entry], base = ix->data[q->entry];
-    if (!xkey || size > UINT32_MAX || base / ix->chunk_size != k)
+    const uint8_t *key;
+    uint32_t len;
+    if (fe_file_extent(e, q->entry, &key, &len) < 0)
         return 0;
-    return fetch_start_part(f, k, base - k * ix->chunk_size, (uint32_t)size, xkey, q);
+    uint64_t c = e->ix.chunk_size, k = e->ix.data[q->entry] / c;
+    return fetch_start_part(f, k, e->ix.data[q->entry] - k * c, len, key, q);
 }
 
 /* The tier key of block ``b`` of chunk ``k``: the chunk's digest, then ``b`` little-endian

@@ -249,9 +249,12 @@ static void event(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
     struct fe_request ev = {.kind = FE_FETCHED, .fd = -1, .entry = cookie, .offset = k,
                             .size = (uint64_t)status};
     if (cookie & FE_OWN) {
-        ev.unique = cookie & FE_PART ? own->entry : own->slot;
-        if (cookie & FE_PART)
+        if (cookie & FE_PART) {
+            ev.unique = own->entry;
             ev.offset = own->chunk;
+        } else {
+            ev.unique = own->slot;
+        }
         ev.fd = own->peer;
         ev.random = own->path;
         ev.t0 = own->t0;
@@ -293,6 +296,25 @@ static int post_read(struct fe_fetch *f, ks_engine *ke, struct fcq *q, uint32_t 
     w.sge[0] = (ks_sge){.addr = (uint64_t)(uintptr_t)laddr, .length = len, .lkey = lkey};
     w.cq = q->cq;
     return f->api->post_send(ke, qpn, &w, 1, why);
+}
+
+/* Under f->lock: READ ``p`` parked on record ``r`` (answered when it ends), counted. */
+static void park_on(struct fe_fetch *f, struct rec *r, struct parked *p)
+{
+    p->next = r->parked;
+    r->parked = p;
+    f->c.parked++;
+}
+
+/* Under f->lock: the peer chunk ``k``'s route names, when that peer has an UP path
+ * (``*peer`` its number, ``*off`` the chunk's offset in its arena), else NULL. */
+static struct peer *routed(struct fe_fetch *f, uint64_t k, int *peer, uint64_t *off)
+{
+    uint64_t route = f->routes[k];
+    *peer = (int)(route >> 56) - 1;
+    *off = route & ((1ULL << 56) - 1);
+    struct peer *p = *peer >= 0 ? &f->peers[*peer] : NULL;
+    return p && p->npaths ? p : NULL;
 }
 
 /* Under f->lock: a record for a fetch of chunk ``k`` (FE_NO_CHUNK: a part under ``key``),
@@ -542,21 +564,18 @@ int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t l
     if (r) {                        /* in flight: the READ waits for it (unless a hedge
                                      * answered that fetch's READs: then Python's) */
         int park = !r->orphan;
-        if (park) {
-            mine->next = r->parked;
-            r->parked = mine;
-            f->c.parked++;
-        }
+        if (park)
+            park_on(f, r, mine);
         pthread_mutex_unlock(&f->lock);
         if (!park)
             free(mine);
         return park;
     }
-    uint64_t route = f->routes[k];
-    int peer = (int)(route >> 56) - 1;
-    struct peer *p = peer >= 0 ? &f->peers[peer] : NULL;
+    int peer;
+    uint64_t at;
+    struct peer *p = routed(f, k, &peer, &at);
     int si = f->nstage_free ? f->stage_free[f->nstage_free - 1] : -1;
-    if (!p || !p->npaths || si < 0 || f->stage[si].id < len || f->stopping) {
+    if (!p || si < 0 || f->stage[si].id < len || f->stopping) {
         pthread_mutex_unlock(&f->lock);
         free(mine);
         return 0;
@@ -577,7 +596,7 @@ int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t l
     }
     f->nstage_free--;
     f->c.started_parts++;
-    if (own_post(f, p, pi, free_i, &s, (route & ((1ULL << 56) - 1)) + offset, len) >= 0)
+    if (own_post(f, p, pi, free_i, &s, at + offset, len) >= 0)
         return 1;
     /* never posted: the slot back, the route gone; ``read`` stays the caller's, READs
      * that parked on it meanwhile go to Python */
@@ -607,11 +626,11 @@ int fetch_start(struct fe_fetch *f, uint64_t k)
         pthread_mutex_unlock(&f->lock);
         return 1;                   /* in flight: nothing to start */
     }
-    uint64_t route = f->routes[k];
-    int peer = (int)(route >> 56) - 1;
-    struct peer *p = peer >= 0 ? &f->peers[peer] : NULL;
+    int peer;
+    uint64_t at;
+    struct peer *p = routed(f, k, &peer, &at);
     uint32_t len = f->chunk_len[k];
-    if (!p || !p->npaths || !f->nslots || f->stopping || !len) {
+    if (!p || !f->nslots || f->stopping || !len) {
         pthread_mutex_unlock(&f->lock);
         return 0;
     }
@@ -628,7 +647,7 @@ int fetch_start(struct fe_fetch *f, uint64_t k)
         return 0;
     }
     f->nslots--;
-    if (own_post(f, p, pi, free_i, &s, route & ((1ULL << 56) - 1), len) >= 0)
+    if (own_post(f, p, pi, free_i, &s, at, len) >= 0)
         return 1;
     /* never posted: the slot back, the route gone, READs parked meanwhile to Python */
     pthread_mutex_lock(&f->lock);
@@ -681,11 +700,8 @@ int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct f
         if (!wait)
             wait = r;
     }
-    if (wait) {
-        p->next = wait->parked;
-        wait->parked = p;
-        f->c.parked++;
-    }
+    if (wait)
+        park_on(f, wait, p);
     pthread_mutex_unlock(&f->lock);
     if (!wait)
         free(p);

@@ -321,7 +321,7 @@ class NativeFetch:
         rec, vqp, qpn = origin
         key = self.index.chunk_digest(k)
         if part:
-            ext = self.index.one_extent(slot)         # (C's own index said it is one)
+            (ext,) = self.index.file_extents(slot)    # (C's own index said it is one)
             f = _Fetch(k, ext.digest, None, ext.length, rec.node, rec.started, since, cookie,
                        vqp, qpn, key, ext.chunk_offset, True, ext.digest)
         else:
@@ -550,9 +550,9 @@ class Routes:
         self._told: dict[int, tuple[Any, ...]] = {}         # number → ((paths), limit)
         self._slots: dict[int, Slot] = {}                   # C's landing slots by id
         self._slot_ids = itertools.count()
-        # the local NICs, in a slot's lkey order: all of them from the start (a staging
-        # slot is C's for good, with an lkey on each), a NIC a path names later appended
-        self._nics: list[str] = list(getattr(peers.ep, "nics", ()))[:_fe.FETCH_NICS]
+        # the local NICs, in a slot's lkey order: the endpoint's, fixed from the start (a
+        # staging slot is C's for good, with an lkey on each)
+        self._nics: list[str] = list(peers.ep.nics)[:_fe.FETCH_NICS]
         self._part_size = small_file_limit
         self._staging: Any = None              # the vMR of C's staging slots, once given
 
@@ -614,10 +614,8 @@ class Routes:
         paths = []
         if not self._late[rec.node]:
             for raw, qpn, nic, raddr, rkey in vqp.native_paths("arena")[:2]:
-                if nic not in self._nics:
-                    if len(self._nics) == _fe.FETCH_NICS:
-                        continue
-                    self._nics.append(nic)
+                if nic not in self._nics:       # (past FETCH_NICS: no lkey for it)
+                    continue
                 paths.append((self._handle(raw), qpn, raddr, rkey, self._nics.index(nic)))
         limit, limits = 0, self._told.get(idx, ((), 0, ()))[2]
         if paths and self.peers.hedge is not None:
@@ -633,15 +631,14 @@ class Routes:
         return idx if paths else None
 
     def feed(self) -> None:
-        """Keep ``C_SLOTS`` landing slots with C (each with its lkey on every local NIC
-        C's peers use), while the landing pool keeps as many for Python's own fetches (a
-        small memory tier's pool ran dry otherwise, and its READs went to Python); and,
-        once, C's staging slots."""
-        if self._staging is None and self._part_size and self._nics and not self.closed:
+        """Keep ``C_SLOTS`` landing slots with C (each with its lkey on every local NIC),
+        while the landing pool keeps as many for Python's own fetches (a small memory
+        tier's pool ran dry otherwise, and its READs went to Python); and, once, C's
+        staging slots."""
+        if self._staging is None and self._part_size and not self.closed:
             self._stage()
         landing = self.peers.landing
-        while len(self._slots) < C_SLOTS and self._nics and not self.closed \
-                and landing.spare > C_SLOTS:
+        while len(self._slots) < C_SLOTS and not self.closed and landing.spare > C_SLOTS:
             slot = landing.take()
             if slot is None:
                 return

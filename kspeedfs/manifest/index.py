@@ -181,16 +181,6 @@ class ManifestIndex:
                          bytes(self.ext_digests[e * DIGEST_SIZE:(e + 1) * DIGEST_SIZE]))
             assert k - first_chunk == i
 
-    def one_extent(self, entry: int) -> Extent:
-        """The extent of a file that lies in one chunk (``file_extents``' only one, without
-        the walk: the native fetch's adoption of a small file C READ)."""
-        off, size, c = self.data[entry], self.size[entry], self.chunk_size
-        k, e = off // c, self.ext[entry]
-        if not size or (off + size - 1) // c != k:
-            raise ValueError(f"entry {entry}: not a file in one chunk")
-        return Extent(entry, k, 0, off - k * c, size,
-                      bytes(self.ext_digests[e * DIGEST_SIZE:(e + 1) * DIGEST_SIZE]))
-
     def chunk_extents(self, chunk: int) -> Iterator[Extent]:
         """Every extent inside one chunk, in chunk order."""
         c = self.chunk_size

@@ -86,24 +86,6 @@ def test_chunk_extents_cover_each_chunk(tmp_path: Path) -> None:
         assert 0 < covered <= ix.chunk_len[k] <= ix.chunk_size
 
 
-def test_one_extent_is_the_only_extent_of_a_file_in_one_chunk(tmp_path: Path) -> None:
-    src = make_tree(tmp_path / "src", small_files=100)
-    ix, _ = _imported(tmp_path, src)
-    ones = spans = 0
-    for entry in ix.walk():
-        if not stat.S_ISREG(ix.mode[entry]):
-            continue
-        exts = list(ix.file_extents(entry))
-        if len(exts) == 1:
-            assert ix.one_extent(entry) == exts[0]
-            ones += 1
-        else:                               # empty, or across a chunk boundary
-            with pytest.raises(ValueError):
-                ix.one_extent(entry)
-            spans += 1
-    assert ones >= 100 and spans >= 1, (ones, spans)
-
-
 def test_reimport_is_a_new_version_and_old_stays(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
