@@ -129,6 +129,8 @@ def _path_families(f: _Families, links: list[Any] | None) -> None:
 ENGINE_COUNTERS = {
     "read_misses": ("fuse_read_misses_total", "READs the native engine's C threads could not "
                     "answer from the memory tier (waited for the native fetch, or Python)"),
+    "late_hits": ("fuse_read_late_hits_total", "of those, READs answered from the memory "
+                  "tier in C on a second look, once their chunks had landed"),
     "prefetch_hints": ("fuse_prefetch_hints_total", "chunks ahead of a reader the C threads "
                        "asked Python to load"),
     "fetch_posted": ("native_fetch_posted_total", "chunk READs from peers posted in C"),

@@ -1046,6 +1046,7 @@ static int answer_again(struct fe_engine *e, const struct fe_request *q, uint64_
     pthread_mutex_lock(&e->alock);
     count_hit(&e->again, end - q->offset, h.units);
     count_into(&e->again, FE_OP_READ, q->t0, 0);
+    e->again.late_hits++;
     pthread_mutex_unlock(&e->alock);
     return 1;
 }
@@ -2129,6 +2130,7 @@ static void add_counters(struct fe_counters *sum, const struct fe_counters *c)
         sum->read_misses += c->read_misses;
         sum->queued += c->queued;
         sum->prefetch_hints += c->prefetch_hints;
+        sum->late_hits += c->late_hits;
         sum->resent += c->resent;
         sum->ring_requests += c->ring_requests;
         sum->ring_copy_bytes += c->ring_copy_bytes;

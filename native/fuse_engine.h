@@ -94,6 +94,9 @@ enum fe_op {
 struct fe_counters {
     uint64_t count[FE_NOPS], errors[FE_NOPS], ns[FE_NOPS], buckets[FE_NOPS][FE_BUCKETS];
     uint64_t read_hits, read_hit_bytes, memory_hits, read_misses, queued, prefetch_hints;
+    uint64_t late_hits;     /* READs that missed, answered from the tier in C on a second
+                             * look once their chunks landed (fe_read_or_park: Python took
+                             * them from the queue; or handed on from a parked list) */
     uint64_t resent;        /* requests the kernel sent again (FUSE_NOTIFY_RESEND) */
     uint64_t ring_requests;         /* requests that came through an io_uring queue */
     uint64_t ring_copy_bytes, ring_copy_ns;   /* READ hits copied into ring payloads */

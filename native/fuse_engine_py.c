@@ -748,11 +748,12 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
     if (!ops)
         return NULL;
     return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
                          "read_hits", (unsigned long long)c.read_hits,
                          "read_hit_bytes", (unsigned long long)c.read_hit_bytes,
                          "memory_hits", (unsigned long long)c.memory_hits,
                          "read_misses", (unsigned long long)c.read_misses,
+                         "late_hits", (unsigned long long)c.late_hits,
                          "queued", (unsigned long long)c.queued,
                          "prefetch_hints", (unsigned long long)c.prefetch_hints,
                          "resent", (unsigned long long)c.resent,

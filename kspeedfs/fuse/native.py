@@ -417,7 +417,8 @@ class NativeSession:
         through them, and the bytes and time of copying READ hits into their payload
         buffers (what /dev/fuse's writev from the tier does not cost); READs the tier
         could not answer in C (``read_misses``: ``fetch_parked`` of them waited for the
-        native fetch, the rest were answered in Python) and prefetch hints sent to
+        native fetch, ``late_hits`` were answered from the tier in C once their chunks had
+        landed, the rest were answered in Python) and prefetch hints sent to
         Python; the solo gate's (``gate_waits``, ``shared_requests``, the times it
         opened for another task or a request that was not readahead, and the windows
         the crowd rule began to keep it as it was: fuse_engine.c); and
@@ -427,7 +428,7 @@ class NativeSession:
         c = self.counters()
         return {"transport": f"native {self.transport}",
                 **{k: c.get(k, 0) for k in ("ring_requests", "ring_copy_bytes", "ring_copy_ns",
-                                            "ring_lost", "read_misses", "prefetch_hints",
+                                            "ring_lost", "read_misses", "late_hits", "prefetch_hints",
                                             "gate_waits", "shared_requests",
                                             "gate_opened_tasks", "gate_opened_requests",
                                             "gate_crowded",

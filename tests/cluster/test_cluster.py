@@ -287,17 +287,20 @@ def test_sequential_reads_that_miss_wait_in_c_for_their_chunks(world) -> None:
     s = _stats(mnt)
     misses = s["read_misses"] - before["read_misses"]
     parked = s["fetch_parked"] - before["fetch_parked"]
+    late = s["late_hits"] - before["late_hits"]
     in_python = s["python_reads"] - before["python_reads"]
-    # A miss is answered in C, parked on its chunks or, when chunks C started for the
+    # A miss is answered in C: parked on its chunks or, when chunks C started for the
     # READs before it landed while it sat in the queue, from the tier at once
-    # (``read_or_park``, not parked: a loaded machine's slower trio thread sees more of
-    # that, and CI once had 4 misses and 2 parks). Python answers at most one (a chunk
-    # the native fetch declined: e.g. landing slots all held by chunks not yet adopted).
-    assert misses >= 4 and parked >= 1 and in_python <= 1, (misses, parked, in_python, s)
+    # (``read_or_park``: a late hit; a loaded machine's slower trio thread sees more of
+    # those, up to all of them: CI had 4 misses and 2 parks, a run here 4 and 0). Python
+    # answers at most one (a chunk the native fetch declined: e.g. landing slots all
+    # held by chunks not yet adopted).
+    assert misses >= 4 and in_python <= 1 and parked + late + in_python >= misses, \
+        (misses, parked, late, in_python, s)
     assert s["fetch_parked"] == s["fetch_answered"], s
     assert s["source_loads"] == before["source_loads"], s
-    print(f"sequential misses from peers: {misses} READs, {parked} waited in C, "
-          f"{in_python} answered in Python")
+    print(f"sequential misses from peers: {misses} READs, {parked} waited in C, {late} "
+          f"answered in C once landed, {in_python} answered in Python")
 
 
 @pytest.mark.parametrize("rail", [0, 1])
@@ -592,8 +595,10 @@ def test_node_restart_keeps_its_arena(world) -> None:
 
 
 def test_etcd_restart_reads_continue(world) -> None:
-    """A 10 s etcd outage: the reads go on from the last known membership, and no
-    process prints a traceback (the etcd client's errors are classified)."""
+    """A 10 s etcd outage: the reads go on from the last known membership, no process
+    prints a traceback (the etcd client's errors are classified), and none dies (a
+    crash in native code leaves faulthandler's "Fatal Python error" in its log: Debian's
+    gRPC 1.51 did that now and then, etcd_client.py)."""
     c, _, files = world
     mnt = c.mount("imgs")
     mark = c.output_mark()
@@ -603,6 +608,6 @@ def test_etcd_restart_reads_continue(world) -> None:
     time.sleep(max(0.0, 10 - (time.monotonic() - t0)))
     c.start_etcd()
     c.wait_nodes(3, timeout=30)
-    new = c.output_since(mark)
-    assert "Traceback" not in new, new[-3000:]
     assert _read_all(mnt, files) > 0
+    new = c.output_since(mark)
+    assert "Traceback" not in new and "Fatal Python error" not in new, new[-3000:]
