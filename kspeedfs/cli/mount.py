@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ConfigError, KspeedfsError
 from .options import cli_logging, dataset_name, load_config, priority, version
@@ -106,26 +106,32 @@ def run(args: argparse.Namespace) -> int:
         cfg.cluster.secret()
     from ..daemon import MountRequest             # after the checks: a bad flag fails fast
 
-    if (args.preload or args.unload_on_exit) and not (args.upgrade or args.resume):
-        _preload(cfg, args)
-
-    logfile = logsetup.log_path(cfg.log.dir, args.dataset, os.path.abspath(args.mountpoint))
-    req = MountRequest(args.dataset, args.mountpoint, args.dataset_version, args.source, args.nonempty,
-                       upgrade=args.upgrade, resume=args.resume, supervise=not args.foreground,
-                       unload_on_exit=args.unload_on_exit,
-                       argv=_remount_argv(sys.argv[1:]), logfile=logfile)
-    if args.foreground:
-        logsetup.setup(cfg.log.level, stderr=True, file=logfile)
-        return _serve(cfg, req, None)
-    return _daemonize(cfg, req, logfile)
-
-
-def _preload(cfg: Any, args: argparse.Namespace) -> None:
-    """``--preload``/``--unload-on-exit``: request the preload before mounting, so a
-    dataset that does not fit fails here, in one line, with nothing mounted."""
-    if cfg.store.backend != "etcd" or not cfg.cluster.peers:
+    preload = (args.preload or args.unload_on_exit) and not (args.upgrade or args.resume)
+    if preload and (cfg.store.backend != "etcd" or not cfg.cluster.peers):
         raise ConfigError("--preload/--unload-on-exit need a cluster (the etcd store, "
                           "cluster.peers on)")
+    logfile = logsetup.log_path(cfg.log.dir, args.dataset, os.path.abspath(args.mountpoint))
+
+    def request(note: Callable[[str], None]) -> MountRequest:
+        """What to mount; with a preload, requested first (in the process that serves:
+        ``_daemonize`` says why)."""
+        if preload:
+            _preload(cfg, args, note)
+        return MountRequest(args.dataset, args.mountpoint, args.dataset_version, args.source,
+                            args.nonempty, upgrade=args.upgrade, resume=args.resume,
+                            supervise=not args.foreground, unload_on_exit=args.unload_on_exit,
+                            argv=_remount_argv(sys.argv[1:]), logfile=logfile)
+
+    if args.foreground:
+        logsetup.setup(cfg.log.level, stderr=True, file=logfile)
+        return _serve(cfg, request(lambda line: print(line, file=sys.stderr)), None)
+    return _daemonize(cfg, request, logfile)
+
+
+def _preload(cfg: Any, args: argparse.Namespace, note: Callable[[str], None]) -> None:
+    """``--preload``/``--unload-on-exit``: request the preload before mounting, so a
+    dataset that does not fit fails, in one line, with nothing mounted; ``note`` tells the
+    user what was unloaded to make room."""
     from ..cluster import lifecycle
     from .options import cluster_store
 
@@ -138,7 +144,7 @@ def _preload(cfg: Any, args: argparse.Namespace) -> None:
     finally:
         store.close()
     for tag in unloaded:
-        print(f"unloaded {tag} to make room", file=sys.stderr)
+        note(f"unloaded {tag} to make room")
     args.dataset_version = info.version           # mount exactly what was preloaded
 
 
@@ -166,13 +172,22 @@ def _serve(cfg: Any, req: Any, ready: Any) -> int:
     return 0
 
 
-def _daemonize(cfg: Any, req: Any, logfile: str) -> int:
+def _daemonize(cfg: Any, request: Callable[[Callable[[str], None]], Any], logfile: str) -> int:
+    """Fork; the child makes the mount (``request``, then serve) and says "ready" or why
+    not on a pipe, with the notes for the user before it; the parent prints those and
+    exits. No etcd request is made before the fork: a child that used gRPC after its
+    parent had (the preload's request) hung in its first call with grpcio 1.85 (forking
+    with gRPC's state live is unsupported without its fork handlers, which this process
+    turns off: etcd_client.py)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid:
         os.close(w)
         with os.fdopen(r, "rb") as pipe:
             msg = pipe.read().decode(errors="replace")
+        while msg.startswith("note "):
+            line, _, msg = msg.partition("\n")
+            print(line[5:], file=sys.stderr)
         if msg.startswith("ready "):
             return 0
         if not msg:
@@ -195,7 +210,7 @@ def _daemonize(cfg: Any, req: Any, logfile: str) -> int:
         os.close(w)
 
     try:
-        status = _serve(cfg, req, ready)
+        status = _serve(cfg, request(lambda line: os.write(w, f"note {line}\n".encode())), ready)
     except KspeedfsError as e:
         try:
             os.write(w, str(e).encode())
