@@ -17,7 +17,9 @@ is used from fstab and by hand, outside any unit; a foreground mount under syste
 (``mount/kspeedfs@.service``) is not supervised (systemd restarts it; the mount is
 cleaned up and made again). Restarts are limited (``MAX_RESTARTS`` in ``WINDOW`` s): a
 daemon that keeps dying is left dead, its fds closed, so the mount fails with ENOTCONN
-and the next ``kspeedfs mount`` cleans it up as it always did.
+and the next ``kspeedfs mount`` cleans it up as it always did; so is one that cannot start
+again (``RESUME_ATTEMPTS`` new daemons each exited before taking the fds, or did not call
+within ``CALL_TIMEOUT``): its readers get an error within seconds instead of waiting.
 
 Without FUSE_NOTIFY_RESEND (kernels before 6.9) the new daemon still serves every new
 request, but the requests the dead one had read stay unanswered: their readers hang
@@ -42,6 +44,11 @@ log = logging.getLogger("kspeedfs.supervisor")
 
 MAX_RESTARTS = 5
 WINDOW = 60.0
+#: daemons started to resume one death before giving up, the pause between them (s,
+#: doubling) and how long one may take to call back (s)
+RESUME_ATTEMPTS = 4
+RESUME_BACKOFF = 0.5
+CALL_TIMEOUT = 60.0
 
 
 def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
@@ -100,7 +107,8 @@ class Supervisor:
                 return 1
 
     def _restart(self) -> bool:
-        """Start a daemon that resumes the connection; False when giving up."""
+        """Start a daemon that resumes the connection; False when giving up (the mount is
+        then dead: this process exits, the fds close, readers get ENOTCONN)."""
         if not self.fds or not mp.is_mounted(self.mountpoint):
             log.warning("daemon of %s died and nothing is left to resume", self.mountpoint)
             return False
@@ -113,6 +121,20 @@ class Supervisor:
             return False
         log.warning("daemon of %s (pid %s) died: starting a new one to resume its connection",
                     self.mountpoint, self.state.get("pid"))
+        for attempt in range(RESUME_ATTEMPTS):
+            if attempt:
+                time.sleep(RESUME_BACKOFF * 2 ** (attempt - 1))
+            if self._resume():
+                log.info("daemon of %s resumed", self.mountpoint)
+                return True
+        log.error("daemon of %s: %d daemons started to resume it failed: giving up; the mount "
+                  "is dead (the next kspeedfs mount cleans it up)", self.mountpoint,
+                  RESUME_ATTEMPTS)
+        return False
+
+    def _resume(self) -> bool:
+        """One new daemon, started with ``--resume`` and handed the fds; False when it did
+        not take them (it exited first, did not call in CALL_TIMEOUT s, or refused)."""
         path = socket_path(self.mountpoint) + RESUME_SUFFIX
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
             try:
@@ -125,37 +147,59 @@ class Supervisor:
             proc = subprocess.Popen([sys.executable, "-m", "kspeedfs.cli.app", *self.argv,
                                      "--resume", path], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            listener.settimeout(60)
             try:
-                conn, _ = listener.accept()
-            except OSError as e:
-                log.error("the new daemon of %s did not call: %s", self.mountpoint, e)
-                proc.kill()
-                return self._restart()
+                conn = self._call_from(listener, proc)
             finally:
                 os.unlink(path)
-        conn.settimeout(60)
+        if conn is None:
+            return False
+        conn.settimeout(CALL_TIMEOUT)
         try:
             ask, _ = _recv(conn)
             if ask.get("format") != FORMAT:
                 _send(conn, {"error": f"handover format {ask.get('format')!r} unknown here"})
                 conn.close()
-                return self._restart()
+                return False
             _send(conn, {"format": FORMAT, "state": self.state, "resume": True}, self.fds)
             taken, _ = _recv(conn)
             if not taken.get("taken"):
                 conn.close()
-                return self._restart()
+                return False
             _send(conn, {"done": True})
         except OSError as e:
             log.error("resuming %s: %s", self.mountpoint, e)
             conn.close()
-            return self._restart()
+            return False
         conn.settimeout(None)
         self.control = conn                           # the new daemon's control channel
-        proc.wait()                                    # its CLI parent exits once it serves
-        log.info("daemon of %s resumed", self.mountpoint)
+        proc.wait()                                   # its CLI parent exits once it serves
         return True
+
+    def _call_from(self, listener: socket.socket, proc: subprocess.Popen) -> socket.socket | None:
+        """The new daemon's call on ``listener``, or None: its CLI exited first (it
+        failed: its log says why; the CLI exits only after its daemon served, which needs
+        this call), or it did not call in CALL_TIMEOUT s (then killed). Why not a plain
+        accept with that timeout: a daemon that cannot start (etcd, its store, its config)
+        then cost 60 s per attempt, so MAX_RESTARTS in WINDOW never tripped and the readers
+        waited forever."""
+        deadline = time.monotonic() + CALL_TIMEOUT
+        listener.settimeout(0.2)
+        while True:
+            try:
+                return listener.accept()[0]
+            except TimeoutError:
+                pass
+            status = proc.poll()
+            if status is not None:
+                log.error("the new daemon of %s exited (status %s) before resuming it",
+                          self.mountpoint, status)
+                return None
+            if time.monotonic() >= deadline:
+                log.error("the new daemon of %s did not call in %.0f s", self.mountpoint,
+                          CALL_TIMEOUT)
+                proc.kill()
+                proc.wait()
+                return None
 
 
 def spawn(mountpoint: str, fds: list[int], state: dict, argv: list[str], logfile: str) -> socket.socket:

@@ -7,6 +7,7 @@ is a FUSE READ, not a page-cache hit) and see at most a pause — no error, no w
 byte, no hung reader."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -207,6 +208,30 @@ def test_daemon_sigkilled_five_times_under_readers_loses_no_read(served) -> None
     resent = sum(int(m) for m in re.findall(r"resume: answered (\d+) requests", log))
     print(f"\n{readers.reads} reads of 128 KiB through 5 SIGKILLs, longest "
           f"{readers.longest * 1e3:.0f} ms, {resent} requests answered after a resend")
+
+
+def test_a_daemon_that_cannot_start_again_leaves_the_mount_failing_not_hung(served) -> None:
+    """The daemon SIGKILLed while no new one can start (its store moved away): each
+    daemon the supervisor starts exits before taking the connection, it gives up after
+    RESUME_ATTEMPTS, and a reader gets ENOTCONN within seconds. (Before, it waited 60 s
+    for each such daemon to call and retried for ever: readers hung.)"""
+    c, _, mnt = served
+    assert supervisor_pid(mnt) is not None
+    c.store.rename(c.store.with_name("store-moved"))
+    t0 = time.monotonic()
+    os.kill(daemon_pid(mnt), signal.SIGKILL)
+    deadline = t0 + 60
+    while supervisor_pid(mnt) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    took = time.monotonic() - t0
+    assert supervisor_pid(mnt) is None, "the supervisor is still trying"
+    with pytest.raises(OSError) as e:
+        os.stat(mnt / "d" / "f00.bin")
+    assert e.value.errno == errno.ENOTCONN
+    log = c.log_text()
+    assert log.count("exited (status") == 4 and "giving up" in log, log[-2000:]
+    assert took < 30, took
+    print(f"\ngave up after {took:.1f} s")
 
 
 def test_supervisor_leaves_with_its_mount(served) -> None:
