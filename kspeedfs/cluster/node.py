@@ -44,7 +44,7 @@ from ..cache.disk import DiskCache
 from ..cache.singleflight import SingleFlight
 from ..cache.tiers import Loaded, TierChain
 from ..config import Config
-from ..errors import ConfigError, KspeedfsError
+from ..errors import ConfigError, KspeedfsError, StoreUnavailable
 from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from ..manifest.store.etcd import EtcdStore
@@ -179,9 +179,17 @@ class Node:
     # -- datasets --------------------------------------------------------------------------
 
     async def dataset(self, name: str, version: int) -> Dataset:
-        """``name`` v``version``, its manifest fetched from etcd once (single-flight)."""
+        """``name`` v``version``, its manifest fetched from etcd once (single-flight).
+        StoreUnavailable at once while etcd is known unreachable (its last request went
+        unanswered; the lease refresh, every ttl/3, finds it back): before, every READ
+        from a mount waited the store's whole budget (``store.etcd_timeout``, 5 s) per
+        owner before its source read, chunk after chunk of a dataset no node had opened
+        yet (``handle`` answers "refused" instead)."""
         ds = self.datasets.get((name, version))
         if ds is None:
+            if self.store.reachable is False:
+                raise StoreUnavailable(f"the manifest of {name} v{version}: etcd did not "
+                                       "answer this node's last request")
             ds, _ = await self._manifests.run((name, version), self._open_dataset, name, version)
         return ds
 
@@ -278,7 +286,10 @@ class Node:
     async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
         if op == "load":
-            ds = await self.dataset(str(req["dataset"]), int(req["version"]))
+            try:
+                ds = await self.dataset(str(req["dataset"]), int(req["version"]))
+            except StoreUnavailable:    # (no manifest: the reader's next replica or source)
+                return {"ok": True, "source": "refused"}
             k = int(req["chunk"])
             if not 0 <= k < ds.index.chunks:
                 raise KspeedfsError(f"chunk {k} out of range")
