@@ -32,6 +32,10 @@ from tests.fixtures.cluster import cluster, mount_stats, verified_read, write_da
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, FUSE)")
 
 PEER_TIMEOUT = 0.5          # cluster.peer_timeout default
+#: the longest read with a stopped replica hedged (unhedged: the peer timeout, or ~1 s for
+#: chunks C started); twice that on the ASan + UBSan build (``./run``'s sanitized lane
+#: sets KSPEEDFS_SANITIZED), where CI once saw 263 ms: that lane looks for memory errors
+LONGEST = 0.5 if os.environ.get("KSPEEDFS_SANITIZED") else 0.25
 
 
 def _make_source(root: Path) -> dict[str, bytes]:
@@ -202,7 +206,7 @@ def test_a_stopped_replica_costs_milliseconds_not_the_peer_timeout(world) -> Non
     # not every read that placement sends to n2 first (hundreds in the 0.5 s before
     # peer_timeout would take it out of the order anyway)
     assert after["peer_hedges"] - before["peer_hedges"] < 100, after["peer_latency"]["n2"]
-    assert max(rd_on.latencies) < 0.25, rd_on.summary()
+    assert max(rd_on.latencies) < LONGEST, rd_on.summary()
     assert after["source_loads"] == before["source_loads"]
 
 
@@ -246,7 +250,7 @@ def test_a_stopped_replica_under_sequential_readers_is_hedged_from_c(world) -> N
     assert rd.errors == [], rd.errors[:5]
     assert after["fetch_started"] > before["fetch_started"], after
     assert after["peer_hedges"] > before["peer_hedges"], after["peer_latency"]["n2"]
-    assert max(rd.latencies) < 0.25, rd.summary()
+    assert max(rd.latencies) < LONGEST, rd.summary()
     assert after["source_loads"] == before["source_loads"]
 
 
@@ -261,4 +265,4 @@ def test_a_killed_replica_costs_milliseconds_not_the_peer_timeout(world) -> None
     print(f"n2 SIGKILLed, hedging on:  {rd_on.summary()}, errors {len(rd_on.errors)}, "
           f"longest peer wait {s['peer_longest_wait_ms']} ms")
     assert rd_off.errors == [] and rd_on.errors == [], (rd_off.errors[:5], rd_on.errors[:5])
-    assert max(rd_on.latencies) < 0.25, rd_on.summary()
+    assert max(rd_on.latencies) < LONGEST, rd_on.summary()
