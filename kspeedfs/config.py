@@ -192,6 +192,10 @@ class FuseConfig:
                        "cached reads, Python only misses: fuse/native.py) or 'pyfuse3' (the "
                        "portable reference engine); native falls back to pyfuse3 where it "
                        "cannot mount (not root, not built)")
+    resume_patience: float = _opt(60.0, "native engine: seconds the supervisor keeps starting a "
+                                  "new daemon after a crash while none can start (e.g. etcd "
+                                  "down: a resume loads the manifest from it); then it gives "
+                                  "up and the mount reports ENOTCONN (fuse/supervisor.py)")
     threads: int = _opt(0, "native engine: request threads; 0 = one per core")
     max_pages: int = _opt(256, "native engine: pages per FUSE request, negotiated at INIT "
                           "(256 = 1 MiB READs; pyfuse3 gets the kernel default, 32)")
@@ -213,6 +217,7 @@ class FuseConfig:
         if self.io_uring not in ("off", "auto"):
             raise ConfigError(f"fuse.io_uring: {self.io_uring!r} must be 'off' or 'auto'")
         _range("fuse.threads", self.threads, 0, 256)
+        _positive("fuse.resume_patience", self.resume_patience, 86400.0)
         _range("fuse.max_pages", self.max_pages, 1, 256)
         if self.blksize and (self.blksize < 512 or self.blksize > 1 << 30 or self.blksize & (self.blksize - 1)):
             raise ConfigError(f"fuse.blksize: {self.blksize} must be 0 or a power of two in 512..1GiB")

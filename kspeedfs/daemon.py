@@ -349,7 +349,8 @@ async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
         log.info("io_uring mount: not supervised (%s)", RING_LIFECYCLE)
     elif control is None and req.supervise:
         control = trio.socket.from_stdlib_socket(supervisor.spawn(
-            session.path, session.engine.fds(), session.state(), list(req.argv), req.logfile))
+            session.path, session.engine.fds(), session.state(), list(req.argv), req.logfile,
+            session.cfg.resume_patience))
     try:
         nursery.start_soon(_on_signals, session.terminate, name="signals")
         nursery.start_soon(after_mount, name="after-mount")

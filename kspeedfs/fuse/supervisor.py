@@ -18,8 +18,10 @@ is used from fstab and by hand, outside any unit; a foreground mount under syste
 cleaned up and made again). Restarts are limited (``MAX_RESTARTS`` in ``WINDOW`` s): a
 daemon that keeps dying is left dead, its fds closed, so the mount fails with ENOTCONN
 and the next ``kspeedfs mount`` cleans it up as it always did; so is one that cannot start
-again (``RESUME_ATTEMPTS`` new daemons each exited before taking the fds, or did not call
-within ``CALL_TIMEOUT``): its readers get an error within seconds instead of waiting.
+again for ``fuse.resume_patience`` seconds (60; new daemons tried 0.5 s apart, doubling
+up to 8 s, each watched until it calls back or exits): long enough to ride out an etcd
+outage (a resume loads the manifest from etcd), and its readers then get an error
+instead of waiting for ever.
 
 Without FUSE_NOTIFY_RESEND (kernels before 6.9) the new daemon still serves every new
 request, but the requests the dead one had read stay unanswered: their readers hang
@@ -44,10 +46,9 @@ log = logging.getLogger("kspeedfs.supervisor")
 
 MAX_RESTARTS = 5
 WINDOW = 60.0
-#: daemons started to resume one death before giving up, the pause between them (s,
-#: doubling) and how long one may take to call back (s)
-RESUME_ATTEMPTS = 4
-RESUME_BACKOFF = 0.5
+#: the pause between daemons started to resume one death (s, doubling up to the most),
+#: and how long one may take to call back (s); ``fuse.resume_patience`` bounds them all
+RESUME_BACKOFF, RESUME_BACKOFF_MOST = 0.5, 8.0
 CALL_TIMEOUT = 60.0
 
 
@@ -75,8 +76,10 @@ class Supervisor:
     (the engine's master fd first); ``argv`` the ``kspeedfs`` arguments that mount it
     again (``--resume`` is added)."""
 
-    def __init__(self, mountpoint: str, control: socket.socket, argv: list[str]) -> None:
+    def __init__(self, mountpoint: str, control: socket.socket, argv: list[str],
+                 patience: float = 60.0) -> None:
         self.mountpoint = mountpoint
+        self.patience = patience                   # fuse.resume_patience
         self.control = control
         self.argv = argv
         self.fds: list[int] = []
@@ -121,20 +124,24 @@ class Supervisor:
             return False
         log.warning("daemon of %s (pid %s) died: starting a new one to resume its connection",
                     self.mountpoint, self.state.get("pid"))
-        for attempt in range(RESUME_ATTEMPTS):
-            if attempt:
-                time.sleep(RESUME_BACKOFF * 2 ** (attempt - 1))
-            if self._resume():
+        give_up, pause, tried = time.monotonic() + self.patience, RESUME_BACKOFF, 0
+        while True:
+            tried += 1
+            if self._resume(min(CALL_TIMEOUT, max(5.0, give_up - time.monotonic()))):
                 log.info("daemon of %s resumed", self.mountpoint)
                 return True
-        log.error("daemon of %s: %d daemons started to resume it failed: giving up; the mount "
-                  "is dead (the next kspeedfs mount cleans it up)", self.mountpoint,
-                  RESUME_ATTEMPTS)
+            if time.monotonic() + pause >= give_up:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, RESUME_BACKOFF_MOST)
+        log.error("daemon of %s: no new daemon could resume it in %.0f s (%d tried; "
+                  "fuse.resume_patience): giving up; the mount is dead (the next kspeedfs "
+                  "mount cleans it up)", self.mountpoint, self.patience, tried)
         return False
 
-    def _resume(self) -> bool:
+    def _resume(self, call_timeout: float) -> bool:
         """One new daemon, started with ``--resume`` and handed the fds; False when it did
-        not take them (it exited first, did not call in CALL_TIMEOUT s, or refused)."""
+        not take them (it exited first, did not call in ``call_timeout`` s, or refused)."""
         path = socket_path(self.mountpoint) + RESUME_SUFFIX
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
             try:
@@ -148,12 +155,12 @@ class Supervisor:
                                      "--resume", path], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
-                conn = self._call_from(listener, proc)
+                conn = self._call_from(listener, proc, call_timeout)
             finally:
                 os.unlink(path)
         if conn is None:
             return False
-        conn.settimeout(CALL_TIMEOUT)
+        conn.settimeout(call_timeout)
         try:
             ask, _ = _recv(conn)
             if ask.get("format") != FORMAT:
@@ -175,14 +182,15 @@ class Supervisor:
         proc.wait()                                   # its CLI parent exits once it serves
         return True
 
-    def _call_from(self, listener: socket.socket, proc: subprocess.Popen) -> socket.socket | None:
+    def _call_from(self, listener: socket.socket, proc: subprocess.Popen,
+                   timeout: float) -> socket.socket | None:
         """The new daemon's call on ``listener``, or None: its CLI exited first (it
         failed: its log says why; the CLI exits only after its daemon served, which needs
-        this call), or it did not call in CALL_TIMEOUT s (then killed). Why not a plain
-        accept with that timeout: a daemon that cannot start (etcd, its store, its config)
+        this call), or it did not call in ``timeout`` s (then killed). Why not a plain
+        accept with a timeout: a daemon that cannot start (etcd, its store, its config)
         then cost 60 s per attempt, so MAX_RESTARTS in WINDOW never tripped and the readers
         waited forever."""
-        deadline = time.monotonic() + CALL_TIMEOUT
+        deadline = time.monotonic() + timeout
         listener.settimeout(0.2)
         while True:
             try:
@@ -196,18 +204,20 @@ class Supervisor:
                 return None
             if time.monotonic() >= deadline:
                 log.error("the new daemon of %s did not call in %.0f s", self.mountpoint,
-                          CALL_TIMEOUT)
+                          timeout)
                 proc.kill()
                 proc.wait()
                 return None
 
 
-def spawn(mountpoint: str, fds: list[int], state: dict, argv: list[str], logfile: str) -> socket.socket:
+def spawn(mountpoint: str, fds: list[int], state: dict, argv: list[str], logfile: str,
+          patience: float = 60.0) -> socket.socket:
     """Start the supervisor of this daemon's mount; returns the daemon's control socket
     (send ``{"bye": true}`` on it before a clean exit)."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     subprocess.Popen([sys.executable, "-m", "kspeedfs.fuse.supervisor", "--mountpoint", mountpoint,
-                      "--control", str(theirs.fileno()), "--log", logfile, "--", *argv],
+                      "--control", str(theirs.fileno()), "--log", logfile,
+                      "--patience", str(patience), "--", *argv],
                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     theirs.close()
@@ -220,12 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mountpoint", required=True)
     p.add_argument("--control", type=int, required=True)
     p.add_argument("--log", required=True)
+    p.add_argument("--patience", type=float, default=60.0)
     p.add_argument("argv", nargs="*")
     args = p.parse_args(argv)
     logsetup.setup("INFO", stderr=False, file=args.log)
     control = socket.socket(fileno=args.control)
     try:
-        return Supervisor(args.mountpoint, control, args.argv).run()
+        return Supervisor(args.mountpoint, control, args.argv, args.patience).run()
     except Exception:
         log.exception("supervisor of %s failed", args.mountpoint)
         return 1

@@ -212,10 +212,11 @@ def test_daemon_sigkilled_five_times_under_readers_loses_no_read(served) -> None
 
 def test_a_daemon_that_cannot_start_again_leaves_the_mount_failing_not_hung(served) -> None:
     """The daemon SIGKILLed while no new one can start (its store moved away): each
-    daemon the supervisor starts exits before taking the connection, it gives up after
-    RESUME_ATTEMPTS, and a reader gets ENOTCONN within seconds. (Before, it waited 60 s
-    for each such daemon to call and retried for ever: readers hung.)"""
-    c, _, mnt = served
+    daemon the supervisor starts exits before taking the connection; after
+    ``fuse.resume_patience`` (3 s here) it gives up and a reader gets ENOTCONN. (Before, it
+    waited 60 s for each such daemon to call and retried for ever: readers hung.)"""
+    c, _, _ = served
+    mnt = c.mount("up", None, *DEV_FUSE, "--set", "fuse.resume_patience=3")
     assert supervisor_pid(mnt) is not None
     c.store.rename(c.store.with_name("store-moved"))
     t0 = time.monotonic()
@@ -229,9 +230,9 @@ def test_a_daemon_that_cannot_start_again_leaves_the_mount_failing_not_hung(serv
         os.stat(mnt / "d" / "f00.bin")
     assert e.value.errno == errno.ENOTCONN
     log = c.log_text()
-    assert log.count("exited (status") == 4 and "giving up" in log, log[-2000:]
-    assert took < 30, took
-    print(f"\ngave up after {took:.1f} s")
+    assert log.count("exited (status") >= 2 and "giving up" in log, log[-2000:]
+    assert took < 20, took
+    print(f"\ngave up after {took:.1f} s, {log.count('exited (status')} daemons tried")
 
 
 def test_supervisor_leaves_with_its_mount(served) -> None:
