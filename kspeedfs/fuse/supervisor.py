@@ -77,7 +77,7 @@ class Supervisor:
     again (``--resume`` is added)."""
 
     def __init__(self, mountpoint: str, control: socket.socket, argv: list[str],
-                 patience: float = 60.0) -> None:
+                 patience: float) -> None:
         self.mountpoint = mountpoint
         self.patience = patience                   # fuse.resume_patience
         self.control = control
@@ -211,7 +211,7 @@ class Supervisor:
 
 
 def spawn(mountpoint: str, fds: list[int], state: dict, argv: list[str], logfile: str,
-          patience: float = 60.0) -> socket.socket:
+          patience: float) -> socket.socket:
     """Start the supervisor of this daemon's mount; returns the daemon's control socket
     (send ``{"bye": true}`` on it before a clean exit)."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mountpoint", required=True)
     p.add_argument("--control", type=int, required=True)
     p.add_argument("--log", required=True)
-    p.add_argument("--patience", type=float, default=60.0)
+    p.add_argument("--patience", type=float, required=True)   # fuse.resume_patience
     p.add_argument("argv", nargs="*")
     args = p.parse_args(argv)
     logsetup.setup("INFO", stderr=False, file=args.log)
