@@ -292,15 +292,22 @@ def test_sequential_reads_that_miss_wait_in_c_for_their_chunks(world) -> None:
     # A miss is answered in C: parked on its chunks or, when chunks C started for the
     # READs before it landed while it sat in the queue, from the tier at once
     # (``read_or_park``: a late hit; a loaded machine's slower trio thread sees more of
-    # those, up to all of them: CI had 4 misses and 2 parks, a run here 4 and 0). Python
-    # answers at most one (a chunk the native fetch declined: e.g. landing slots all
-    # held by chunks not yet adopted).
-    assert misses >= 4 and in_python <= 1 and parked + late + in_python >= misses, \
-        (misses, parked, late, in_python, s)
+    # those, up to all of them: CI had 4 misses and 2 parks, a run here 4 and 0).
+    assert misses >= 4 and parked + late + in_python >= misses, (misses, parked, late, in_python)
+    # Python answers at most one (a chunk the native fetch declined: e.g. landing slots
+    # all held by chunks not yet adopted) — unless a peer READ overran its hedging
+    # threshold meanwhile: C then leaves that peer's chunks to Python's hedged
+    # read (``NativeFetch._start``: a node with a READ overdue), and ``read_or_park``
+    # declined READs right after an overrun in a run here beside 4 busy loops. CI's
+    # loaded machine saw it once: 6 misses, 3 parked, 3 late hits, 3 in Python.
+    overran = sum(s[k] - before[k] for k in ("peer_hedges", "peer_hedges_refused"))
+    if not overran:
+        assert in_python <= 1, (misses, parked, late, in_python)
     assert s["fetch_parked"] == s["fetch_answered"], s
     assert s["source_loads"] == before["source_loads"], s
     print(f"sequential misses from peers: {misses} READs, {parked} waited in C, {late} "
-          f"answered in C once landed, {in_python} answered in Python")
+          f"answered in C once landed, {in_python} answered in Python; {overran} peer READs "
+          f"overran meanwhile")
 
 
 @pytest.mark.parametrize("rail", [0, 1])
