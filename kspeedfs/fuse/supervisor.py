@@ -74,7 +74,7 @@ class Supervisor:
 
     ``control`` is the live daemon's socket; ``fds`` and ``state`` what it reported
     (the engine's master fd first); ``argv`` the ``kspeedfs`` arguments that mount it
-    again (``--resume`` is added)."""
+    again (``remount``: the version it serves; ``--resume`` is added)."""
 
     def __init__(self, mountpoint: str, control: socket.socket, argv: list[str],
                  patience: float) -> None:
@@ -151,7 +151,7 @@ class Supervisor:
             listener.bind(path)
             os.chmod(path, 0o600)
             listener.listen(1)
-            proc = subprocess.Popen([sys.executable, "-m", "kspeedfs.cli.app", *self.argv,
+            proc = subprocess.Popen([sys.executable, "-m", "kspeedfs.cli.app", *self.remount(),
                                      "--resume", path], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
@@ -181,6 +181,15 @@ class Supervisor:
         self.control = conn                           # the new daemon's control channel
         proc.wait()                                   # its CLI parent exits once it serves
         return True
+
+    def remount(self) -> list[str]:
+        """``argv`` for the version the connection serves (``--version`` last, so it wins
+        over one the user gave): its inodes are that version's. Without it a daemon
+        started after the dataset was imported again asked for the new current version,
+        the takeover refused it, and after ``patience`` the mount was dead."""
+        version = self.state.get("version")
+        return [*self.argv, "--version", str(version)] if isinstance(version, int) else \
+            list(self.argv)
 
     def _call_from(self, listener: socket.socket, proc: subprocess.Popen,
                    timeout: float) -> socket.socket | None:

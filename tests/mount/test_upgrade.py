@@ -210,6 +210,31 @@ def test_daemon_sigkilled_five_times_under_readers_loses_no_read(served) -> None
           f"{readers.longest * 1e3:.0f} ms, {resent} requests answered after a resend")
 
 
+def test_a_daemon_killed_after_a_new_version_was_imported_resumes_the_old_one(served) -> None:
+    """The dataset imported again (version 2 current) while version 1 is mounted, then the
+    daemon SIGKILLed: the daemon the supervisor starts serves version 1, the one the
+    connection's inodes belong to, and the readers go on. (Its argv names no version: it
+    asked for the current one, the takeover refused 2 for a connection serving 1, and
+    after ``fuse.resume_patience`` the mount was dead.)"""
+    c, src, mnt = served
+    (src / "d" / "new.bin").write_bytes(b"v2")
+    c.import_(src, "up")                               # version 2 is current now
+    with Readers(src, mnt, n=2) as readers:
+        readers.files.remove(Path("d/new.bin"))
+        time.sleep(0.5)
+        pid = daemon_pid(mnt)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while "resume: took" not in c.log_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        before = readers.reads
+        time.sleep(0.5)
+        assert readers.reads > before, "no read after the crash"
+    assert readers.errors == [] and readers.wrong == 0, readers.errors[:5]
+    assert daemon_pid(mnt) not in (pid, None) and not (mnt / "d" / "new.bin").exists()
+    assert os.getxattr(mnt, "user.kspeedfs.dataset") == b"up@1"
+
+
 def test_a_daemon_that_cannot_start_again_leaves_the_mount_failing_not_hung(served) -> None:
     """The daemon SIGKILLed while no new one can start (its store moved away): each
     daemon the supervisor starts exits before taking the connection; after
