@@ -193,9 +193,9 @@ class FuseConfig:
                        "portable reference engine); native falls back to pyfuse3 where it "
                        "cannot mount (not root, not built)")
     resume_patience: float = _opt(60.0, "native engine: seconds the supervisor keeps starting a "
-                                  "new daemon after a crash while none can start (e.g. etcd "
-                                  "down: a resume loads the manifest from it); then it gives "
-                                  "up and the mount reports ENOTCONN (fuse/supervisor.py)")
+                                  "new daemon after a crash while none can start (e.g. its "
+                                  "source gone); then it gives up and the mount reports "
+                                  "ENOTCONN (fuse/supervisor.py)")
     threads: int = _opt(0, "native engine: request threads; 0 = one per core")
     max_pages: int = _opt(256, "native engine: pages per FUSE request, negotiated at INIT "
                           "(256 = 1 MiB READs; pyfuse3 gets the kernel default, 32)")

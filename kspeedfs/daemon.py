@@ -39,10 +39,11 @@ from .cache.disk import DiskCache
 from .cache.memory import MemoryCache
 from .cluster.lifecycle import MountRecord
 from .config import Config
-from .errors import MountError
+from .errors import ManifestCorrupt, MountError
 from .fuse import tuning
 from .fuse.operations import Operations
 from .fuse.pagecache import PageCache
+from .manifest import sealed
 from .manifest.index import ManifestIndex
 from .manifest.store import open_configured
 from .manifest.store.base import DatasetInfo
@@ -70,14 +71,26 @@ class MountRequest:
     unload_on_exit: bool = False     # release the preload when the last mount of it goes
     argv: tuple[str, ...] = ()       # the kspeedfs arguments that mount it (for the supervisor)
     logfile: str = ""
+    manifest_fd: int | None = None   # a resume: the supervisor's sealed copy (manifest/sealed.py)
 
 
-def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, ManifestIndex]:
-    """Blocking: the only store access of a mount's lifetime."""
-    with open_configured(cfg) as store:       # etcd: records verified with the cluster secret
-        info = store.dataset(req.dataset, req.version)
-        blob = store.manifest(info.name, info.version)
-    return info, ManifestIndex.from_blob(blob, info.inflated_size)
+def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, bytes, ManifestIndex]:
+    """Blocking: the only store access of a mount's lifetime (none on a resume with the
+    supervisor's sealed copy of the manifest, unless that copy fails its checks)."""
+    info = blob = None
+    if req.manifest_fd is not None:
+        try:
+            info, blob = sealed.unseal(req.manifest_fd, req.dataset, req.version)
+            log.info("resume: the manifest from the supervisor's sealed copy")
+        except ManifestCorrupt as e:
+            log.warning("resume: %s; loading it from the store", e)
+        finally:
+            os.close(req.manifest_fd)
+    if info is None or blob is None:
+        with open_configured(cfg) as store:   # etcd: records verified with the cluster secret
+            info = store.dataset(req.dataset, req.version)
+            blob = store.manifest(info.name, info.version)
+    return info, blob, ManifestIndex.from_blob(blob, info.inflated_size)
 
 
 def _systemd_notify(state: str) -> None:
@@ -227,7 +240,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
             raise MountError(f"--upgrade: {path} is not mounted")
     else:
         path = mp.prepare(req.mountpoint, req.nonempty)
-    info, index = await trio.to_thread.run_sync(load_dataset, cfg, req)
+    info, blob, index = await trio.to_thread.run_sync(load_dataset, cfg, req)
     log.info("dataset %s v%d: %d entries, %d bytes, %d chunks of %d; index %d bytes",
              info.name, info.version, info.entries, info.bytes, info.chunks, info.chunk_size,
              index.nbytes)
@@ -287,9 +300,14 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
             if ready:
                 ready(path)
 
+        # a copy of the manifest for the supervisor (a resumed daemon's has one already);
+        # the blob itself is not kept for the mount's life
+        manifest_fd = sealed.seal(info, blob) if session is not None and req.supervise \
+            and not req.resume else None
+        del blob
         if session is not None:
             try:
-                await _serve_native(session, nursery, after_mount, req)
+                await _serve_native(session, nursery, after_mount, req, manifest_fd)
             finally:
                 if pages:
                     pages.close()
@@ -322,35 +340,41 @@ async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetI
 
 
 async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
-                        after_mount: Callable[[], Awaitable[None]], req: MountRequest) -> None:
+                        after_mount: Callable[[], Awaitable[None]], req: MountRequest,
+                        manifest_fd: int | None) -> None:
     """Mount with the native engine (or take the live mount over from its daemon, or
     from its supervisor after a crash) and answer its queue until unmounted or handed
     over; always leaves the C threads joined, and the mount gone unless a successor
-    serves it. A supervised mount tells its supervisor "bye" when it ends cleanly."""
+    serves it. A supervised mount tells its supervisor "bye" when it ends cleanly;
+    ``manifest_fd`` (sealed, ``manifest/sealed.py``) goes to a supervisor it starts."""
     from .fuse import supervisor
     from .fuse import upgrade as handover
     from .fuse.native import RING_LIFECYCLE
 
     control = None
-    if req.upgrade or req.resume:
-        sock = await handover.take_over(session.path, session.info.name, session.info.version,
-                                        session.adopt, path=req.resume)
-        if req.resume:
-            control = sock                    # the supervisor stays on this socket
-            await sock.send(json.dumps({"state": session.state()}).encode())
+    try:
+        if req.upgrade or req.resume:
+            sock = await handover.take_over(session.path, session.info.name, session.info.version,
+                                            session.adopt, path=req.resume)
+            if req.resume:
+                control = sock                    # the supervisor stays on this socket
+                await sock.send(json.dumps({"state": session.state()}).encode())
+            else:
+                sock.close()
         else:
-            sock.close()
-    else:
-        await trio.to_thread.run_sync(session.mount)
-    if control is None and req.supervise and session.transport == "io_uring":
-        # a supervisor holding the connection of a crashed io_uring daemon would keep the
-        # readers its rings held hanging; unsupervised, the crash ends the connection
-        # (ENOTCONN) and the next ``kspeedfs mount`` cleans it up (fuse/native.py)
-        log.info("io_uring mount: not supervised (%s)", RING_LIFECYCLE)
-    elif control is None and req.supervise:
-        control = trio.socket.from_stdlib_socket(supervisor.spawn(
-            session.path, session.engine.fds(), session.state(), list(req.argv), req.logfile,
-            session.cfg.resume_patience))
+            await trio.to_thread.run_sync(session.mount)
+        if control is None and req.supervise and session.transport == "io_uring":
+            # a supervisor holding the connection of a crashed io_uring daemon would keep the
+            # readers its rings held hanging; unsupervised, the crash ends the connection
+            # (ENOTCONN) and the next ``kspeedfs mount`` cleans it up (fuse/native.py)
+            log.info("io_uring mount: not supervised (%s)", RING_LIFECYCLE)
+        elif control is None and req.supervise:
+            control = trio.socket.from_stdlib_socket(supervisor.spawn(
+                session.path, session.engine.fds(), session.state(), list(req.argv), req.logfile,
+                session.cfg.resume_patience, manifest_fd))
+    finally:
+        if manifest_fd is not None:             # the supervisor has its own now
+            os.close(manifest_fd)
     try:
         nursery.start_soon(_on_signals, session.terminate, name="signals")
         nursery.start_soon(after_mount, name="after-mount")

@@ -47,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priority", type=priority, default=0,
                    help="with --preload: eviction priority (higher stays; default 0)")
     p.add_argument("--resume", metavar="SOCKET", help=argparse.SUPPRESS)   # the supervisor's
+    p.add_argument("--manifest-fd", type=int, help=argparse.SUPPRESS)     # ... sealed copy
     p.add_argument("-o", dest="options", metavar="OPTS", action="append", default=[],
                    help="comma-separated mount options: ro, allow_other, nonempty, preload, "
                         "unload_on_exit, priority=N, config=PATH, "
@@ -120,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         return MountRequest(args.dataset, args.mountpoint, args.dataset_version, args.source,
                             args.nonempty, upgrade=args.upgrade, resume=args.resume,
                             supervise=not args.foreground, unload_on_exit=args.unload_on_exit,
-                            argv=_remount_argv(sys.argv[1:]), logfile=logfile)
+                            argv=_remount_argv(sys.argv[1:]), logfile=logfile,
+                            manifest_fd=args.manifest_fd if args.resume else None)
 
     if args.foreground:
         logsetup.setup(cfg.log.level, stderr=True, file=logfile)
@@ -149,16 +151,16 @@ def _preload(cfg: Any, args: argparse.Namespace, note: Callable[[str], None]) ->
 
 
 def _remount_argv(argv: list[str]) -> tuple[str, ...]:
-    """These arguments without --upgrade/--resume: what the supervisor runs to mount again
-    (in this process's working directory, which it inherits)."""
+    """These arguments without --upgrade/--resume/--manifest-fd: what the supervisor runs
+    to mount again (in this process's working directory, which it inherits)."""
     out: list[str] = []
     skip = False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--resume":
+        elif a in ("--resume", "--manifest-fd"):
             skip = True
-        elif a != "--upgrade" and not a.startswith("--resume="):
+        elif a != "--upgrade" and not a.startswith(("--resume=", "--manifest-fd=")):
             out.append(a)
     return tuple(out)
 

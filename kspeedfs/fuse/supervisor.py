@@ -1,12 +1,14 @@
 """The mount's supervisor: the FUSE connection outlives a crashed daemon.
 
     kspeedfs mount ─► daemon (native engine) ─ spawns ─► supervisor (this, a small process)
-                          │  control socket: the daemon's fds (master + clones) and state
+                          │  control socket: the daemon's fds (master + clones), its state
+                          │  and a sealed copy of the manifest (manifest/sealed.py)
                           ▼
     daemon dies without saying "bye" (SIGKILL, OOM, a crash)
         the supervisor still holds every /dev/fuse fd, so the kernel connection lives and
         the requests the dead daemon had read stay queued on them (nothing is aborted)
-        ─► spawns ``kspeedfs mount … --resume SOCKET``; the new daemon takes the fds over
+        ─► spawns ``kspeedfs mount … --version N --manifest-fd FD --resume SOCKET``: the
+           new daemon loads the manifest from the copy (no store needed), takes the fds over
            (fuse/upgrade.py, resume flavour: every fd, its threads read exactly those),
            sends FUSE_NOTIFY_RESEND (kernel 6.9+): the kernel queues again every request
            read but not answered, and the new daemon answers them. Readers see a pause.
@@ -19,9 +21,10 @@ cleaned up and made again). Restarts are limited (``MAX_RESTARTS`` in ``WINDOW``
 daemon that keeps dying is left dead, its fds closed, so the mount fails with ENOTCONN
 and the next ``kspeedfs mount`` cleans it up as it always did; so is one that cannot start
 again for ``fuse.resume_patience`` seconds (60; new daemons tried 0.5 s apart, doubling
-up to 8 s, each watched until it calls back or exits): long enough to ride out an etcd
-outage (a resume loads the manifest from etcd), and its readers then get an error
-instead of waiting for ever.
+up to 8 s, each watched until it calls back or exits): its readers then get an error
+instead of waiting for ever. (A resume needs no store: the manifest comes from the
+supervisor's copy, so a crash during an etcd outage, or after the version was removed,
+is resumed too; a cluster mount then reads from the source until etcd names its peers.)
 
 Without FUSE_NOTIFY_RESEND (kernels before 6.9) the new daemon still serves every new
 request, but the requests the dead one had read stay unanswered: their readers hang
@@ -84,6 +87,7 @@ class Supervisor:
         self.argv = argv
         self.fds: list[int] = []
         self.state: dict = {}
+        self.manifest_fd: int | None = None      # a sealed copy (manifest/sealed.py)
         self.restarts: list[float] = []
 
     def run(self) -> int:
@@ -92,6 +96,10 @@ class Supervisor:
             if fds:                                   # the daemon's fds: keep ours, drop old
                 for fd in self.fds:
                     os.close(fd)
+                if msg.get("manifest"):               # (sent last)
+                    if self.manifest_fd is not None:
+                        os.close(self.manifest_fd)
+                    self.manifest_fd = fds.pop()
                 self.fds, self.state = fds, msg.get("state", {})
                 log.info("supervising %s: daemon pid %s, %d fds", self.mountpoint,
                          self.state.get("pid"), len(fds))
@@ -151,9 +159,12 @@ class Supervisor:
             listener.bind(path)
             os.chmod(path, 0o600)
             listener.listen(1)
+            copy = [] if self.manifest_fd is None else ["--manifest-fd", str(self.manifest_fd)]
             proc = subprocess.Popen([sys.executable, "-m", "kspeedfs.cli.app", *self.remount(),
-                                     "--resume", path], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     *copy, "--resume", path], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    pass_fds=[] if self.manifest_fd is None else
+                                    [self.manifest_fd])
             try:
                 conn = self._call_from(listener, proc, call_timeout)
             finally:
@@ -220,9 +231,11 @@ class Supervisor:
 
 
 def spawn(mountpoint: str, fds: list[int], state: dict, argv: list[str], logfile: str,
-          patience: float) -> socket.socket:
+          patience: float, manifest_fd: int | None = None) -> socket.socket:
     """Start the supervisor of this daemon's mount; returns the daemon's control socket
-    (send ``{"bye": true}`` on it before a clean exit)."""
+    (send ``{"bye": true}`` on it before a clean exit). ``manifest_fd``: a sealed copy of
+    the manifest (``manifest/sealed.py``) the daemons it starts load instead of the
+    store's."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     subprocess.Popen([sys.executable, "-m", "kspeedfs.fuse.supervisor", "--mountpoint", mountpoint,
                       "--control", str(theirs.fileno()), "--log", logfile,
@@ -230,7 +243,8 @@ def spawn(mountpoint: str, fds: list[int], state: dict, argv: list[str], logfile
                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     theirs.close()
-    _send(mine, {"state": state}, fds)
+    copy = [] if manifest_fd is None else [manifest_fd]
+    _send(mine, {"state": state, "manifest": bool(copy)}, [*fds, *copy])
     return mine
 
 

@@ -166,7 +166,7 @@ def test_a_ring_that_cannot_be_set_up_after_init_falls_back_to_dev_fuse(tree, en
     base, _ = tree
     enable_uring(True)
     cfg = load(overrides={"store.path": str(base / "store")}, environ={})
-    _, index = load_dataset(cfg, MountRequest("ring", str(tmp_path)))
+    _, _, index = load_dataset(cfg, MountRequest("ring", str(tmp_path)))
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     fd = native._engine.mount(str(mnt), "kspeedfs:ring", False, False, 256 * 4096)

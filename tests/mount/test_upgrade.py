@@ -210,6 +210,21 @@ def test_daemon_sigkilled_five_times_under_readers_loses_no_read(served) -> None
           f"{readers.longest * 1e3:.0f} ms, {resent} requests answered after a resend")
 
 
+def _killed_and_resumed(c: Cluster1, mnt: Path, readers: Readers) -> int:
+    """SIGKILL ``mnt``'s daemon under ``readers``; its pid, once a new daemon took the
+    connection over and the reads went on."""
+    time.sleep(0.5)
+    pid = daemon_pid(mnt)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while "resume: took" not in c.log_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    before = readers.reads
+    time.sleep(0.5)
+    assert readers.reads > before, "no read after the crash"
+    return pid
+
+
 def test_a_daemon_killed_after_a_new_version_was_imported_resumes_the_old_one(served) -> None:
     """The dataset imported again (version 2 current) while version 1 is mounted, then the
     daemon SIGKILLed: the daemon the supervisor starts serves version 1, the one the
@@ -221,29 +236,38 @@ def test_a_daemon_killed_after_a_new_version_was_imported_resumes_the_old_one(se
     c.import_(src, "up")                               # version 2 is current now
     with Readers(src, mnt, n=2) as readers:
         readers.files.remove(Path("d/new.bin"))
-        time.sleep(0.5)
-        pid = daemon_pid(mnt)
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        while "resume: took" not in c.log_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        before = readers.reads
-        time.sleep(0.5)
-        assert readers.reads > before, "no read after the crash"
+        pid = _killed_and_resumed(c, mnt, readers)
     assert readers.errors == [] and readers.wrong == 0, readers.errors[:5]
     assert daemon_pid(mnt) not in (pid, None) and not (mnt / "d" / "new.bin").exists()
     assert os.getxattr(mnt, "user.kspeedfs.dataset") == b"up@1"
 
 
+def test_a_daemon_killed_while_its_store_is_gone_resumes_from_the_supervisors_copy(
+        served) -> None:
+    """The store's directory moved away (as etcd down, or the version removed), then the
+    daemon SIGKILLed: the new daemon loads the manifest from the supervisor's sealed copy
+    (manifest/sealed.py), not the store, and the readers go on. (Loaded from the store,
+    each new daemon failed, and after ``fuse.resume_patience`` the mount was dead.)"""
+    c, src, mnt = served
+    c.store.rename(c.store.with_name("store-moved"))
+    with Readers(src, mnt, n=2) as readers:
+        pid = _killed_and_resumed(c, mnt, readers)
+    assert readers.errors == [] and readers.wrong == 0, readers.errors[:5]
+    assert daemon_pid(mnt) not in (pid, None)
+    log = c.log_text()
+    assert "the manifest from the supervisor's sealed copy" in log, log[-2000:]
+    assert "exited (status" not in log and "Traceback" not in log
+
+
 def test_a_daemon_that_cannot_start_again_leaves_the_mount_failing_not_hung(served) -> None:
-    """The daemon SIGKILLed while no new one can start (its store moved away): each
+    """The daemon SIGKILLed while no new one can start (its source moved away): each
     daemon the supervisor starts exits before taking the connection; after
     ``fuse.resume_patience`` (3 s here) it gives up and a reader gets ENOTCONN. (Before, it
     waited 60 s for each such daemon to call and retried for ever: readers hung.)"""
-    c, _, _ = served
+    c, src, _ = served
     mnt = c.mount("up", None, *DEV_FUSE, "--set", "fuse.resume_patience=3")
     assert supervisor_pid(mnt) is not None
-    c.store.rename(c.store.with_name("store-moved"))
+    src.rename(src.with_name("src-moved"))
     t0 = time.monotonic()
     os.kill(daemon_pid(mnt), signal.SIGKILL)
     deadline = t0 + 60
