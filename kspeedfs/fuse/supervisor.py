@@ -53,6 +53,8 @@ WINDOW = 60.0
 #: and how long one may take to call back (s); ``fuse.resume_patience`` bounds them all
 RESUME_BACKOFF, RESUME_BACKOFF_MOST = 0.5, 8.0
 CALL_TIMEOUT = 60.0
+#: how long a new daemon that called and then did not take the connection may take to exit
+REAP_WAIT = 5.0
 
 
 def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
@@ -176,22 +178,32 @@ class Supervisor:
             ask, _ = _recv(conn)
             if ask.get("format") != FORMAT:
                 _send(conn, {"error": f"handover format {ask.get('format')!r} unknown here"})
-                conn.close()
-                return False
+                return self._refused(conn, proc)
             _send(conn, {"format": FORMAT, "state": self.state, "resume": True}, self.fds)
             taken, _ = _recv(conn)
             if not taken.get("taken"):
-                conn.close()
-                return False
+                return self._refused(conn, proc)
             _send(conn, {"done": True})
         except OSError as e:
             log.error("resuming %s: %s", self.mountpoint, e)
-            conn.close()
-            return False
+            return self._refused(conn, proc)
         conn.settimeout(None)
         self.control = conn                           # the new daemon's control channel
         proc.wait()                                   # its CLI parent exits once it serves
         return True
+
+    def _refused(self, conn: socket.socket, proc: subprocess.Popen) -> bool:
+        """A new daemon that called and did not take the connection: closed, reaped (it
+        exits on its own; killed after REAP_WAIT s), so no zombie is left. False."""
+        conn.close()
+        try:
+            proc.wait(REAP_WAIT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.error("the new daemon of %s did not take the connection (status %s)",
+                  self.mountpoint, proc.returncode)
+        return False
 
     def remount(self) -> list[str]:
         """``argv`` for the version the connection serves (``--version`` last, so it wins
