@@ -9,6 +9,7 @@ that drops every packet is the netns cluster test's (tests/cluster/test_cluster.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -78,6 +79,21 @@ def test_everything_silent_is_unavailable_within_the_budget(silent: str) -> None
         with pytest.raises(StoreUnavailable):
             store.call(lambda c: c.get("x"))
     assert time.monotonic() - t0 < 5
+
+
+def test_an_unreachable_endpoint_is_logged_once_until_it_answers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Every endpoint down (an outage): calls fail round after round, and "unreachable,
+    trying the next endpoint" is logged once, not each round of each call (each mount
+    logged it 1-2 times a second through an outage)."""
+    caplog.set_level(logging.INFO, logger="kspeedfs.manifest.store.etcd_client")
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    with EtcdStore(_cfg(dead, etcd_attempt_timeout=0.2, etcd_timeout=1.0)) as store:
+        for _ in range(3):
+            with pytest.raises(StoreUnavailable):
+                store.call(lambda c: c.get("x"))
+    lines = [r for r in caplog.records if "trying the next endpoint" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
 
 
 async def test_lease_survives_a_silent_rail(etcd_server: EtcdServer, silent: str) -> None:

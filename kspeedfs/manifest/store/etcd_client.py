@@ -299,6 +299,7 @@ class EtcdClient:
         self._auth_off = False       # etcd said auth is not enabled: dial without a user
         self._lock = threading.Lock()
         self._preferred = 0      # index of the endpoint that last answered; guarded by _lock
+        self._said_down: set[str] = set()   # endpoints logged unreachable, until they answer
         self._closed = False
         # race() workers: an attempt on a dead rail holds one for an attempt timeout
         self._pool = ThreadPoolExecutor(max_workers=4 * len(self._endpoints),
@@ -445,9 +446,13 @@ class EtcdClient:
                     result = self._call_one(ep, op)
                 except _Unreachable as e:
                     errors[ep.url] = e
-                    if k == 0 and n > 1:
+                    if k == 0 and n > 1 and ep.url not in self._said_down:
+                        # once until it answers again, not every round of every call: during
+                        # an outage each mount logged it 1-2 times a second
+                        self._said_down.add(ep.url)
                         log.info("etcd %s unreachable (%s), trying the next endpoint", ep.url, e)
                     continue
+                self._said_down.discard(ep.url)
                 if k:
                     self._prefer(ep)
                 self.reachable = True
