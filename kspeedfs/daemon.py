@@ -57,6 +57,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: seconds a resumed daemon waits for the cluster's node list (``_cluster``)
+RESUME_FIRST_WAIT = 1.0
+
 
 @dataclass(frozen=True)
 class MountRequest:
@@ -126,11 +129,16 @@ def choose_engine(cfg: Config) -> str:
 
 
 @asynccontextmanager
-async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator[tuple["Peers | None", "EtcdStore | None"]]:
+async def _cluster(cfg: Config, index: ManifestIndex,
+                   resume: bool = False) -> AsyncIterator[tuple["Peers | None", "EtcdStore | None"]]:
     """Peers to read chunks from, when this mount belongs to a cluster (etcd store and
     ``cluster.peers``); None otherwise. The mount talks to the nodes directly — its own
     vRDMA endpoint and one-sided READs into its own buffers — so a read from a peer
-    crosses the network once and the local node's CPU is never on the path."""
+    crosses the network once and the local node's CPU is never on the path. ``resume``:
+    readers wait on this daemon, so the node list is waited for ``RESUME_FIRST_WAIT`` s
+    at most (etcd lists it in milliseconds; during an outage the usual wait, one
+    ``etcd_timeout`` and a second, found nothing and cost a resume 6 s: reads go to the
+    source until etcd is back)."""
     if cfg.store.backend != "etcd" or not cfg.cluster.peers:
         yield None, None
         return
@@ -147,7 +155,8 @@ async def _cluster(cfg: Config, index: ManifestIndex) -> AsyncIterator[tuple["Pe
     async with Endpoint(secret, node=me, addrs=cfg.cluster.nics or None,
                         provider=cfg.cluster.provider or None, cfg=cfg.cluster.heartbeat()) as ep, \
             trio.open_nursery() as nursery:
-        membership = Membership(store, leave_grace=cfg.cluster.leave_grace)
+        membership = Membership(store, leave_grace=cfg.cluster.leave_grace,
+                                first_wait=RESUME_FIRST_WAIT if resume else None)
         await nursery.start(membership.run)
         local = next((r.node for r in membership.nodes.values() if set(r.nics) & set(ep.nics)), None)
         log.info("cluster: %d nodes (%s), local node %s, R=%d", len(membership.nodes),
@@ -252,7 +261,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     engine = choose_engine(cfg)
     if (req.upgrade or req.resume) and engine != "native":
         raise MountError("--upgrade needs the native FUSE engine (fuse.engine=native, root)")
-    async with _cluster(cfg, index) as (peers, store), trio.open_nursery() as nursery:
+    async with _cluster(cfg, index, bool(req.resume)) as (peers, store), \
+            trio.open_nursery() as nursery:
         session: "NativeSession | None" = None
         pages = None
         if cfg.fuse.push_pages:

@@ -279,10 +279,14 @@ class PrefixView:
     trio thread after each change."""
 
     def __init__(self, store: EtcdStore, prefix: str, resync: float = 10.0,
-                 on_change: Callable[[dict[str, bytes]], None] | None = None) -> None:
+                 on_change: Callable[[dict[str, bytes]], None] | None = None,
+                 first_wait: float | None = None) -> None:
+        """``first_wait``: how long ``run`` waits for the first listing before it reports
+        started (default: one ``etcd_timeout`` and a second)."""
         self.store = store
         self.prefix = store.prefix + prefix
         self.resync = resync
+        self.first_wait = store.timeout + 1 if first_wait is None else first_wait
         self.on_change = on_change
         self.values: dict[str, bytes] = {}
         self.revision = 0
@@ -345,7 +349,7 @@ class PrefixView:
         try:
             async with trio.open_nursery() as n:
                 n.start_soon(worker)
-                with trio.move_on_after(self.store.timeout + 1):
+                with trio.move_on_after(self.first_wait):
                     await self.listed.wait()
                 task_status.started()
                 await trio.sleep_forever()
@@ -362,8 +366,10 @@ class Membership:
     counts changes of ``nodes``; ``changed`` is an Event replaced (set) on each one,
     for whoever recomputes placement (the node's reconcile loop)."""
 
-    def __init__(self, store: EtcdStore, resync: float = 10.0, leave_grace: float = 0.0) -> None:
-        self.view = PrefixView(store, "nodes/", resync, NodeRecord.verifying(store, self._decode))
+    def __init__(self, store: EtcdStore, resync: float = 10.0, leave_grace: float = 0.0,
+                 first_wait: float | None = None) -> None:
+        self.view = PrefixView(store, "nodes/", resync, NodeRecord.verifying(store, self._decode),
+                               first_wait)
         self.leave_grace = leave_grace
         self.nodes: dict[str, NodeRecord] = {}
         self.members: list[Member] = []

@@ -611,9 +611,10 @@ def test_etcd_restart_reads_continue(world) -> None:
     is read from its source meanwhile, without waiting for etcd per chunk (its owners
     cannot fetch its manifest: they refuse at once, node.py ``Node.dataset``; before,
     each chunk waited etcd_timeout, 5 s, per owner). A mount's daemon SIGKILLed during
-    the outage is resumed from its supervisor's copy of the manifest (6.5 s here, most
-    of it the membership's first listing timing out; before, no new daemon could load
-    the manifest and the readers waited until the supervisor gave up)."""
+    the outage is resumed from its supervisor's copy of the manifest and reads from the
+    source (every file again in 1.5 s here; 6.5 s while a resume waited the usual
+    etcd_timeout + 1 s for the node list; before the copy, no new daemon could load the
+    manifest and the readers waited until the supervisor gave up)."""
     c, src, files = world
     mnt = c.mount("imgs")
     fresh = write_dataset(src.parent / "fresh", seed=12, files=12, classes=2, shards=1,
@@ -638,7 +639,7 @@ def test_etcd_restart_reads_continue(world) -> None:
     os.kill(pid, signal.SIGKILL)
     assert _read_all(mnt, files) > 0
     resumed = time.monotonic() - t2
-    assert daemon_pid(mnt) not in (pid, None) and resumed < 20, resumed
+    assert daemon_pid(mnt) not in (pid, None) and resumed < 10, resumed
     print(f"etcd down: a mount's daemon SIGKILLed, resumed, every file read in {resumed:.1f} s")
     c.start_etcd()
     c.wait_nodes(3, timeout=30)
