@@ -95,13 +95,14 @@ class Supervisor:
     def run(self) -> int:
         while True:
             msg, fds = _recv(self.control)
+            if msg.get("manifest") and len(fds) == 1:  # a message of its own: the fds
+                if self.manifest_fd is not None:       # of one may number SCM_MAX_FD
+                    os.close(self.manifest_fd)
+                self.manifest_fd = fds[0]
+                continue
             if fds:                                   # the daemon's fds: keep ours, drop old
                 for fd in self.fds:
                     os.close(fd)
-                if msg.get("manifest"):               # (sent last)
-                    if self.manifest_fd is not None:
-                        os.close(self.manifest_fd)
-                    self.manifest_fd = fds.pop()
                 self.fds, self.state = fds, msg.get("state", {})
                 log.info("supervising %s: daemon pid %s, %d fds", self.mountpoint,
                          self.state.get("pid"), len(fds))
@@ -255,8 +256,9 @@ def spawn(mountpoint: str, fds: list[int], state: dict, argv: list[str], logfile
                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     theirs.close()
-    copy = [] if manifest_fd is None else [manifest_fd]
-    _send(mine, {"state": state, "manifest": bool(copy)}, [*fds, *copy])
+    _send(mine, {"state": state}, fds)
+    if manifest_fd is not None:
+        _send(mine, {"manifest": True}, [manifest_fd])
     return mine
 
 
