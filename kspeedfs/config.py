@@ -196,7 +196,8 @@ class FuseConfig:
                                   "new daemon after a crash while none can start (e.g. its "
                                   "source gone); then it gives up and the mount reports "
                                   "ENOTCONN (fuse/supervisor.py)")
-    threads: int = _opt(0, "native engine: request threads; 0 = one per core")
+    threads: int = _opt(0, "native engine: request threads; 0 = one per core (at most 253: "
+                        "a crash or an upgrade hands their fds over in one message)")
     max_pages: int = _opt(256, "native engine: pages per FUSE request, negotiated at INIT "
                           "(256 = 1 MiB READs; pyfuse3 gets the kernel default, 32)")
     io_uring: str = _opt("off", "native engine: 'auto' serves FUSE over io_uring queues (one per "
@@ -216,7 +217,7 @@ class FuseConfig:
             raise ConfigError(f"fuse.engine: {self.engine!r} must be 'native' or 'pyfuse3'")
         if self.io_uring not in ("off", "auto"):
             raise ConfigError(f"fuse.io_uring: {self.io_uring!r} must be 'off' or 'auto'")
-        _range("fuse.threads", self.threads, 0, 256)
+        _range("fuse.threads", self.threads, 0, 253)     # fuse/upgrade.py MAX_FDS
         _positive("fuse.resume_patience", self.resume_patience, 86400.0)
         _range("fuse.max_pages", self.max_pages, 1, 256)
         if self.blksize and (self.blksize < 512 or self.blksize > 1 << 30 or self.blksize & (self.blksize - 1)):

@@ -44,7 +44,7 @@ from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from .boundary import OpStats, fuse_op
 from .operations import XATTR_PREFIX, Operations
-from .upgrade import HandoverServer
+from .upgrade import MAX_FDS, HandoverServer
 
 if TYPE_CHECKING:
     from ..cluster.native_fetch import NativeFetch
@@ -231,7 +231,7 @@ class NativeSession:
             uring=cfg.io_uring == "auto")
 
     def _start(self, fresh: bool = False) -> None:
-        threads = self.cfg.threads or os.cpu_count() or 1
+        threads = min(self.cfg.threads or os.cpu_count() or 1, MAX_FDS)
         self.engine.start(threads)
         self.memory.mirror_to(TierMirror(self.engine))
         minor, flags, pages, readahead = self.engine.negotiated()

@@ -76,8 +76,11 @@ def _message(data: bytes) -> dict[str, Any]:
     return msg
 
 
-#: room for the fds of one message: a master and a clone per request thread (at most 256)
-FD_ROOM = socket.CMSG_SPACE(4 * 256)
+#: the fds one SCM_RIGHTS message may carry (the kernel's SCM_MAX_FD): a connection's fds
+#: (one per request thread) go to a successor in one message, so that many threads at most
+MAX_FDS = 253
+#: room for the fds of one message
+FD_ROOM = socket.CMSG_SPACE(4 * MAX_FDS)
 
 
 def fds_in(ancillary: list[tuple[int, int, bytes]]) -> list[int]:

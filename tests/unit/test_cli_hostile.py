@@ -155,6 +155,9 @@ def test_hostile_arguments(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv, needle", [
     (["config", "--set", "cluster.port=70000"], "cluster.port: 70000 must be in 1..65535"),
+    # (a request thread's fd each, handed over in one SCM_RIGHTS message: 254 failed the
+    # supervisor's start with a traceback)
+    (["config", "--set", "fuse.threads=254"], "fuse.threads: 254 must be in 0..253"),
     (["config", "--set", "cache.memory=1PiB"], "physical memory"),
     (["config", "--etcd", "ftp://x"], "store.etcd"),
     (["mount", LONG, "/nonexistent/m"], "invalid dataset name"),
