@@ -166,12 +166,29 @@ def _remount_argv(argv: list[str]) -> tuple[str, ...]:
 
 
 def _serve(cfg: Any, req: Any, ready: Any) -> int:
+    """Serve the mount; a lone ``KspeedfsError`` raised inside the daemon's nurseries comes
+    out as itself (the user's one line), not in trio's ExceptionGroup: a refused upgrade
+    read "mount daemon failed: ExceptionGroup('Exceptions from Trio nursery', [...])"."""
     import trio
 
     from ..daemon import serve
 
-    trio.run(serve, cfg, req, ready)
+    try:
+        trio.run(serve, cfg, req, ready)
+    except BaseExceptionGroup as group:
+        mine, rest = group.split(KspeedfsError)
+        leaves = [] if mine is None else _leaves(mine)
+        if rest is None and len(leaves) == 1:
+            raise leaves[0] from None
+        raise
     return 0
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
 
 
 def _daemonize(cfg: Any, request: Callable[[Callable[[str], None]], Any], logfile: str) -> int:
