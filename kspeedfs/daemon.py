@@ -28,7 +28,7 @@ import os
 import signal
 import socket
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 import pyfuse3
@@ -94,6 +94,21 @@ def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, bytes, Ma
             info = store.dataset(req.dataset, req.version)
             blob = store.manifest(info.name, info.version)
     return info, blob, ManifestIndex.from_blob(blob, info.inflated_size)
+
+
+async def _served_version(req: MountRequest, path: str) -> MountRequest:
+    """An upgrade that names no version takes over the one ``path`` serves (the
+    connection's inodes are that version's): asking for the current one, an upgrade after
+    the dataset was imported again was refused, ``systemctl reload`` of the unit too.
+    A version asked for (``--version``) is checked by the takeover as before."""
+    from .fuse import upgrade as handover
+
+    if not req.upgrade or req.version is not None:
+        return req
+    served = await handover.served(path)
+    if served is None or served[0] != req.dataset:
+        return req                  # the takeover says what is wrong
+    return replace(req, version=served[1])
 
 
 def _systemd_notify(state: str) -> None:
@@ -247,6 +262,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
         path = os.path.abspath(req.mountpoint)
         if not mp.is_mounted(path):
             raise MountError(f"--upgrade: {path} is not mounted")
+        req = await _served_version(req, path)
     else:
         path = mp.prepare(req.mountpoint, req.nonempty)
     info, blob, index = await trio.to_thread.run_sync(load_dataset, cfg, req)

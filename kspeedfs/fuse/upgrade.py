@@ -131,6 +131,30 @@ async def _connect(paths: list[str], mountpoint: str) -> trio.socket.SocketType:
     raise MountError(f"upgrade: no kspeedfs daemon to take {mountpoint} over from ({why})")
 
 
+async def served(mountpoint: str, timeout: float = 10.0) -> tuple[str, int] | None:
+    """The dataset and version the daemon serving ``mountpoint`` serves, asked over its
+    handover socket (nothing is handed over); None when none answers the question (none
+    listens, or a daemon from before the question, which answers it with an error)."""
+    try:
+        sock = await _connect(list(dict.fromkeys(
+            (socket_path(mountpoint), socket_path(mountpoint, shared=True)))), mountpoint)
+    except MountError:
+        return None
+    with sock:
+        try:
+            await _send(sock, {"format": FORMAT, "query": True,
+                               "mountpoint": os.path.abspath(mountpoint)})
+            reply, fds = await _recv(sock, timeout)
+        except (MountError, OSError, trio.TooSlowError):
+            return None
+    for fd in fds:
+        os.close(fd)
+    dataset, version = reply.get("dataset"), reply.get("version")
+    if isinstance(dataset, str) and isinstance(version, int) and not isinstance(version, bool):
+        return dataset, version
+    return None
+
+
 async def take_over(mountpoint: str, dataset: str, version: int,
                     adopt: Callable[[list[int], dict[str, Any], bool], None], *,
                     path: str | None = None, timeout: float = 10.0) -> trio.socket.SocketType:
@@ -236,6 +260,10 @@ class HandoverServer:
         if asked != self.mountpoint:                # an older daemon's shared name
             await _send(conn, {"error": f"this daemon serves {self.mountpoint}, "
                                         f"not {str(asked)[:4096]}"})
+            return
+        if ask.get("query"):                        # ``served``: what, not the connection
+            await _send(conn, {"format": FORMAT, "dataset": self.dataset,
+                               "version": self.version})
             return
         if (ask.get("dataset"), ask.get("version")) != (self.dataset, self.version):
             await _send(conn, {"error": f"this mount serves {self.dataset}@{self.version}, not "

@@ -296,19 +296,30 @@ def test_supervisor_leaves_with_its_mount(served) -> None:
     assert "ended cleanly (unmounted)" in c.log_text()
 
 
-def test_upgrade_refuses_another_version_and_the_mount_goes_on(served) -> None:
+def test_upgrade_after_a_reimport_takes_over_the_served_version_and_refuses_another(
+        served) -> None:
+    """Version 2 imported while 1 is mounted: an upgrade that names no version takes
+    version 1 over, the one the mount serves (it asked for the current one and was
+    refused: ``systemctl reload`` after a re-import failed); one that asks for 2 is
+    refused in one line and the old daemon goes on serving."""
     c, src, mnt = served
     (src / "d" / "new.bin").write_bytes(b"v2")
     c.import_(src, "up")                               # version 2 is current now
-    r = _upgrade(c, mnt)                               # asks for the current version: 2
+    r = _upgrade(c, mnt, "--version", "2")
     assert r.returncode != 0
     assert "serves up@1, not up@2" in r.stderr and "Traceback" not in r.stderr
+    assert "ExceptionGroup" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
-    with Readers(src, mnt, n=2) as readers:           # the old daemon still serves v1
+    with Readers(src, mnt, n=2) as readers:           # v1 served throughout
         readers.files.remove(Path("d/new.bin"))
+        old = daemon_pid(mnt)
+        r = _upgrade(c, mnt)
+        assert r.returncode == 0, r.stderr
+        assert _successor(mnt, old) not in (old, None)
         time.sleep(0.5)
     assert readers.reads > 0 and readers.errors == [] and readers.wrong == 0
-    assert _upgrade(c, mnt, "--version", "1").returncode == 0
+    assert not (mnt / "d" / "new.bin").exists()        # still version 1's tree
+    assert "upgrade: took" in c.log_text()
 
 
 def test_a_mount_point_too_long_to_name_a_socket_after_is_served_and_upgraded(
