@@ -173,14 +173,14 @@ async def _cluster(cfg: Config, index: ManifestIndex,
         membership = Membership(store, leave_grace=cfg.cluster.leave_grace,
                                 first_wait=RESUME_FIRST_WAIT if resume else None)
         await nursery.start(membership.run)
-        local = next((r.node for r in membership.nodes.values() if set(r.nics) & set(ep.nics)), None)
-        log.info("cluster: %d nodes (%s), local node %s, R=%d", len(membership.nodes),
-                 ", ".join(sorted(membership.nodes)), local, cfg.cluster.replicas)
         slot = max(cfg.cluster.slot_size, index.chunk_size)
         peers = Peers(ep, membership, secret, cfg.cluster.replicas, slot, nursery=nursery,
-                      local_node=local, nbuf=max(8, cfg.fuse.prefetch_chunks * 2),
+                      find_local=True, nbuf=max(8, cfg.fuse.prefetch_chunks * 2),
                       landing_slots=cfg.cache.memory // slot,
                       hedge=hedge_from_config(cfg.cluster))
+        log.info("cluster: %d nodes (%s), local node %s, R=%d", len(membership.nodes),
+                 ", ".join(sorted(membership.nodes)), peers.local_member(),
+                 cfg.cluster.replicas)
         try:
             yield peers, store
         finally:

@@ -174,11 +174,15 @@ class Peers:
 
     def __init__(self, endpoint: Endpoint, membership: Membership, secret: bytes, replicas: int,
                  slot_size: int, *, nursery: trio.Nursery, me: str | None = None,
-                 local_node: str | None = None, nbuf: int = 8, landing_slots: int = 0,
-                 rpc_timeout: float = 30.0, hedge: Hedger | None = None) -> None:
+                 local_node: str | None = None, find_local: bool = False, nbuf: int = 8,
+                 landing_slots: int = 0, rpc_timeout: float = 30.0,
+                 hedge: Hedger | None = None) -> None:
         """``landing_slots``: chunks that may stay in landing slots at once (the memory
         tier's capacity in chunks, for a mount; NATIVE_READS more are for the native
-        fetch); ``nbuf`` READs are in flight at most;
+        fetch); ``nbuf`` READs are in flight at most; ``find_local`` (a mount): the local
+        node is the member with one of this endpoint's NICs, looked up again whenever the
+        member list changes (found once at the start, a mount made before its host's node
+        registered, or during an etcd outage, never tried its own host's node first);
         ``nursery`` runs the connects to nodes (one per node at a time, single-flight) and,
         with ``hedge``, every replica attempt (hedged reads; None: one replica at a time,
         in the caller's task; latencies are summarised either way)."""
@@ -189,6 +193,7 @@ class Peers:
         self.slot_size = slot_size
         self.me = me or endpoint.node          # this process, as named in RPC handshakes
         self.local_node = local_node           # the node on this host, tried first
+        self._find_local = find_local
         self.rpc_timeout = rpc_timeout
         self.nursery = nursery
         self.hedge = hedge
@@ -257,6 +262,12 @@ class Peers:
             names = self.hedge.order(names, time.monotonic())
         return [nodes[n] for n in names if n != exclude and n in nodes]
 
+    def local_member(self) -> str | None:
+        """The member on this host: one of this endpoint's NICs is among its NICs."""
+        nics = set(self.ep.nics)
+        return next((r.node for r in self.membership.nodes.values() if nics & set(r.nics)),
+                    None)
+
     def _placed(self, key: bytes) -> list[str]:
         """``reader_order`` of ``key``, kept until the membership's member list is
         replaced (any change replaces it) or ``PLACED`` orders are kept (then all go)."""
@@ -264,6 +275,8 @@ class Peers:
         if members is not self._placed_for:
             self._placed_orders.clear()
             self._placed_for = members
+            if self._find_local:
+                self.local_node = self.local_member()
         names = self._placed_orders.get(key)
         if names is None:
             if len(self._placed_orders) >= PLACED:

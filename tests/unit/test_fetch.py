@@ -235,3 +235,34 @@ async def test_a_replica_order_follows_every_membership_change() -> None:
             assert got == reader_order(k, members.members, 2, None) and not set(got) & gone
         await peers.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_mount_finds_its_hosts_node_when_it_joins_after_the_mount() -> None:
+    """``find_local``: the node with one of the mount's NICs is tried first from the first
+    member list that has it, also when it was not there at the start (a mount made before
+    its host's node registered, or resumed while etcd was down: found once at the start,
+    it never was)."""
+    from types import SimpleNamespace
+
+    from kspeedfs.cluster.placement import reader_order
+
+    far = {f"n{i}": NodeRecord(f"n{i}", f"h{i}", ["198.18.0.9"], 1, 0, SLOT, 1, SLOT, 1)
+           for i in range(4)}
+    members = SimpleNamespace(nodes=dict(far), members=[r.member() for r in far.values()])
+    keys = [os.urandom(16) for _ in range(32)]
+    async with Endpoint(SECRET, node="client", addrs=[LO], provider="soft") as client, \
+            trio.open_nursery() as nursery:
+        peers = Peers(client, members, SECRET, replicas=2, slot_size=SLOT,  # type: ignore[arg-type]
+                      nursery=nursery, nbuf=1, find_local=True)
+        assert peers.order(keys[0]) and peers.local_node is None    # (none of its NICs)
+        near = NodeRecord("near", "here", [LO], 1, 0, SLOT, 1, SLOT, 1)
+        members.nodes = {**far, "near": near}                       # the host's node joins
+        members.members = [r.member() for r in members.nodes.values()]
+        assert peers.local_member() == "near"
+        for k in keys:
+            assert [r.node for r in peers.order(k)] == \
+                reader_order(k, members.members, 2, "near")
+        held = [k for k in keys if "near" in [r.node for r in peers.order(k)]]
+        assert held and all(peers.order(k)[0].node == "near" for k in held)   # tried first
+        await peers.aclose()
+        nursery.cancel_scope.cancel()
