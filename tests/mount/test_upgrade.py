@@ -262,7 +262,7 @@ def test_a_daemon_killed_while_its_store_is_gone_resumes_from_the_supervisors_co
 def test_a_daemon_that_cannot_start_again_leaves_the_mount_failing_not_hung(served) -> None:
     """The daemon SIGKILLed while no new one can start (its source moved away): each
     daemon the supervisor starts exits before taking the connection; after
-    ``fuse.resume_patience`` (3 s here) it gives up and a reader gets ENOTCONN. (Before, it
+    ``fuse.resume_patience`` (3 s here) it gives up and a reader gets an error. (Before, it
     waited 60 s for each such daemon to call and retried for ever: readers hung.)"""
     c, src, _ = served
     mnt = c.mount("up", None, *DEV_FUSE, "--set", "fuse.resume_patience=3")
@@ -277,7 +277,10 @@ def test_a_daemon_that_cannot_start_again_leaves_the_mount_failing_not_hung(serv
     assert supervisor_pid(mnt) is None, "the supervisor is still trying"
     with pytest.raises(OSError) as e:
         os.stat(mnt / "d" / "f00.bin")
-    assert e.value.errno == errno.ENOTCONN
+    # ENOTCONN, or ECONNABORTED for a request the kernel held as the supervisor's fds
+    # closed (an exiting process has no command line in /proc for ``supervisor_pid``
+    # while its fds close: the ASan lane saw it once)
+    assert e.value.errno in (errno.ENOTCONN, errno.ECONNABORTED), e.value
     log = c.log_text()
     assert log.count("exited (status") >= 2 and "giving up" in log, log[-2000:]
     assert took < 20, took
