@@ -131,13 +131,18 @@ async def _connect(paths: list[str], mountpoint: str) -> trio.socket.SocketType:
     raise MountError(f"upgrade: no kspeedfs daemon to take {mountpoint} over from ({why})")
 
 
+def _socket_paths(mountpoint: str) -> list[str]:
+    """Where a daemon serving ``mountpoint`` listens: its own name, then the name daemons
+    from before the names were one-to-one shared (when that differs)."""
+    return list(dict.fromkeys((socket_path(mountpoint), socket_path(mountpoint, shared=True))))
+
+
 async def served(mountpoint: str, timeout: float = 10.0) -> tuple[str, int] | None:
     """The dataset and version the daemon serving ``mountpoint`` serves, asked over its
     handover socket (nothing is handed over); None when none answers the question (none
     listens, or a daemon from before the question, which answers it with an error)."""
     try:
-        sock = await _connect(list(dict.fromkeys(
-            (socket_path(mountpoint), socket_path(mountpoint, shared=True)))), mountpoint)
+        sock = await _connect(_socket_paths(mountpoint), mountpoint)
     except MountError:
         return None
     with sock:
@@ -163,8 +168,7 @@ async def take_over(mountpoint: str, dataset: str, version: int,
     it (blocking, run in a thread); returns once the old daemon has stopped reading, with
     the socket (a supervisor's: the new daemon's control channel; else just close it).
     ``MountError`` (the old daemon keeps serving) if anything is off."""
-    sock = await _connect([path] if path else list(dict.fromkeys(
-        (socket_path(mountpoint), socket_path(mountpoint, shared=True)))), mountpoint)
+    sock = await _connect([path] if path else _socket_paths(mountpoint), mountpoint)
     try:
         await _send(sock, {"format": FORMAT, "dataset": dataset, "version": version,
                            "mountpoint": os.path.abspath(mountpoint)})
