@@ -503,7 +503,9 @@ class CQ(Resource, abc.ABC):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if left == 0.0:
                 return []
-            select.select([self.fd], [], [], left)
+            p = select.poll()               # poll, not select: any fd number
+            p.register(self.fd, select.POLLIN)
+            p.poll(None if left is None else left * 1000)
 
 
 class QP(Resource, abc.ABC):

@@ -307,7 +307,9 @@ class Path:
         if cq is None or cq.closed:
             return False
         try:
-            return bool(select.select([cq.fd], [], [], 0)[0])
+            p = select.poll()               # poll, not select: any fd number
+            p.register(cq.fd, select.POLLIN)
+            return bool(p.poll(0))
         except (OSError, ValueError):
             return False
 
