@@ -211,6 +211,12 @@ class FuseConfig:
                          "CPU per I/O, one Python reader 0.53x and 0.77x; 1 MiB reads 1.3x "
                          "slower: ~125 us per MiB copying into the ring; results-7e5d9f1-uring), "
                          "and it costs the mount its supervisor and upgrades")
+    splice: bool = _opt(True, "native engine: READ replies of 256 KiB or more go by vmsplice + "
+                        "splice instead of writev (fewer page pins in the kernel's copy: the "
+                        "cluster's sequential readers -16% request-thread CPU per GB here, "
+                        "docs/design.md 'Replies by splice'); a reply that does not fit a pipe "
+                        "(a 1 MiB READ's needs fs.pipe-max-size >= 2 MiB or CAP_SYS_RESOURCE) "
+                        "is written as before")
 
     def validate(self) -> None:
         if self.engine not in ("native", "pyfuse3"):

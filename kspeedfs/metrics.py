@@ -149,6 +149,9 @@ ENGINE_COUNTERS = {
                      "it waited for)"),
     "shared_requests": ("fuse_shared_requests_total", "requests read by request threads "
                         "after the first (the solo gate open: several tasks send requests)"),
+    "spliced": ("fuse_spliced_replies_total", "READ replies sent by vmsplice + splice "
+                "(fuse.splice)"),
+    "spliced_bytes": ("fuse_spliced_bytes_total", "bytes of READ replies sent by splice"),
     "ring_requests": ("fuse_ring_requests_total", "requests through FUSE io_uring queues"),
     "ring_copy_bytes": ("fuse_ring_copy_bytes_total", "READ bytes copied into io_uring "
                         "payload buffers"),

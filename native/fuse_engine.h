@@ -65,6 +65,7 @@ struct fe_options {
     uint32_t prefetch_depth, prefetch_trigger;
     int uring;                      /* offer FUSE_OVER_IO_URING at INIT (if the kernel does) */
     uint32_t uring_depth;           /* entries per queue (0 = FE_URING_DEPTH) */
+    int splice;                     /* large READ replies by vmsplice + splice (fuse_engine.c) */
 };
 
 /* A queued request for Python. */
@@ -113,6 +114,7 @@ struct fe_counters {
     uint64_t fetch_started;  /* of fetch_posted: started in C (fuse_fetch.h fetch_start) */
     uint64_t fetch_started_parts;   /* of those, small files' extents (fetch_start_part) */
     uint64_t fetch_redundant;
+    uint64_t spliced, spliced_bytes;    /* READ replies sent by splice (fuse.splice) */
 };
 
 struct fe_engine;
@@ -195,6 +197,12 @@ int fe_tier_touched(struct fe_engine *e, const uint8_t *key, size_t keylen, int 
 int fe_notify_store(int fd, uint64_t nodeid, uint64_t offset, const void *buf, size_t len);
 
 void fe_counters(struct fe_engine *e, struct fe_counters *sum);
+
+/* The calling thread replies for ``e``: large READ replies by splice if ``e``'s option
+ * says so (request threads and the fetch thread call it as they start). fe_splice_room:
+ * the largest reply (header included) one pipe of this process can carry, 0: none. */
+void fe_reply_thread(struct fe_engine *e);
+size_t fe_splice_room(void);
 
 /* The native chunk fetch (fuse_fetch.h): started once, on the soft engine's C API; its
  * calls (fetch_engine, fetch_post, fetch_stop) on fe_fetcher's result. */

@@ -334,26 +334,27 @@ static int check_timeouts(const struct fe_options *opt)
 
 /* Engine(fd, index, *, generation, dataset_bytes, entry_timeout, attr_timeout, blksize,
  *        xattrs, max_background, congestion_threshold, max_pages, prefetch_depth,
- *        prefetch_trigger, uring, uring_depth): 0 for a count means the engine's default;
- *        uring: offer FUSE over io_uring at INIT (the kernel decides). */
+ *        prefetch_trigger, uring, uring_depth, splice): 0 for a count means the engine's
+ *        default; uring: offer FUSE over io_uring at INIT (the kernel decides); splice:
+ *        large READ replies by vmsplice + splice. */
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"fd", "index", "generation", "dataset_bytes", "entry_timeout",
                              "attr_timeout", "blksize", "xattrs", "max_background",
                              "congestion_threshold", "max_pages", "prefetch_depth",
-                             "prefetch_trigger", "uring", "uring_depth", NULL};
+                             "prefetch_trigger", "uring", "uring_depth", "splice", NULL};
     int fd;
     PyObject *index;
     struct fe_options opt = {.entry_timeout = 1.0, .attr_timeout = 1.0, .prefetch_trigger = 2};
     struct fe_index ix;
     char err[256] = "";
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "iO|$O&O&ddO&pO&O&O&O&O&pO&:Engine", kwlist, &fd, &index,
+            args, kw, "iO|$O&O&ddO&pO&O&O&O&O&pO&p:Engine", kwlist, &fd, &index,
             conv_u64, &opt.generation, conv_u64, &opt.dataset_bytes, &opt.entry_timeout,
             &opt.attr_timeout, conv_u32, &opt.blksize, &opt.xattrs, conv_u32,
             &opt.max_background, conv_u32, &opt.congestion_threshold, conv_u32, &opt.max_pages,
             conv_u32, &opt.prefetch_depth, conv_u32, &opt.prefetch_trigger, &opt.uring,
-            conv_u32, &opt.uring_depth))
+            conv_u32, &opt.uring_depth, &opt.splice))
         return -1;
     if (self->e || self->nviews) {
         PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
@@ -748,7 +749,7 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
     if (!ops)
         return NULL;
     return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
                          "read_hits", (unsigned long long)c.read_hits,
                          "read_hit_bytes", (unsigned long long)c.read_hit_bytes,
                          "memory_hits", (unsigned long long)c.memory_hits,
@@ -759,6 +760,8 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
                          "resent", (unsigned long long)c.resent,
                          "ring_requests", (unsigned long long)c.ring_requests,
                          "ring_copy_bytes", (unsigned long long)c.ring_copy_bytes,
+                         "spliced", (unsigned long long)c.spliced,
+                         "spliced_bytes", (unsigned long long)c.spliced_bytes,
                          "ring_copy_ns", (unsigned long long)c.ring_copy_ns,
                          "ring_lost", (unsigned long long)c.ring_lost,
                          "gate_waits", (unsigned long long)c.gate_waits,
@@ -1509,6 +1512,12 @@ static PyObject *mod_reply_xattr_size(PyObject *m, PyObject *args)
     return PyLong_FromLong(rc);
 }
 
+/* splice_room() -> the largest reply one pipe of this process carries (0: none). */
+static PyObject *mod_splice_room(PyObject *m, PyObject *args)
+{
+    return PyLong_FromSize_t(fe_splice_room());
+}
+
 static PyMethodDef mod_methods[] = {
     {"mount", mod_mount, METH_VARARGS,
      "mount(path, fsname, allow_other, nonempty, max_read) -> /dev/fuse fd (root only)"},
@@ -1522,6 +1531,8 @@ static PyMethodDef mod_methods[] = {
      "notify_resend(fd) -> 0 or -errno: unanswered requests of the connection are queued again"},
     {"reply_xattr_size", mod_reply_xattr_size, METH_VARARGS,
      "reply_xattr_size(fd, unique, size) -> 0 or -errno"},
+    {"splice_room", mod_splice_room, METH_NOARGS,
+     "splice_room() -> bytes of the largest reply a pipe of this process carries (0: none)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -844,6 +844,7 @@ static void *fetch_main(void *arg)
 {
     struct fe_fetch *f = arg;
     pthread_setname_np(pthread_self(), "ks-fetch");     /* top -H, bench: by role */
+    fe_reply_thread(f->e);                              /* it answers parked READs */
     ks_wc wcs[64];
     for (;;) {
         struct epoll_event evs[FE_FETCH_ENGINES + 2];

@@ -31,12 +31,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import resource
 from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
 
-from ..cache.memory import MemoryCache
+from ..cache.memory import PAGE, MemoryCache
 from ..cache.prefetch import Stream
 from ..config import FuseConfig
 from ..errors import MountError
@@ -50,6 +51,17 @@ if TYPE_CHECKING:
     from ..cluster.native_fetch import NativeFetch
 
 log = logging.getLogger(__name__)
+
+
+def _raise_fd_limit() -> None:
+    """The soft limit on open files up to the hard one (at most 2^16): each request thread
+    holds a /dev/fuse fd and, with fuse.splice, a pipe (two), so 253 threads take ~760
+    of systemd's default soft limit of 1,024 that source reads and sockets also need.
+    Nothing here uses select(2), the reason that soft limit stays low by default."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, 1 << 16) if hard != resource.RLIM_INFINITY else 1 << 16
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 try:
     from . import _engine
@@ -228,10 +240,11 @@ class NativeSession:
             blksize=cfg.blksize or SMALL_BLKSIZE, xattrs=cfg.xattrs, max_background=cfg.max_background,
             congestion_threshold=cfg.congestion_threshold, max_pages=cfg.max_pages,
             prefetch_depth=cfg.prefetch_chunks, prefetch_trigger=2,
-            uring=cfg.io_uring == "auto")
+            uring=cfg.io_uring == "auto", splice=cfg.splice)
 
     def _start(self, fresh: bool = False) -> None:
         threads = min(self.cfg.threads or os.cpu_count() or 1, MAX_FDS)
+        _raise_fd_limit()
         self.engine.start(threads)
         self.memory.mirror_to(TierMirror(self.engine))
         minor, flags, pages, readahead = self.engine.negotiated()
@@ -240,6 +253,12 @@ class NativeSession:
         log.info("native engine: %d threads over %s, FUSE 7.%d, flags %#x, %d pages per "
                  "request, readahead %d KiB", threads, self.transport, minor, flags, pages,
                  readahead >> 10)
+        if self.transport == "/dev/fuse" and self.cfg.splice:
+            room = _engine.splice_room()
+            if room < pages * PAGE:
+                log.info("READ replies by splice up to %d KiB; larger ones by writev (a pipe "
+                         "of this process holds %d KiB: fs.pipe-max-size)", room >> 10,
+                         (room + PAGE) >> 10)
         if why:
             log.warning("io_uring negotiated but not in use (%s): /dev/fuse serves", why)
         elif fresh and self.cfg.io_uring == "auto" and not flags & FUSE_OVER_IO_URING:
@@ -415,7 +434,8 @@ class NativeSession:
     def transport_stats(self) -> dict[str, Any]:
         """How requests reach this daemon, and the io_uring queues' counters: requests
         through them, and the bytes and time of copying READ hits into their payload
-        buffers (what /dev/fuse's writev from the tier does not cost); READs the tier
+        buffers (what /dev/fuse's writev from the tier does not cost); READ replies sent
+        by splice (``spliced``, ``spliced_bytes``: fuse.splice); READs the tier
         could not answer in C (``read_misses``: ``fetch_parked`` of them waited for the
         native fetch, ``late_hits`` were answered from the tier in C once their chunks had
         landed, the rest were answered in Python) and prefetch hints sent to
@@ -427,7 +447,8 @@ class NativeSession:
         ``fetch_started_parts``: of those, small files' extents)."""
         c = self.counters()
         return {"transport": f"native {self.transport}",
-                **{k: c.get(k, 0) for k in ("ring_requests", "ring_copy_bytes", "ring_copy_ns",
+                **{k: c.get(k, 0) for k in ("spliced", "spliced_bytes",
+                                            "ring_requests", "ring_copy_bytes", "ring_copy_ns",
                                             "ring_lost", "read_misses", "late_hits", "prefetch_hints",
                                             "gate_waits", "shared_requests",
                                             "gate_opened_tasks", "gate_opened_requests",
