@@ -144,16 +144,19 @@ def choose_engine(cfg: Config) -> str:
 
 
 @asynccontextmanager
-async def _cluster(cfg: Config, index: ManifestIndex,
-                   resume: bool = False) -> AsyncIterator[tuple["Peers | None", "EtcdStore | None"]]:
+async def _cluster(cfg: Config, index: ManifestIndex, resume: bool = False,
+                   keep: str | None = None, taking_over: bool = False,
+                   ) -> AsyncIterator[tuple["Peers | None", "EtcdStore | None"]]:
     """Peers to read chunks from, when this mount belongs to a cluster (etcd store and
     ``cluster.peers``); None otherwise. The mount talks to the nodes directly — its own
     vRDMA endpoint and one-sided READs into its own buffers — so a read from a peer
     crosses the network once and the local node's CPU is never on the path. ``resume``:
     readers wait on this daemon, so the node list is waited for ``RESUME_FIRST_WAIT`` s
     at most (etcd lists it in milliseconds; during an outage the usual wait, one
-    ``etcd_timeout`` and a second, found nothing and cost a resume 6 s: reads go to the
-    source until etcd is back)."""
+    ``etcd_timeout`` and a second, found nothing and cost a resume 6 s). ``keep``: the
+    file the node list is kept in (``PrefixView``); ``taking_over`` (a resume or an
+    upgrade): with no listing in time, start from the list kept there by the daemon
+    before, so reads go to its peers, not to the source, until etcd is back."""
     if cfg.store.backend != "etcd" or not cfg.cluster.peers:
         yield None, None
         return
@@ -171,7 +174,8 @@ async def _cluster(cfg: Config, index: ManifestIndex,
                         provider=cfg.cluster.provider or None, cfg=cfg.cluster.heartbeat()) as ep, \
             trio.open_nursery() as nursery:
         membership = Membership(store, leave_grace=cfg.cluster.leave_grace,
-                                first_wait=RESUME_FIRST_WAIT if resume else None)
+                                first_wait=RESUME_FIRST_WAIT if resume else None,
+                                keep=keep, seed=taking_over)
         await nursery.start(membership.run)
         slot = max(cfg.cluster.slot_size, index.chunk_size)
         peers = Peers(ep, membership, secret, cfg.cluster.replicas, slot, nursery=nursery,
@@ -277,7 +281,10 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     engine = choose_engine(cfg)
     if (req.upgrade or req.resume) and engine != "native":
         raise MountError("--upgrade needs the native FUSE engine (fuse.engine=native, root)")
-    async with _cluster(cfg, index, bool(req.resume)) as (peers, store), \
+    from .fuse.upgrade import members_path
+    keep = members_path(path) if engine == "native" else None   # only those are taken over
+    async with _cluster(cfg, index, bool(req.resume), keep,
+                        bool(req.upgrade or req.resume)) as (peers, store), \
             trio.open_nursery() as nursery:
         session: "NativeSession | None" = None
         pages = None

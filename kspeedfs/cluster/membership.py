@@ -31,14 +31,22 @@ Views (:class:`PrefixView`) watch a prefix: list it (remembering the revision), 
 block on a watch from the next revision; any event, or every ``resync`` seconds, lists
 again. Readers consult the view's in-memory copy; nothing on the read path talks to
 etcd. If etcd is unreachable the view keeps the last membership it saw and says so in
-the log once; it catches up when etcd is back.
+the log once; it catches up when etcd is back. A mount's view also keeps the last values
+it saw in a file (``keep``, under /run/kspeedfs/mounts, root only), and the daemon that
+takes the mount over (a resume after a crash, an upgrade) starts from that file when etcd
+does not list the prefix in time (``seed``): during an etcd outage its reads go to the
+peers its predecessor knew, not to the source. The file's values pass the same record
+checks as etcd's (``NodeRecord.verifying``: signed with the cluster secret).
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 import json
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -280,10 +288,15 @@ class PrefixView:
 
     def __init__(self, store: EtcdStore, prefix: str, resync: float = 10.0,
                  on_change: Callable[[dict[str, bytes]], None] | None = None,
-                 first_wait: float | None = None) -> None:
+                 first_wait: float | None = None, keep: str | None = None,
+                 seed: bool = False) -> None:
         """``first_wait``: how long ``run`` waits for the first listing before it reports
-        started (default: one ``etcd_timeout`` and a second)."""
+        started (default: one ``etcd_timeout`` and a second). ``keep``: a file the values
+        are written to on every change; ``seed``: with nothing listed after
+        ``first_wait``, start from that file's values (``last_known``)."""
         self.store = store
+        self.keep = keep
+        self.seed = seed
         self.prefix = store.prefix + prefix
         self.resync = resync
         self.first_wait = store.timeout + 1 if first_wait is None else first_wait
@@ -305,12 +318,70 @@ class PrefixView:
         self.listed.set()
         if values == self.values:
             return
+        self._change(values)
+        if self.keep:
+            self._keep(values)
+
+    def _change(self, values: dict[str, bytes]) -> None:
         self.values = values
         self.revision += 1
         old, self.changed = self.changed, trio.Event()
         old.set()
         if self.on_change is not None:
             self.on_change(values)
+
+    def _keep(self, values: dict[str, bytes]) -> None:
+        """``values`` into ``keep`` (a few KB, on tmpfs, on a change: written here, in the
+        trio thread), replaced whole; trouble is a log line, never the view's."""
+        assert self.keep is not None
+        tmp = f"{self.keep}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self.keep), mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(json.dumps({k: base64.b64encode(v).decode() for k, v in values.items()})
+                        .encode())
+            os.replace(tmp, self.keep)
+        except OSError as e:
+            log.warning("could not keep the last known %s in %s: %s", self.prefix, self.keep, e)
+
+    @staticmethod
+    def last_known(path: str) -> dict[str, bytes]:
+        """The values a view kept in ``path`` (``_keep``); ValueError for anything else
+        (a torn, foreign or damaged file), OSError when it cannot be read."""
+        with open(path, "rb") as f:
+            raw = f.read(1 << 24)
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"not JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise ValueError("not an object of keys")
+        values = {}
+        for k, v in doc.items():
+            if not isinstance(v, str):
+                raise ValueError(f"{k!r}: not base64 text")
+            try:
+                values[k] = base64.b64decode(v, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise ValueError(f"{k!r}: {e}") from None
+        return values
+
+    def _seed(self) -> None:
+        """Nothing listed in time: the values ``keep`` holds, if any, as a change (etcd's
+        listing replaces them when it comes)."""
+        assert self.keep is not None
+        try:
+            values = self.last_known(self.keep)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            log.warning("ignoring the last known %s in %s: %s", self.prefix, self.keep, e)
+            return
+        log.info("etcd did not list %s in %gs: starting from the %d keys the last daemon "
+                 "knew (%s)", self.prefix, self.first_wait, len(values), self.keep)
+        if not self.listed.is_set() and values != self.values:
+            self._change(values)
 
     def _loop(self) -> None:
         """Worker thread: list, block on a watch, repeat; until stopped."""
@@ -351,6 +422,8 @@ class PrefixView:
                 n.start_soon(worker)
                 with trio.move_on_after(self.first_wait):
                     await self.listed.wait()
+                if self.seed and self.keep and not self.listed.is_set():
+                    self._seed()
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -367,9 +440,11 @@ class Membership:
     for whoever recomputes placement (the node's reconcile loop)."""
 
     def __init__(self, store: EtcdStore, resync: float = 10.0, leave_grace: float = 0.0,
-                 first_wait: float | None = None) -> None:
+                 first_wait: float | None = None, keep: str | None = None,
+                 seed: bool = False) -> None:
+        """``first_wait``, ``keep``, ``seed``: as :class:`PrefixView`'s."""
         self.view = PrefixView(store, "nodes/", resync, NodeRecord.verifying(store, self._decode),
-                               first_wait)
+                               first_wait, keep, seed)
         self.leave_grace = leave_grace
         self.nodes: dict[str, NodeRecord] = {}
         self.members: list[Member] = []

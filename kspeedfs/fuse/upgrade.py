@@ -65,6 +65,12 @@ def socket_path(mountpoint: str, *, shared: bool = False) -> str:
     return os.path.join(RUN_DIR, f"{name}.sock")
 
 
+def members_path(mountpoint: str) -> str:
+    """Where the daemon serving ``mountpoint`` keeps the cluster's last known node list
+    for the daemon that takes the mount over (cluster/membership.py ``PrefixView.keep``)."""
+    return socket_path(mountpoint)[:-len(".sock")] + ".members"
+
+
 def _message(data: bytes) -> dict[str, Any]:
     """A handover message: one JSON object (``MountError`` for anything else)."""
     try:

@@ -33,10 +33,15 @@ def _make_source(root: Path) -> dict[str, bytes]:
 _stats = mount_stats
 
 
-def _read_all(mnt: Path, files: dict[str, bytes]) -> int:
+def _read_all(mnt: Path, files: dict[str, bytes], uncached: bool = False) -> int:
+    """Every file read whole and compared; ``uncached``: each file's page cache dropped
+    first, so its READs reach the daemon (else a file read before may never)."""
     n = 0
     for rel, want in files.items():
-        got = (mnt / rel).read_bytes()
+        with open(mnt / rel, "rb") as f:
+            if uncached:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            got = f.read()
         assert got == want, f"{rel}: wrong bytes"
         n += len(got)
     return n
@@ -617,10 +622,12 @@ def test_etcd_restart_reads_continue(world) -> None:
     cannot fetch its manifest: they refuse at once, node.py ``Node.dataset``; before,
     each chunk waited etcd_timeout, 5 s, per owner). A mount's daemon SIGKILLed during
     the outage is resumed from its supervisor's copy of the manifest and reads from the
-    source (every file again in 1.5 s here; 6.5 s while a resume waited the usual
+    peers its predecessor knew (the node list it kept: membership.py ``keep``), not from
+    the source (every file again in 1.5 s here; 6.5 s while a resume waited the usual
     etcd_timeout + 1 s for the node list; before the copy, no new daemon could load the
     manifest and the readers waited until the supervisor gave up)."""
     c, src, files = world
+    c.ks(["preload", "imgs", "--timeout", "60"])     # the nodes hold it (a no-op in order)
     mnt = c.mount("imgs")
     fresh = write_dataset(src.parent / "fresh", seed=12, files=12, classes=2, shards=1,
                           shard_size=2 << 20)
@@ -642,9 +649,11 @@ def test_etcd_restart_reads_continue(world) -> None:
     pid = daemon_pid(mnt)
     t2 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    assert _read_all(mnt, files) > 0
+    assert _read_all(mnt, files, uncached=True) > 0
     resumed = time.monotonic() - t2
     assert daemon_pid(mnt) not in (pid, None) and resumed < 10, resumed
+    after = _stats(mnt)             # the new daemon's reads came from the kept peers
+    assert after["source_loads"] == 0 and after["peer_hits"] > 0, after
     print(f"etcd down: a mount's daemon SIGKILLed, resumed, every file read in {resumed:.1f} s")
     c.start_etcd()
     c.wait_nodes(3, timeout=30)
