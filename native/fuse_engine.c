@@ -435,7 +435,8 @@ void fe_reply_thread(struct fe_engine *e) { splice_for = e->opt.splice ? e : NUL
 
 /* ``iov[0..n)``, ``len`` bytes, spliced to ``fd``: 1 sent; 0 not (writev it: too small,
  * no pipe, more pages than the pipe holds, or vmsplice refused); -errno: splice failed
- * (as writev would: ENOENT for an interrupted request). */
+ * (ENOENT: the request was interrupted, as writev would say; any other error: the
+ * caller writes the reply instead, and the kernel takes it or says ENOENT). */
 static int splice_reply(int fd, const struct iovec *iov, int n, size_t len)
 {
     struct fe_engine *e = splice_for;
@@ -461,7 +462,10 @@ static int splice_reply(int fd, const struct iovec *iov, int n, size_t len)
         pipe_drop();                    /* part of it may be in the pipe */
         return 0;
     }
-    ssize_t s = splice(tpipe->rd, NULL, fd, NULL, len, 0);
+    ssize_t s;
+    do                                  /* EINTR: nothing was taken from the pipe */
+        s = splice(tpipe->rd, NULL, fd, NULL, len, 0);
+    while (s < 0 && errno == EINTR);
     if (s == (ssize_t)len) {
         atomic_fetch_add_explicit(&e->spliced, 1, memory_order_relaxed);
         atomic_fetch_add_explicit(&e->spliced_bytes, len, memory_order_relaxed);
@@ -485,7 +489,9 @@ static int reply_iov(int fd, uint64_t unique, struct iovec *iov, int n)
     iov[0].iov_base = &h;
     iov[0].iov_len = sizeof h;
     int spliced = splice_reply(fd, iov, n, len);
-    return spliced ? (spliced < 0 ? spliced : 0) : write_reply(fd, iov, n);
+    if (spliced > 0 || spliced == -ENOENT)
+        return spliced > 0 ? 0 : spliced;
+    return write_reply(fd, iov, n);     /* not spliced, or the splice failed */
 }
 
 static int reply_buf(int fd, uint64_t unique, const void *buf, size_t len)
