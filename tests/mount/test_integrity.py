@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import os
 import time
 from pathlib import Path
@@ -10,10 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.mounts import CHUNK, assert_same_tree, cluster1, make_tree
-
-
-def _stats(mnt: Path) -> dict:
-    return json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
+from tests.fixtures.mounts import mount_stats as _stats
 
 
 def test_corrupt_disk_tier_is_discarded(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ over io_uring."""
 from __future__ import annotations
 
 import errno
-import json
 import mmap
 import os
 import signal
@@ -20,6 +19,7 @@ import pytest
 
 from bench.system import supervisor_pid
 from tests.fixtures.mounts import Cluster1, assert_same_tree, daemon_pid, is_mounted, kspeedfs, make_tree
+from tests.fixtures.mounts import mount_stats as _stats
 
 ENABLE = Path("/sys/module/fuse/parameters/enable_uring")
 
@@ -47,10 +47,6 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     c = Cluster1(base)
     c.import_(src, "ring")
     return base, src
-
-
-def _stats(mnt: Path) -> dict:
-    return json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
 
 
 def _mount(tmp_path: Path, tree: tuple[Path, Path], mode: str) -> tuple[Cluster1, Path]:

@@ -9,7 +9,6 @@ with (the crowd rule). Counted in ``gate_waits``, ``gate_crowded`` and
 xattr carries."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.mounts import Cluster1
+from tests.fixtures.mounts import mount_stats as _stats
 
 BIG = 128 << 20
 
@@ -56,10 +56,6 @@ def mounted(tmp_path_factory: pytest.TempPathFactory):
         yield mnt
     finally:
         c.close()
-
-
-def _stats(mnt: Path) -> dict:
-    return json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
 
 
 def test_one_task_reading_sequentially_is_served_by_the_first_thread(mounted: Path) -> None:

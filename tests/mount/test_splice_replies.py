@@ -8,7 +8,6 @@ file's bytes; ``spliced``/``spliced_bytes`` in the stats xattr count what went b
 splice."""
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
@@ -16,16 +15,13 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.mounts import Cluster1
+from tests.fixtures.mounts import mount_stats as _stats
 
 BIG = 32 << 20
 SMALL = 100_000
 
 pytestmark = pytest.mark.skipif(os.environ.get("KSPEEDFS_FUSE_ENGINE", "native") != "native",
                                 reason="the native engine's replies")
-
-
-def _stats(mnt: Path) -> dict:
-    return json.loads(os.getxattr(mnt, "user.kspeedfs.stats"))
 
 
 def _read_uncached(path: Path, size: int) -> bytes:
