@@ -24,7 +24,8 @@ again for ``fuse.resume_patience`` seconds (60; new daemons tried 0.5 s apart, d
 up to 8 s, each watched until it calls back or exits): its readers then get an error
 instead of waiting for ever. (A resume needs no store: the manifest comes from the
 supervisor's copy, so a crash during an etcd outage, or after the version was removed,
-is resumed too; a cluster mount then reads from the source until etcd names its peers.)
+is resumed too; a cluster mount then reads from the peers its predecessor knew:
+cluster/membership.py ``PrefixView.keep``.)
 
 Without FUSE_NOTIFY_RESEND (kernels before 6.9) the new daemon still serves every new
 request, but the requests the dead one had read stay unanswered: their readers hang
