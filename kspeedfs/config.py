@@ -258,9 +258,10 @@ class ClusterConfig:
     provider: str = _opt("", "RDMA provider: 'soft', 'verbs' or '' (verbs if devices exist)")
     memory: int = _size("1GiB", "node: memory arena registered for RDMA (chunk slots)")
     slot_size: int = _size("4MiB", "node: arena slot size = the largest chunk size served")
-    arena_dir: str = _opt("/dev/shm", "node: the arena and its index live in files here "
-                          "(kspeedfs-<node>.arena/.index), so a restarted node re-adopts its "
-                          "verified chunks instead of reloading them; '' = anonymous memory")
+    arena_dir: str = _opt("/dev/shm/kspeedfs", "node: the arena and its index live in files "
+                          "here (<cluster>-<node>.arena/.index), so a restarted node re-adopts "
+                          "its verified chunks instead of reloading them; made 0700, refused "
+                          "unless private to the node's user; '' = anonymous memory")
     lease_ttl: int = _opt(5, "node: membership lease TTL, s (a dead node leaves after this)")
     leave_grace: float = _opt(5.0, "a node whose lease lapsed keeps its placement this long, s; "
                               "back within it, nothing is re-replicated (membership.py)")

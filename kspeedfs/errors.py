@@ -33,6 +33,11 @@ class ConfigError(KspeedfsError, errno=_errno.EINVAL):
     """A config value is invalid; the message names the key, the value and its source."""
 
 
+class UnsafePath(ConfigError, errno=_errno.EPERM):
+    """A file or directory a root process would trust (a node's arena, its index) could be
+    reached or replaced by another user: refused before it is opened or mapped."""
+
+
 class MountError(KspeedfsError, errno=_errno.EINVAL):
     """The mount cannot be made (mountpoint missing, not empty, already mounted, ...)."""
 

@@ -34,6 +34,7 @@ COMMANDS = {
     "rm": ("rm", "remove a dataset version (or all versions) from the store and the cache"),
     "gc": ("gc", "remove old dataset versions by the keep rule (store.keep_versions)"),
     "secret": ("secret", "cluster secret: generate writes a new random one (mode 0600)"),
+    "arena": ("arena", "this host's node arena files (RAM they hold); drop NODE removes one"),
 }
 EX_SOFTWARE = 70     # sysexits.h: an internal error (a bug)
 

@@ -118,6 +118,9 @@ def _p99(counts: list[int], buckets: list[float]) -> str:
     total, seen = sum(counts), 0
     for i, n in enumerate(counts):
         seen += n
+    if s["files"]:
+        out.append("    arena files: " + ", ".join(f"{path} ({ram / 2**30:.2f} GiB RAM)"
+                                                  for path, ram in sorted(s["files"].items())))
         if seen >= 0.99 * total:
             if i < len(buckets):
                 return f"{buckets[i]:g} ms"

@@ -71,7 +71,7 @@ def count(record: object, name: str) -> int:
 def node_stats(raw: object) -> dict[str, Any]:
     """A node's ``stats/<node>`` record (``NodeStatistics``, as etcd holds it: any JSON)
     in the shape the CLI reads it, whatever it holds: ``time`` a finite number (else 0);
-    ``arena``, ``counters``, ``disk`` their counts (``count``); ``progress`` a count
+    ``arena``, ``counters``, ``disk``, ``files`` their counts (``count``); ``progress`` a count
     table per dataset; ``reads`` its numbers, ``peer_latency`` per peer (``counts`` a
     list of counts, ``reads``, ``suspected``) and ``peer_latency_buckets_ms`` (finite
     numbers); ``endpoint`` its ``nics`` (strings) and ``peers`` (``state``, ``paths``
@@ -92,7 +92,7 @@ def node_stats(raw: object) -> dict[str, Any]:
         "node": r.get("node") if isinstance(r.get("node"), str) else "",
         "time": _number(r.get("time")) or 0.0,
         "arena": _counts(r.get("arena")), "counters": _counts(r.get("counters")),
-        "disk": _counts(r.get("disk")),
+        "disk": _counts(r.get("disk")), "files": _counts(r.get("files")),
         "progress": {tag: _counts(v) for tag, v in _obj(r.get("progress")).items()},
         "reads": out_reads,
         "endpoint": {

@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import trio
@@ -50,6 +49,7 @@ from ..manifest.store.base import DatasetInfo
 from ..manifest.store.etcd import EtcdStore
 from ..origin import Origin
 from .arena import Arena, ArenaStatistics, Geometry
+from .arena_files import ArenaFiles, cluster_tag
 from .fetch import Peers, PeerStatistics
 from .hedge import from_config as hedge_from_config
 from . import lifecycle
@@ -117,6 +117,7 @@ class NodeStatistics:
     endpoint: EndpointStatistics
     progress: dict[str, dict[str, int]]  # "<ds>@<v>" → owned/cached/... (reconcile)
     disk: dict[str, int]             # the SSD tier: capacity, used (bytes); zeros if none
+    files: dict[str, int] = field(default_factory=dict)   # arena/index file → RAM it holds
 
 
 class Node:
@@ -139,6 +140,8 @@ class Node:
         ep: the vRDMA endpoint exporting ``arena`` and ``index`` to peers.
         arena: the memory arena (slots + index), READ by peers one-sided.
         disk: the SSD tier for evicted owned chunks, or None.
+        files: the files behind the arena and index (``arena_files.py``), or None
+            (anonymous memory).
         membership: live nodes; placement's input.
         peers: reads from other replicas' arenas (re-replication, demand loads).
         registration: the lease keeping ``nodes/<name>`` alive; publishes progress/stats.
@@ -152,7 +155,7 @@ class Node:
     def __init__(self, cfg: Config, name: str, store: EtcdStore, ep: Endpoint, arena: Arena,
                  membership: Membership, peers: Peers, registration: Registration,
                  nursery: trio.Nursery, source_override: str | None = None,
-                 disk: DiskCache | None = None) -> None:
+                 disk: DiskCache | None = None, files: ArenaFiles | None = None) -> None:
         self.cfg = cfg
         self.name = name
         self.store = store
@@ -164,6 +167,7 @@ class Node:
         self.source_override = source_override
         self.counters = NodeCounters()
         self.disk = disk
+        self.files = files
         self._spill_send, self._spill_recv = trio.open_memory_channel[tuple[bytes, bytes]](64)
         self._spilling: set[bytes] = set()      # evicted, queued for the SSD tier
         self.datasets: dict[tuple[str, int], Dataset] = {}
@@ -309,7 +313,8 @@ class Node:
                               endpoint=_endpoint_statistics(self.ep),
                               progress={tag: dict(p) for tag, p in self.progress.items()},
                               disk={"capacity": self.disk.capacity if self.disk else 0,
-                                    "used": self.disk.used if self.disk else 0})
+                                    "used": self.disk.used if self.disk else 0},
+                              files=self.files.usage() if self.files else {})
 
     # -- reconcile: preload, re-replication, rejoin ----------------------------------------
 
@@ -532,19 +537,17 @@ async def _export_metrics(cfg: Config, node: Node) -> None:
         await trio.sleep_forever()
 
 
-def _arena_memory(directory: str, name: str, g: Geometry) -> tuple[mmap.mmap | None, mmap.mmap | None, bool]:
-    """The arena's and index's memory: files in ``directory`` that outlive this process
-    (and whether both kept their content: same geometry as last time), or anonymous
-    memory when ``directory`` is empty."""
-    if not directory:
-        return None, None, False
-    from rdma.buffer import shared_file
-
-    os.makedirs(directory, exist_ok=True)
-    base = os.path.join(directory, f"kspeedfs-{name}")
-    arena, arena_kept = shared_file(base + ".arena", g.arena_bytes)
-    index, index_kept = shared_file(base + ".index", g.index_bytes)
-    return arena, index, arena_kept and index_kept      # an arena without its index: fresh
+def _arena_files(cfg: Config, name: str, secret: bytes) -> ArenaFiles | None:
+    """The files that keep this node's arena across its restarts, or None when
+    ``cluster.arena_dir`` is empty (anonymous memory, lost at exit)."""
+    if not cfg.cluster.arena_dir:
+        return None
+    legacy = f"/dev/shm/kspeedfs-{name}.arena"
+    if os.path.lexists(legacy):
+        log.warning("%s (and .index) from an older kspeedfs still holds RAM; this node keeps "
+                    "its arena in %s now: rm /dev/shm/kspeedfs-%s.arena /dev/shm/kspeedfs-%s.index",
+                    legacy, cfg.cluster.arena_dir, name, name)
+    return ArenaFiles(cfg.cluster.arena_dir, cluster_tag(secret, cfg.store.etcd_prefix), name)
 
 
 def _slot_ok(key: bytes, data: memoryview | bytes) -> bool:
@@ -561,7 +564,9 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
     geometry = Geometry.for_memory(cfg.cluster.memory, cfg.cluster.slot_size)
     async with Endpoint(secret, node=name, addrs=cfg.cluster.nics or None,
                         provider=cfg.cluster.provider or None, cfg=cfg.cluster.heartbeat()) as ep:
-        arena_mem, index_mem, kept = _arena_memory(cfg.cluster.arena_dir, name, geometry)
+        files = _arena_files(cfg, name, secret)
+        arena_mem, index_mem, kept = (files.open(geometry.arena_bytes, geometry.index_bytes)
+                                      if files else (None, None, False))
         arena_mr = ep.alloc(geometry.arena_bytes, name="arena", remote_read=True, memory=arena_mem)
         index_mr = ep.alloc(geometry.index_bytes, name="index", remote_read=True, memory=index_mem)
         ep.export("arena", arena_mr)
@@ -583,7 +588,7 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
             disk = (DiskCache(os.path.join(cfg.cache.disk_dir, name), cfg.cache.disk)
                     if cfg.cache.disk else None)
             node = Node(cfg, name, store, ep, arena, membership, peers, registration, nursery,
-                        source_override, disk)
+                        source_override, disk, files)
             arena.rank = node.rank
             if disk is not None:
                 arena.on_evict = node.spill

@@ -596,11 +596,12 @@ def test_node_restart_keeps_its_arena(world) -> None:
 
     # corrupt one held chunk while the node is down
     c.kill_node(2)
-    index = (c.arena_dir / "kspeedfs-n2.index").read_bytes()
+    arena_file, index_file = (next(c.arena_dir.glob(f"*-n2{s}")) for s in (".arena", ".index"))
+    index = index_file.read_bytes()
     slot_size = 256 << 10
     assert c.chunk_size == "256KiB"
     slot = next(slot for _, slot, length, _ in ENTRY.iter_unpack(index) if length)
-    with open(c.arena_dir / "kspeedfs-n2.arena", "r+b") as f:
+    with open(arena_file, "r+b") as f:
         f.seek(slot * slot_size + 100)
         b = f.read(1)
         f.seek(slot * slot_size + 100)

@@ -1,0 +1,205 @@
+"""The files behind a node's arena (``cluster/arena_files.py``): a root node never follows,
+truncates or maps a file another user could plant or read, two clusters never share
+one, and a running node's files cannot be dropped.
+
+The planted files are made by a process running as ``nobody``, as an attacker on the
+host would, with ``fs.protected_symlinks`` and ``fs.protected_regular`` off (some hosts
+have them off; the checks must not lean on them)."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from kspeedfs.cluster import arena_files
+from kspeedfs.cluster.arena_files import ArenaFiles, cluster_tag, private_directory
+from kspeedfs.errors import DatasetInUse, UnsafePath
+
+NOBODY = 65534
+ARENA, INDEX = 1 << 20, 64 << 10
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a root node, a nobody attacker)")
+
+
+@pytest.fixture
+def sysctls_off() -> Iterator[None]:
+    """``fs.protected_symlinks`` and ``fs.protected_regular`` at 0 for the test."""
+    keys = [Path("/proc/sys/fs/protected_symlinks"), Path("/proc/sys/fs/protected_regular")]
+    before = [k.read_text() for k in keys]
+    for k in keys:
+        k.write_text("0")
+    try:
+        yield
+    finally:
+        for k, v in zip(keys, before):
+            k.write_text(v)
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A world-writable sticky directory in tmpfs, like ``/dev/shm`` itself."""
+    d = Path(tempfile.mkdtemp(prefix="kspeedfs-test-shm-", dir="/dev/shm"))
+    d.chmod(0o1777)
+    try:
+        yield d
+    finally:
+        subprocess.run(["rm", "-rf", str(d)], check=False)
+
+
+def as_nobody(code: str) -> None:
+    """Run ``code`` (Python) as uid/gid nobody, as a local attacker would."""
+    subprocess.run([sys.executable, "-c", code], user=NOBODY, group=NOBODY, check=True,
+                   cwd="/")
+
+
+def test_the_directory_is_made_private(shm: Path) -> None:
+    d = shm / "kspeedfs"
+    os.close(private_directory(str(d)))
+    st = d.lstat()
+    assert stat.S_ISDIR(st.st_mode) and st.st_mode & 0o777 == 0o700 and st.st_uid == 0
+
+
+def test_a_shared_directory_is_refused(shm: Path) -> None:
+    """``/dev/shm`` itself (the old default) lets every user in: refused, in one line."""
+    with pytest.raises(UnsafePath, match="group or others may enter"):
+        private_directory(str(shm))
+
+
+def test_a_directory_planted_by_another_user_is_refused(shm: Path, sysctls_off: None) -> None:
+    as_nobody(f"import os; os.mkdir({str(shm / 'kspeedfs')!r}, 0o700)")
+    with pytest.raises(UnsafePath, match=f"belongs to uid {NOBODY}"):
+        private_directory(str(shm / "kspeedfs"))
+
+
+def test_a_symlinked_directory_is_refused(shm: Path, sysctls_off: None, tmp_path: Path) -> None:
+    """nobody points the arena directory at a root directory: not followed."""
+    target = tmp_path / "root-dir"
+    target.mkdir(mode=0o700)
+    as_nobody(f"import os; os.symlink({str(target)!r}, {str(shm / 'kspeedfs')!r})")
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        private_directory(str(shm / "kspeedfs"))
+    assert list(target.iterdir()) == []
+
+
+def test_an_ancestor_others_may_write_is_refused(tmp_path: Path) -> None:
+    """A parent others may write (and not sticky) lets them swap the directory."""
+    parent = tmp_path / "open"
+    parent.mkdir()
+    parent.chmod(0o777)
+    with pytest.raises(UnsafePath, match="not sticky"):
+        private_directory(str(parent / "kspeedfs"))
+
+
+def _files(directory: Path, secret: bytes = b"s" * 32, node: str = "n1") -> ArenaFiles:
+    return ArenaFiles(str(directory), cluster_tag(secret, "/kspeedfs/"), node)
+
+
+def test_a_symlink_at_the_arena_name_is_not_followed(tmp_path: Path) -> None:
+    """The reported exploit, inside a directory whose owner planted the link: the root
+    file it points to is neither truncated nor zeroed, and the node refuses to start."""
+    d = tmp_path / "arena"
+    os.close(private_directory(str(d)))
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 1000)
+    files = _files(d)
+    os.symlink(victim, files.paths[0])
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        files.open(ARENA, INDEX)
+    assert victim.read_bytes() == b"precious" * 1000
+
+
+@pytest.mark.parametrize("planted", ["world-writable", "other owner", "hard link"])
+def test_a_planted_file_is_refused(tmp_path: Path, planted: str) -> None:
+    d = tmp_path / "arena"
+    os.close(private_directory(str(d)))
+    files = _files(d)
+    path = Path(files.paths[0])
+    path.write_bytes(b"x" * ARENA)
+    if planted == "world-writable":
+        path.chmod(0o666)
+        why = "mode 0666"
+    elif planted == "other owner":
+        os.chown(path, NOBODY, NOBODY)
+        why = f"belongs to uid {NOBODY}"
+    else:
+        path.chmod(0o600)
+        os.link(path, tmp_path / "elsewhere")
+        why = "2 links"
+    with pytest.raises(UnsafePath, match=why):
+        files.open(ARENA, INDEX)
+    assert path.read_bytes() == b"x" * ARENA            # neither truncated nor mapped
+
+
+def test_two_clusters_on_one_host_keep_apart(shm: Path) -> None:
+    """Nodes ``n1`` of two clusters (other secrets) have their own files; a second node
+    ``n1`` of the same cluster is refused while the first runs."""
+    d = shm / "kspeedfs"
+    a, b = _files(d, b"a" * 32), _files(d, b"b" * 32)
+    arena_a, index_a, _ = a.open(ARENA, INDEX)
+    arena_a[:5] = b"hello"
+    arena_b, _, kept = b.open(ARENA, INDEX)
+    assert not kept and arena_b[:5] == bytes(5)
+    assert set(a.paths).isdisjoint(b.paths)
+    with pytest.raises(DatasetInUse, match="already runs"):
+        _files(d, b"a" * 32).open(ARENA, INDEX)
+    a.close()
+    arena_a.close()
+    index_a.close()
+    again = _files(d, b"a" * 32)
+    arena, _, kept = again.open(ARENA, INDEX)
+    assert kept and arena[:5] == b"hello"              # a restart keeps what it held
+    again.close()
+    b.close()
+
+
+def test_listing_and_drop(shm: Path) -> None:
+    d = shm / "kspeedfs"
+    files = _files(d)
+    arena, index, _ = files.open(ARENA, INDEX)
+    arena[: 256 << 10] = b"y" * (256 << 10)
+    usage = files.usage()
+    assert usage[files.paths[0]] >= 256 << 10
+    listed = {f.path: f for f in arena_files.listing(str(d))}
+    assert set(listed) == set(files.paths) and all(f.in_use for f in listed.values())
+    tag = cluster_tag(b"s" * 32, "/kspeedfs/")
+    with pytest.raises(DatasetInUse, match="stop it first"):
+        arena_files.drop(str(d), tag, "n1")
+    files.close()
+    arena.close()
+    index.close()
+    gone = arena_files.drop(str(d), tag, "n1")
+    assert {f.path for f in gone} == set(files.paths)
+    assert arena_files.listing(str(d)) == []
+    assert arena_files.drop(str(d), tag, "n1") == []
+
+
+def test_cli_lists_and_drops(shm: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    d = shm / "kspeedfs"
+    files = ArenaFiles(str(d), cluster_tag(secret.read_text().strip().encode(), "/kspeedfs/"), "n7")
+    files.open(ARENA, INDEX)
+    files.close()
+    def ks(*args: str, arena_dir: Path = d) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kspeedfs.cli.app", "arena", *args,
+                               "--set", f"cluster.secret_file={secret}",
+                               "--set", f"cluster.arena_dir={arena_dir}"],
+                              capture_output=True, text=True)
+
+    out = ks()
+    assert out.returncode == 0 and "n7" in out.stdout and "this" in out.stdout, out.stderr
+    out = ks("drop", "n7")
+    assert out.returncode == 0 and "dropped node n7's arena" in out.stdout, out.stderr
+    out = ks("drop", "n7")
+    assert out.returncode == 1 and "no arena of node n7" in out.stderr
+    assert out.stderr.count("\n") == 1
+    out = ks(arena_dir=Path("/dev/shm"))
+    assert out.returncode == 1 and "group or others may enter" in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1
