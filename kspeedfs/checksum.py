@@ -2,7 +2,7 @@
 
 Where verification happens (the trust boundaries):
 
-- bytes read from the **source** are checked extent by extent (``extents_match``),
+- bytes read from the **source** are checked extent by extent (``origin.py``),
   so a mismatch names the file that changed since import;
 - bytes read from the **disk tier** (and, in the cluster, from a **peer**) are
   checked against the chunk digest in one pass (``chunk_matches``);
@@ -17,11 +17,7 @@ when it runs in a worker thread.
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import xxhash
-
-from .manifest.model import Extent
 
 
 def digest(data: bytes | bytearray | memoryview) -> bytes:
@@ -38,12 +34,3 @@ def matches(data: bytes | bytearray | memoryview, expected: bytes) -> bool:
     if len(expected) == 8:
         return xxhash.xxh3_64_digest(data) == expected
     return xxhash.xxh3_128_digest(data) == expected
-
-
-def first_bad_extent(chunk: bytes | bytearray | memoryview, extents: Iterable[Extent]) -> Extent | None:
-    """The first extent whose bytes inside ``chunk`` do not match, or None if all match."""
-    view = memoryview(chunk)
-    for e in extents:
-        if xxhash.xxh3_128_digest(view[e.chunk_offset:e.chunk_offset + e.length]) != e.digest:
-            return e
-    return None

@@ -110,13 +110,6 @@ TO_RTR = TRANSITIONS[(S.IBV_QPS_INIT, S.IBV_QPS_RTR)].required
 TO_RTS = TRANSITIONS[(S.IBV_QPS_RTR, S.IBV_QPS_RTS)].required
 
 
-def is_legal(current: int, requested: int) -> bool:
-    try:
-        return (S(current), S(requested)) in TRANSITIONS
-    except ValueError:
-        return False
-
-
 def check_transition(current: int, requested: int, names: set[str] | frozenset[str]) -> None:
     """Raise unless ``current → requested`` is legal with exactly-allowed attributes ``names``.
 
@@ -151,13 +144,6 @@ def names_from_mask(mask: int) -> frozenset[str]:
     return frozenset(n for n, bit in ATTR_MASK.items() if mask & bit)
 
 
-def required_mask(requested: int) -> int:
-    """Like pyverbs' ``_get_mask``: the RC mask needed to *reach* ``requested`` by the
-    forward path (INIT, RTR or RTS), with IBV_QP_STATE."""
-    table = {S.IBV_QPS_INIT: TO_INIT, S.IBV_QPS_RTR: TO_RTR, S.IBV_QPS_RTS: TO_RTS}
-    return attr_mask(table.get(S(requested), frozenset())) | M.IBV_QP_STATE
-
-
 # ---- transport timeout arithmetic (IB: 4.096 us * 2**timeout per try) ----
 
 def timeout_exponent_to_seconds(timeout: int) -> float:
@@ -165,14 +151,6 @@ def timeout_exponent_to_seconds(timeout: int) -> float:
     if timeout == 0:
         return float("inf")
     return 4.096e-6 * (1 << timeout)
-
-
-def seconds_to_timeout_exponent(seconds: float) -> int:
-    """Smallest exponent 1..31 whose per-try timeout is >= ``seconds``."""
-    for t in range(1, 32):
-        if timeout_exponent_to_seconds(t) >= seconds:
-            return t
-    return 31
 
 
 def total_timeout_seconds(timeout: int, retry_cnt: int, timeout_ms: int | None = None) -> float:
