@@ -5,7 +5,7 @@ rails, addresses in 198.18.0.0/15, no route out), so nothing leaves the machine:
 
 * ``transport``: ``rdma.perf`` READ bandwidth of the soft provider against one plain TCP
   stream between the *same* two hosts, one target each, interleaved, so the ratio
-  soft/tcp is the transport's own cost on this machine (issue 5), not the box's load.
+  soft/tcp is the transport's own cost on this machine, not the box's load.
 * ``cluster``: a client host reading, through its kspeedfs mount, a dataset preloaded
   into the memory of 3 peer nodes (``tests/fixtures/cluster.py``), next to the same
   files read from the source directory cold and warm and from the pyfuse3 RAM ceiling:
@@ -413,7 +413,7 @@ def _seq_paths(ds: Dataset) -> list[str]:
 
 def cluster_targets(ds: Dataset, ctx: Context) -> list[Target]:
     bed = ClusterBed(ctx.work / "cluster", ds, chunk=ctx.cluster_chunk)
-    # ramfs-c: the ceiling issue 16's target is stated against (client CPU-s per GB)
+    # ramfs-c: the ceiling the peer-read CPU target is stated against (client CPU-s per GB)
     ramfs_c = [RamFS(ds, "c", ctx.ramfs_c)] if ctx.ramfs_c else []
     # --ab-tree: the same peers read by a mount of another checkout (ratios B / A)
     ab = [PeersTarget(ds, bed, tree=ctx.ab_tree)] if ctx.ab_tree else []

@@ -89,7 +89,7 @@ class Results:
                 per_rep = [va[k] / vb[k] for k in va if k in vb and vb[k] > 0]
                 if per_rep:
                     row["ratios"][f"{a} / {b}"] = self._spread(per_rep)
-                # issue 16's peer figure: a's CPU per GB without the emulated NIC against
+                # the peer-read figure: a's CPU per GB without the emulated NIC against
                 # b's, per rep (only where a reports its NIC threads: the cluster targets)
                 if any("daemon_nic_cpu_s_per_GB" in r.figures for r in self.runs
                        if r.workload == wl and r.case == case and r.target == a):

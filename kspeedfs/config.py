@@ -205,15 +205,11 @@ class FuseConfig:
                          "enable_uring = Y; kspeedfs never sets it), else /dev/fuse; 'off': "
                          "/dev/fuse. An io_uring mount is not supervised and cannot be "
                          "upgraded: the kernel cannot move ring entries to another process "
-                         "(docs/design.md). Off by default: no consistent gain here (2 vCPUs, "
-                         "io_uring / /dev/fuse in two runs: ImageNet-like 0.82x and 1.18x, "
-                         "rand-4k j1 1.12x and 0.95x, j4 2.35x and 1.01x with half the daemon "
-                         "CPU per I/O, one Python reader 0.53x and 0.77x; 1 MiB reads 1.3x "
-                         "slower: ~125 us per MiB copying into the ring; results-7e5d9f1-uring), "
-                         "and it costs the mount its supervisor and upgrades")
+                         "(docs/design.md). Off by default: no consistent gain on 2 vCPUs "
+                         "(docs/design.md, 'FUSE over io_uring'), and it costs the mount its "
+                         "supervisor and upgrades")
     splice: bool = _opt(True, "native engine: READ replies of 256 KiB or more go by vmsplice + "
-                        "splice instead of writev (fewer page pins in the kernel's copy: the "
-                        "cluster's sequential readers -16% request-thread CPU per GB here, "
+                        "splice instead of writev (fewer page pins in the kernel's copy: "
                         "docs/design.md 'Replies by splice'); a reply that does not fit a pipe "
                         "(a 1 MiB READ's needs fs.pipe-max-size >= 2 MiB or CAP_SYS_RESOURCE) "
                         "is written as before")

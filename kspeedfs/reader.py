@@ -1,4 +1,5 @@
-"""②–⑥ on one screen: from (file, offset, size) to verified bytes.
+"""②–⑥ on one screen: from (file, offset, size) to verified bytes (the steps:
+docs/design.md, "The steps of a read").
 
     read(entry, offset, size)
       → index.chunk_range()                 ② manifest lookup: which chunks

@@ -1,7 +1,7 @@
 """READ bandwidth / message rate / latency, with a plain-TCP baseline in the same run.
 
 Why a tool of our own (and not ib_read_bw): the soft provider has no kernel device, and the
-number that matters (issue 5) is the *ratio* soft READ ÷ plain TCP between the same two
+number that matters is the *ratio* soft READ ÷ plain TCP between the same two
 addresses, measured back to back so both see the same machine load::
 
     python -m rdma.perf server --provider soft --addr 198.18.7.2            # prints its port

@@ -129,7 +129,7 @@ def _p99(counts: list[int], buckets: list[float]) -> str:
 
 
 def _latency(reads: dict) -> str:
-    """One line of a node's READs from its peers: hedges (issue 19) and p99 per peer."""
+    """One line of a node's READs from its peers: hedges and p99 per peer."""
     per = ", ".join(
         f"{peer} p99 ≤ {_p99(p['counts'], reads['peer_latency_buckets_ms'])}"
         + (" (suspected)" if p.get("suspected") else "")

@@ -21,7 +21,7 @@ that was unreachable is skipped for ``SKIP`` seconds, then tried again (it may b
 or its lease has expired and placement no longer names it).
 
 A misbehaving peer is a failed replica, never an error for the reader while another copy
-(or the source) exists (issue 13): a listener that answers garbage, deep or oversized
+(or the source) exists: a listener that answers garbage, deep or oversized
 JSON, or does not know the secret fails its handshake (``HandshakeError``, or
 ``PeerUnreachable``/``RpcUnavailable`` around it); an authenticated node whose ``info``
 or RPC reply does not parse is the same; and as a last net, a ``LookupError``,
@@ -45,9 +45,9 @@ until then): without hedging ``VQP.read`` waits for it, shielded; with hedging i
 detached (the attempt returns at once, its staging and landing slots come back from the
 completion, ``_Attempt.on_free``), so a reader never waits on a hung peer's READ.
 
-Hedging (issue 19, ``cluster.hedge``; the rule and its numbers: :mod:`.hedge`). Without
-it a replica that stops answering (SIGSTOP, SIGKILL, a stall) costs every read waiting
-on it ``cluster.peer_timeout`` before the next replica is asked (531–614 ms measured).
+Hedging (``cluster.hedge``; the rule: :mod:`.hedge`). Without it a replica that stops
+answering (SIGSTOP, SIGKILL, a stall) costs every read waiting on it
+``cluster.peer_timeout`` before the next replica is asked.
 With it, the first replica is still READ in the reader's own task, each READ (and a
 connect) with a deadline of ``Hedger.threshold`` on its wait; when one passes, the same
 bytes are READ from the next replica in a task of ``nursery``, at most once per read and

@@ -1,4 +1,4 @@
-"""⑤′ The native chunk fetch: a chunk READ from a replica's arena that C posts, verifies
+"""⑤ The native chunk fetch: a chunk READ from a replica's arena that C posts, verifies
 and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
 
     TierChain.start(k) / chunk(k)         a chunk to load from the cluster
@@ -63,28 +63,19 @@ A fetch past it is noted against its peer (tried last once suspected) and, withi
 byte budget, READ again through ``read_chunk`` from another replica; when that lands,
 the READs parked in C on the chunk are answered from the tier (``fetch_unpark``) and the
 C READ, whenever it completes, finds the chunk there (FETCH_EXISTS). Without it, a
-SIGSTOPped replica held READs parked in C for the vQP's 0.5 s peer timeout
-(tests/cluster/test_cluster_tail.py: 553 ms against 34 ms hedged). While a fetch from a
-node is past its deadline, no new one goes to that node through C (``read_chunk`` takes
-those, hedging each): with up to 32 in flight, a stopped replica otherwise caught more
-fetches than the hedge budget covers, and their READs waited out the peer timeout (one
-517 ms read in that test, once its routes came from the index copies).
+SIGSTOPped replica held READs parked in C for the vQP's peer timeout
+(tests/cluster/test_cluster_tail.py). While a fetch from a node is past its deadline, no
+new one goes to that node through C (``read_chunk`` takes those, hedging each): with many
+in flight, a stopped replica would otherwise catch more fetches than the hedge budget
+covers.
 
-Why C starts routed chunks: per chunk, the hint's wake-up and Python's start (route,
-target, record) were about half of the trio thread's ~250 µs; with routes, one chunk in
-~13 of a steady sequential loop comes back to Python (docs/design.md, stop 37). Why it
-starts small files' extents: per ImageNet-like file from peers the trio thread spent
-~78 µs, ~55 % of it handing the READ to C (the extent, route, target, post, deadline);
-now only the first file read of each chunk comes to Python (docs/design.md, stop 40).
-
-Why (docs/design.md, "The plan for that step"): the Python around each chunk READ from a
-peer (single-flight, race, vQP dispatch, CQ consumer, xxh3 on the trio thread, the
-answers to READs waiting for it) was most of the trio thread's 0.3 s per GB; and around
-each small file from a peer (that, the READ's task, the copy out of the staging slot
-into new memory, the reply) the trio thread's ~245 µs per file, busy ~90 % of the
-pass: with the hand-off 108-110 µs, and 4.05-4.53k files/s against 3.40-3.54k; a
-random 4 KiB READ's block 87 against 169 µs, 6.8-7.2k IOPS against 5.1-5.2k
-(docs/design.md).
+Why C posts, verifies and answers at all: the Python around each chunk READ from a peer
+(single-flight, the vQP dispatch, the CQ consumer, xxh3, the answers to READs waiting for
+it) and around each small file (the READ's task, a copy out of the staging slot, the
+reply) was most of the trio thread's time. Why C also *starts* routed chunks and small
+files' extents: handing each one to C from Python (the hint's wake-up, route, target,
+post, deadline) was then about half of what remained. The measurements behind both:
+docs/design.md, "The native chunk fetch".
 """
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ READs, so they stay at ``idle_interval``.  Once no READ of either kind has been 
 or completed for ``idle_after``, the vQP is quiet: it ticks and probes every
 ``quiet_interval`` (default 1 s), and the next READ of either kind posted from Python
 wakes it (C starts READs only on routes Python gave after posting one itself).
-Measured (stop 39): a mount idle beside 3 nodes (2 rails, 6 paths) spends 0.003 CPU-s
+Measured: a mount idle beside 3 nodes (2 rails, 6 paths) spends 0.003 CPU-s
 a second of its Python thread, against 0.017 at 100 ms (~0.2–0.26 ms a probe); beside
 64 nodes that is ~0.06 of a core against ~0.36.
 

@@ -1,4 +1,4 @@
-"""Tail latency with a hung or dead replica (issue 19): hedged peer READs.
+"""Tail latency with a hung or dead replica: hedged peer READs.
 
 Its own cluster (etcd + 3 nodes, R = 2, 256 KiB chunks, ~47 MiB preloaded) and two mounts
 with an 8 MiB memory tier (so almost every read goes to a peer): one with

@@ -1,5 +1,5 @@
 """A real mount against a real etcd in which an attacker without the secret forged the
-next version of the dataset (issue 13): the mount refuses it, ``kspeedfs ls`` does not
+next version of the dataset: the mount refuses it, ``kspeedfs ls`` does not
 list it, and the genuine version, mounted by number, serves the genuine bytes.
 """
 from __future__ import annotations

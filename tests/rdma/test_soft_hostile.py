@@ -1,4 +1,4 @@
-"""Unauthenticated peers against the soft engine's listener (issue 13): idle-connection
+"""Unauthenticated peers against the soft engine's listener: idle-connection
 floods, HELLO deadlines, HELLOs racing a legitimate QP setup, random frames.  Each test
 ends with a legitimate QP pair moving data through the same engine, and the process's
 fds and RSS back where they started once the attack is over.  Loopback only."""

@@ -1,5 +1,5 @@
 """Hostile bytes against the vRDMA control channel and a running Endpoint listener
-(issue 13): nothing from the network, before or after authentication, may crash the
+nothing from the network, before or after authentication, may crash the
 listener; every parser answers a documented :class:`HandshakeError` or a valid value.
 
 Fuzzed (Hypothesis, bounded budgets so the default lane stays fast): the frame decoder

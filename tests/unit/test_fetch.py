@@ -115,7 +115,7 @@ async def test_a_chunk_in_its_second_bucket_is_found_there() -> None:
 
 
 async def test_a_silent_replica_is_hedged_then_tried_last_and_its_attempt_cleans_up() -> None:
-    """Hedging (issue 19) on real loopback endpoints: the first replica accepts TCP and
+    """Hedging on real loopback endpoints: the first replica accepts TCP and
     never answers (its connect hangs until the 1 s connect timeout); reads are hedged to
     the second after the cap (50 ms here), the hedge's bytes win, two overruns make the
     silent node suspect (tried last: no third hedge), and the losers, cancelled by the

@@ -1,5 +1,5 @@
 """Hostile peers around the node RPC (kspeedfs/cluster/rpc.py) and a mount's replica
-reads (kspeedfs/cluster/fetch.py), issue 13: a node keeps serving whatever a client
+reads (kspeedfs/cluster/fetch.py), a node keeps serving whatever a client
 sends, and a mount treats a peer that answers nonsense as a failed replica — the next
 replica serves the read, never an error.
 
