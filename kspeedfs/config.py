@@ -411,6 +411,41 @@ def secret_bits(data: bytes) -> float:
 
 
 @dataclass
+class SourceConfig:
+    """Object-store sources: ``kspeedfs import s3://BUCKET/PREFIX`` and the origin that
+    reads such a dataset back (``kspeedfs/s3/``). A key left empty falls back to what
+    every AWS tool reads: ``AWS_ENDPOINT_URL``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
+    ``AWS_PROFILE``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``,
+    ``~/.aws/config`` and ``~/.aws/credentials``, an instance role. Credentials never
+    leave the process: not in the manifest, etcd, logs or ``kspeedfs config``."""
+
+    endpoint: str = _opt("", "S3 endpoint URL (MinIO, a local server); empty = AWS_ENDPOINT_URL "
+                         "or the profile's, else AWS; plain http only when the URL says http://")
+    region: str = _opt("", "region; empty = AWS_REGION, AWS_DEFAULT_REGION or the profile's")
+    profile: str = _opt("", "profile of ~/.aws/config and ~/.aws/credentials; empty = AWS_PROFILE")
+    access_key_id: str = _opt("", "access key id; empty = the AWS credential chain "
+                              "(environment, profile files, instance role)")
+    secret_access_key: str = field(default="", metadata={
+        "doc": "secret access key (kspeedfs config prints ***); prefer the environment or "
+               "~/.aws/credentials", "secret": True})
+    session_token: str = field(default="", metadata={
+        "doc": "session token of temporary credentials (printed as ***)", "secret": True})
+    max_inflight: int = _opt(16, "ranged GETs in flight per chunk load, and import's readers")
+    retries: int = _opt(5, "attempts per request: the client retries 5xx, SlowDown, 429, "
+                        "timeouts and resets with jittered exponential backoff")
+    timeout: float = _opt(10.0, "connect and read timeout of one attempt, s")
+
+    def validate(self) -> None:
+        if self.endpoint and not re.match(r"^https?://[^/\s]+/?$", self.endpoint):
+            raise ConfigError(f"source.endpoint: {self.endpoint!r} is not http[s]://host[:port]")
+        if bool(self.access_key_id) != bool(self.secret_access_key):
+            raise ConfigError("source.access_key_id: set it and source.secret_access_key together")
+        _range("source.max_inflight", self.max_inflight, 1, 256)
+        _range("source.retries", self.retries, 1, 20)
+        _positive("source.timeout", self.timeout, 3600)
+
+
+@dataclass
 class LogConfig:
     """Where the daemon logs (``log.py``)."""
 
@@ -469,6 +504,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     fuse: FuseConfig = field(default_factory=FuseConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    source: SourceConfig = field(default_factory=SourceConfig)
     log: LogConfig = field(default_factory=LogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     source_path: str = field(default="", metadata={"skip": True})  # file the config came from

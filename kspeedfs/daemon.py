@@ -47,7 +47,7 @@ from .manifest import sealed
 from .manifest.index import ManifestIndex
 from .manifest.store import open_configured
 from .manifest.store.base import DatasetInfo
-from .origin import Origin
+from .origin import open_origin
 from .reader import Reader
 
 if TYPE_CHECKING:
@@ -274,7 +274,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
              info.name, info.version, info.entries, info.bytes, info.chunks, info.chunk_size,
              index.nbytes)
     clustered = cfg.store.backend == "etcd" and cfg.cluster.peers
-    origin = Origin(req.source or info.source, index, info.name, required=not clustered)
+    origin = open_origin(req.source or info.source, index, info.name, required=not clustered,
+                         config=cfg.source)
     memory = MemoryCache(cfg.cache.memory)
     disk = DiskCache(cfg.cache.disk_dir, cfg.cache.disk) if cfg.cache.disk else None
 

@@ -42,12 +42,12 @@ from .. import checksum
 from ..cache.disk import DiskCache
 from ..cache.singleflight import SingleFlight
 from ..cache.tiers import Loaded, TierChain
-from ..config import Config
+from ..config import Config, SourceConfig
 from ..errors import ConfigError, KspeedfsError, StoreUnavailable
 from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from ..manifest.store.etcd import EtcdStore
-from ..origin import Origin
+from ..origin import open_origin
 from .arena import Arena, ArenaStatistics, Geometry
 from .arena_files import ArenaFiles, cluster_tag
 from .fetch import Peers, PeerStatistics
@@ -64,10 +64,11 @@ log = logging.getLogger(__name__)
 class Dataset:
     """One dataset version as a node needs it: manifest index and source."""
 
-    def __init__(self, info: DatasetInfo, index: ManifestIndex, source: str) -> None:
+    def __init__(self, info: DatasetInfo, index: ManifestIndex, source: str,
+                 source_config: SourceConfig | None = None) -> None:
         self.info = info
         self.index = index
-        self.origin = Origin(source, index, info.name)
+        self.origin = open_origin(source, index, info.name, config=source_config)
 
 
 @dataclass
@@ -204,7 +205,7 @@ class Node:
             if index.chunk_size > self.arena.g.slot_size:
                 raise ConfigError(f"dataset {name} has {index.chunk_size}-byte chunks; this "
                                   f"node's cluster.slot_size is {self.arena.g.slot_size}")
-            return Dataset(info, index, self.source_override or info.source)
+            return Dataset(info, index, self.source_override or info.source, self.cfg.source)
 
         ds = self.datasets[(name, version)] = await trio.to_thread.run_sync(fetch)
         log.info("dataset %s v%d: %d chunks, %d bytes", name, version, ds.index.chunks, ds.info.bytes)
