@@ -79,7 +79,8 @@ class MountRequest:
 
 def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, bytes, ManifestIndex]:
     """Blocking: the only store access of a mount's lifetime (none on a resume with the
-    supervisor's sealed copy of the manifest, unless that copy fails its checks)."""
+    supervisor's sealed copy of the manifest, unless that copy fails its checks). The
+    copy's fd stays open: ``serve`` keeps it for a supervisor it may start."""
     info = blob = None
     if req.manifest_fd is not None:
         try:
@@ -87,8 +88,6 @@ def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, bytes, Ma
             log.info("resume: the manifest from the supervisor's sealed copy")
         except ManifestCorrupt as e:
             log.warning("resume: %s; loading it from the store", e)
-        finally:
-            os.close(req.manifest_fd)
     if info is None or blob is None:
         with open_configured(cfg) as store:   # etcd: records verified with the cluster secret
             info = store.dataset(req.dataset, req.version)
@@ -334,10 +333,16 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
             if ready:
                 ready(path)
 
-        # a copy of the manifest for the supervisor (a resumed daemon's has one already);
-        # the blob itself is not kept for the mount's life
-        manifest_fd = sealed.seal(info, blob) if session is not None and req.supervise \
-            and not req.resume else None
+        # a sealed copy of the manifest for the supervisor, kept for the mount's life so a
+        # supervisor started again gets it too; a resumed daemon keeps the copy it came
+        # with (the same memfd: no second copy in memory); the blob itself is not kept
+        manifest_fd = req.manifest_fd
+        if session is None or not req.supervise:
+            if manifest_fd is not None:
+                os.close(manifest_fd)
+            manifest_fd = None
+        elif manifest_fd is None:
+            manifest_fd = sealed.seal(info, blob)
         del blob
         if session is not None:
             try:
@@ -379,48 +384,54 @@ async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
     """Mount with the native engine (or take the live mount over from its daemon, or
     from its supervisor after a crash) and answer its queue until unmounted or handed
     over; always leaves the C threads joined, and the mount gone unless a successor
-    serves it. A supervised mount tells its supervisor "bye" when it ends cleanly;
-    ``manifest_fd`` (sealed, ``manifest/sealed.py``) goes to a supervisor it starts."""
+    serves it. A supervised mount tells its supervisor "bye" when it ends cleanly, and
+    starts a new one if it dies first (``supervisor.Supervised``); ``manifest_fd``
+    (sealed, ``manifest/sealed.py``, closed here) goes to each supervisor it starts."""
     from .fuse import supervisor
     from .fuse import upgrade as handover
     from .fuse.native import RING_LIFECYCLE
 
-    control = None
+    def start() -> trio.socket.SocketType:
+        return trio.socket.from_stdlib_socket(supervisor.spawn(
+            session.path, session.engine.fds(), session.state(), list(req.argv), req.logfile,
+            session.cfg.resume_patience, manifest_fd))
+
+    supervised = None
     try:
         if req.upgrade or req.resume:
             sock = await handover.take_over(session.path, session.info.name, session.info.version,
                                             session.adopt, path=req.resume)
-            if req.resume:
-                control = sock                    # the supervisor stays on this socket
+            if req.resume:                        # the supervisor stays on this socket
+                supervised = supervisor.Supervised(session.path, sock, start)
                 await sock.send(json.dumps({"state": session.state()}).encode())
             else:
                 sock.close()
         else:
             await trio.to_thread.run_sync(session.mount)
-        if control is None and req.supervise and session.transport == "io_uring":
+        if supervised is None and req.supervise and session.transport == "io_uring":
             # a supervisor holding the connection of a crashed io_uring daemon would keep the
             # readers its rings held hanging; unsupervised, the crash ends the connection
             # (ENOTCONN) and the next ``kspeedfs mount`` cleans it up (fuse/native.py)
             log.info("io_uring mount: not supervised (%s)", RING_LIFECYCLE)
-        elif control is None and req.supervise:
-            control = trio.socket.from_stdlib_socket(supervisor.spawn(
-                session.path, session.engine.fds(), session.state(), list(req.argv), req.logfile,
-                session.cfg.resume_patience, manifest_fd))
-    finally:
-        if manifest_fd is not None:             # the supervisor has its own now
+        elif supervised is None and req.supervise:
+            supervised = supervisor.Supervised(session.path, start(), start)
+    except BaseException:
+        if manifest_fd is not None:
             os.close(manifest_fd)
+        raise
     try:
         nursery.start_soon(_on_signals, session.terminate, name="signals")
         nursery.start_soon(after_mount, name="after-mount")
+        if supervised is not None:
+            nursery.start_soon(supervised.watch, name="supervisor-watch")
         await session.serve()
     finally:
+        if supervised is not None:            # no new supervisor for a connection ending
+            supervised.watching.cancel()
         session.terminate()
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(session.close)
-    if control is not None:                   # a clean end: the supervisor may go
-        why = "handed over" if session.handed_over else "unmounted"
-        try:
-            await control.send(json.dumps({"bye": True, "why": why}).encode())
-        except OSError:
-            pass
-        control.close()
+        if manifest_fd is not None:
+            os.close(manifest_fd)
+    if supervised is not None:                # a clean end: the supervisor may go
+        await supervised.bye("handed over" if session.handed_over else "unmounted")

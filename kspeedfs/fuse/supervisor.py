@@ -13,6 +13,9 @@
            sends FUSE_NOTIFY_RESEND (kernel 6.9+): the kernel queues again every request
            read but not answered, and the new daemon answers them. Readers see a pause.
     daemon says "bye" (unmounted, or handed over to an upgraded daemon) ─► exit 0
+    supervisor dies (SIGKILL, OOM): the daemon sees its control socket close
+        ─► spawns a new supervisor with the same fds, state and sealed copy (``Supervised``,
+           the daemon's side), so the daemon killed later is resumed as before
 
 Why a process of our own and not systemd's fd store: ``kspeedfs mount`` daemonizes and
 is used from fstab and by hand, outside any unit; a foreground mount under systemd
@@ -41,6 +44,9 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Callable
+
+import trio
 
 from .. import log as logsetup
 from .. import mountpoint as mp
@@ -73,6 +79,14 @@ def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
 
 def _send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:
     sock.sendmsg([json.dumps(msg).encode()], with_fds(fds))
+
+
+def _one_more(times: list[float]) -> bool:
+    """Record a start now in ``times`` (pruned to the last ``WINDOW`` s); False once
+    that makes more than ``MAX_RESTARTS``."""
+    now = time.monotonic()
+    times[:] = [t for t in times if now - t < WINDOW] + [now]
+    return len(times) <= MAX_RESTARTS
 
 
 class Supervisor:
@@ -127,9 +141,7 @@ class Supervisor:
         if not self.fds or not mp.is_mounted(self.mountpoint):
             log.warning("daemon of %s died and nothing is left to resume", self.mountpoint)
             return False
-        now = time.monotonic()
-        self.restarts = [t for t in self.restarts if now - t < WINDOW] + [now]
-        if len(self.restarts) > MAX_RESTARTS:
+        if not _one_more(self.restarts):
             log.error("daemon of %s died %d times in %.0f s: giving up; the mount is dead "
                       "(the next kspeedfs mount cleans it up)", self.mountpoint,
                       len(self.restarts), WINDOW)
@@ -251,16 +263,87 @@ def spawn(mountpoint: str, fds: list[int], state: dict, argv: list[str], logfile
     the manifest (``manifest/sealed.py``) the daemons it starts load instead of the
     store's."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    subprocess.Popen([sys.executable, "-m", "kspeedfs.fuse.supervisor", "--mountpoint", mountpoint,
-                      "--control", str(theirs.fileno()), "--log", logfile,
-                      "--patience", str(patience), "--", *argv],
-                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "kspeedfs.fuse.supervisor", "--mountpoint",
+                             mountpoint, "--control", str(theirs.fileno()), "--log", logfile,
+                             "--patience", str(patience), "--", *argv],
+                            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     theirs.close()
-    _send(mine, {"state": state}, fds)
-    if manifest_fd is not None:
-        _send(mine, {"manifest": True}, [manifest_fd])
+    try:
+        _send(mine, {"state": state}, fds)
+        if manifest_fd is not None:
+            _send(mine, {"manifest": True}, [manifest_fd])
+    except OSError:
+        mine.close()
+        raise
+    log.info("supervisor of %s started (pid %d)", mountpoint, proc.pid)
     return mine
+
+
+class Supervised:
+    """The daemon's side: its supervisor's control socket, and a new supervisor when
+    that one dies (``watch``), so a second fault (the daemon killed later) is survived
+    as the first. The supervisor sends nothing on the socket after the handover, so its
+    end of file there means it is gone (SIGKILL, OOM): the daemon, which holds the same
+    /dev/fuse fds, hands them and the sealed manifest copy to a new one exactly as at
+    its mount (``spawn``). Starts are limited as the supervisor limits its daemons
+    (``MAX_RESTARTS`` in ``WINDOW`` s); past that the mount serves on unsupervised.
+
+    ``start()`` spawns a supervisor and returns its control socket (a trio socket)."""
+
+    def __init__(self, mountpoint: str, control: trio.socket.SocketType,
+                 start: Callable[[], trio.socket.SocketType]) -> None:
+        self.mountpoint = mountpoint
+        self.control: trio.socket.SocketType | None = control
+        self.start = start
+        self.starts: list[float] = []
+        self.watching = trio.CancelScope()
+
+    async def watch(self) -> None:
+        """Until cancelled (``bye``): a new supervisor whenever the current one is gone."""
+        with self.watching:
+            while self.control is not None:
+                try:
+                    data = await self.control.recv(MAX_MESSAGE)
+                except (OSError, trio.ClosedResourceError):
+                    data = b""
+                if data:
+                    continue
+                if self.watching.cancel_called:   # ending: ``bye`` closed it
+                    return
+                self.control.close()
+                self.control = None
+                await self._replace()
+
+    async def _replace(self) -> None:
+        pause = RESUME_BACKOFF
+        while self.control is None:
+            if not _one_more(self.starts):
+                log.error("the supervisor of %s died %d times in %.0f s: the mount serves on "
+                          "unsupervised (a crash of this daemon now ends it)", self.mountpoint,
+                          len(self.starts), WINDOW)
+                return
+            log.warning("the supervisor of %s is gone: starting a new one", self.mountpoint)
+            try:
+                self.control = self.start()
+            except Exception as e:          # never worth the mount: it serves on, retried
+                log.error("the supervisor of %s could not start: %s", self.mountpoint, e)
+                await trio.sleep(pause)
+                pause = min(pause * 2, RESUME_BACKOFF_MOST)
+
+    async def bye(self, why: str) -> None:
+        """A clean end (unmounted, or handed over): the supervisor may go; none is
+        started again after it."""
+        self.watching.cancel()
+        if self.control is None:
+            return
+        try:
+            await self.control.send(json.dumps({"bye": True, "why": why}).encode())
+        except OSError:
+            pass
+        self.control.close()
+        self.control = None
 
 
 def main(argv: list[str] | None = None) -> int:
