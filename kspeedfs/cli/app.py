@@ -35,6 +35,7 @@ COMMANDS = {
     "gc": ("gc", "remove old dataset versions by the keep rule (store.keep_versions)"),
     "secret": ("secret", "cluster secret: generate writes a new random one (mode 0600)"),
     "arena": ("arena", "this host's node arena files (RAM they hold); drop NODE removes one"),
+    "csi": ("csi", "run the Kubernetes CSI node plugin (stages and publishes kspeedfs volumes)"),
 }
 EX_SOFTWARE = 70     # sysexits.h: an internal error (a bug)
 
