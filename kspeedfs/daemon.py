@@ -9,6 +9,8 @@
              │    pyfuse3: pyfuse3.main, every request in this thread (fuse/operations.py)
              ├─ signals: SIGTERM/SIGINT → unmount (pyfuse3.terminate / session.terminate)
              ├─ metrics exporter (only with metrics.listen: metrics.py)
+             ├─ control socket + record: /run/kspeedfs/mounts/<name>.sock and .mount
+             │        (handovers, counters; the registry of local mounts: fuse/registry.py)
              ├─ hold: mounts/<ds>@<v>/<host>:<pid> on this mount's lease, with its read
              │        counters (cluster mounts: cluster/lifecycle.py); on exit the
              │        --unload-on-exit preload is released if no other mount holds it
@@ -45,13 +47,14 @@ from .fuse.operations import Operations
 from .fuse.pagecache import PageCache
 from .manifest import sealed
 from .manifest.index import ManifestIndex
-from .manifest.store import open_configured
+from .manifest.store import identity, open_configured
 from .manifest.store.base import DatasetInfo
 from .origin import open_origin
 from .reader import Reader
 
 if TYPE_CHECKING:
     from .cluster.fetch import Peers
+    from .fuse.registry import LocalMount
     from .manifest.store.etcd import EtcdStore
     from .fuse.native import NativeSession
 
@@ -281,8 +284,10 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     engine = choose_engine(cfg)
     if (req.upgrade or req.resume) and engine != "native":
         raise MountError("--upgrade needs the native FUSE engine (fuse.engine=native, root)")
+    from .fuse.registry import LocalMount
     from .fuse.upgrade import members_path
     keep = members_path(path) if engine == "native" else None   # only those are taken over
+    record = LocalMount.of_this_process(path, info.name, info.version, identity(cfg.store), engine)
     async with _cluster(cfg, index, bool(req.resume), keep,
                         bool(req.upgrade or req.resume)) as (peers, store), \
             trio.open_nursery() as nursery:
@@ -299,13 +304,14 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
         if engine == "native":
             from .fuse.native import NativeSession
 
-            session = NativeSession(path, ops, memory, index, info, cfg.fuse, nonempty=req.nonempty)
+            session = NativeSession(path, ops, memory, index, info, cfg.fuse, nonempty=req.nonempty,
+                                    record=record)
             reader.served_elsewhere = session.served
         if store is not None:                     # held from now: a --preload is not released
-            record = MountRecord(info.name, info.version, os.uname().nodename, path,
-                                 os.getpid(), unload_on_exit=req.unload_on_exit)
+            hold = MountRecord(info.name, info.version, os.uname().nodename, path,
+                               os.getpid(), unload_on_exit=req.unload_on_exit)
             handed_over = lambda: session is not None and session.handed_over  # noqa: E731
-            nursery.start_soon(_hold, store, record, cfg.cluster.lease_ttl,
+            nursery.start_soon(_hold, store, hold, cfg.cluster.lease_ttl,
                                lambda: _read_counters(reader), handed_over, name="hold")
 
         async def after_mount() -> None:
@@ -351,7 +357,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
                 if pages:
                     pages.close()
         else:
-            await _serve_pyfuse3(ops, path, cfg, info, req, nursery, after_mount, pages)
+            await _serve_pyfuse3(ops, path, cfg, info, req, nursery, after_mount, pages, record)
         nursery.cancel_scope.cancel()
     log.info("%s %s; %s", "handed over" if session is not None and session.handed_over
              else "unmounted", path, reader.statistics())
@@ -359,9 +365,13 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
 
 async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetInfo,
                          req: MountRequest, nursery: trio.Nursery,
-                         after_mount: Callable[[], Awaitable[None]], pages: PageCache | None) -> None:
+                         after_mount: Callable[[], Awaitable[None]], pages: PageCache | None,
+                         record: "LocalMount") -> None:
     """Mount with pyfuse3 and run its request loop until unmounted; then the page-cache
-    pushes stop before the session is destroyed (``pyfuse3.close`` unmounts)."""
+    pushes stop before the session is destroyed (``pyfuse3.close`` unmounts). Its control
+    socket answers ``query`` and ``stats`` (it has no connection to hand over)."""
+    from .fuse.upgrade import HandoverServer
+
     options = set(pyfuse3.default_options) | {"ro", f"fsname=kspeedfs:{info.name}", "subtype=kspeedfs"}
     if cfg.fuse.allow_other:
         options.add("allow_other")
@@ -369,6 +379,9 @@ async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetI
         options.add("nonempty")
     pyfuse3.init(ops, path, options)
     try:
+        control = HandoverServer(path, info.name, info.version, -1, lambda: {"transport": "pyfuse3"},
+                                 _no_handover, stats=ops.stats_record, record=record)
+        await nursery.start(control.run, name="control")
         nursery.start_soon(_on_signals, pyfuse3.terminate, name="signals")
         nursery.start_soon(after_mount, name="after-mount")
         await pyfuse3.main()
@@ -376,6 +389,10 @@ async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetI
         if pages:
             pages.close()
         pyfuse3.close(unmount=True)
+
+
+async def _no_handover() -> None:
+    raise AssertionError("a pyfuse3 mount refuses every handover")     # upgrade.py
 
 
 async def _serve_native(session: "NativeSession", nursery: trio.Nursery,

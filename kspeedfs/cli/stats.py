@@ -2,9 +2,11 @@
 
 Where the numbers come from (this command keeps no counters of its own):
 
-    MOUNTPOINT   the mount's ``user.kspeedfs.stats`` xattr (``fuse/operations.py``
-                 ``xattr_values``: ReadStatistics + PeerStatistics + per-op counts),
-                 read every ``--interval`` s; the mount needs ``fuse.xattrs=true``
+    MOUNTPOINT   the mount's counters (``fuse/operations.py`` ``stats_record``:
+                 ReadStatistics + PeerStatistics + per-op counts), read every
+                 ``--interval`` s over the daemon's control socket (root-only:
+                 ``fuse/registry.py`` ``ask``), or, where that cannot be reached (not
+                 root), as the ``user.kspeedfs.stats`` xattr of a ``fuse.xattrs=true`` mount
     --cluster    the ``stats/<node>`` records the live nodes publish to etcd every 2 s
                  (``cluster/node.py`` NodeStatistics: arena, counters, reads, endpoint)
 
@@ -62,7 +64,8 @@ def _count(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("mountpoint", nargs="?", help="a kspeedfs mount (mounted with fuse.xattrs)")
+    what.add_argument("mountpoint", nargs="?",
+                      help="a kspeedfs mount (as root; else one mounted with fuse.xattrs)")
     what.add_argument("--cluster", action="store_true",
                       help="every live node: load rates, cache use, peer paths (from etcd)")
     p.add_argument("--interval", type=_interval, default=1.0, metavar="S",
@@ -139,9 +142,10 @@ def _r(x: float | None, digits: int = 1) -> float | None:
 # -- a mount -----------------------------------------------------------------------------
 
 class MountReader:
-    """The counters of the kspeedfs mount at ``path``: one ``stats`` xattr per call.
+    """The counters of the kspeedfs mount at ``path``, one reading per call: over its
+    daemon's control socket, else (that socket is root-only) as its ``stats`` xattr.
     Refuses, with a one-line :class:`MountError`, a path that is not a kspeedfs
-    mountpoint, a mount without ``fuse.xattrs`` and a mount whose daemon is gone."""
+    mountpoint, a mount neither way reaches and a mount whose daemon is gone."""
 
     def __init__(self, path: str) -> None:
         from .. import mountpoint
@@ -155,21 +159,37 @@ class MountReader:
         if fstype != "fuse.kspeedfs":
             raise MountError(f"{path} is not a kspeedfs mount"
                              + (f" (it is a {fstype} mount)" if fstype else ""))
-        dataset = self._xattr("user.kspeedfs.dataset").decode(errors="replace")
+        self.socket_why = ""              # why the control socket did not answer
+        served = self._ask({"query": True})
+        dataset = (f"{served['dataset']}@{served['version']}" if served
+                   else self._xattr("user.kspeedfs.dataset").decode(errors="replace"))
         self.title = f"{dataset} at {self.path}"
 
     def __call__(self) -> dict[str, Any]:
-        record = json.loads(self._xattr(STATS_XATTR))
+        reply = self._ask({"stats": True})
+        stats = reply.get("stats") if reply else None
+        record = stats if isinstance(stats, dict) else json.loads(self._xattr(STATS_XATTR))
         record["time"] = time.time()
         return record
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        """The control socket's reply; None (and why, for the error) when it gives none."""
+        from ..fuse import registry
+
+        try:
+            return registry.ask(self.path, request)
+        except MountError as e:
+            self.socket_why = str(e)
+            return None
 
     def _xattr(self, name: str) -> bytes:
         try:
             return os.getxattr(self.path, name)
         except OSError as e:
             if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.ENODATA):
-                raise MountError(f"{self.path} was mounted without fuse.xattrs, so its counters "
-                                 "cannot be read: remount it with --set fuse.xattrs=true") from e
+                raise MountError(f"{self.path}: its counters cannot be read: {self.socket_why}, "
+                                 "and it was mounted without fuse.xattrs (run as root, or "
+                                 "remount it with --set fuse.xattrs=true)") from e
             if e.errno == errno.ENOTCONN:
                 raise MountError(f"{self.path}: its daemon is gone (transport endpoint is not "
                                  "connected); `kspeedfs umount` it") from e
@@ -202,8 +222,6 @@ def mount_sample(prev: dict[str, Any], cur: dict[str, Any], dt: float) -> dict[s
     ops_now, ops_before = sum(cur.get("ops", {}).values()), sum(prev.get("ops", {}).values())
     tiers = {t: {"chunks_per_s": _r(rate(c)), "mb_per_s": _r(None if b is None else rate(b) / 1e6, 2)}
              for t, (c, b) in TIER_COUNTERS.items()}
-    hits = sum(rate(TIER_COUNTERS[t][0]) or 0 for t in ("memory", "disk", "peer"))
-    misses = sum(rate(k) or 0 for k in ("source_loads", "source_blocks", "source_extents"))
     out: dict[str, Any] = {
         "time": round(cur["time"], 3), "interval": round(dt, 3),
         "transport": cur.get("transport"),   # "native io_uring", "native /dev/fuse", "pyfuse3"
@@ -211,7 +229,7 @@ def mount_sample(prev: dict[str, Any], cur: dict[str, Any], dt: float) -> dict[s
         "reads_per_s": _r(rate("reads")), "read_mb_per_s": _r((rate("read_bytes") or 0) / 1e6, 2),
         # (of them answered by the Python thread: on the native engine, its slow path)
         "python_reads_per_s": _r(rate("python_reads")),
-        "hit_ratio": round(hits / (hits + misses), 4) if hits + misses else None,
+        "hit_ratio": hit_ratio(cur, prev),
         "tiers": tiers,
         "memory_bytes": cur.get("memory_bytes", 0), "disk_bytes": cur.get("disk_bytes", 0),
         "errors_per_s": _r(sum(rate(k) or 0 for k in ("corrupt_discarded", "source_mismatches"))),
@@ -233,6 +251,17 @@ def mount_sample(prev: dict[str, Any], cur: dict[str, Any], dt: float) -> dict[s
     return out
 
 
+def hit_ratio(cur: dict[str, Any], prev: dict[str, Any] | None = None) -> float | None:
+    """The share of chunk requests a cache tier (memory, disk, peer) answered rather than
+    the source, between two stats records (no ``prev``: since the mount began); None
+    when there were none."""
+    prev = prev or {}
+    delta = lambda key: max(0, cur.get(key, 0) - prev.get(key, 0))   # noqa: E731
+    hits = sum(delta(TIER_COUNTERS[t][0]) for t in ("memory", "disk", "peer"))
+    misses = sum(delta(k) for k in ("source_loads", "source_blocks", "source_extents"))
+    return round(hits / (hits + misses), 4) if hits + misses else None
+
+
 MOUNT_COLUMNS = ["TIME", "OPS/S", "READS/S", "MB/S", "HIT%", "MEM/S", "DISK/S", "PEER/S", "SRC/S",
                  "PEER_MB/S", "SRC_MB/S", "HEDGES/S", "MEM_USED"]
 
@@ -245,7 +274,7 @@ def _pct(ratio: float | None) -> str:
     return "-" if ratio is None else f"{100 * ratio:.1f}"
 
 
-def _bytes(n: float) -> str:
+def size_word(n: float) -> str:
     """``8.0MiB``: one word, so every plain line splits into its columns (awk, cut)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
@@ -261,7 +290,8 @@ def _mount_row(s: dict[str, Any]) -> list[str]:
             _num(t["memory"]["chunks_per_s"]), _num(t["disk"]["chunks_per_s"]),
             _num(t["peer"]["chunks_per_s"]), _num(t["source"]["chunks_per_s"]),
             _num(t["peer"]["mb_per_s"]), _num(t["source"]["mb_per_s"]),
-            _num(s["peer"]["hedges_per_s"]) if "peer" in s else "-", _bytes(s["memory_bytes"])]
+            _num(s["peer"]["hedges_per_s"]) if "peer" in s else "-",
+            size_word(s["memory_bytes"])]
 
 
 MOUNT_WIDTHS = [max(len(h), 8) for h in MOUNT_COLUMNS]
@@ -285,7 +315,8 @@ def _mount_view(s: dict[str, Any], title: str, interval: float,
     tiers = Table(["TIER", "CHUNKS/S", "MB/S", "HOLDS"], right=(1, 2, 3))
     for name in TIERS:
         t = s["tiers"][name]
-        holds = {"memory": _bytes(s["memory_bytes"]), "disk": _bytes(s["disk_bytes"])}.get(name, "")
+        holds = {"memory": size_word(s["memory_bytes"]),
+                 "disk": size_word(s["disk_bytes"])}.get(name, "")
         tiers.add(name, _num(t["chunks_per_s"]), _num(t["mb_per_s"], 2), holds)
     over = f" over {s['transport']}" if s.get("transport") else ""
     parts: list[Any] = [f"kspeedfs stats: {title}{over}, every {interval:g} s "
@@ -394,12 +425,12 @@ def cluster_table(sample: dict[str, Any]) -> Table:
     table = Table(CLUSTER_COLUMNS, right=range(1, len(CLUSTER_COLUMNS)))
     for name, n in sample["nodes"].items():
         if not n["published"]:
-            table.add(name, *["-"] * 5, f"-/{_bytes(n['capacity'])}", "-", "-", "-")
+            table.add(name, *["-"] * 5, f"-/{size_word(n['capacity'])}", "-", "-", "-")
             continue
         table.add(name, _num(n["source_loads_per_s"]), _num(n["peer_loads_per_s"]),
                   _num(n["demand_loads_per_s"]), _num(n["load_mb_per_s"], 2),
                   _num(n["evictions_per_s"]),
-                  f"{_bytes(n['used_bytes'])}/{_bytes(n['capacity'])}",
+                  f"{size_word(n['used_bytes'])}/{size_word(n['capacity'])}",
                   _pct(n["used_bytes"] / n["capacity"] if n["capacity"] else None),
                   f"{n['paths_up']}/{n['paths']}", _num(n["failovers_per_s"]))
     return table

@@ -1,13 +1,19 @@
-"""``kspeedfs status``: the cluster at a glance, from etcd only (nodes publish every 2 s)."""
+"""``kspeedfs status``: the cluster at a glance, from etcd only (nodes publish every 2 s);
+on a single machine (the embedded store), this machine's live mounts of the store
+(``fuse/registry.py``) with their tier use, each asked over its control socket."""
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING, Any
 
 from ..errors import KspeedfsError
 from .options import cli_logging, cluster_store, load_config
 from .terminal import Table, print_table
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
 
     cli_logging(args)
     cfg = load_config(args)
+    if cfg.store.backend != "etcd":
+        return _single_machine(cfg, args.json)
     store = cluster_store(cfg, "status")
     # only nodes whose record is signed with the cluster secret (others: one warning each)
     nodes = {n: asdict(r) for n, r in NodeRecord.list_verified(store).items()}
@@ -51,6 +59,56 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def local_mounts(cfg: Config) -> list[dict[str, Any]]:
+    """This machine's live mounts of the configured store (``fuse/registry.py``), each
+    with its tier use and hit ratio since it began, asked over its control socket
+    (``unreachable``: why it did not answer; its numbers are then None)."""
+    from dataclasses import asdict
+
+    from ..errors import MountError
+    from ..fuse import registry
+    from ..manifest.store import identity
+    from .stats import hit_ratio
+
+    out = []
+    for m in registry.live(identity(cfg.store)):
+        try:
+            stats, why = registry.ask(m.mountpoint, {"stats": True}).get("stats"), None
+        except MountError as e:
+            stats, why = None, str(e)
+        s = stats if isinstance(stats, dict) else {}
+        use = {k: s.get(k) for k in ("memory_bytes", "disk_bytes", "reads", "read_bytes")}
+        out.append({**asdict(m), "tag": m.tag, **use,
+                    "hit_ratio": hit_ratio(s) if s else None, "unreachable": why})
+    return out
+
+
+def _single_machine(cfg: Config, as_json: bool) -> int:
+    """``status`` without a cluster: the live mounts of this store, one row each."""
+    from .stats import size_word
+
+    mounts = local_mounts(cfg)
+    if as_json:
+        print(json.dumps({"store": cfg.store.path, "mounts": mounts}, indent=2))
+        return 0
+    print(f"single machine (embedded store {cfg.store.path}; a cluster's status needs "
+          f"--etcd): {len(mounts)} live mount(s)")
+    table = Table(["MOUNTPOINT", "DATASET", "ENGINE", "MEMORY", "DISK", "HIT", "READ", "UP"],
+                  right=(3, 4, 5, 6, 7))
+    now = time.time()
+    for m in mounts:
+        size = lambda key: "-" if m[key] is None else size_word(m[key])    # noqa: E731
+        table.add(m["mountpoint"], m["tag"], m["engine"], size("memory_bytes"), size("disk_bytes"),
+                  "-" if m["hit_ratio"] is None else f"{100 * m['hit_ratio']:.1f}%",
+                  size("read_bytes"), f"{now - m['since']:.0f}s")
+    if mounts:
+        print_table(table)
+    for m in mounts:
+        if m["unreachable"]:
+            print(f"  {m['mountpoint']}: no counters: {m['unreachable']}")
+    return 0
+
+
 def node_lines(name: str, rec: dict, s: dict, now: float) -> list[str]:
     """What ``status`` prints of one live node: ``rec`` its (verified) node record, ``s``
     its stats record as ``lifecycle.node_stats`` gives it."""
@@ -60,6 +118,9 @@ def node_lines(name: str, rec: dict, s: dict, now: float) -> list[str]:
     out = [f"  {name}: NICs {', '.join(rec['nics'])}; cache {a.get('used_bytes', 0) / 2**30:.2f}/"
            f"{rec['capacity'] / 2**30:.2f} GiB ({a.get('used_slots', 0)} chunks){ssd}; "
            f"up {now - rec['started']:.0f}s"]
+    if s["files"]:
+        out.append("    arena files: " + ", ".join(f"{path} ({ram / 2**30:.2f} GiB RAM)"
+                                                  for path, ram in sorted(s["files"].items())))
     refused = a.get("refused", 0)
     out.append(f"    loads: {c.get('source_loads', 0)} from source, {c.get('peer_loads', 0)} from "
                f"peers, {c.get('demand_loads', 0)} on demand, {c.get('rereplicated', 0)} re-replicated"
@@ -118,9 +179,6 @@ def _p99(counts: list[int], buckets: list[float]) -> str:
     total, seen = sum(counts), 0
     for i, n in enumerate(counts):
         seen += n
-    if s["files"]:
-        out.append("    arena files: " + ", ".join(f"{path} ({ram / 2**30:.2f} GiB RAM)"
-                                                  for path, ram in sorted(s["files"].items())))
         if seen >= 0.99 * total:
             if i < len(buckets):
                 return f"{buckets[i]:g} ms"

@@ -49,6 +49,7 @@ from .upgrade import MAX_FDS, HandoverServer
 
 if TYPE_CHECKING:
     from ..cluster.native_fetch import NativeFetch
+    from .registry import LocalMount
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +137,13 @@ class NativeSession:
         memory: the memory tier mirrored into the engine.
         engine: the C engine (``kspeedfs.fuse._engine.Engine``), after ``mount()``.
         slow_op, op_stats: what ``fuse_op`` needs (Python-side reads and xattrs).
+        record: this mount in the registry of local mounts, published by its control
+            socket's server (``fuse/upgrade.py``, ``fuse/registry.py``).
     """
 
     def __init__(self, path: str, ops: Operations, memory: MemoryCache, index: ManifestIndex,
-                 info: DatasetInfo, cfg: FuseConfig, *, nonempty: bool = False) -> None:
+                 info: DatasetInfo, cfg: FuseConfig, *, nonempty: bool = False,
+                 record: "LocalMount | None" = None) -> None:
         self.path = path
         self.ops = ops
         self.memory = memory
@@ -147,6 +151,7 @@ class NativeSession:
         self.info = info
         self.cfg = cfg
         self.nonempty = nonempty
+        self.record = record
         self.slow_op = ops.slow_op
         self.op_stats = OpStats()
         ops.op_rows = self.op_rows           # the stats xattr counts what C answered too
@@ -314,7 +319,8 @@ class NativeSession:
         efd = self.engine.eventfd
         async with trio.open_nursery() as nursery:
             self.handover = HandoverServer(self.path, self.info.name, self.info.version,
-                                           self.fd, self.state, self._hand_over)
+                                           self.fd, self.state, self._hand_over,
+                                           stats=self.ops.stats_record, record=self.record)
             await nursery.start(self.handover.run)
             if self.resumed:
                 nursery.start_soon(self._report_resent)

@@ -219,13 +219,19 @@ class Operations(pyfuse3.Operations):
             out[b"checksum"] = ("xxh3-128:" + ",".join(e.digest.hex() for e in exts)).encode()
             out[b"chunks"] = ",".join(str(e.chunk) for e in exts).encode()
         if entry == 0:
-            stats = asdict(self.reader.statistics())
-            if self.reader.peers is not None:          # a cluster mount: its peer reads too
-                stats.update(asdict(self.reader.peers.statistics()))
-            stats["ops"] = {op: row[0] for op, row in self.op_rows().items() if row[0]}
-            stats.update(self.transport_stats())
-            out[b"stats"] = json.dumps(stats).encode()
+            out[b"stats"] = json.dumps(self.stats_record()).encode()
         return out
+
+    def stats_record(self) -> dict[str, Any]:
+        """The mount's counters (``kspeedfs stats``, over the control socket or as the
+        ``stats`` xattr): ReadStatistics, PeerStatistics on a cluster mount, per-op counts
+        and how requests reach the daemon."""
+        stats = asdict(self.reader.statistics())
+        if self.reader.peers is not None:          # a cluster mount: its peer reads too
+            stats.update(asdict(self.reader.peers.statistics()))
+        stats["ops"] = {op: row[0] for op, row in self.op_rows().items() if row[0]}
+        stats.update(self.transport_stats())
+        return stats
 
     @fuse_op
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:

@@ -182,6 +182,12 @@ class MetadataStore(abc.ABC):
         """Delete one version, or the whole dataset when ``version`` is None. Removing
         the current version makes the newest remaining one current."""
 
+    @property
+    def identity(self) -> str:
+        """This store's name in local mount records (``manifest.store.identity``); a
+        backend without one matches no mount."""
+        return repr(self)
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections. Idempotent."""
 

@@ -48,6 +48,13 @@ class EmbeddedStore(MetadataStore):
     def __repr__(self) -> str:
         return f"EmbeddedStore({str(self.root)!r})"
 
+    @property
+    def identity(self) -> str:
+        from . import identity
+        from ...config import StoreConfig
+
+        return identity(StoreConfig(backend="embedded", path=str(self.root)))
+
     @contextmanager
     def _locked(self) -> Iterator[None]:
         with open(self.root / "LOCK", "rb") as f:

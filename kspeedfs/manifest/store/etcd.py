@@ -91,6 +91,12 @@ class EtcdStore(MetadataStore):
     def __repr__(self) -> str:
         return f"EtcdStore({self.client.urls!r}, prefix={self.prefix!r})"
 
+    @property
+    def identity(self) -> str:
+        from . import identity
+
+        return identity(self.cfg)
+
     # -- keys -----------------------------------------------------------------------------
 
     def _ds(self, name: str, *rest: str) -> str:
