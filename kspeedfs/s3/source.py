@@ -9,9 +9,10 @@ skipped with a warning, and so is an object whose name is also a directory's
 owned by root; a file's mtime is its object's Last-Modified, a directory's the import's
 start.
 
-Each file's ETag goes into the manifest (format 3, ``manifest/model.py``) and every
-ranged GET, at import and later in the origin, is pinned to it with ``If-Match``: an
-object overwritten while the import reads it fails the import naming it.
+Each file's ETag (and version id, in a versioned bucket) goes into the manifest (format 3,
+``manifest/model.py``) and every ranged GET, at import and later in the origin, is pinned
+to it with ``If-Match`` (and ``VersionId``): an object overwritten while the import reads
+it fails the import naming it, unless the version read is kept.
 """
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def build_tree(url: S3Url, objects: list[ObjectInfo], now_ns: int) -> _Tree:
             else:
                 o = d.files[name]
                 tree.add_entry(idx, name, FILE_MODE, 0, 0, o.size, o.mtime_ns, path)
-                tree.objects.append(o.etag.encode() + b"\0")
+                tree.objects.append(o.etag.encode() + b"\0" + o.version_id.encode())
     return tree
 
 
@@ -112,9 +113,9 @@ class S3Source:
 
     def read_into(self, tree: _Tree, entry: int, offset: int, out: memoryview) -> None:
         assert tree.objects is not None
-        etag = tree.objects[entry].split(b"\0", 1)[0].decode()
+        etag, _, version = tree.objects[entry].decode().partition("\0")
         key = self.s3.key(tree.paths[entry])
-        why = get_range(self.conn, self.s3.bucket, key, offset, out, etag)
+        why = get_range(self.conn, self.s3.bucket, key, offset, out, etag, version)
         if why:
             raise SourceChanged(f"s3://{self.s3.bucket}/{key} {why}: it changed during import")
 
