@@ -32,7 +32,7 @@ import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from .errors import ConfigError
 
@@ -86,7 +86,13 @@ class StoreConfig:
     etcd_prefix: str = _opt("/kspeedfs/", "key prefix of everything kspeedfs keeps in etcd")
     etcd_user: str = _opt("", "etcd user name (auth enabled when set)")
     etcd_password: str = field(default="", metadata={"doc": "etcd password (kspeedfs config "
-                                                      "prints *** when set)", "secret": True})
+                                                      "prints *** when set); given with --set "
+                                                      "or -o, every local user reads it in ps: "
+                                                      "prefer etcd_password_file",
+                                                      "secret": True})
+    etcd_password_file: str = _opt("", "file holding the etcd password (a trailing newline "
+                                   "is dropped); refused unless mode 0600 or stricter and owned "
+                                   "by root or the user reading it; read once per process")
     etcd_ca_cert: str = _opt("", "CA bundle for etcd TLS (https endpoints)")
     etcd_cert: str = _opt("", "client certificate for etcd mutual TLS")
     etcd_key: str = _opt("", "client key for etcd mutual TLS")
@@ -115,6 +121,37 @@ class StoreConfig:
         if self.etcd_attempt_timeout > self.etcd_timeout:
             raise ConfigError(f"store.etcd_attempt_timeout: {self.etcd_attempt_timeout} must be "
                               f"<= store.etcd_timeout ({self.etcd_timeout})")
+        if self.etcd_password and self.etcd_password_file:
+            raise ConfigError("store.etcd_password_file: set it or store.etcd_password, not both")
+
+    def password(self) -> str:
+        """The etcd password: ``etcd_password_file``'s contents when set (a trailing
+        newline dropped), else ``etcd_password``. Like :meth:`ClusterConfig.secret`, the
+        file is refused with a ConfigError naming it when it cannot be read, is empty,
+        lets group or others access it (``mode & 0o077``), or belongs to a user other
+        than root and the reader (that user could read or replace it)."""
+        if not self.etcd_password_file:
+            return self.etcd_password
+        where = f"store.etcd_password_file {self.etcd_password_file}"
+        try:
+            with open(self.etcd_password_file, "rb") as f:
+                st = os.fstat(f.fileno())
+                data = f.read(4097)
+        except OSError as e:
+            raise ConfigError(f"{where}: {e.strerror}") from None
+        if st.st_mode & 0o077:
+            raise ConfigError(f"{where}: mode {st.st_mode & 0o777:04o} lets group or others "
+                              f"read the password; chmod 600 {self.etcd_password_file}")
+        if st.st_uid not in (0, os.geteuid()):
+            raise ConfigError(f"{where}: owned by uid {st.st_uid}, who can read or replace the "
+                              f"password; chown root {self.etcd_password_file}")
+        password = data.rstrip(b"\r\n")
+        if not password or len(data) > 4096:
+            raise ConfigError(f"{where}: the password is empty or longer than 4096 bytes")
+        try:
+            return password.decode()
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where}: the password is not UTF-8 text") from None
 
 
 @dataclass
@@ -668,6 +705,36 @@ def apply(cfg: Config, values: Mapping[str, Any], source: str) -> None:
             )
         setattr(section, name, _coerce(key, fields[name], value, source))
         cfg.sources[f"{section_name}.{name}"] = source
+        if fields[name].metadata.get("secret") and source == "command line" and value:
+            instead = (f"{section_name}.{name}_file (mode 0600)" if f"{name}_file" in fields
+                       else "the environment or a config file of mode 0600")
+            log.warning("%s given on the command line, where every local user reads it (ps, "
+                        "/proc/PID/cmdline); put it in %s instead", key, instead)
+
+
+def _secrets(cfg: Config) -> Iterator[tuple[str, Any]]:
+    """(``section.key``, value) of every key marked secret."""
+    for s in _sections(cfg):
+        section = getattr(cfg, s.name)
+        for f in dataclasses.fields(section):
+            if f.metadata.get("secret"):
+                yield f"{_toml_name(s)}.{f.name}", getattr(section, f.name)
+
+
+def secret_keys() -> list[str]:
+    """The ``section.key`` names of the keys marked secret: ``kspeedfs config`` prints
+    them as ``***``, and no command line kspeedfs runs carries them."""
+    return [key for key, _ in _secrets(Config())]
+
+
+def secret_environment(cfg: Config) -> dict[str, str]:
+    """The secret values that came from the command line, as the environment variables
+    that give them to a process this one starts (``KSPEEDFS_STORE_ETCD_PASSWORD``): a
+    mount's supervisor re-spawns daemons without them in their argv
+    (``fuse/supervisor.py``). Secrets from the config file or a ``*_file`` key are read
+    there again, and those from the environment are inherited."""
+    return {"KSPEEDFS_" + key.replace(".", "_").upper(): str(value)
+            for key, value in _secrets(cfg) if value and cfg.sources.get(key) == "command line"}
 
 
 def load(

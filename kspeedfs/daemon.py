@@ -40,7 +40,7 @@ from . import mountpoint as mp
 from .cache.disk import DiskCache
 from .cache.memory import MemoryCache
 from .cluster.lifecycle import MountRecord
-from .config import Config
+from .config import Config, secret_environment
 from .errors import ManifestCorrupt, MountError
 from .fuse import tuning
 from .fuse.operations import Operations
@@ -352,7 +352,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
         del blob
         if session is not None:
             try:
-                await _serve_native(session, nursery, after_mount, req, manifest_fd)
+                await _serve_native(session, nursery, after_mount, req, manifest_fd,
+                                    secret_environment(cfg))
             finally:
                 if pages:
                     pages.close()
@@ -397,13 +398,14 @@ async def _no_handover() -> None:
 
 async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
                         after_mount: Callable[[], Awaitable[None]], req: MountRequest,
-                        manifest_fd: int | None) -> None:
+                        manifest_fd: int | None, secrets: dict[str, str]) -> None:
     """Mount with the native engine (or take the live mount over from its daemon, or
     from its supervisor after a crash) and answer its queue until unmounted or handed
     over; always leaves the C threads joined, and the mount gone unless a successor
     serves it. A supervised mount tells its supervisor "bye" when it ends cleanly, and
     starts a new one if it dies first (``supervisor.Supervised``); ``manifest_fd``
-    (sealed, ``manifest/sealed.py``, closed here) goes to each supervisor it starts."""
+    (sealed, ``manifest/sealed.py``, closed here) and ``secrets`` (environment) go to
+    each supervisor it starts."""
     from .fuse import supervisor
     from .fuse import upgrade as handover
     from .fuse.native import RING_LIFECYCLE
@@ -411,7 +413,7 @@ async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
     def start() -> trio.socket.SocketType:
         return trio.socket.from_stdlib_socket(supervisor.spawn(
             session.path, session.engine.fds(), session.state(), list(req.argv), req.logfile,
-            session.cfg.resume_patience, manifest_fd))
+            session.cfg.resume_patience, manifest_fd, secrets))
 
     supervised = None
     try:

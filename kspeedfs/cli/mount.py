@@ -151,18 +151,47 @@ def _preload(cfg: Any, args: argparse.Namespace, note: Callable[[str], None]) ->
 
 
 def _remount_argv(argv: list[str]) -> tuple[str, ...]:
-    """These arguments without --upgrade/--resume/--manifest-fd: what the supervisor runs
-    to mount again (in this process's working directory, which it inherits)."""
+    """These arguments without --upgrade/--resume/--manifest-fd and without any secret
+    key's value (``--set``/``-o store.etcd_password=...``): what the supervisor runs to
+    mount again (in this process's working directory, which it inherits). The secrets go
+    to the supervisor in its environment instead (``config.secret_environment``)."""
+    from ..config import secret_keys
+
+    secret = tuple(f"{key}=" for key in secret_keys())
     out: list[str] = []
-    skip = False
+    pending = ""                            # the option whose value is the next argument
     for a in argv:
-        if skip:
-            skip = False
-        elif a in ("--resume", "--manifest-fd"):
-            skip = True
+        if pending in ("--resume", "--manifest-fd"):
+            pending = ""
+        elif pending == "--set":
+            pending = ""
+            if not a.strip().startswith(secret):
+                out += ["--set", a]
+        elif pending == "-o":
+            pending = ""
+            if kept := _without_secrets(a, secret):
+                out += ["-o", kept]
+        elif a in ("--resume", "--manifest-fd", "-o") or _is_set(a):
+            pending = "-o" if a == "-o" else "--set" if _is_set(a) else a
+        elif a.startswith("--") and "=" in a and _is_set(a.partition("=")[0]):
+            if not a.partition("=")[2].strip().startswith(secret):
+                out.append(a)
+        elif a.startswith("-o") and not a.startswith("--"):
+            if kept := _without_secrets(a[2:], secret):
+                out.append("-o" + kept)
         elif a != "--upgrade" and not a.startswith(("--resume=", "--manifest-fd=")):
             out.append(a)
     return tuple(out)
+
+
+def _is_set(option: str) -> bool:
+    """``--set`` or an abbreviation argparse takes for it (``--se``)."""
+    return len(option) >= 4 and "--set".startswith(option)
+
+
+def _without_secrets(options: str, secret: tuple[str, ...]) -> str:
+    """A ``-o`` value without its secret ``KEY=VALUE`` items."""
+    return ",".join(o for o in options.split(",") if not o.strip().startswith(secret))
 
 
 def _serve(cfg: Any, req: Any, ready: Any) -> int:

@@ -30,6 +30,10 @@ supervisor's copy, so a crash during an etcd outage, or after the version was re
 is resumed too; a cluster mount then reads from the peers its predecessor knew:
 cluster/membership.py ``PrefixView.keep``.)
 
+The argv a supervisor re-spawns daemons with carries no secret key
+(``cli/mount.py`` ``_remount_argv``): a password given on the first command line reaches
+the supervisor and its daemons in their environment (``spawn``, ``secrets``).
+
 Without FUSE_NOTIFY_RESEND (kernels before 6.9) the new daemon still serves every new
 request, but the requests the dead one had read stay unanswered: their readers hang
 until the mount is unmounted (``kspeedfs umount -l``). The daemon logs that at ERROR.
@@ -257,18 +261,22 @@ class Supervisor:
 
 
 def spawn(mountpoint: str, fds: list[int], state: dict, argv: list[str], logfile: str,
-          patience: float, manifest_fd: int | None = None) -> socket.socket:
+          patience: float, manifest_fd: int | None = None,
+          secrets: dict[str, str] | None = None) -> socket.socket:
     """Start the supervisor of this daemon's mount; returns the daemon's control socket
     (send ``{"bye": true}`` on it before a clean exit). ``manifest_fd``: a sealed copy of
     the manifest (``manifest/sealed.py``) the daemons it starts load instead of the
-    store's."""
+    store's. ``secrets``: environment variables for it and the daemons it starts
+    (``config.secret_environment``: secrets never travel in an argv, which every local
+    user reads, while /proc/PID/environ is readable by the process's owner, root, only)."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     proc = subprocess.Popen([sys.executable, "-m", "kspeedfs.fuse.supervisor", "--mountpoint",
                              mountpoint, "--control", str(theirs.fileno()), "--log", logfile,
                              "--patience", str(patience), "--", *argv],
                             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True,
+                            env={**os.environ, **secrets} if secrets else None)
     theirs.close()
     try:
         _send(mine, {"state": state}, fds)

@@ -414,6 +414,25 @@ def test_etcd_user_password_auth() -> None:
                 assert not isinstance(exc.value, StoreUnavailable), exc.value
 
 
+def test_etcd_auth_with_a_password_file(tmp_path: Path) -> None:
+    """``store.etcd_password_file``: the password from a 0600 file authenticates; a file
+    others may read is refused when the store opens, in one line naming it."""
+    with EtcdServer(name="kst-authfile") as server:
+        _etcdctl(server, "user", "add", "root:s3cret-in-a-file")
+        _etcdctl(server, "auth", "enable")
+        secret = tmp_path / "etcd-password"
+        secret.write_text("s3cret-in-a-file\n")
+        secret.chmod(0o600)
+        cfg = replace(_etcd_cfg([server.endpoint]), etcd_user="root",
+                      etcd_password_file=str(secret))
+        with open_store(cfg) as store:
+            store.publish(make_info(), b"authenticated")
+            assert store.manifest("imagenet", 1) == b"authenticated"
+        secret.chmod(0o644)
+        with pytest.raises(ConfigError, match=f"store.etcd_password_file {secret}: mode 0644"):
+            open_store(cfg)
+
+
 def test_etcd_mutual_tls(tmp_path: Path) -> None:
     ca = TestCA.create(tmp_path / "tls")
     with EtcdServer(name="kst-tls", tls=ca) as server:

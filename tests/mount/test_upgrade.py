@@ -273,6 +273,43 @@ def test_a_supervisor_killed_then_its_daemon_killed_loses_no_read(served) -> Non
           f"longest read {readers.longest * 1e3:.0f} ms")
 
 
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def _environ(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/environ").read_bytes()
+
+
+def test_a_password_given_on_the_command_line_is_in_no_respawned_argv(served) -> None:
+    """``--set store.etcd_password=…`` warns in one line, and the supervisor, the daemon
+    it resumes and a supervisor started again carry it in their environment (root-only
+    /proc/PID/environ), never in their command line (every user's ``ps``)."""
+    c, _, _ = served
+    password = "pw-" + os.urandom(12).hex()
+    mnt = c.base / "mnt-secret"
+    mnt.mkdir()
+    c.mounts.append(mnt)
+    r = kspeedfs(["mount", "up", str(mnt), *DEV_FUSE, "-o", f"ro,store.etcd_password={password}",
+                  *c.common()])
+    warned = [line for line in r.stderr.splitlines() if "store.etcd_password" in line]
+    assert len(warned) == 1 and "store.etcd_password_file" in warned[0], r.stderr
+    assert password not in r.stderr
+    want = f"KSPEEDFS_STORE_ETCD_PASSWORD={password}".encode()
+    sup = supervisor_pid(mnt)
+    assert sup is not None and password.encode() not in _cmdline(sup)
+    assert want in _environ(sup).split(b"\0")
+    pid = daemon_pid(mnt)
+    os.kill(pid, signal.SIGKILL)
+    _wait_log(c, "resume: took", 1)
+    resumed = daemon_pid(mnt)
+    assert resumed not in (pid, None)
+    assert password.encode() not in _cmdline(resumed) and want in _environ(resumed).split(b"\0")
+    new, _ = _supervisor_replaced(c, mnt, sup)
+    assert password.encode() not in _cmdline(new) and want in _environ(new).split(b"\0")
+    assert (mnt / "d" / "f00.bin").read_bytes() == (c.base / "src" / "d" / "f00.bin").read_bytes()
+
+
 def _killed_and_resumed(c: Cluster1, mnt: Path, readers: Readers) -> int:
     """SIGKILL ``mnt``'s daemon under ``readers``; its pid, once a new daemon took the
     connection over and the reads went on."""

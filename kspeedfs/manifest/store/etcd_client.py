@@ -16,7 +16,7 @@ and a healthy node left the cluster. The arithmetic is in docs/design.md ("etcd
 across rails"). A TLS failure on every endpoint is reported as a TLS error at once.
 The retry loop also rides out an etcd restart: gRPC's reconnect backoff is capped at
 1 s here (its default grows to 120 s, which would keep a channel failing long after
-the server is back). ``store.etcd_user``/``etcd_password`` enable etcd auth, over
+the server is back). ``store.etcd_user``/``etcd_password`` (or ``_file``) enable etcd auth, over
 http too (the token then travels as gRPC metadata only: see ``_connect``), and the
 client re-authenticates when etcd says the token expired (simple tokens last 5 min),
 watches included; ``https://`` endpoints use TLS with ``store.etcd_ca_cert`` (default:
@@ -288,6 +288,9 @@ class EtcdClient:
         if bool(cfg.etcd_cert) != bool(cfg.etcd_key):
             raise ConfigError("store.etcd_cert and store.etcd_key must be set together (mutual TLS)")
         self.cfg = cfg
+        # read once, here: a bad password file fails the command at its start in one line,
+        # not a reconnect in the middle of a mount's life
+        self._password = cfg.password() if cfg.etcd_user else None
         self.timeout = float(cfg.etcd_timeout)
         self.attempt_timeout = min(float(cfg.etcd_attempt_timeout), self.timeout)
         self._endpoints = [_Endpoint(url) for url in cfg.etcd]
@@ -336,7 +339,7 @@ class EtcdClient:
         user = self.cfg.etcd_user or None
         if user and self._auth_off:
             user = None                      # etcd said auth is not enabled (warned once)
-        password = self.cfg.etcd_password if user else None
+        password = self._password if user else None
         try:
             # With a user, the constructor calls Authenticate: the one raw gRPC call.
             client = etcd3.client(
