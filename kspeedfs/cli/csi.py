@@ -5,7 +5,9 @@ stderr. The store options (``--config``, ``--store``, ``--etcd``, ``--set``) are
 ones every ``kspeedfs mount`` it stages gets, before each volume's own settings; the
 checks a mount would make run here first, so a bad configuration fails the plugin at
 start, not each volume. SIGTERM/SIGINT stop serving; staged mounts stay
-(``kspeedfs/csi/stager.py``): a restarted plugin finds them in ``--state-dir``.
+(``kspeedfs/csi/stager.py``): a restarted plugin finds them in ``--state-dir``, and hands
+those a daemon of another kspeedfs version serves to new daemons of its own (an
+upgrade: ``kspeedfs mount --upgrade``) before it serves.
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stager", choices=("systemd", "process"), default="process",
                    help="run each volume's kspeedfs mount as a transient unit of the host's "
                         "systemd (in a container), or as a detached process (on a host)")
+    p.add_argument("--host-root", metavar="DIR",
+                   help="with --stager systemd: run mounts in this host directory holding "
+                        "the plugin image's files (default: the host's own kspeedfs)")
     p.add_argument("--mount-command", metavar="PATH",
                    help="the kspeedfs command the stager runs (default: this one)")
     p.add_argument("--mount-timeout", type=float, default=300.0, metavar="S",
@@ -68,14 +73,18 @@ def run(args: argparse.Namespace) -> int:
 
     command = [args.mount_command] if args.mount_command else [sys.executable, "-m", "kspeedfs.cli.app"]
     plugin = node.Plugin(
-        node_id=args.node_id or socket.gethostname(), state=StateDir(args.state_dir),
-        stager=stager.make(args.stager), mount_command=command, common_args=common,
+        node_id=args.node_id or socket.gethostname(), version=server.kspeedfs_version,
+        state=StateDir(args.state_dir),
+        stager=stager.make(args.stager, args.host_root), mount_command=command, common_args=common,
         open_store=lambda: open_configured(cfg), check_setting=check_setting,
         etcd=cfg.store.backend == "etcd", mount_timeout=args.mount_timeout)
     staged = list(plugin.state)
     log.info("%d volume(s) in %s: %s", len(staged), args.state_dir,
              ", ".join(f"{r.dataset}@{r.version} ({len(r.publishes)} target(s))" for r in staged)
              or "none")
+    # before serving: kubelet's calls then find every mount served by this version
+    if upgraded := node.upgrade_mounts(plugin):
+        log.info("%d staged mount(s) handed to kspeedfs %s daemons", upgraded, plugin.version)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -14,6 +14,9 @@ read-only into each pod that uses it, and take both down in the reverse order.
         staging (the daemon and its supervisor leave by themselves), stager stop, record
         removed
     NodeGetVolumeStats(volume, path)   statfs of the path: the dataset's bytes and files
+    upgrade_mounts (at plugin start)
+        each staged mount whose daemon is of another kspeedfs version: ``kspeedfs mount
+        --upgrade`` by the stager, under a new unit; readers see a pause, not an error
 
 Every call is idempotent: a repeat of a call that succeeded succeeds and changes
 nothing, checked against the kernel's mount table, not only the record (a plugin killed
@@ -50,6 +53,7 @@ class Plugin:
     """What the node service needs from its command line."""
 
     node_id: str
+    version: str                          # kspeedfs's, recorded with each mount it stages
     state: StateDir
     stager: Stager
     mount_command: Sequence[str]          # e.g. ["/usr/local/bin/kspeedfs"]
@@ -107,23 +111,57 @@ def stage(p: Plugin, volume_id: str, staging: str, volume_context: dict[str, str
     else:
         pinned = _pin(p, spec.dataset, spec.version)
         record = VolumeRecord(volume_id, os.path.abspath(staging), spec.dataset, pinned,
-                              dict(volume_context), f"kspeedfs-csi-{volume_key(volume_id)[:16]}",
-                              ephemeral=ephemeral)
+                              dict(volume_context), [f"kspeedfs-csi-{volume_key(volume_id)[:16]}"],
+                              mounted_by=p.version, ephemeral=ephemeral)
         if binds.is_mounted(staging):
             raise AlreadyExists(f"{staging} is already a mount point")
-        p.state.put(record)                 # before the mount: a restart knows its unit
     os.makedirs(staging, exist_ok=True)
-    argv = [*p.mount_command, "mount", record.dataset, record.staging_path,
-            *spec.mount_args(record.version), *p.common_args]
+    for unit in record.units[1:]:
+        p.stager.stop(unit)                 # upgrades' units of a mount that is gone
+    record.units, record.mounted_by = record.units[:1], p.version
+    p.state.put(record)                     # before the mount: a restart knows its unit
     try:
-        p.stager.start(record.unit, argv, p.mount_timeout)
+        p.stager.start(record.units[0], _mount_argv(p, record, spec), p.mount_timeout)
     except CsiError:
         if not binds.is_mounted(staging):
             p.state.remove(volume_id)
         raise
     log.info("volume %s: %s@%d staged at %s (%s)", volume_id, record.dataset, record.version,
-             staging, record.unit)
+             staging, record.units[0])
     return record
+
+
+def _mount_argv(p: Plugin, record: VolumeRecord, spec: context.VolumeSpec,
+                *extra: str) -> list[str]:
+    return [*p.mount_command, "mount", record.dataset, record.staging_path, *extra,
+            *spec.mount_args(record.version), *p.common_args]
+
+
+def upgrade_mounts(p: Plugin) -> int:
+    """Hand each staged mount served by a daemon of another kspeedfs version to a daemon
+    of this one (``kspeedfs mount --upgrade``, run by the stager under a unit of its own:
+    the new daemon and its supervisor live there); the number handed over. A mount that
+    refuses is logged and left to its old daemon: it still serves."""
+    done = 0
+    for record in list(p.state):
+        if record.mounted_by == p.version or not binds.is_mounted(record.staging_path):
+            continue
+        unit = f"{record.units[0]}-{len(record.units)}"
+        try:
+            p.stager.start(unit, _mount_argv(p, record, context.parse(record.context),
+                                             "--upgrade"), p.mount_timeout)
+        except CsiError as e:
+            log.error("volume %s: upgrade from kspeedfs %s refused: %s", record.volume_id,
+                      record.mounted_by or "?", e)
+            continue
+        log.info("volume %s: %s@%d at %s handed from kspeedfs %s to %s (%s)", record.volume_id,
+                 record.dataset, record.version, record.staging_path, record.mounted_by or "?",
+                 p.version, unit)
+        record.units.append(unit)
+        record.mounted_by = p.version
+        p.state.put(record)
+        done += 1
+    return done
 
 
 def _pin(p: Plugin, dataset: str, version: int | None) -> int:
@@ -162,7 +200,8 @@ def unstage(p: Plugin, volume_id: str, staging: str) -> None:
                                  f"target(s), first {live[0]}: unpublish them first")
     if binds.is_mounted(record.staging_path):
         binds.unmount(record.staging_path)
-    p.stager.stop(record.unit)
+    for unit in record.units:
+        p.stager.stop(unit)
     p.state.remove(volume_id)
     log.info("volume %s: %s@%d unstaged from %s", volume_id, record.dataset, record.version,
              record.staging_path)

@@ -20,6 +20,16 @@ the command. What differs is *whose* they are:
   by its supervisor changes nothing systemd watches. ``stop`` runs after the unmount,
   when those processes have left by themselves; it only removes the unit.
 
+  The command runs on the host, so kspeedfs must be there: installed on the host, or,
+  with ``root``, the plugin image's own files copied to a host directory (the DaemonSet's
+  init container does that: mount/kubernetes/csi-node.yaml) and used as the unit's
+  ``RootDirectory=``, with the host's /dev, /proc and /sys (``MountAPIVFS=``) and the
+  paths a mount shares with the host bound in (``BindPaths=``: kubelet's directory, where
+  staging paths are; the configuration; /run/kspeedfs, where a mount's handover and
+  supervisor sockets are, which an upgrade started by another unit must find).
+  ``MountFlags=shared`` sends the FUSE mount made in the unit's namespace back to the
+  host's. Not run here (no systemd on the test machines): docs/kubernetes.md.
+
 A stager's ``start`` returns once the mount is live or raises :class:`StageFailed` with
 the command's own one-line error.
 """
@@ -80,13 +90,21 @@ class ProcessStager:
 class SystemdStager:
     """The mount's processes in a transient unit of the host's systemd (a container)."""
 
-    def __init__(self, systemd_run: str = "systemd-run", systemctl: str = "systemctl") -> None:
+    #: host paths a mount shares with the host when it runs in ``root``
+    SHARED = ("/var/lib/kubelet", "/etc/kspeedfs", "/run/kspeedfs", "/var/log/kspeedfs")
+
+    def __init__(self, root: str | None = None, systemd_run: str = "systemd-run",
+                 systemctl: str = "systemctl") -> None:
+        self.root = root
         self.systemd_run = systemd_run
         self.systemctl = systemctl
 
     def command(self, unit: str, argv: Sequence[str]) -> list[str]:
+        rooted = [] if self.root is None else [
+            f"--property=RootDirectory={self.root}", "--property=MountAPIVFS=yes",
+            f"--property=BindPaths={' '.join(self.SHARED)}", "--property=MountFlags=shared"]
         return [self.systemd_run, f"--unit={unit}", "--collect", "--quiet",
-                "--property=Type=oneshot", "--property=RemainAfterExit=yes",
+                "--property=Type=oneshot", "--property=RemainAfterExit=yes", *rooted,
                 "--description=kspeedfs CSI volume", "--", *argv]
 
     def start(self, unit: str, argv: Sequence[str], timeout: float) -> None:
@@ -100,9 +118,9 @@ class SystemdStager:
                        timeout=60, stdin=subprocess.DEVNULL)
 
 
-def make(kind: str) -> Stager:
+def make(kind: str, root: str | None = None) -> Stager:
     if kind == "process":
         return ProcessStager()
     if kind == "systemd":
-        return SystemdStager()
+        return SystemdStager(root)
     raise ValueError(f"unknown stager {kind!r}")

@@ -12,6 +12,8 @@ checks the kernel's mount table before it trusts a record:
     NodeUnpublishVolume  umount target → record -= target
     NodeUnstageVolume    refused while a recorded target is still mounted;
                          umount staging → stager stop → record removed
+    plugin start         a mount whose daemon is of another kspeedfs version is handed
+                         to a new one (kspeedfs mount --upgrade) → record units += new
 
 Calls on one volume are serialized by the server (``node.py``); different volumes'
 records are different files.
@@ -36,7 +38,9 @@ class VolumeRecord:
     dataset: str
     version: int                        # pinned at stage time
     context: dict[str, str]             # as given at stage time: a repeat must match it
-    unit: str                           # the stager's name for the mount's processes
+    units: list[str]                    # the stager's names for the mount's processes: the
+                                        # stage's, then one per upgrade (a new daemon's)
+    mounted_by: str = ""                # the kspeedfs version whose daemon serves it
     ephemeral: bool = False
     publishes: list[str] = field(default_factory=list)   # target paths, in publish order
     staged_at: float = field(default_factory=time.time)

@@ -9,10 +9,12 @@ INVALID_ARGUMENT / FAILED_PRECONDITION); a dataset or version that does not exis
 (NOT_FOUND); a version pinned at stage time across a re-import; two pods on one staged
 volume, and Unstage refused while one is published; the plugin SIGKILLed and restarted
 under a reading pod; the mount's daemon SIGKILLed under a published volume (the
-supervisor resumes it); NodeGetVolumeStats; an inline ephemeral volume.
+supervisor resumes it); a plugin of a new version handing staged mounts to new daemons
+(the upgrade); NodeGetVolumeStats; an inline ephemeral volume.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -234,6 +236,40 @@ def test_the_plugin_sigkilled_and_restarted_while_a_pod_reads(csi) -> None:
           f"of 128 KiB ({read['bytes'] / 1e6:.0f} MB), 0 errors, longest read "
           f"{read['longest_read'] * 1e3:.1f} ms; a new plugin answered Probe after "
           + ", ".join(f"{s:.2f}" for s in restarts) + " s")
+
+
+def test_a_plugin_of_another_version_hands_staged_mounts_to_new_daemons(csi) -> None:
+    """The upgrade: the records say another kspeedfs version's daemon serves the staged
+    mount; the plugin that starts hands it over (``kspeedfs mount --upgrade``) before it
+    serves, under a reading pod: a new daemon, no error."""
+    plugin, src, base = csi
+    staging, target = kubelet_paths(base, "pv-train", "pod-1")
+    plugin.stage("pv-train", staging, CTX)
+    plugin.publish("pv-train", staging, target)
+    old = daemon_pid(staging)
+    pod = Pod(target, src, base)
+    time.sleep(0.5)
+    plugin.kill(signal.SIGKILL)
+    (record,) = _records(base)
+    data = json.loads(record.read_text())
+    assert data["mounted_by"] and len(data["units"]) == 1
+    record.write_text(json.dumps({**data, "mounted_by": "0.0.1"}))
+    plugin.start()
+    new = wait_daemon_replaced(staging, old)
+    time.sleep(0.5)
+    read = pod.stop()
+    _clean(read)
+    data = json.loads(record.read_text())
+    assert data["mounted_by"] != "0.0.1" and len(data["units"]) == 2
+    assert "handed from kspeedfs 0.0.1" in plugin.log.read_text()
+    plugin.kill(signal.SIGKILL)                     # a restart of the same version: no upgrade
+    plugin.start()
+    assert daemon_pid(staging) == new
+    plugin.unpublish("pv-train", target)
+    plugin.unstage("pv-train", staging)
+    assert not is_mounted(staging)
+    print(f"\nstaged mount upgraded by a new plugin under a pod: {read['reads']} reads, "
+          f"0 errors, longest read {read['longest_read'] * 1e3:.0f} ms")
 
 
 def test_the_mount_daemon_sigkilled_under_a_published_volume(csi) -> None:

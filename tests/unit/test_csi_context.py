@@ -55,11 +55,21 @@ def test_the_systemd_stager_runs_a_oneshot_unit_that_outlives_its_start() -> Non
     assert cmd[:2] == ["systemd-run", "--unit=kspeedfs-csi-ab"]
     assert {"--collect", "--property=Type=oneshot", "--property=RemainAfterExit=yes"} <= set(cmd)
     assert cmd[cmd.index("--"):] == ["--", "/usr/local/bin/kspeedfs", "mount", "d", "/s"]
+    assert not any("RootDirectory" in a for a in cmd)
+
+
+def test_the_systemd_stager_in_a_copied_root_shares_kubelets_directory_with_the_host() -> None:
+    cmd = SystemdStager(root="/var/lib/kspeedfs/root/0.1.0").command("u", ["kspeedfs"])
+    props = [a.partition("=")[2] for a in cmd if a.startswith("--property=")]
+    assert "RootDirectory=/var/lib/kspeedfs/root/0.1.0" in props
+    assert "MountFlags=shared" in props and "MountAPIVFS=yes" in props
+    bind = next(p for p in props if p.startswith("BindPaths="))
+    assert {"/var/lib/kubelet", "/run/kspeedfs", "/etc/kspeedfs"} <= set(bind[10:].split())
 
 
 def test_records_survive_a_new_state_dir_object(tmp_path: Path) -> None:
     state = StateDir(tmp_path)
-    record = VolumeRecord("pv/1", "/s", "d", 2, {"dataset": "d"}, "u", publishes=["/t1"])
+    record = VolumeRecord("pv/1", "/s", "d", 2, {"dataset": "d"}, ["u"], publishes=["/t1"])
     state.put(record)
     again = StateDir(tmp_path)
     assert again.get("pv/1") == record and list(again) == [record]
