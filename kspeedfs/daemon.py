@@ -1,7 +1,7 @@
 """The mount daemon's composition root: every resource, in order, with its teardown.
 
     store → DatasetInfo → manifest blob → ManifestIndex      (once; never again)
-    Origin (source dir) · MemoryCache · DiskCache?
+    Origin (source dir) · MemoryCache · DiskCache?        (compose.py: the library's too)
     nursery ─┬─ Reader (loads + prefetch run here)
              ├─ the request loop, one of two engines (``fuse.engine``):
              │    native: C threads on /dev/fuse answer metadata and memory-tier hits,
@@ -29,16 +29,14 @@ import logging
 import os
 import signal
 import socket
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import pyfuse3
 import trio
 
+from . import compose
 from . import mountpoint as mp
-from .cache.disk import DiskCache
-from .cache.memory import MemoryCache
 from .cluster.lifecycle import MountRecord
 from .config import Config, secret_environment
 from .errors import ManifestCorrupt, MountError
@@ -47,9 +45,8 @@ from .fuse.operations import Operations
 from .fuse.pagecache import PageCache
 from .manifest import sealed
 from .manifest.index import ManifestIndex
-from .manifest.store import identity, open_configured
+from .manifest.store import identity
 from .manifest.store.base import DatasetInfo
-from .origin import open_origin
 from .reader import Reader
 
 if TYPE_CHECKING:
@@ -59,10 +56,6 @@ if TYPE_CHECKING:
     from .fuse.native import NativeSession
 
 log = logging.getLogger(__name__)
-
-#: seconds a resumed daemon waits for the cluster's node list (``_cluster``)
-RESUME_FIRST_WAIT = 1.0
-
 
 @dataclass(frozen=True)
 class MountRequest:
@@ -92,9 +85,7 @@ def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, bytes, Ma
         except ManifestCorrupt as e:
             log.warning("resume: %s; loading it from the store", e)
     if info is None or blob is None:
-        with open_configured(cfg) as store:   # etcd: records verified with the cluster secret
-            info = store.dataset(req.dataset, req.version)
-            blob = store.manifest(info.name, info.version)
+        info, blob = compose.fetch_manifest(cfg, req.dataset, req.version)
     return info, blob, ManifestIndex.from_blob(blob, info.inflated_size)
 
 
@@ -143,57 +134,6 @@ def choose_engine(cfg: Config) -> str:
         log.warning("fuse.engine native: %s; serving with pyfuse3", why)
         return "pyfuse3"
     return "native"
-
-
-@asynccontextmanager
-async def _cluster(cfg: Config, index: ManifestIndex, resume: bool = False,
-                   keep: str | None = None, taking_over: bool = False,
-                   ) -> AsyncIterator[tuple["Peers | None", "EtcdStore | None"]]:
-    """Peers to read chunks from, when this mount belongs to a cluster (etcd store and
-    ``cluster.peers``); None otherwise. The mount talks to the nodes directly — its own
-    vRDMA endpoint and one-sided READs into its own buffers — so a read from a peer
-    crosses the network once and the local node's CPU is never on the path. ``resume``:
-    readers wait on this daemon, so the node list is waited for ``RESUME_FIRST_WAIT`` s
-    at most (etcd lists it in milliseconds; during an outage the usual wait, one
-    ``etcd_timeout`` and a second, found nothing and cost a resume 6 s). ``keep``: the
-    file the node list is kept in (``PrefixView``); ``taking_over`` (a resume or an
-    upgrade): with no listing in time, start from the list kept there by the daemon
-    before, so reads go to its peers, not to the source, until etcd is back."""
-    if cfg.store.backend != "etcd" or not cfg.cluster.peers:
-        yield None, None
-        return
-    from rdma.vrdma import Endpoint
-
-    from .cluster.fetch import Peers
-    from .cluster.hedge import from_config as hedge_from_config
-    from .cluster.membership import Membership
-    from .manifest.store.etcd import EtcdStore
-
-    secret = cfg.cluster.secret()
-    store = EtcdStore(cfg.store, secret)      # verifies node records (membership)
-    me = f"mount:{os.uname().nodename}:{os.getpid()}"
-    async with Endpoint(secret, node=me, addrs=cfg.cluster.nics or None,
-                        provider=cfg.cluster.provider or None, cfg=cfg.cluster.heartbeat()) as ep, \
-            trio.open_nursery() as nursery:
-        membership = Membership(store, leave_grace=cfg.cluster.leave_grace,
-                                first_wait=RESUME_FIRST_WAIT if resume else None,
-                                keep=keep, seed=taking_over)
-        await nursery.start(membership.run)
-        slot = max(cfg.cluster.slot_size, index.chunk_size)
-        peers = Peers(ep, membership, secret, cfg.cluster.replicas, slot, nursery=nursery,
-                      find_local=True, nbuf=max(8, cfg.fuse.prefetch_chunks * 2),
-                      landing_slots=cfg.cache.memory // slot,
-                      hedge=hedge_from_config(cfg.cluster))
-        log.info("cluster: %d nodes (%s), local node %s, R=%d", len(membership.nodes),
-                 ", ".join(sorted(membership.nodes)), peers.local_member(),
-                 cfg.cluster.replicas)
-        try:
-            yield peers, store
-        finally:
-            with trio.CancelScope(shield=True):
-                await peers.aclose()
-            nursery.cancel_scope.cancel()
-            store.close()
 
 
 _HELD_COUNTERS = ("reads", "read_bytes", "memory_hits", "disk_hits", "peer_hits", "source_loads",
@@ -275,11 +215,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     log.info("dataset %s v%d: %d entries, %d bytes, %d chunks of %d; index %d bytes",
              info.name, info.version, info.entries, info.bytes, info.chunks, info.chunk_size,
              index.nbytes)
-    clustered = cfg.store.backend == "etcd" and cfg.cluster.peers
-    origin = open_origin(req.source or info.source, index, info.name, required=not clustered,
-                         config=cfg.source)
-    memory = MemoryCache(cfg.cache.memory)
-    disk = DiskCache(cfg.cache.disk_dir, cfg.cache.disk) if cfg.cache.disk else None
+    tiers = compose.local_tiers(cfg, info, index, req.source)
+    memory, disk = tiers.memory, tiers.disk
 
     engine = choose_engine(cfg)
     if (req.upgrade or req.resume) and engine != "native":
@@ -288,7 +225,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     from .fuse.upgrade import members_path
     keep = members_path(path) if engine == "native" else None   # only those are taken over
     record = LocalMount.of_this_process(path, info.name, info.version, identity(cfg.store), engine)
-    async with _cluster(cfg, index, bool(req.resume), keep,
+    async with compose.cluster(cfg, index, bool(req.resume), keep,
                         bool(req.upgrade or req.resume)) as (peers, store), \
             trio.open_nursery() as nursery:
         session: "NativeSession | None" = None
@@ -296,10 +233,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
         if cfg.fuse.push_pages:
             pages = PageCache(index, store=pyfuse3.notify_store if engine == "pyfuse3"
                               else lambda *a: session.notify_store(*a))   # type: ignore[union-attr]
-        reader = Reader(index=index, origin=origin, memory=memory, disk=disk, nursery=nursery,
-                        peers=peers, dataset=(info.name, info.version), workers=cfg.fuse.workers,
-                        prefetch_depth=cfg.fuse.prefetch_chunks,
-                        push=pages.push if pages else None)
+        reader = compose.new_reader(cfg, info, index, tiers, nursery, peers,
+                                    push=pages.push if pages else None)
         ops = Operations(index, reader, info, cfg.fuse, slow_op=cfg.log.slow_op)
         if engine == "native":
             from .fuse.native import NativeSession

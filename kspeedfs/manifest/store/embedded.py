@@ -42,6 +42,11 @@ class EmbeddedStore(MetadataStore):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             (self.root / "LOCK").touch(exist_ok=True)
+        except PermissionError as e:
+            # readers take no lock: a user who may read the store but not write it (the
+            # library as non-root) opens it; a write by that user fails at the lock
+            if not os.access(self.root, os.R_OK | os.X_OK):
+                raise StoreUnavailable(f"embedded store {self.root}: {e.strerror}") from e
         except OSError as e:
             raise StoreUnavailable(f"embedded store {self.root}: {e.strerror}") from e
 
@@ -57,6 +62,8 @@ class EmbeddedStore(MetadataStore):
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
+        if not os.access(self.root, os.W_OK):
+            raise StoreUnavailable(f"embedded store {self.root}: Permission denied (readable only)")
         with open(self.root / "LOCK", "rb") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
