@@ -8,8 +8,9 @@
                                          hedging and checksums as a FUSE read
       caller's threads:
         listdir / stat / walk            the index alone (immutable: no lock, no trio hop)
-        read / read_many / open().read   one ``trio.from_thread.run`` each: the Reader's
-                                         loads overlap inside the trio thread
+        read / read_many / open().read   resident in the memory tier? sliced right here;
+                                         else one ``trio.from_thread.run`` (a batch: one
+                                         for all), the Reader's loads overlapping there
 
 One boundary (``_errors``): every error a public call raises is what ``open()`` and
 ``read()`` on the mount raise — FileNotFoundError, NotADirectoryError,
@@ -18,10 +19,13 @@ IsADirectoryError, and ``OSError(err.errno)`` for the kspeedfs and rdma trees
 bug is logged with its traceback and raised as EIO. A closed dataset or file raises
 ValueError, as a closed Python file does.
 
-Bytes cross from the trio thread to the caller copied (``read`` joins, ``readinto``
-copies into the caller's buffer) while the caller waits: a memory-tier buffer may be a
-registered landing slot that is reused once evicted, so no view of it leaves the trio
-thread.
+Resident hits skip the trio thread (``_resident``): bytes the memory tier's resident
+part holds (kept until close, never reordered) are sliced in the caller's thread, as
+the native engine's C threads answer a mount's memory hits; one hop to the trio thread
+costs tens of microseconds, a 4 KiB copy well under one. They are counted for
+``statistics()`` the same way (``Reader.served_elsewhere``). A view of a tier's buffer
+is safe to hold anywhere: buffers are immutable, and a landing slot is reused only once
+nothing refers to it (``cluster/landing.py``).
 
 Processes: a handle belongs to the process that opened it (its thread and, in a cluster,
 its gRPC channels and vRDMA endpoint do not survive a fork): using it in a forked child
@@ -47,6 +51,7 @@ from .config import Config, load
 from .errors import ErrnoError
 from .manifest.index import ManifestIndex
 from .manifest.store.base import DatasetInfo
+from .cache.memory import MemoryCache
 from .reader import Reader
 from .stats import ReadStatistics
 
@@ -165,6 +170,9 @@ class Dataset:
         self._source = source
         self._pid = os.getpid()
         self._reader: Reader | None = None
+        self._memory: MemoryCache | None = None
+        self._served = [0, 0, 0]            # resident hits: reads, bytes, hits; under _lock
+        self._lock = threading.Lock()
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self._started = threading.Event()
@@ -198,6 +206,8 @@ class Dataset:
         tiers = await trio.to_thread.run_sync(compose.local_tiers, cfg, info, index, self._source)
         async with compose.cluster(cfg, index) as (peers, _store), trio.open_nursery() as nursery:
             self._reader = compose.new_reader(cfg, info, index, tiers, nursery, peers)
+            self._reader.served_elsewhere = lambda: tuple(self._served)  # type: ignore[assignment]
+            self._memory = tiers.memory
             self._token = trio.lowlevel.current_trio_token()
             self._stop = trio.Event()
             self._started.set()
@@ -357,7 +367,39 @@ class Dataset:
                 if name in kids:
                     stack.append((f"{dirpath}/{name}" if dirpath else name, kids[name]))
 
-    # -- data: the Reader, in the trio thread ------------------------------------------------
+    # -- data: resident hits here, the rest through the Reader in the trio thread ------------
+
+    def _resident(self, entry: int, offset: int, size: int) -> list[memoryview] | None:
+        """Bytes [offset, offset + size) of file ``entry`` (``size`` > 0, inside the file)
+        as views of buffers the memory tier's resident part holds — the chunks, or the
+        small file's extent (where ``Reader`` keeps it) — or None if any is not there."""
+        ix, resident = self.index, self._memory.resident  # type: ignore[union-attr]
+        chunks = ix.chunk_range(entry, offset, size)
+        c, start = ix.chunk_size, ix.data[entry] + offset
+        parts = []
+        for k in chunks:
+            data = resident(ix.chunk_digest(k))
+            if data is None:
+                break
+            parts.append(memoryview(data)[max(start, k * c) - k * c:
+                                          min(start + size, (k + 1) * c) - k * c])
+        else:
+            self._count(size, len(chunks))
+            return parts
+        if len(chunks) == 1 and len(ix.chunk_range(entry, 0, ix.size[entry])) == 1:
+            (ext,) = ix.file_extents(entry)
+            data = resident(ext.digest)
+            if data is not None:
+                self._count(size, 1)
+                return [memoryview(data)[offset:offset + size]]
+        return None
+
+    def _count(self, nbytes: int, hits: int) -> None:
+        with self._lock:
+            self._served[0] += 1
+            self._served[1] += nbytes
+            self._served[2] += hits
+
 
     def read(self, path: PathLike, offset: int = 0, size: int | None = None) -> bytes:
         """The bytes of file ``path`` from ``offset`` (``size`` of them, fewer at its end;
@@ -371,7 +413,13 @@ class Dataset:
         entry = self._file(path)
         if offset < 0 or (size is not None and size < 0):
             raise ValueError("offset and size must be >= 0")
-        end = self.index.size[entry] if size is None else offset + size
+        end = self.index.size[entry] if size is None else min(offset + size, self.index.size[entry])
+        if end <= offset:
+            return b""
+        self._check()
+        parts = self._resident(entry, offset, end - offset)
+        if parts is not None:
+            return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
         return self._call(self._read, entry, offset, end - offset, path=path)
 
     def read_many(self, items: Iterable[PathLike | tuple[PathLike, int, int | None]], *,
@@ -397,7 +445,21 @@ class Dataset:
             except OSError as e:
                 todo.append(None)
                 failed.append(e)
-        results, errors = self._call(self._read_batch, todo)
+        self._check()
+        here: dict[int, bytes] = {}
+        for i, item in enumerate(todo):
+            if item is not None:
+                end = min(item[1] + item[2], self.index.size[item[0]])
+                parts = self._resident(item[0], item[1], end - item[1]) if end > item[1] else [b""]
+                if parts is not None:
+                    here[i] = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+                    todo[i] = None
+        if any(item is not None for item in todo):
+            results, errors = self._call(self._read_batch, todo)
+        else:                               # all resident: no trio hop
+            results, errors = [b""] * len(todo), [None] * len(todo)
+        for i, data in here.items():
+            results[i] = data
         for i, e in enumerate(errors):
             if e is not None:
                 item = items[i]
@@ -520,8 +582,18 @@ class DatasetFile(io.RawIOBase):
         size = min(len(view), self.size - self._pos)
         if size <= 0:
             return 0
-        n = self._ds._call(self._ds._readinto, self._entry, self._pos, view[:size], self._stream,
-                           path=self.name)
+        self._ds._check()
+        parts = self._ds._resident(self._entry, self._pos, size)
+        if parts is None:
+            n = self._ds._call(self._ds._readinto, self._entry, self._pos, view[:size],
+                               self._stream, path=self.name)
+        else:
+            s = self._stream                # as Prefetcher.advise records a read
+            s.run, s.next_offset = (s.run + 1 if self._pos == s.next_offset else 0), self._pos + size
+            n = 0
+            for p in parts:
+                view[n:n + len(p)] = p
+                n += len(p)
         self._pos += n
         return n
 

@@ -1,5 +1,5 @@
 """The memory tier: verified, immutable chunks (and blocks, and small files' extents),
-bounded in bytes. Used only from the trio thread: no lock.
+bounded in bytes. Used only from the trio thread (but for ``resident``): no lock.
 
 Two parts, because training reads a dataset in epochs:
 
@@ -136,6 +136,12 @@ class MemoryCache:
         was put; False without a mirror (every read then comes through ``get``), and for a
         key not held (the mirror holds exactly what this tier holds)."""
         return self._mirror is not None and self._mirror.served(key)
+
+    def resident(self, key: bytes) -> bytes | None:
+        """``key``'s buffer if the resident part holds it; safe from any thread (the
+        library's callers): that part is never reordered, and an entry enters or leaves
+        it whole, in one dict operation under the GIL."""
+        return self._resident.get(key)
 
     def get(self, key: bytes) -> bytes | None:
         data = self._resident.get(key)

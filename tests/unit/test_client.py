@@ -27,13 +27,12 @@ from tests.fixtures.mounts import CHUNK, files_below, make_tree
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _config(store: Path, **more: object):
+def _config(store: Path, memory: str = "512MiB"):
     """A configuration of this test alone: an empty file instead of /etc's, no
     KSPEEDFS_* environment."""
     empty = store.parent / "kspeedfs.toml"
     empty.touch()
-    return load(empty, overrides={"store.path": str(store), "cache.memory": "64MiB", **more},
-                environ={})
+    return load(empty, overrides={"store.path": str(store), "cache.memory": memory}, environ={})
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +49,13 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return src, base / "store"
 
 
-@pytest.fixture
-def ds(tree):
+@pytest.fixture(params=["512MiB", "8MiB"], ids=["resident", "transient"])
+def ds(tree, request):
+    """512 MiB: everything read stays in the memory tier's resident part, and hits are
+    answered in the caller's thread; 8 MiB: all of it is transient, every read goes
+    through the trio thread."""
     _, store = tree
-    with kspeedfs.open_dataset("tree", config=_config(store)) as d:
+    with kspeedfs.open_dataset("tree", config=_config(store, request.param)) as d:
         yield d
 
 
@@ -165,15 +167,22 @@ def test_a_changed_source_file_is_eio_and_its_neighbours_read(tmp_path: Path) ->
         assert ds.read("f3") == bytes([3]) * 5000
 
 
-def test_a_second_read_comes_from_the_memory_tier(tree, ds) -> None:
-    src, _ = tree
+def test_a_second_read_comes_from_the_memory_tier(tree) -> None:
+    src, store = tree
     want = (src / "many-chunks.bin").read_bytes()
-    assert ds.read("many-chunks.bin") == want
-    before = ds.statistics()
-    assert ds.read("many-chunks.bin") == want
-    after = ds.statistics()
+    with kspeedfs.open_dataset("tree", config=_config(store)) as ds:
+        assert ds.read("many-chunks.bin") == want
+        before = ds.statistics()
+        assert ds.read("many-chunks.bin") == want
+        with ds.open("many-chunks.bin", buffering=0) as f:
+            f.seek(CHUNK - 100)
+            assert f.read(200) == want[CHUNK - 100:CHUNK + 100]
+        after = ds.statistics()
     assert after.source_loads == before.source_loads
-    assert after.memory_hits > before.memory_hits
+    assert after.memory_hits == before.memory_hits + 10 + 2
+    # resident hits never reached the Reader (the trio thread): counted beside it
+    assert after.python_reads == before.python_reads
+    assert after.reads == before.reads + 2
 
 
 def test_closed_dataset_and_files_raise_valueerror(tree) -> None:
