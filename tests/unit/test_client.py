@@ -1,8 +1,8 @@
 """The Python library (kspeedfs/client.py) end to end without the kernel: a real source
 tree imported into a real embedded store, read through ``kspeedfs.open_dataset`` and
 compared byte for byte with the source; metadata against ``os``; the errors a mount's
-``open()`` raises; tarfile over ``ds.open``; a second read from the memory tier; a forked
-child refused; and the whole thing as uid nobody with /dev/fuse hidden."""
+``open()`` raises; tarfile and PIL over ``ds.open``; a second read from the memory
+tier; a forked child refused; and the whole thing as uid nobody with /dev/fuse hidden."""
 from __future__ import annotations
 
 import errno
@@ -101,6 +101,22 @@ def test_a_tar_shard_reads_with_tarfile(tree, ds) -> None:
             assert tar.extractfile(m).read() == random.Random(i).randbytes(1000 + 97 * i)
     with ds.open("a/b/c/d/e/f/g/h/deep.txt", "r", encoding="latin-1", newline="") as t:
         assert t.read() == (src / "a/b/c/d/e/f/g/h/deep.txt").read_bytes().decode("latin-1")
+
+
+def test_pil_opens_an_image_from_the_dataset(tmp_path: Path) -> None:
+    Image = pytest.importorskip("PIL.Image")
+    src = tmp_path / "src"
+    src.mkdir()
+    rnd = random.Random(9)
+    img = Image.frombytes("RGB", (160, 120), rnd.randbytes(160 * 120 * 3))
+    img.save(src / "x.png")
+    img.save(src / "x.jpg", quality=90)
+    import_tree(src, "img", EmbeddedStore(tmp_path / "store"), CHUNK)
+    with kspeedfs.open_dataset("img", config=_config(tmp_path / "store")) as ds:
+        for name in ("x.png", "x.jpg"):
+            with ds.open(name) as f, Image.open(f) as got, Image.open(src / name) as want:
+                assert got.size == (160, 120)
+                assert got.tobytes() == want.tobytes()
 
 
 def test_metadata_is_what_os_says_of_the_source(tree, ds) -> None:
