@@ -71,8 +71,9 @@ def test_a_killed_daemons_leftover_record_blocks_nothing(node) -> None:
     # both at once (a native mount's supervisor would resume a daemon killed alone, and
     # a daemon outliving its supervisor starts another)
     pids = [pid for pid in (supervisor_pid(mnt), daemon_pid(mnt)) if pid is not None]
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):      # stopped first: neither reacts
+        for pid in pids:
+            os.kill(pid, sig)
     deadline = time.monotonic() + 10
     while daemon_pid(mnt) is not None:
         assert time.monotonic() < deadline, "the daemon did not die"
