@@ -1,5 +1,8 @@
-"""``python -m bench.library``: the Python library (``kspeedfs.open_dataset``) against the
-native FUSE mount of the same store, in one run.
+"""The Python library (``kspeedfs.open_dataset``) against the native FUSE mount of the
+same store, in one run: the suite's workloads ``library`` and ``library-4k``
+(``python -m bench -w library -w library-4k``: :class:`Library` is their target, beside
+``kspeedfs-warm`` and the ramfs ceilings), and ``python -m bench.library``, the same two
+cases standalone with CPU per operation.
 
     case        what each target does                                   figure
     small-8t    every ImageNet-like file read whole once, shuffled,     files/s
@@ -28,8 +31,118 @@ from pathlib import Path
 from typing import Callable
 
 from . import datasets
+from .datasets import Dataset
 from .system import Mounts, drop_caches, process_cpu
-from .targets import Kspeedfs, KspeedfsStore
+from .targets import Kspeedfs, KspeedfsStore, Target
+
+#: the open datasets of the Library targets, by the path the suite hands each case
+_HANDLES: dict[Path, "object"] = {}
+RATIOS = [("library", "kspeedfs-warm"), ("library", "ramfs-c"), ("kspeedfs-warm", "ramfs-c")]
+
+
+class Library(Target):
+    """``kspeedfs.open_dataset`` in the bench process, warm: every file read once at setup
+    into a dataset-sized memory tier. Its ``path`` is a placeholder directory that
+    the cases look the handle up by (:func:`handle`); no daemon: its CPU is the bench
+    process's, in the host figures."""
+
+    name = "library"
+    holds_dataset = True
+
+    def __init__(self, ds: Dataset, store: KspeedfsStore) -> None:
+        super().__init__(ds)
+        self.store = store
+        self.handle = None
+
+    def setup(self, mounts: Mounts, work: Path) -> None:
+        import kspeedfs
+
+        self.store.ensure()
+        self.handle = kspeedfs.open_dataset(self.store.name, config={
+            "store.path": str(self.store.dir / "store"),
+            "cache.memory": str(max(256 << 20, int(self.ds.bytes * 1.3) + (64 << 20)))})
+        paths = self.ds.paths()
+        for i in range(0, len(paths), 64):
+            self.handle.read_many(paths[i:i + 64])
+        self.path = work / "library" / self.ds.root.name
+        self.path.mkdir(parents=True, exist_ok=True)
+        _HANDLES[self.path] = self.handle
+        # closed with the workload's mounts: the suite calls this "pid" function then
+        mounts.add(self.path, self._close)
+
+    def _close(self) -> None:
+        if self.handle is not None:
+            _HANDLES.pop(self.path, None)
+            self.handle.close()
+            self.handle = None
+
+    def prepare(self) -> None:
+        pass                                # no page cache on this path
+
+
+def handle(path: Path):
+    """The open dataset of the Library target at ``path``, or None (a mount or a directory)."""
+    return _HANDLES.get(path)
+
+
+def targets(ds: Dataset, ctx: "object") -> list[Target]:
+    from .workloads import ramfs_c_targets
+
+    store = KspeedfsStore(ctx.work, ds)          # type: ignore[attr-defined]
+    return [Kspeedfs(ds, store, warm=True), Library(ds, store), *ramfs_c_targets(ds, ctx)]
+
+
+def imagenet_cases(ds: Dataset, ctx: "object") -> list:
+    from .workloads import Case
+
+    paths = ds.paths()
+
+    def run(path: Path) -> dict:
+        h = handle(path)
+        read = (lambda rel: len(h.read(rel))) if h is not None else _opener(path)
+        fig = small_files(read, paths, 8, seed=7)
+        return {"files/s": fig["ops/s"], "MB/s": fig["MB/s"], "seconds": fig["seconds"],
+                "bytes": fig["bytes"], "files": fig["ops"]}
+    return [Case("8-threads", run, "files/s", also=("MB/s",))]
+
+
+def rand_cases(ds: Dataset, ctx: "object") -> list:
+    from .workloads import Case
+
+    paths = ds.paths()
+    sizes = [os.path.getsize(ds.root / rel) for rel in paths]
+    seconds = ctx.scale.runtime                  # type: ignore[attr-defined]
+
+    def run(path: Path) -> dict:
+        h = handle(path)
+        if h is not None:
+            files = [h.open(rel, buffering=0) for rel in paths]
+
+            def read(f: int, off: int, buf: bytearray) -> int:
+                files[f].seek(off)
+                return files[f].readinto(buf)
+            close = [f.close for f in files]
+        else:
+            fds = [os.open(os.path.join(path, rel), os.O_RDONLY) for rel in paths]
+
+            def read(f: int, off: int, buf: bytearray) -> int:
+                return os.preadv(fds[f], [buf], off)
+            close = [lambda fd=fd: os.close(fd) for fd in fds]
+        try:
+            fig = random_reads(read, sizes, seconds, seed=7)
+        finally:
+            for c in close:
+                c()
+        return {"IOPS": fig["ops/s"], "MB/s": fig["MB/s"], "seconds": fig["seconds"],
+                "bytes": fig["bytes"]}
+    return [Case("4k-1-thread", run, "IOPS")]
+
+
+def _opener(root: Path) -> Callable[[str], int]:
+    def read(rel: str) -> int:
+        with open(os.path.join(root, rel), "rb") as f:
+            return len(f.read())
+    return read
 
 
 def _self_cpu() -> float:
@@ -60,7 +173,8 @@ def small_files(read: Callable[[str], int], paths: list[str], threads: int, seed
     order = list(paths)
     random.Random(seed).shuffle(order)
     nbytes, dt = _threads(threads, lambda i: sum(read(p) for p in order[i::threads]))
-    return {"ops/s": len(order) / dt, "MB/s": nbytes / dt / 1e6, "ops": len(order)}
+    return {"ops/s": len(order) / dt, "MB/s": nbytes / dt / 1e6, "ops": len(order),
+            "seconds": dt, "bytes": nbytes}
 
 
 def random_reads(read: Callable[[int, int, bytearray], int], sizes: list[int], seconds: float,
@@ -76,7 +190,8 @@ def random_reads(read: Callable[[int, int, bytearray], int], sizes: list[int], s
             read(f, rnd.randrange(0, sizes[f] - size) & ~(size - 1), buf)
         n += 256
     dt = time.perf_counter() - t0
-    return {"ops/s": n / dt, "MB/s": n * size / dt / 1e6, "ops": n}
+    return {"ops/s": n / dt, "MB/s": n * size / dt / 1e6, "ops": n, "seconds": dt,
+            "bytes": n * size}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,13 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         ds, mount, lib = sets["imagenet"]
         paths = ds.paths()
 
-        def mount_small(rel: str) -> int:
-            with open(os.path.join(mount.path, rel), "rb") as f:
-                return len(f.read())
-
         cases = {"small-8t": {
             "library": lambda rep: small_files(lambda rel: len(lib.read(rel)), paths, args.threads, rep),
-            "mount": lambda rep: small_files(mount_small, paths, args.threads, rep)}}
+            "mount": lambda rep: small_files(_opener(mount.path), paths, args.threads, rep)}}
 
         bds, bmount, blib = sets["files"]
         bpaths = bds.paths()
