@@ -18,7 +18,11 @@ Failure handling is layered: a NIC or link dying is invisible here (vRDMA re-pos
 READ on another path); a whole peer dying surfaces as ``PeerUnreachable`` after
 ``cluster.peer_timeout`` with all paths dead, and we move to the next replica. A node
 that was unreachable is skipped for ``SKIP`` seconds, then tried again (it may be back,
-or its lease has expired and placement no longer names it).
+or its lease has expired and placement no longer names it). A node back as a new
+incarnation (restarted: its record's ``started`` changed) is tried last until its new
+vQP is up, connected in the background: a node that has just started answers a connect
+only as fast as its start-up lets it, and readers waited for it (docs/design.md, "A node
+coming back").
 
 A misbehaving peer is a failed replica, never an error for the reader while another copy
 (or the source) exists: a listener that answers garbage, deep or oversized
@@ -132,6 +136,7 @@ class PeerCounters:
     unreachable: int = 0             # PeerUnreachable / RpcUnavailable seen
     longest_stall: float = 0.0       # longest time one chunk spent on failed replicas, s
     longest_wait: float = 0.0        # longest read_chunk that returned bytes, s
+    connect_waits: int = 0           # reads (not hedges) that waited for a connect
     per_peer: Counter[str] = field(default_factory=Counter)   # node → bytes served
 
 
@@ -160,6 +165,7 @@ class PeerStatistics:
     vqps: dict[str, str]             # node → its vQP's state
     peer_heartbeats: int             # heartbeats answered, over every path of every vQP
     peer_longest_wait_ms: float      # PeerCounters.longest_wait, in ms to 0.1
+    peer_connect_waits: int          # PeerCounters.connect_waits
     peer_hedges: int                 # Hedger: second-replica READs issued
     peer_hedges_won: int             # ... that verified first
     peer_hedges_refused: int         # overruns the byte budget did not allow a hedge for
@@ -225,15 +231,42 @@ class Peers:
     async def _vqp(self, rec: NodeRecord) -> VQP:
         """The vQP to this incarnation of ``rec.node``, connecting once if there is none.
         A joined connect may have been to another incarnation: then look again."""
-        while (have := self._vqps.get(rec.node)) is None or have[0] != rec.started:
+        while not self._connected(rec):
             await self._connects.run(rec.node, self._connect, rec)
-        return have[1]
+        return self._vqps[rec.node][1]
+
+    def _connected(self, rec: NodeRecord) -> bool:
+        """Whether a vQP to this incarnation of ``rec.node`` is set up (its paths may have
+        died since: that is a fault, which hedging covers, not a connect)."""
+        have = self._vqps.get(rec.node)
+        return have is not None and have[0] == rec.started
+
+    def _back(self, rec: NodeRecord) -> bool:
+        """Whether ``rec.node`` is back as a new incarnation that has no vQP yet (the
+        vQP kept is to the one before)."""
+        have = self._vqps.get(rec.node)
+        return have is not None and have[0] != rec.started
+
+    def _back_last(self, recs: list[NodeRecord]) -> list[NodeRecord]:
+        """``recs`` with the nodes back as a new incarnation moved last, and their
+        connects started in the background (single-flight; module docstring)."""
+        back = [r for r in recs if self._back(r)]
+        if not back:
+            return recs
+        for r in back:
+            if not self._connects.in_flight(r.node):
+                self._connects.start(r.node, self._connect, r)
+        return [r for r in recs if not self._back(r)] + back
 
     async def _connect(self, rec: NodeRecord) -> VQP:
         have = self._vqps.get(rec.node)
         if have is not None:                           # the node restarted: new incarnation
             await have[1].aclose()
-        vqp = await self.ep.connect(rec.nics, rec.port, timeout=max(1.0, 2 * self._grace()))
+        try:
+            vqp = await self.ep.connect(rec.nics, rec.port, timeout=max(1.0, 2 * self._grace()))
+        except _FAILED:
+            self._skip_until[rec.node] = time.monotonic() + SKIP   # (nobody may wait on it)
+            raise
         self._vqps[rec.node] = (rec.started, vqp)
         return vqp
 
@@ -306,7 +339,8 @@ class Peers:
         if length > self.slot_size:
             return None
         t0 = time.monotonic()
-        recs = [r for r in self.order(key, exclude) if self._skip_until.get(r.node, 0.0) <= t0]
+        recs = self._back_last([r for r in self.order(key, exclude)
+                                if self._skip_until.get(r.node, 0.0) <= t0])
         race = _Race(recs, (dataset, version, chunk, key, length, part, ask_owner),
                      BUCKET_BYTES + (part[1] if part is not None else length), self._overran,
                      budgeted)
@@ -459,12 +493,15 @@ class Peers:
         off, want, digest = part if part is not None else (0, length, key)
         if att is None:
             att = _Attempt(rec, _Race([], (), 0, self._overran))
-        connecting = self.hedge is not None and rec.node not in self._vqps
+        hedge = att.is_hedge or att.race.budgeted   # bounded by the budget, not by nbuf
+        connecting = not self._connected(rec)
+        if connecting and not hedge:
+            self.counters.connect_waits += 1
+        connecting &= self.hedge is not None
         if connecting:                  # a connect is hedged like a READ (a cancelled
             att.read_since = time.monotonic()   # joiner: it goes on in its single-flight)
         vqp = await wait_noting_overrun(lambda: self._vqp(rec),
                                         (self.hedger.cap, att.overran) if connecting else None)
-        hedge = att.is_hedge or att.race.budgeted   # bounded by the budget, not by nbuf
         token = not hedge
         if token:
             await _take(self._slot_free)
@@ -539,8 +576,11 @@ class Peers:
         for rec in self.order(key):
             if self._skip_until.get(rec.node, 0.0) > now:
                 continue
+            if self._back(rec):
+                self._back_last([rec])     # (C READs from it once it is connected)
+                continue
             have = self._vqps.get(rec.node)
-            if have is None or have[0] != rec.started:
+            if have is None:
                 return None
             rslot = self.hints.get(rec.node, rec.started, key)
             if rslot is None:
@@ -609,6 +649,7 @@ class Peers:
             vqps={n: st.state for n, st in vqps.items()},
             peer_heartbeats=sum(p.heartbeats_ok for st in vqps.values() for p in st.paths),
             peer_longest_wait_ms=round(c.longest_wait * 1e3, 1),
+            peer_connect_waits=c.connect_waits,
             peer_hedges=h.hedges, peer_hedges_won=h.won, peer_hedges_refused=h.refused,
             peer_hedge_bytes=h.hedge_bytes, peer_read_bytes=h.read_bytes,
             peer_latency_buckets_ms=BUCKETS_MS,

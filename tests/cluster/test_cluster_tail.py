@@ -67,7 +67,11 @@ class Readers:
             t0 = time.monotonic()
             if (err := verified_read(self.mnt, self.files, rel, off)) is not None:
                 self.errors.append(err)
-            self.latencies.append(time.monotonic() - t0)
+            self.done(t0, time.monotonic())
+
+    def done(self, start: float, end: float) -> None:
+        """A read that started and ended then (monotonic seconds)."""
+        self.latencies.append(end - start)
 
     def quantile(self, q: float) -> float:
         lat = sorted(self.latencies)
