@@ -46,12 +46,12 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import trio
 
 from . import compose
+from .cache.memory import MemoryCache
 from .cache.prefetch import Stream
 from .config import Config, load
 from .errors import ErrnoError
 from .manifest.index import ManifestIndex
 from .manifest.store.base import DatasetInfo
-from .cache.memory import MemoryCache
 from .reader import Reader
 from .stats import ReadStatistics
 
@@ -155,7 +155,8 @@ class Dataset:
 
     Paths are relative to the dataset's root (a leading ``/`` is allowed), ``str`` or
     ``bytes`` (names that are not UTF-8: ``os.fsencode``/``os.fsdecode``, as ``os``
-    does). Symlinks inside the dataset are followed; one that leaves it is ENOENT.
+    does). Symlinks inside the dataset are followed; an absolute target is ENOENT, and
+    ``..`` stops at the dataset's root, as at ``/``.
 
     Attributes:
         info: the dataset's record (name, version, files, bytes, chunk size, source).

@@ -10,6 +10,7 @@ import io
 import os
 import random
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -152,6 +153,26 @@ WRONG_PATHS = [                     # (call, the error open() on the mount raise
 def test_wrong_paths_raise_what_open_on_the_mount_raises(ds, call, error) -> None:
     with pytest.raises(error):
         call(ds)
+
+
+def test_symlinks_stay_inside_the_dataset(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "one").write_bytes(b"1")
+    os.symlink("/etc/hostname", src / "d" / "absolute")     # the host's file, not ours
+    os.symlink("../../../../one", src / "d" / "up")         # .. stops at the root
+    os.symlink("loop", src / "d" / "loop")
+    os.symlink("../d", src / "d" / "self")
+    import_tree(src, "links", EmbeddedStore(tmp_path / "store"), CHUNK)
+    with kspeedfs.open_dataset("links", config=_config(tmp_path / "store")) as ds:
+        with pytest.raises(FileNotFoundError):
+            ds.read("d/absolute")
+        assert ds.read("d/up") == b"1"
+        assert ds.read("d/self/self/self/up") == b"1"
+        with pytest.raises(OSError) as e:
+            ds.read("d/loop")
+        assert e.value.errno == errno.ELOOP
+        assert stat.S_ISLNK(ds.stat("d/absolute", follow_symlinks=False).st_mode)
 
 
 def test_write_modes_datasets_and_config_errors(tree, ds) -> None:
