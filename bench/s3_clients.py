@@ -9,6 +9,10 @@ fills a bucket, then for each client measures what the origin and the importer d
   server for both);
 * a paginated listing of ``--small`` objects: objects/s.
 
+``--listing N`` measures instead what ``kspeedfs/s3/listing.py`` does against a plain
+paginated ``ListObjectsV2`` loop over the same N keys (flat, and spread over 100
+"directories"), alternating, objects/s.
+
 Rounds alternate the clients so that drift in the machine hits both alike. Every byte a
 GET returns is counted; a short read fails the run. The server is moto (Python), so
 absolute MB/s are the server's ceiling here; CPU per GB on the client side is the
@@ -106,6 +110,39 @@ def get_round(client: Any, objs: list[tuple[str, str, int]], inflight: int, part
     return dt, cpu, got
 
 
+def listing(s3: S3Server, n: int, rounds: int) -> None:
+    """kspeedfs's parallel listing against a plain paginated loop, N keys."""
+    import os
+
+    from kspeedfs import config
+    from kspeedfs.s3.client import connect
+    from kspeedfs.s3.listing import list_objects
+    from kspeedfs.s3.url import S3Url
+
+    c = s3.client()
+    c.create_bucket(Bucket=BUCKET)
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda i: c.put_object(Bucket=BUCKET, Key=f"flat/{i:07d}", Body=b"x"),
+                      range(n)))
+        list(pool.map(lambda i: c.put_object(Bucket=BUCKET, Key=f"tree/d{i % 100:03d}/{i:07d}",
+                                             Body=b"x"), range(n)))
+    os.environ.update(s3.env())
+    conn = connect(config.load(environ={}).source)
+    rates: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for prefix in ("flat", "tree"):
+            t0 = time.perf_counter()
+            got = Boto3(s3.endpoint, 8).list(prefix + "/")
+            rates.setdefault(f"{prefix} plain loop", []).append(got / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            got = len(list_objects(conn, S3Url.parse(f"s3://{BUCKET}/{prefix}"), 16))
+            rates.setdefault(f"{prefix} kspeedfs", []).append(got / (time.perf_counter() - t0))
+            assert got == n
+    for name, r in sorted(rates.items()):
+        r.sort()
+        print(f"list {n} keys, {name}: {r[len(r) // 2]:,.0f} objects/s [{r[0]:,.0f}-{r[-1]:,.0f}]")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--large", type=int, default=16, help="large objects")
@@ -113,8 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--small", type=int, default=5000, help="small objects to list")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--inflight", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--listing", type=int, metavar="N", default=0,
+                    help="only the listing comparison, over N keys")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.listing:
+        with S3Server() as s3:
+            listing(s3, args.listing, args.rounds)
+        return
     with S3Server() as s3:
         objs = fill(s3, args.large, args.large_mib, args.small)
         clients: list[Callable[[str, int], Any]] = [Boto3, Obstore]

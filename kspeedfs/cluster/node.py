@@ -43,7 +43,9 @@ from ..cache.disk import DiskCache
 from ..cache.singleflight import SingleFlight
 from ..cache.tiers import Loaded, TierChain
 from ..config import Config, SourceConfig
-from ..errors import ConfigError, KspeedfsError, StoreUnavailable
+from ..errors import (
+    ChunkUnavailable, ConfigError, KspeedfsError, SourceChanged, StoreUnavailable,
+)
 from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from ..manifest.store.etcd import EtcdStore
@@ -452,11 +454,18 @@ class Node:
         t0 = time.monotonic()
         todo = iter(missing)
         last_pub = 0.0
+        failed: list[KspeedfsError] = []
 
         async def worker() -> None:
             nonlocal last_pub
             for k in todo:
-                where = await self.load_chunk(ds, k)
+                # a chunk the source cannot give now (an object store timing out) is one
+                # failure, not the node's: the pass goes on, and reconcile retries the rest
+                try:
+                    where = await self.load_chunk(ds, k)
+                except (ChunkUnavailable, SourceChanged) as e:
+                    failed.append(e)
+                    continue
                 if not self.has(ix.chunk_digest(k)):
                     prog["refused"] += 1             # Arena.put refused it (``_room``)
                     continue
@@ -475,6 +484,9 @@ class Node:
             for _ in range(self.cfg.cluster.preload_workers):
                 n.start_soon(worker)
         await self._publish_progress(tag, [ix.chunk_digest(k) for k in mine])
+        if failed:
+            raise ChunkUnavailable(f"{tag}: {len(failed)} of my {len(missing)} missing chunks "
+                                   f"could not be loaded; the first: {failed[0]}")
         dt = time.monotonic() - t0
         if prog["refused"]:
             log.warning("%s: %d of my %d chunks are not held here: room for them would evict "

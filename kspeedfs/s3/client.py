@@ -66,12 +66,14 @@ def connect(cfg: "SourceConfig", endpoint: str = "", region: str = "") -> Connec
             aws_secret_access_key=cfg.secret_access_key or None,
             aws_session_token=cfg.session_token or None)
         configured = cfg.endpoint or session._session.get_config_variable("endpoint_url")
+        # connections: an origin's max_inflight extent reads plus the threads that call it
+        # (preload workers, a mount's worker threads); past the pool urllib3 drops them
         client = session.client(
             "s3", endpoint_url=cfg.endpoint or (None if configured else endpoint or None),
             region_name=session.region_name or region or DEFAULT_REGION,
             config=Config(retries={"mode": "standard", "max_attempts": cfg.retries},
                           connect_timeout=cfg.timeout, read_timeout=cfg.timeout,
-                          max_pool_connections=max(10, cfg.max_inflight)))
+                          max_pool_connections=2 * cfg.max_inflight + 16))
     except botocore.exceptions.BotoCoreError as e:
         raise SourceError(f"S3 client: {e}", errno=errno.EINVAL) from None
     return Connection(client, client.meta.endpoint_url, client.meta.region_name)
@@ -123,8 +125,14 @@ def get_range(conn: Connection, bucket: str, key: str, offset: int, out: memoryv
         kw["VersionId"] = version_id
     for attempt in range(attempts):
         try:
-            r = conn.client.get_object(**kw)
-            data = r["Body"].read()
+            r = conn.client.get_object(**kw)        # botocore's retries are inside this call
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+            why = changed_reason(e)
+            if why is not None:
+                return why
+            raise client_error(e, what) from None
+        try:
+            data = r["Body"].read()                 # ... and none inside this one
         except (botocore.exceptions.ResponseStreamingError,
                 botocore.exceptions.IncompleteReadError, botocore.exceptions.ReadTimeoutError) as e:
             if attempt + 1 == attempts:
@@ -132,11 +140,6 @@ def get_range(conn: Connection, bucket: str, key: str, offset: int, out: memoryv
             log.warning("%s: body cut short (%s), retrying", what, e)
             time.sleep(random.uniform(0, 0.1 * 2 ** attempt))   # full jitter, as botocore's
             continue
-        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
-            why = changed_reason(e)
-            if why is not None:
-                return why
-            raise client_error(e, what) from None
         if len(data) != len(out):
             return f"is shorter than at import ({offset + len(data)} bytes)"
         out[:] = data
