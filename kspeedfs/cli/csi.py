@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args)
     logsetup.setup(cfg.log.level, stderr=True)
+    if cfg.store.backend == "etcd":
+        cfg.cluster.secret()          # a missing secret fails the plugin, not every volume
     from ..csi import node, server, stager
     from ..csi.errors import InvalidArgument
     from ..csi.state import StateDir

@@ -61,6 +61,19 @@ def is_mounted(path: str) -> bool:
     return mountpoint.is_mounted(path)
 
 
+def is_served(path: str) -> bool:
+    """Mounted and answering: a FUSE mount whose daemon and supervisor are both gone is
+    still in the mount table but fails every call with ENOTCONN (statfs always reaches
+    the daemon)."""
+    if not is_mounted(path):
+        return False
+    try:
+        os.statvfs(path)
+    except OSError as e:
+        return e.errno not in (errno.ENOTCONN, errno.ECONNABORTED)
+    return True
+
+
 def same_filesystem(a: str, b: str) -> bool:
     """Whether ``a`` and ``b`` are views of one filesystem (a bind of the other)."""
     try:

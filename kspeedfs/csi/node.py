@@ -104,9 +104,11 @@ def stage(p: Plugin, volume_id: str, staging: str, volume_context: dict[str, str
                                 f"not {staging}")
         if record.context != dict(volume_context):
             raise AlreadyExists(f"volume {volume_id} is staged with another volume context")
-        if binds.is_mounted(staging):
+        if binds.is_served(staging):
             return record
-        log.info("volume %s: recorded at %s but not mounted: mounting %s@%d again",
+        # gone (a reboot) or dead (its supervisor gave up): `kspeedfs mount` cleans a
+        # dead mount point up before mounting
+        log.info("volume %s: recorded at %s but not served: mounting %s@%d again",
                  volume_id, staging, record.dataset, record.version)
     else:
         pinned = _pin(p, spec.dataset, spec.version)

@@ -6,7 +6,8 @@ byte checked (tests/fixtures/csi.py says what a real cluster adds).
 Covered: Identity and NodeGetInfo/Capabilities; stage → publish → unpublish → unstage
 with every call repeated; bad volume contexts and capabilities (one-line
 INVALID_ARGUMENT / FAILED_PRECONDITION); a dataset or version that does not exist
-(NOT_FOUND); a version pinned at stage time across a re-import; two pods on one staged
+(NOT_FOUND); an unreachable store (UNAVAILABLE); the plugin killed in the middle of a
+stage and kubelet's retry; a version pinned at stage time across a re-import; two pods on one staged
 volume, and Unstage refused while one is published; the plugin SIGKILLed and restarted
 under a reading pod; the mount's daemon SIGKILLed under a published volume (the
 supervisor resumes it); a plugin of a new version handing staged mounts to new daemons
@@ -17,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +38,7 @@ from tests.fixtures.csi import (
     pb,
     wait_daemon_replaced,
 )
-from tests.fixtures.mounts import Cluster1
+from tests.fixtures.mounts import Cluster1, kspeedfs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="FUSE and bind mounts need root")
 
@@ -155,6 +158,71 @@ def test_a_dataset_or_version_that_does_not_exist_is_not_found(csi) -> None:
     for context in ({"dataset": "nope"}, {"dataset": "train", "version": "9"}):
         e = _error(plugin.stage, "pv-none", staging, context)
         assert e.code() == grpc.StatusCode.NOT_FOUND and "does not exist" in e.details(), e.details()
+    assert not is_mounted(staging) and _records(base) == []
+
+
+def test_an_unreachable_store_is_unavailable(tmp_path: Path) -> None:
+    """The plugin on an etcd store nothing answers at: Stage is UNAVAILABLE (kubelet
+    retries), in one line, and nothing is mounted or recorded."""
+    node = Cluster1(tmp_path)
+    secret = tmp_path / "secret"
+    kspeedfs(["secret", "generate", str(secret)])
+    with socket.socket() as s:                 # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    plugin = Plugin(node, tmp_path / "state", store=[
+        "--etcd", f"http://127.0.0.1:{port}", "--set", f"cluster.secret_file={secret}",
+        "--set", "store.etcd_timeout=1", "--set", f"log.dir={node.logs}"])
+    staging, _ = kubelet_paths(tmp_path, "pv-train", "pod-1")
+    with cleanup_mounts(tmp_path):
+        plugin.start()
+        try:
+            e = _error(plugin.stage, "pv-train", staging, CTX)
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())
+        finally:
+            plugin.close()
+    assert not is_mounted(staging) and _records(tmp_path) == []
+
+
+def test_the_plugin_sigkilled_in_the_middle_of_a_stage_converges_on_kubelets_retry(csi) -> None:
+    """SIGKILL while ``kspeedfs mount`` runs for a Stage: the call fails (kubelet sees
+    UNAVAILABLE), the mount it started finishes on its own; kubelet's retry, answered by
+    a new plugin, succeeds with exactly one mount at the staging path."""
+    plugin, src, base = csi
+    staging, target = kubelet_paths(base, "pv-train", "pod-1")
+    failed: list[grpc.RpcError] = []
+
+    def stage() -> None:
+        try:
+            plugin.stage("pv-train", staging, CTX)
+        except grpc.RpcError as e:
+            failed.append(e)
+
+    caller = threading.Thread(target=stage)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while not _records(base) and time.monotonic() < deadline:   # the record comes first
+        time.sleep(0.01)
+    os.kill(plugin.proc.pid, signal.SIGKILL)   # the channel open, as kubelet's is
+    caller.join(timeout=60)
+    assert failed and failed[0].code() == grpc.StatusCode.UNAVAILABLE, failed
+    plugin.kill()
+    plugin.start()
+    for attempt in range(5):                   # kubelet's retries, with back-off
+        try:
+            plugin.stage("pv-train", staging, CTX)
+            break
+        except grpc.RpcError as e:             # the first mount finished under the retry's
+            assert e.code() == grpc.StatusCode.INTERNAL and attempt < 4, e.details()
+            time.sleep(0.5)
+    with open("/proc/self/mountinfo") as f:
+        assert sum(line.split()[4] == str(staging) for line in f) == 1
+    plugin.publish("pv-train", staging, target)
+    pod = Pod(target, src, base)
+    time.sleep(0.3)
+    _clean(pod.stop())
+    plugin.unpublish("pv-train", target)
+    plugin.unstage("pv-train", staging)
     assert not is_mounted(staging) and _records(base) == []
 
 
