@@ -71,7 +71,7 @@ class VMR:
         self.length = length
         self.access = access
         # private anonymous (huge pages when large), or the caller's mapping (a file that
-        # outlives the process: rdma/buffer.py shared_file)
+        # outlives the process, as a node's arena does)
         self._map = memory if memory is not None else anonymous(length)
         self.view = memoryview(self._map)
         self.mrs: dict[str, MR] = {}
