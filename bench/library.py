@@ -37,38 +37,45 @@ from .targets import Kspeedfs, KspeedfsStore, Target
 
 #: the open datasets of the Library targets, by the path the suite hands each case
 _HANDLES: dict[Path, "object"] = {}
-RATIOS = [("library", "kspeedfs-warm"), ("library", "ramfs-c"), ("kspeedfs-warm", "ramfs-c")]
+RATIOS = [("library", "kspeedfs-warm"), ("library-cold", "kspeedfs-cold"),
+          ("library", "ramfs-c"), ("kspeedfs-warm", "ramfs-c")]
 
 
 class Library(Target):
-    """``kspeedfs.open_dataset`` in the bench process, warm: every file read once at setup
-    into a dataset-sized memory tier. Its ``path`` is a placeholder directory that
-    the cases look the handle up by (:func:`handle`); no daemon: its CPU is the bench
-    process's, in the host figures."""
+    """``kspeedfs.open_dataset`` in the bench process, with a dataset-sized memory tier:
+    warm, every file read once at setup; cold (``library-cold``), a fresh handle and
+    the page cache dropped before each run, as ``kspeedfs-cold`` mounts afresh. Its
+    ``path`` is a placeholder directory the cases look the handle up by
+    (:func:`handle`); no daemon: its CPU is the bench process's, in the host figures."""
 
-    name = "library"
     holds_dataset = True
 
-    def __init__(self, ds: Dataset, store: KspeedfsStore) -> None:
+    def __init__(self, ds: Dataset, store: KspeedfsStore, warm: bool = True) -> None:
         super().__init__(ds)
         self.store = store
+        self.warm = warm
+        self.name = "library" if warm else "library-cold"
         self.handle = None
 
     def setup(self, mounts: Mounts, work: Path) -> None:
+        self.store.ensure()
+        self.path = work / "library" / f"{self.ds.root.name}-{self.name}"
+        self.path.mkdir(parents=True, exist_ok=True)
+        # closed with the workload's mounts: the suite calls this "pid" function then
+        mounts.add(self.path, self._close)
+        if self.warm:
+            self._open()
+            paths = self.ds.paths()
+            for i in range(0, len(paths), 64):
+                self.handle.read_many(paths[i:i + 64])     # type: ignore[attr-defined]
+
+    def _open(self) -> None:
         import kspeedfs
 
-        self.store.ensure()
         self.handle = kspeedfs.open_dataset(self.store.name, config={
             "store.path": str(self.store.dir / "store"),
             "cache.memory": str(max(256 << 20, int(self.ds.bytes * 1.3) + (64 << 20)))})
-        paths = self.ds.paths()
-        for i in range(0, len(paths), 64):
-            self.handle.read_many(paths[i:i + 64])
-        self.path = work / "library" / self.ds.root.name
-        self.path.mkdir(parents=True, exist_ok=True)
         _HANDLES[self.path] = self.handle
-        # closed with the workload's mounts: the suite calls this "pid" function then
-        mounts.add(self.path, self._close)
 
     def _close(self) -> None:
         if self.handle is not None:
@@ -77,7 +84,14 @@ class Library(Target):
             self.handle = None
 
     def prepare(self) -> None:
-        pass                                # no page cache on this path
+        if not self.warm:                   # the source's pages too: a cold read is a disk read
+            self._close()
+            drop_caches()
+            self._open()
+
+    def finish(self) -> None:
+        if not self.warm:
+            self._close()
 
 
 def handle(path: Path):
@@ -89,7 +103,8 @@ def targets(ds: Dataset, ctx: "object") -> list[Target]:
     from .workloads import ramfs_c_targets
 
     store = KspeedfsStore(ctx.work, ds)          # type: ignore[attr-defined]
-    return [Kspeedfs(ds, store, warm=True), Library(ds, store), *ramfs_c_targets(ds, ctx)]
+    return [Kspeedfs(ds, store, warm=True), Library(ds, store), Kspeedfs(ds, store, warm=False),
+            Library(ds, store, warm=False), *ramfs_c_targets(ds, ctx)]
 
 
 def imagenet_cases(ds: Dataset, ctx: "object") -> list:
