@@ -69,8 +69,8 @@ def is_served(path: str) -> bool:
         return False
     try:
         os.statvfs(path)
-    except OSError as e:
-        return e.errno not in (errno.ENOTCONN, errno.ECONNABORTED)
+    except OSError:             # ENOTCONN, or ECONNABORTED/EIO while its fds close
+        return False
     return True
 
 

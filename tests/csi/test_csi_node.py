@@ -10,7 +10,8 @@ INVALID_ARGUMENT / FAILED_PRECONDITION); a dataset or version that does not exis
 stage and kubelet's retry; a version pinned at stage time across a re-import; two pods on one staged
 volume, and Unstage refused while one is published; the plugin SIGKILLed and restarted
 under a reading pod; the mount's daemon SIGKILLed under a published volume (the
-supervisor resumes it); a plugin of a new version handing staged mounts to new daemons
+supervisor resumes it); the daemon and supervisor both killed (reported abnormal,
+staged again); a plugin of a new version handing staged mounts to new daemons
 (the upgrade); NodeGetVolumeStats; an inline ephemeral volume.
 """
 from __future__ import annotations
@@ -361,6 +362,41 @@ def test_the_mount_daemon_sigkilled_under_a_published_volume(csi) -> None:
     plugin.unpublish("pv-train", target)
     plugin.unstage("pv-train", staging)
     assert not is_mounted(staging)
+
+
+def test_a_dead_mount_is_reported_abnormal_and_staged_again(csi) -> None:
+    """The mount's daemon and supervisor SIGKILLed at once (the one fault a supervisor
+    cannot survive): NodeGetVolumeStats reports the volume abnormal, in one line; the
+    Stage kubelet repeats mounts it again over the dead one; a new pod reads every byte;
+    the dead pod's bind unpublishes cleanly."""
+    plugin, src, base = csi
+    staging, target = kubelet_paths(base, "pv-train", "pod-1")
+    plugin.stage("pv-train", staging, CTX)
+    plugin.publish("pv-train", staging, target)
+    pids = [daemon_pid(staging), supervisor_pid(staging)]
+    assert all(pids)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10          # ECONNABORTED or EIO while the fds close
+    while time.monotonic() < deadline:
+        condition = plugin.stats("pv-train", target).volume_condition
+        if "not connected" in condition.message:
+            break
+        time.sleep(0.1)
+    assert condition.abnormal and "not connected" in condition.message, condition
+    assert "\n" not in condition.message
+    plugin.stage("pv-train", staging, CTX)
+    assert daemon_pid(staging) not in (None, pids[0])
+    assert not plugin.stats("pv-train", staging).volume_condition.abnormal
+    _, target2 = kubelet_paths(base, "pv-train", "pod-2")
+    plugin.publish("pv-train", staging, target2)
+    pod = Pod(target2, src, base)
+    time.sleep(0.3)
+    _clean(pod.stop())
+    for t in (target, target2):
+        plugin.unpublish("pv-train", t)
+    plugin.unstage("pv-train", staging)
+    assert not is_mounted(staging) and not is_mounted(target) and _records(base) == []
 
 
 def test_volume_stats(csi) -> None:
