@@ -28,9 +28,14 @@ share. The cost: a node that really died keeps R-1 live copies of its chunks for
 meanwhile on their own (a refused or silent peer is a failed replica).
 
 Views (:class:`PrefixView`) watch a prefix: list it (remembering the revision), then
-block on a watch from the next revision; any event, or every ``resync`` seconds, lists
-again. Readers consult the view's in-memory copy; nothing on the read path talks to
-etcd. If etcd is unreachable the view keeps the last membership it saw and says so in
+block on a watch from the next revision; any event lists again. Every ``resync`` seconds
+the watch is renewed, from the same revision: a quiet watch missed nothing (etcd sends
+every event after it, or says it was compacted, and a compaction lists again), so a
+quiet period costs a one-key read (etcd's revision: a restored etcd going back in time
+lists again), not a listing of the whole prefix. Listing on every resync was the
+cluster's largest etcd load: N views × N records every 10 s, 3 × with every member an
+endpoint (``bench.cluster_sim``; docs/design.md, "1,000 nodes, simulated"). Readers
+consult the view's in-memory copy; nothing on the read path talks to etcd. If etcd is unreachable the view keeps the last membership it saw and says so in
 the log once; it catches up when etcd is back. A mount's view also keeps the last values
 it saw in a file (``keep``, under /run/kspeedfs/mounts, root only), and the daemon that
 takes the mount over (a resume after a crash, an upgrade) starts from that file when etcd
@@ -394,7 +399,12 @@ class PrefixView:
                 down = False
                 assert self._token is not None
                 trio.from_thread.run_sync(self._publish, values, trio_token=self._token)
-                self.store.watch_prefix(self.prefix, rev + 1, self.resync)
+                # a quiet watch from rev + 1 missed nothing: watch again without listing,
+                # unless etcd went back in time (restored from a snapshot: list again)
+                while (not self._stop.is_set()
+                       and not self.store.watch_prefix(self.prefix, rev + 1, self.resync)
+                       and self.store.revision() >= rev):
+                    pass
             except trio.RunFinishedError:
                 return
             except Exception as e:          # StoreError, or an etcd3 client bug

@@ -121,12 +121,17 @@ class EtcdStore(MetadataStore):
         """An idempotent ``op(client)`` on every endpoint at once (:meth:`EtcdClient.race`)."""
         return self.client.race(op, budget)
 
-    def watch_prefix(self, prefix: str, start_revision: int, timeout: float) -> None:
+    def watch_prefix(self, prefix: str, start_revision: int, timeout: float) -> bool:
         """Block until a key under ``prefix`` (a full key) changes at or after
-        ``start_revision``, or ``timeout`` s pass; a bounded watch (:func:`watch_once`)
-        sent like any :meth:`call`, so a cut rail costs one attempt timeout."""
-        self.client.call(lambda c: watch_once(c, prefix, start_revision, timeout,
-                                              self.client.attempt_timeout))
+        ``start_revision`` (True), or ``timeout`` s pass with no change (False); a bounded
+        watch (:func:`watch_once`) sent like any :meth:`call`, so a cut rail costs one
+        attempt timeout."""
+        return self.client.call(lambda c: watch_once(c, prefix, start_revision, timeout,
+                                                     self.client.attempt_timeout))
+
+    def revision(self) -> int:
+        """etcd's current revision (a one-key read: its response header)."""
+        return int(self.client.call(lambda c: c.get_response(self.prefix)).header.revision)
 
     @property
     def authenticated(self) -> bool:

@@ -202,17 +202,18 @@ def _close(client: etcd3.Etcd3Client) -> None:
 
 
 def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, timeout: float,
-               create_timeout: float) -> None:
-    """Block until a key under ``prefix`` changes at or after ``start_revision``, or for
-    ``timeout`` seconds; meant to run as ``EtcdClient.call(lambda c: watch_once(c, ...))``.
+               create_timeout: float) -> bool:
+    """Block until a key under ``prefix`` changes at or after ``start_revision`` (True),
+    or for ``timeout`` seconds (False: nothing changed); meant to run as
+    ``EtcdClient.call(lambda c: watch_once(c, ...))``.
 
     One bounded gRPC stream per call, held like any unary request: the request side is
     one create request, then closed (etcd keeps a watch stream open after the client's
     half-close), so gRPC's request-iterator thread ends at once; the stream's deadline is
     ``timeout``; it is cancelled before this returns. A watch not created within
     ``create_timeout`` (a cut rail) raises ``ConnectionTimeoutError``: the client tries
-    the next endpoint. A compacted start revision returns (the caller lists again); a
-    failed stream raises its gRPC error for :meth:`EtcdClient._classify`."""
+    the next endpoint. A compacted start revision returns True (the caller lists again);
+    a failed stream raises its gRPC error for :meth:`EtcdClient._classify`."""
     key = prefix.encode()
     create = etcdrpc.WatchCreateRequest(key=key, range_end=etcd3.utils.increment_last_byte(key),
                                         start_revision=start_revision)
@@ -232,7 +233,7 @@ def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, time
         for rs in stream:
             created.set()
             if rs.compact_revision or rs.events:
-                return                       # compacted: list again; or a change
+                return True                  # compacted: list again; or a change
             if rs.canceled:
                 raise StoreError(f"etcd refused a watch of {prefix!r}: {rs.cancel_reason}")
     except grpc.RpcError as e:
@@ -242,12 +243,13 @@ def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, time
         # first (then it answers UNKNOWN "context deadline exceeded"; seen in CI)
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
                 e.code() == grpc.StatusCode.UNKNOWN and "deadline exceeded" in (e.details() or "")):
-            return
+            return False
         raise
     finally:
         timer.cancel()
         timer.join()                         # its cancel() has returned, if it ran
         stream.cancel()
+    return True                              # the stream ended early: list again to be sure
 
 
 class _Unreachable(Exception):
