@@ -125,8 +125,8 @@ def stage(p: Plugin, volume_id: str, staging: str, volume_context: dict[str, str
     try:
         p.stager.start(record.units[0], _mount_argv(p, record, spec), p.mount_timeout)
     except CsiError:
-        if not binds.is_mounted(staging):
-            p.state.remove(volume_id)
+        if not binds.is_mounted(staging) and not record.publishes:
+            p.state.remove(volume_id)       # nothing of it exists: as if never asked
         raise
     log.info("volume %s: %s@%d staged at %s (%s)", volume_id, record.dataset, record.version,
              staging, record.units[0])

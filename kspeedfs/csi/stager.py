@@ -26,7 +26,8 @@ the command. What differs is *whose* they are:
   ``RootDirectory=``, with the host's /dev, /proc and /sys (``MountAPIVFS=``) and the
   paths a mount shares with the host bound in (``BindPaths=``: kubelet's directory, where
   staging paths are; the configuration; /run/kspeedfs, where a mount's handover and
-  supervisor sockets are, which an upgrade started by another unit must find).
+  supervisor sockets are, which an upgrade started by another unit must find; the host's
+  resolv.conf and hosts, which the copied image does not have).
   ``MountFlags=shared`` sends the FUSE mount made in the unit's namespace back to the
   host's. Not run here (no systemd on the test machines): docs/kubernetes.md.
 
@@ -102,7 +103,8 @@ class SystemdStager:
     def command(self, unit: str, argv: Sequence[str]) -> list[str]:
         rooted = [] if self.root is None else [
             f"--property=RootDirectory={self.root}", "--property=MountAPIVFS=yes",
-            f"--property=BindPaths={' '.join(self.SHARED)}", "--property=MountFlags=shared"]
+            f"--property=BindPaths={' '.join(self.SHARED)}", "--property=MountFlags=shared",
+            "--property=BindReadOnlyPaths=-/etc/resolv.conf -/etc/hosts"]   # the host's names
         return [self.systemd_run, f"--unit={unit}", "--collect", "--quiet",
                 "--property=Type=oneshot", "--property=RemainAfterExit=yes", *rooted,
                 "--description=kspeedfs CSI volume", "--", *argv]
