@@ -211,6 +211,9 @@ class Registration:
         self.lease_id: int | None = None
         self._keys: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        # held across a grant: the first put and the keep-alive task (daemon._hold starts
+        # both at once) each found no lease and each granted one; the second lapsed
+        self._granting = threading.Lock()
 
     @property
     def period(self) -> float:
@@ -231,11 +234,12 @@ class Registration:
         """Blocking: put ``key`` on the lease (and remember it for a re-grant)."""
         with self._lock:
             self._keys[key] = value
-        if self.lease_id is None:
-            self._grant()
-        else:
-            lease_id = self.lease_id
-            self.store.race(lambda c: c.put(key, value, lease=lease_id))
+        with self._granting:
+            if self.lease_id is None:
+                self._grant()                # puts every remembered key, this one too
+                return
+        lease_id = self.lease_id             # granted by whoever got here first
+        self.store.race(lambda c: c.put(key, value, lease=lease_id))
 
     def forget(self, key: str) -> None:
         """Stop re-attaching ``key`` after a re-grant (no etcd request: whoever removed
@@ -245,7 +249,9 @@ class Registration:
 
     def _refresh(self) -> None:
         if self.lease_id is None:
-            self._grant()
+            with self._granting:
+                if self.lease_id is None:
+                    self._grant()
             return
         lease_id = self.lease_id
         # every rail at once; a refresh that no rail answers within a period is retried
@@ -253,7 +259,9 @@ class Registration:
         responses = self.store.race(lambda c: list(c.refresh_lease(lease_id)), budget=self.period)
         if not responses or responses[0].TTL <= 0:
             log.warning("etcd lease %x expired; registering again", lease_id)
-            self._grant()
+            with self._granting:
+                if self.lease_id == lease_id:
+                    self._grant()
 
     async def run(self) -> None:
         """Refresh every ttl/3; etcd outages are logged and ridden out."""
