@@ -23,9 +23,11 @@ workload           dataset                    cases (primary figure)
 ``cluster-flap``   cluster: 4 large files     the same readers, time based, one client NIC
                                               flapping (MB/s; errors, longest stall)
 ``library``        imagenet                   the Python library in 8 threads (``ds.read``)
-                                              vs the mount (``open().read()``), warm (files/s)
+                                              vs the mount (``open().read()``), warm and cold
+                                              (files/s)
 ``library-4k``     files                      random 4 KiB, one thread: ``readinto`` of the
-                                              library vs ``pread`` on the mount, warm (IOPS)
+                                              library vs ``pread`` on the mount, warm and
+                                              cold (IOPS)
 =================  =========================  =====================================================
 
 Sizes come from a :class:`Scale` (``--quick``, ``--scale medium``, full by default).
@@ -430,9 +432,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
           lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4)],
           "page-cache push of prefetched chunks (FUSE_NOTIFY_STORE), cold sequential readers"),
     Workload("library", "the Python library, 8 threads, vs the native mount: every ImageNet-like "
-             "file whole, warm", _imagenet, library.imagenet_cases, library.targets,
+             "file whole, warm and cold", _imagenet, library.imagenet_cases, library.targets,
              ratios=library.RATIOS),
-    Workload("library-4k", "the Python library vs the native mount: random 4 KiB, one thread, warm",
+    Workload("library-4k", "the Python library vs the native mount: random 4 KiB, one thread, warm and cold",
              _files, library.rand_cases, library.targets, ratios=library.RATIOS),
     Workload("transport", "soft RDMA READ vs plain TCP between two netns hosts (rdma.perf)",
              cluster.transport_dataset, cluster.transport_cases, cluster.transport_targets,
