@@ -12,7 +12,8 @@ volume, and Unstage refused while one is published; the plugin SIGKILLed and res
 under a reading pod; the mount's daemon SIGKILLed under a published volume (the
 supervisor resumes it); the daemon and supervisor both killed (reported abnormal,
 staged again); a plugin of a new version handing staged mounts to new daemons
-(the upgrade); NodeGetVolumeStats; an inline ephemeral volume.
+(the upgrade); two volumes staged at once; NodeGetVolumeStats; an inline ephemeral
+volume.
 """
 from __future__ import annotations
 
@@ -397,6 +398,34 @@ def test_a_dead_mount_is_reported_abnormal_and_staged_again(csi) -> None:
         plugin.unpublish("pv-train", t)
     plugin.unstage("pv-train", staging)
     assert not is_mounted(staging) and not is_mounted(target) and _records(base) == []
+
+
+def test_two_volumes_staged_at_once_are_served_in_parallel(csi) -> None:
+    """kubelet stages different volumes concurrently: the calls run on the server's
+    threads at the same time (one lock per volume), and each gets its own mount."""
+    plugin, src, base = csi
+    paths = {vid: kubelet_paths(base, vid, f"pod-{vid}") for vid in ("pv-a", "pv-b")}
+    errors: list[Exception] = []
+
+    def stage(vid: str) -> None:
+        try:
+            plugin.stage(vid, paths[vid][0], CTX)
+            plugin.publish(vid, paths[vid][0], paths[vid][1])
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    callers = [threading.Thread(target=stage, args=(vid,)) for vid in paths]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(timeout=120)
+    assert errors == []
+    assert daemon_pid(paths["pv-a"][0]) != daemon_pid(paths["pv-b"][0])
+    for vid, (staging, target) in paths.items():
+        assert (target / "d0" / "f00.bin").read_bytes() == (src / "d0" / "f00.bin").read_bytes()
+        plugin.unpublish(vid, target)
+        plugin.unstage(vid, staging)
+    assert _records(base) == []
 
 
 def test_volume_stats(csi) -> None:
