@@ -165,7 +165,10 @@ def unix_socket_path(endpoint: str) -> str:
     if endpoint.startswith("unix://"):
         return endpoint[len("unix://"):]
     if "://" in endpoint:
-        raise ValueError(f"--endpoint {endpoint}: only unix:// sockets")
+        from ..errors import ConfigError
+
+        raise ConfigError(f"--endpoint {endpoint}: only unix:// sockets (kubelet's registrar "
+                          "dials a socket on the node)")
     return endpoint
 
 

@@ -87,3 +87,15 @@ def test_the_stubs_speak_the_spec_field_numbers() -> None:
     assert [m.name for m in pb.DESCRIPTOR.services_by_name["Node"].methods] == [
         "NodeStageVolume", "NodeUnstageVolume", "NodePublishVolume", "NodeUnpublishVolume",
         "NodeGetVolumeStats", "NodeGetCapabilities", "NodeGetInfo"]
+
+
+def test_the_plugin_refuses_a_tcp_endpoint_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kspeedfs.cli.app", "csi", "--endpoint",
+                           "tcp://0.0.0.0:10000", "--state-dir", str(tmp_path / "state"),
+                           "--store", str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("kspeedfs csi: error: --endpoint tcp://")
