@@ -1,6 +1,7 @@
 """kspeedfs.torch.MapDataset in a real torch DataLoader with two worker processes: every
 item is the source's bytes, each worker reads through a handle of its own (opened after
-the fork, even when the parent had opened one), batches go through ``__getitems__``."""
+the fork, even when the parent had opened one; spawned workers get the dataset pickled
+without it), batches go through ``__getitems__``."""
 from __future__ import annotations
 
 import os
@@ -33,17 +34,19 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, st
     return base, {"store.path": str(base / "store"), "cache.memory": "32MiB"}
 
 
-@pytest.mark.parametrize("parent_opened", [False, True])
-def test_a_dataloader_with_two_workers_reads_every_item(source, monkeypatch, parent_opened) -> None:
+@pytest.mark.parametrize("context, parent_opened", [("fork", False), ("fork", True),
+                                                     ("spawn", True)])
+def test_a_dataloader_with_two_workers_reads_every_item(source, monkeypatch, context,
+                                                        parent_opened) -> None:
     base, config = source
     monkeypatch.setenv("KSPEEDFS_CONFIG", str(base / "kspeedfs.toml"))
     paths = sorted(str(p.relative_to(base / "src")) for p in (base / "src").rglob("*.jpg"))
     ds = MapDataset("imgs", paths, with_pid, config=config)
-    if parent_opened:           # a handle the workers inherit by fork: they must not use it
+    if parent_opened:           # a handle workers inherit (fork) or get pickled (spawn): unused
         assert ds[0][2] == (base / "src" / paths[0]).read_bytes()
     loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2, shuffle=True,
                                          collate_fn=list,
-                                         multiprocessing_context="fork")
+                                         multiprocessing_context=context)
     seen: dict[str, bytes] = {}
     pids = set()
     for batch in loader:
