@@ -16,7 +16,7 @@ from kspeedfs.manifest.store.embedded import EmbeddedStore
 from kspeedfs.s3.client import connect
 from kspeedfs.s3.source import S3Source
 from tests.fixtures.mounts import kspeedfs
-from tests.fixtures.s3 import SECRET_KEY, S3Server
+from tests.fixtures.s3 import ACCESS_KEY, SECRET_KEY, S3Server
 
 CHUNK = 256 << 10
 
@@ -89,6 +89,22 @@ def test_cli_import_json(aws_env: S3Server, bucket: tuple[Any, str], tmp_path: P
     c.put_object(Bucket=b, Key="t/one", Body=b"1")
     out = kspeedfs(["import", f"s3://{b}/t", "--name", "cli", "--json", "--store", str(tmp_path)])
     assert '"source": "s3://' + b + '/t/"' in out.stdout and SECRET_KEY not in out.stdout + out.stderr
+
+
+def test_no_credential_in_verbose_logs(aws_env: S3Server, bucket: tuple[Any, str],
+                                       tmp_path: Path) -> None:
+    """At DEBUG botocore prints request headers (the access key id in Authorization): its
+    loggers stay at WARNING, so neither key reaches a log, nor the store."""
+    c, b = bucket
+    c.put_object(Bucket=b, Key="t/one", Body=b"1")
+    out = kspeedfs(["import", f"s3://{b}/t", "--name", "v", "--verbose", "--store", str(tmp_path)])
+    assert "DEBUG" in out.stderr or "INFO" in out.stderr
+    store = EmbeddedStore(tmp_path)
+    info = store.dataset("v")
+    stored = (ManifestIndex.from_blob(store.manifest("v", info.version))._raw
+              + repr(info.to_json()).encode())            # the manifest inflated, the record
+    for secret in (SECRET_KEY, ACCESS_KEY):
+        assert secret not in out.stdout + out.stderr and secret.encode() not in stored
 
 
 def _one_line_failure(args: list[str], env: dict[str, str]) -> str:
