@@ -401,7 +401,6 @@ class Dataset:
             self._served[1] += nbytes
             self._served[2] += hits
 
-
     def read(self, path: PathLike, offset: int = 0, size: int | None = None) -> bytes:
         """The bytes of file ``path`` from ``offset`` (``size`` of them, fewer at its end;
         None: to the end), verified, from the nearest tier.
