@@ -10,6 +10,10 @@ from setuptools import Extension, setup
 
 CFLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-std=gnu11"]
 
+# the soft RDMA engine's C files (soft_engine_i.h maps them), without its binding
+SOFT_ENGINE_SOURCES = ["native/soft_engine.c", "native/soft_wire.c", "native/soft_transport.c",
+                       "native/soft_qp.c", "native/soft_requester.c", "native/soft_responder.c",
+                       "native/soft_cq.c", "native/soft_mr.c"]
 # the native FUSE engine's C files (fuse_engine_i.h maps them), without its binding
 FUSE_ENGINE_SOURCES = ["native/fuse_engine.c", "native/fuse_mount.c", "native/fuse_reply.c",
                        "native/fuse_ops.c", "native/fuse_read.c", "native/fuse_queue.c",
@@ -18,8 +22,9 @@ FUSE_ENGINE_SOURCES = ["native/fuse_engine.c", "native/fuse_mount.c", "native/fu
 
 ext_modules: list[Extension] = [
     # rdma/ soft provider: socket I/O into registered memory, eventfd completions, no GIL
-    Extension("rdma._soft_engine", ["native/soft_engine_py.c", "native/soft_engine.c"],
-              depends=["native/soft_engine.h", "native/py_errno.h"], include_dirs=["native"],
+    Extension("rdma._soft_engine", ["native/soft_engine_py.c", *SOFT_ENGINE_SOURCES],
+              depends=["native/soft_engine.h", "native/soft_engine_i.h", "native/py_errno.h"],
+              include_dirs=["native"],
               extra_compile_args=CFLAGS),
     # kspeedfs/fuse native engine: /dev/fuse request threads and io_uring queues (liburing,
     # Debian 12's liburing-dev 2.3), metadata and tier hits in C
