@@ -18,7 +18,7 @@
  * queued for Python with a negative "fd": a ring token, which fe_reply_* route back to
  * that ring entry. FORGET, INTERRUPT and notifications stay on /dev/fuse.
  *
- * Nothing in this file touches Python: the threads never take the GIL. The binding
+ * Nothing in the engine's files touches Python: the threads never take the GIL. The binding
  * (fuse_engine_py.c) owns the Python objects behind the index arrays and the tier
  * buffers and releases them only when the engine says nothing points into them
  * (fe_tier_discard / fe_tier_reap).
@@ -65,7 +65,7 @@ struct fe_options {
     uint32_t prefetch_depth, prefetch_trigger;
     int uring;                      /* offer FUSE_OVER_IO_URING at INIT (if the kernel does) */
     uint32_t uring_depth;           /* entries per queue (0 = FE_URING_DEPTH) */
-    int splice;                     /* large READ replies by vmsplice + splice (fuse_engine.c) */
+    int splice;                     /* large READ replies by vmsplice + splice (fuse_reply.c) */
 };
 
 /* A queued request for Python. */
@@ -102,7 +102,7 @@ struct fe_counters {
     uint64_t ring_requests;         /* requests that came through an io_uring queue */
     uint64_t ring_copy_bytes, ring_copy_ns;   /* READ hits copied into ring payloads */
     uint64_t ring_lost;             /* entries whose commit the kernel refused */
-    /* the solo gate (fuse_engine.c): times a /dev/fuse thread after the first waited at
+    /* the solo gate (fuse_threads.c): times a /dev/fuse thread after the first waited at
      * it, and requests those threads read (the gate open: several tasks, or not readahead);
      * times it opened for a request of another task than the last, and for one of the
      * same task that was not readahead (not a READ, or a READ under FE_SOLO_READ) */
@@ -166,6 +166,9 @@ int fe_transport(const struct fe_engine *e, const char **why);  /* why: "" or th
 
 /* The queue: up to ``max`` requests, oldest first (the eventfd is drained by Python). */
 size_t fe_take(struct fe_engine *e, struct fe_request *out, size_t max);
+/* Answer READ ``q`` (one Python took from the queue, or a parked one handed back) from
+ * the tier, or park it on one of its chunks in flight (1), else leave it to the caller (0). */
+int fe_read_or_park(struct fe_engine *e, const struct fe_request *q);
 
 /* Replies to a queued request, on ``fd`` (a /dev/fuse fd, or a ring token: < 0). A
  * ring token's reply is copied into its entry and committed by the queue's thread; a

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "fuse_engine.h"
+#include "fuse_engine_i.h"
 #include "fuse_fetch.h"
 #include "fuse_tier.h"
 #include "fuse_xxh.h"

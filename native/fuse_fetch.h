@@ -25,7 +25,7 @@
  *                                                      buffer (fetch_landed) and adopts it
  *
  *   a chunk entering a sequential reader's       ─► fetch_start (request thread, at the
- *   prefetch window (fuse_engine.c do_read)          prefetch hint): when Python routed it
+ *   prefetch window (fuse_read.c do_read)            prefetch hint): when Python routed it
  *                                                    (fetch_route: its replica and slot
  *                                                    there, fetch_peer: that peer's UP
  *                                                    paths) and gave a landing slot
@@ -37,7 +37,7 @@
  *                                                    the fetch goes on): Python hedges it
  *
  *   a small file's READ that missed, its chunk    ─► fetch_start_part (request thread,
- *   routed and a staging slot free                   fuse_engine.c do_read): its one
+ *   routed and a staging slot free                   fuse_read.c do_read): its one
  *                                                    extent READ into one of C's staging
  *                                                    slots (fetch_staging), the READ parked
  *                                                    on it, verified, copied out and put as
@@ -93,15 +93,6 @@ struct fe_engine;
 struct fe_request;
 struct fe_tier;
 struct fe_fetch;
-
-/* From fuse_engine.c: answer a READ from the tier, or park it on one of its chunks in
- * flight (1), else leave it to the caller (0); answer a parked READ again the same way,
- * or queue it for Python; queue a request or event for Python; and the engine's clock
- * (CLOCK_MONOTONIC, ns: a request's t0, a C-started fetch's start and deadline). */
-int fe_read_or_park(struct fe_engine *e, const struct fe_request *q);
-void fe_read_again(struct fe_engine *e, const struct fe_request *q);
-int fe_queue(struct fe_engine *e, const struct fe_request *q);
-uint64_t fe_now_ns(void);
 
 struct fe_fetch_counters {
     uint64_t posted, landed, failed, parked, answered;  /* parked: per READ and chunk waited for */

@@ -182,8 +182,8 @@ typedef struct ks_engine ks_engine;
 typedef struct ks_pending ks_pending;
 
 /* ------------------------------------------------------------------------- the API
- * Implemented at the end of soft_engine.c; the CPython binding (soft_engine_py.c) is its
- * one caller.  Errors are a negative errno plus a static message in *why ("post_send:
+ * Implemented in the engine's files (soft_engine_i.h maps them); the CPython binding
+ * (soft_engine_py.c) is its one caller.  Errors are a negative errno plus a static message in *why ("post_send:
  * QP is not in RTS"); -ENOMEM with *why NULL means out of memory.  Each call names the
  * lock its caller must hold.  Objects are found by handle (QPN, MR key, CQ id) under
  * that lock and stay valid until their own remove call: the engine thread never frees

@@ -7,8 +7,8 @@
  *       -Inative native/fuzz/fuzz_engine.c -o fuzz_engine -lpthread
  *   ./fuzz_engine [-seconds N] [-runs N] [-seed N]
  *
- * It includes soft_engine.c itself (the engine alone: the binding is soft_engine_py.c)
- * so it drives the real static functions: ks_hdr_parse, ks_hello_parse, and the connection handlers the engine
+ * It includes the engine's C files themselves (the engine alone: the binding is
+ * soft_engine_py.c) so it drives the real static functions: ks_hdr_parse, ks_hello_parse, and the connection handlers the engine
  * thread runs (handle_conn: hello_rx -> hello_route -> resp_rx/resp_tx, req_rx), each
  * fed through an AF_UNIX socketpair.  The first input byte picks the target:
  *
@@ -25,6 +25,13 @@
  * -fsanitize=fuzzer,address -DKS_LIBFUZZER to use libFuzzer instead of main().
  */
 #include "../soft_engine.c"
+#include "../soft_wire.c"
+#include "../soft_transport.c"
+#include "../soft_qp.c"
+#include "../soft_requester.c"
+#include "../soft_responder.c"
+#include "../soft_cq.c"
+#include "../soft_mr.c"
 
 #include <assert.h>
 #include <stdio.h>
