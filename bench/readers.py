@@ -9,7 +9,7 @@ import os
 import random
 import subprocess
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def read_paths(root: str | os.PathLike[str], paths: Sequence[str]) -> int:

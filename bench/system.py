@@ -14,8 +14,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -192,7 +192,7 @@ def main() -> None:
                 c.ks(["preload", "tail", "--timeout", "60"])
     print("\n".join(rows), flush=True)
     if ratios:
-        print(f"no fault, both mounts at once: reads with hedging / without = "
+        print("no fault, both mounts at once: reads with hedging / without = "
               + ", ".join(f"{r:.3f}" for r in ratios)
               + f" (median {sorted(ratios)[len(ratios) // 2]:.3f})", flush=True)
     if args.plot and plot(runs, args.plot):

@@ -32,14 +32,23 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 from . import cluster, datasets, readers
 from .datasets import Dataset
 from .system import REPO, run_fio
-from .targets import ENABLE_URING, Kspeedfs, KspeedfsStore, RamFS, SourceCold, SourceWarm, Target, UringKspeedfs
+from .targets import (
+    ENABLE_URING,
+    Kspeedfs,
+    KspeedfsStore,
+    RamFS,
+    SourceCold,
+    SourceWarm,
+    Target,
+    UringKspeedfs,
+)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ when it runs in a worker thread.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import xxhash
 

@@ -30,9 +30,10 @@ import os
 import re
 import socket
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 
@@ -478,7 +479,7 @@ class Config:
     # "section.key" -> where its value came from (file path, environment, command line)
     sources: dict[str, str] = field(default_factory=dict, metadata={"skip": True})
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         """Every section's ``validate()``; an error gets the source of the key it names
         first (each message starts with that key)."""
         for section in _sections(self):

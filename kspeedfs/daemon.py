@@ -27,9 +27,10 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -52,8 +53,8 @@ from .reader import Reader
 
 if TYPE_CHECKING:
     from .cluster.fetch import Peers
-    from .manifest.store.etcd import EtcdStore
     from .fuse.native import NativeSession
+    from .manifest.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def choose_engine(cfg: Config) -> str:
 @asynccontextmanager
 async def _cluster(cfg: Config, index: ManifestIndex, resume: bool = False,
                    keep: str | None = None, taking_over: bool = False,
-                   ) -> AsyncIterator[tuple["Peers | None", "EtcdStore | None"]]:
+                   ) -> AsyncIterator[tuple[Peers | None, EtcdStore | None]]:
     """Peers to read chunks from, when this mount belongs to a cluster (etcd store and
     ``cluster.peers``); None otherwise. The mount talks to the nodes directly — its own
     vRDMA endpoint and one-sided READs into its own buffers — so a read from a peer
@@ -203,7 +204,7 @@ def _read_counters(reader: Reader) -> dict[str, int]:
     return {name: int(getattr(s, name)) for name in _HELD_COUNTERS}
 
 
-async def _hold(store: "EtcdStore", record: MountRecord, ttl: int,
+async def _hold(store: EtcdStore, record: MountRecord, ttl: int,
                 counters: Callable[[], dict[str, int]], handed_over: Callable[[], bool],
                 period: float = 5.0) -> None:
     """Hold ``record``'s version for this mount's life: its ``mounts/`` key on a lease
@@ -241,8 +242,8 @@ async def _hold(store: "EtcdStore", record: MountRecord, ttl: int,
                 log.warning("leaving: %s (the nodes release the preload after its grace)", e)
 
 
-async def _export_metrics(cfg: Config, ops: Operations, peers: "Peers | None",
-                          store: "EtcdStore | None", path: str) -> None:
+async def _export_metrics(cfg: Config, ops: Operations, peers: Peers | None,
+                          store: EtcdStore | None, path: str) -> None:
     """Serve this mount's metrics (``metrics.py``) at ``metrics.listen`` until cancelled."""
     from . import metrics
 
@@ -286,7 +287,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     async with _cluster(cfg, index, bool(req.resume), keep,
                         bool(req.upgrade or req.resume)) as (peers, store), \
             trio.open_nursery() as nursery:
-        session: "NativeSession | None" = None
+        session: NativeSession | None = None
         pages = None
         if cfg.fuse.push_pages:
             pages = PageCache(index, store=pyfuse3.notify_store if engine == "pyfuse3"
@@ -372,7 +373,7 @@ async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetI
         pyfuse3.close(unmount=True)
 
 
-async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
+async def _serve_native(session: NativeSession, nursery: trio.Nursery,
                         after_mount: Callable[[], Awaitable[None]], req: MountRequest,
                         manifest_fd: int | None) -> None:
     """Mount with the native engine (or take the live mount over from its daemon, or

@@ -21,13 +21,19 @@ The metric list and a Grafana dashboard: docs/operations.md, mount/grafana-kspee
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import trio
 from prometheus_client import start_http_server
-from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily, Metric)
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from .config import parse_listen
 

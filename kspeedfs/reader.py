@@ -20,7 +20,8 @@ a load others wait for; blocking I/O and hashing run in worker threads (limited 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -102,7 +103,7 @@ class Reader:
 
     def __init__(self, *, index: ManifestIndex, origin: Origin, memory: MemoryCache,
                  nursery: trio.Nursery, disk: DiskCache | None = None,
-                 peers: "Peers | None" = None, dataset: tuple[str, int] = ("", 0),
+                 peers: Peers | None = None, dataset: tuple[str, int] = ("", 0),
                  workers: int = 16, prefetch_depth: int = 4, push: Push | None = None) -> None:
         self.index = index
         self.origin = origin

@@ -25,8 +25,9 @@ that wants it (``start_extent``, ``start_block``), and C answers that READ.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 import trio
 
@@ -109,7 +110,7 @@ class TierChain:
 
     def __init__(self, *, index: ManifestIndex, origin: Origin, memory: MemoryTier,
                  flights: SingleFlight[Loaded], limiter: trio.CapacityLimiter,
-                 disk: DiskCache | None = None, peers: "Peers | None" = None,
+                 disk: DiskCache | None = None, peers: Peers | None = None,
                  dataset: tuple[str, int] = ("", 0), counters: Counters | None = None,
                  node: str | None = None,
                  landed: Callable[[int, bytes, Loaded], None] | None = None) -> None:
@@ -125,7 +126,7 @@ class TierChain:
         self.node = node
         self.landed = landed
         #: the native engine's chunk fetch (cluster/native_fetch.py), set by the mount
-        self.native: "NativeFetch | None" = None
+        self.native: NativeFetch | None = None
 
     # -- the memory tier and the single-flight -------------------------------------------
 

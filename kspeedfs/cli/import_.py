@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .options import cli_logging, dataset_name, load_config
 from .terminal import ProgressBar, progress_bar
-
 
 if TYPE_CHECKING:
     from ..manifest.importer import ImportProgress

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import ConfigError, KspeedfsError
 from .options import cli_logging, dataset_name, load_config, priority, version
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.store.backend == "etcd" and cfg.cluster.peers:
         cfg.cluster.check_host(node=False)
         cfg.cluster.secret()
-    from ..daemon import MountRequest             # after the checks: a bad flag fails fast
+    from ..daemon import MountRequest  # after the checks: a bad flag fails fast
 
     preload = (args.preload or args.unload_on_exit) and not (args.upgrade or args.resume)
     if preload and (cfg.store.backend != "etcd" or not cfg.cluster.peers):

@@ -122,6 +122,7 @@ def _check(cfg, store, info, as_json: bool = False) -> int:
     replica health of every chunk (``as_json``: the same as one JSON document). 0 when
     every chunk has R verified copies, else 1."""
     import trio
+
     from rdma.errors import RdmaError
 
     from ..cluster.membership import NodeRecord

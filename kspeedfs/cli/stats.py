@@ -28,7 +28,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from ..errors import MountError
 from .options import cli_logging, cluster_store, load_config, seconds

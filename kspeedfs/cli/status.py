@@ -18,7 +18,8 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from ..cluster import lifecycle
-    from ..cluster.membership import NodeRecord, list_json as _prefix
+    from ..cluster.membership import NodeRecord
+    from ..cluster.membership import list_json as _prefix
 
     cli_logging(args)
     cfg = load_config(args)

@@ -61,8 +61,9 @@ from __future__ import annotations
 import logging
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class Geometry:
     nbuckets: int
 
     @classmethod
-    def for_memory(cls, memory: int, slot_size: int) -> "Geometry":
+    def for_memory(cls, memory: int, slot_size: int) -> Geometry:
         nslots = memory // slot_size
         # half the index ways in use on average at a full arena; with two buckets a key
         # (module docstring), none full

@@ -70,8 +70,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import trio
 
@@ -339,7 +339,7 @@ class Peers:
             self.counters.longest_stall = max(self.counters.longest_stall, took)
         return win.data
 
-    def _overran(self, att: "_Attempt") -> None:
+    def _overran(self, att: _Attempt) -> None:
         """``att``'s READ (or connect) passed its threshold: note it against the peer and,
         once per read and within the budget, start the next replica as a hedge."""
         now = time.monotonic()
@@ -355,7 +355,7 @@ class Peers:
                   hedge.rec.node)
         self.nursery.start_soon(self._hedge, hedge)
 
-    async def _hedge(self, att: "_Attempt") -> None:
+    async def _hedge(self, att: _Attempt) -> None:
         assert att.ended is not None
         try:
             with att.scope:
@@ -363,7 +363,7 @@ class Peers:
         finally:
             att.ended.set()
 
-    async def _attempt(self, att: "_Attempt") -> None:
+    async def _attempt(self, att: _Attempt) -> None:
         """One replica: READ, else ask its owner to load it and READ again. Sets
         ``att.data`` and makes it the race's winner (cancelling the other attempt), or
         sets ``att.failed``; an unexpected exception is the race's ``error``."""
@@ -404,7 +404,7 @@ class Peers:
             att.failed = True           # the hedge's task: the reader raises it
             att.race.error = e
 
-    async def _read(self, att: "_Attempt", vqp: VQP, rec: NodeRecord, dst: VMR, at: int,
+    async def _read(self, att: _Attempt, vqp: VQP, rec: NodeRecord, dst: VMR, at: int,
                     remote: str, nbytes: int, remote_off: int) -> None:
         """One timed vqp.read: its latency goes to the hedger (a sample only if it came
         within its threshold); hedging, it calls ``_overran`` when it passes the threshold
@@ -452,7 +452,7 @@ class Peers:
 
     async def _read_from(self, rec: NodeRecord, key: bytes, length: int,
                          part: tuple[int, int, bytes] | None = None,
-                         att: "_Attempt | None" = None) -> bytes | memoryview | None:
+                         att: _Attempt | None = None) -> bytes | memoryview | None:
         """Index bucket READ (its second bucket's too, for a key not in its first), then
         slot READ, then verify; None if the node lacks the chunk (or, in a race, another
         attempt has won: nothing is kept or copied then)."""
@@ -629,7 +629,7 @@ class _Race:
                  "winner", "error")
 
     def __init__(self, queue: list[NodeRecord], args: tuple, nbytes: int,
-                 on_overrun: Callable[["_Attempt"], None], budgeted: bool = False) -> None:
+                 on_overrun: Callable[[_Attempt], None], budgeted: bool = False) -> None:
         self.queue, self.args, self.nbytes = queue, args, nbytes
         self.on_overrun = on_overrun            # Peers._overran
         self.budgeted = budgeted                # read_chunk(budgeted=True): a hedge itself
@@ -638,7 +638,7 @@ class _Race:
         self.winner: _Attempt | None = None
         self.error: Exception | None = None     # the hedge's unexpected exception
 
-    def won(self, att: "_Attempt") -> None:
+    def won(self, att: _Attempt) -> None:
         """``att``'s bytes verified first: it wins, the other attempt is cancelled (its
         READ, if one is out, gives its buffers back when it completes)."""
         self.winner = att

@@ -232,8 +232,8 @@ def from_config(cluster: object) -> Hedger | None:
     """A Hedger from a :class:`~kspeedfs.config.ClusterConfig` (``cluster.hedge_*``), or
     None when ``cluster.hedge`` is off."""
     c = cluster
-    if not getattr(c, "hedge"):
+    if not c.hedge:
         return None
-    return Hedger(factor=getattr(c, "hedge_factor"), floor=getattr(c, "hedge_floor"),
-                  cap=getattr(c, "hedge_cap"), budget=getattr(c, "hedge_budget"),
-                  suspect_time=getattr(c, "hedge_suspect_time"))
+    return Hedger(factor=c.hedge_factor, floor=c.hedge_floor,
+                  cap=c.hedge_cap, budget=c.hedge_budget,
+                  suspect_time=c.hedge_suspect_time)

@@ -182,7 +182,7 @@ class PreloadRequest:
         return canonical_json(asdict(self))
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "PreloadRequest":
+    def from_json(cls, raw: bytes) -> PreloadRequest:
         """Parse untrusted JSON (records of older versions had only version/requested)."""
         d = _json_object(raw, "preload request")
         release = d.get("release", "manual")
@@ -218,7 +218,7 @@ class MountRecord:
         return canonical_json(asdict(self))
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "MountRecord":
+    def from_json(cls, raw: bytes) -> MountRecord:
         what = "mount record"
         d = _json_object(raw, what)
         unload = d.get("unload_on_exit", False)

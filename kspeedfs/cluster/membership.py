@@ -50,8 +50,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import trio
 
@@ -105,7 +106,7 @@ class NodeRecord:
         return f"{store.prefix}nodes/{node}"
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "NodeRecord":
+    def from_json(cls, raw: bytes) -> NodeRecord:
         """Parse and type-check untrusted JSON; ``ValueError`` for anything invalid."""
         try:
             d = json.loads(raw)
@@ -169,7 +170,7 @@ class NodeRecord:
         return lambda values: decode(cls.verified(store, values))
 
     @classmethod
-    def list_verified(cls, store: EtcdStore) -> dict[str, "NodeRecord"]:
+    def list_verified(cls, store: EtcdStore) -> dict[str, NodeRecord]:
         """Blocking, for the CLI: every live node whose record verifies, by name."""
         pre = store.prefix + "nodes/"
         resp = store.call(lambda c: c.get_prefix_response(pre))

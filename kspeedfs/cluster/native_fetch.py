@@ -94,8 +94,9 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -132,7 +133,7 @@ C_SLOTS = 16
 C_STAGING = 16
 
 try:
-    from ..fuse import _engine as _fe      # FETCHED statuses (native/fuse_fetch.h)
+    from ..fuse import _engine as _fe  # FETCHED statuses (native/fuse_fetch.h)
 except ImportError:                        # a checkout whose native code was not built
     _fe = None
 
@@ -190,8 +191,8 @@ class NativeFetch:
     its hedges count in the hedger's.
     """
 
-    def __init__(self, engine: Any, peers: Peers, tiers: "TierChain", memory: "MemoryCache",
-                 index: "ManifestIndex", small_file_limit: int = 0) -> None:
+    def __init__(self, engine: Any, peers: Peers, tiers: TierChain, memory: MemoryCache,
+                 index: ManifestIndex, small_file_limit: int = 0) -> None:
         """``small_file_limit``: ReadPolicy.small_file_limit, the largest small file read
         alone (0: none), the size of the staging slots C holds for those it starts."""
         capi = soft_capi()
@@ -535,8 +536,8 @@ class Routes:
     good, from one vMR of their own. Not thread-safe: the trio thread's.
     """
 
-    def __init__(self, engine: Any, peers: Peers, memory: "MemoryCache",
-                 index: "ManifestIndex", handle: Callable[[Any], int],
+    def __init__(self, engine: Any, peers: Peers, memory: MemoryCache,
+                 index: ManifestIndex, handle: Callable[[Any], int],
                  late: Counter[str], small_file_limit: int = 0) -> None:
         self.engine = engine
         self.peers = peers

@@ -32,8 +32,9 @@ import logging
 import mmap
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import trio
 
@@ -49,14 +50,13 @@ from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from ..manifest.store.etcd import EtcdStore
 from ..origin import Origin
+from . import lifecycle, rpc
 from .arena import Arena, ArenaStatistics, Geometry
 from .fetch import Peers, PeerStatistics
 from .hedge import from_config as hedge_from_config
-from . import lifecycle
 from .lifecycle import PreloadRequest
 from .membership import Membership, NodeRecord, PrefixView, Registration
 from .placement import Member, owners
-from . import rpc
 
 log = logging.getLogger(__name__)
 

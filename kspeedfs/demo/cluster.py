@@ -74,7 +74,7 @@ class ReadRun:
                 self.max_gap = max(self.max_gap, now - self._last)
                 self._last = now
 
-    def start(self) -> "ReadRun":
+    def start(self) -> ReadRun:
         self.t0 = time.monotonic()
         for i in range(self.workers):
             self._pool.submit(self._worker, i)

@@ -159,7 +159,7 @@ class NativeSession:
         self.resumed = False
         self.transport = "/dev/fuse"        # or "io_uring", once the threads run
         #: the chunk fetch in C (cluster/native_fetch.py), when the mount reads from peers
-        self.fetch: "NativeFetch | None" = None
+        self.fetch: NativeFetch | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import pyfuse3
 

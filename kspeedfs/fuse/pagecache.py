@@ -26,7 +26,8 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -65,7 +66,7 @@ class PageCache:
         self._idle = threading.Condition()
         self._closed = False
 
-    async def push(self, entry: int, chunk: int, data: "Data") -> int | None:
+    async def push(self, entry: int, chunk: int, data: Data) -> int | None:
         """Store the part of verified chunk ``chunk`` that belongs to file ``entry``; the
         bytes stored (0: no whole page to store), or None if the kernel refused."""
         lo, hi = page_span(self.index, entry, chunk)

@@ -37,7 +37,8 @@ import json
 import logging
 import os
 import socket
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 

@@ -27,16 +27,25 @@ import time
 import zlib
 from array import array
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import xxhash
 
 from ..errors import SourceChanged, SourceError
 from .model import (
-    BLOCK_DIGEST_SIZE, CHUNK_ARRAYS, DIGEST_SIZE, ENTRY_ARRAYS, FORMAT_VERSION, HEADER, MAGIC,
-    NAME_MAX, Layout, align8, blocks_per_chunk,
+    BLOCK_DIGEST_SIZE,
+    CHUNK_ARRAYS,
+    DIGEST_SIZE,
+    ENTRY_ARRAYS,
+    FORMAT_VERSION,
+    HEADER,
+    MAGIC,
+    NAME_MAX,
+    Layout,
+    align8,
+    blocks_per_chunk,
 )
 from .store.base import DatasetInfo, MetadataStore, check_name
 

@@ -25,12 +25,24 @@ from __future__ import annotations
 import os
 import sys
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import ManifestCorrupt
 from .model import (
-    BLOCK_DIGEST_SIZE, CHUNK_ARRAYS, DIGEST_SIZE, ENTRY_ARRAYS, FORMATS, HEADER, MAGIC, Extent,
-    align8, blocks_per_chunk, check_header, is_dir, is_file, is_symlink,
+    BLOCK_DIGEST_SIZE,
+    CHUNK_ARRAYS,
+    DIGEST_SIZE,
+    ENTRY_ARRAYS,
+    FORMATS,
+    HEADER,
+    MAGIC,
+    Extent,
+    align8,
+    blocks_per_chunk,
+    check_header,
+    is_dir,
+    is_file,
+    is_symlink,
 )
 
 
@@ -85,7 +97,7 @@ class ManifestIndex:
         self.chunk_first_file: memoryview
 
     @classmethod
-    def from_blob(cls, blob: bytes, inflated_size: int = 0) -> "ManifestIndex":
+    def from_blob(cls, blob: bytes, inflated_size: int = 0) -> ManifestIndex:
         """Inflate and index a store blob; at most ``inflated_size`` bytes are inflated
         when it is declared (> 0), and the result must be exactly that long."""
         return cls(inflate(blob, inflated_size))

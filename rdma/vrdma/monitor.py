@@ -21,7 +21,8 @@ defaults and their measurements are in :mod:`.heartbeat`.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 

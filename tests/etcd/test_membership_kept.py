@@ -12,8 +12,8 @@ import json
 import logging
 import random
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import trio

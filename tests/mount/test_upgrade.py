@@ -88,7 +88,7 @@ class Readers:
             if h.digest() != self.digest[rel]:
                 self.wrong += 1
 
-    def __enter__(self) -> "Readers":
+    def __enter__(self) -> Readers:
         for t in self.threads:
             t.start()
         return self
@@ -100,7 +100,7 @@ class Readers:
         assert not any(t.is_alive() for t in self.threads), "a reader hung"
 
 
-def _upgrade(c: Cluster1, mnt: Path, *extra: str) -> "subprocess.CompletedProcess[str]":
+def _upgrade(c: Cluster1, mnt: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return kspeedfs(["mount", "up", str(mnt), "--upgrade", *extra, *c.common()], check=False)
 
 

@@ -50,15 +50,15 @@ import logging
 import random
 import re
 import time
-from typing import Any, Callable, TypeVar
-
-from .etcd_client import EtcdClient, watch_once  # first: it sets gRPC's fork option before grpc loads
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import etcd3.transactions as tx  # noqa: E402
 
 from ...config import StoreConfig  # noqa: E402
 from ...errors import ConfigError, DatasetNotFound, RecordUnverified, StoreError, VersionConflict  # noqa: E402
 from .base import DatasetInfo, MetadataStore, check_name, verify_blob  # noqa: E402
+from .etcd_client import EtcdClient, watch_once  # first: it sets gRPC's fork option before grpc loads
 from .signature import RecordSigner  # noqa: E402
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ _OPCODE = {int(o): o for o in ibv_wc_opcode}
 
 
 class SoftCQ(CQ):
-    def __init__(self, ctx: "SoftContext", cqe: int) -> None:
+    def __init__(self, ctx: SoftContext, cqe: int) -> None:
         super().__init__(ctx, cqe)
         self.engine = ctx.engine
         self.handle, self._fd = self.engine.call("create_cq", self.engine.raw.create_cq,

@@ -33,7 +33,8 @@ import errno
 import ipaddress
 import logging
 import threading
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pyverbs.addr import GID, AHAttr, GlobalRoute
 from pyverbs.qp import QP as _QP
@@ -45,8 +46,17 @@ from pyverbs.wr import RecvWR as _RecvWR
 from pyverbs.wr import SendWR as _SendWR
 
 from ...api import QP, ConnInfo, QPAttr, QPInitAttr, RecvWR, SendWR, random_psn
-from ...enums import (IBV_QP_STATE, IBV_QPS_ERR, IBV_QPS_RESET, IBV_QPS_RTS, IBV_QPT_RC, IBV_SEND_SIGNALED, ibv_qp_state,
-                      ibv_wc_opcode, ibv_wr_opcode)
+from ...enums import (
+    IBV_QP_STATE,
+    IBV_QPS_ERR,
+    IBV_QPS_RESET,
+    IBV_QPS_RTS,
+    IBV_QPT_RC,
+    IBV_SEND_SIGNALED,
+    ibv_qp_state,
+    ibv_wc_opcode,
+    ibv_wr_opcode,
+)
 from ...errors import NotSupportedError, PostError, RdmaUserError
 from ...qp_state import attr_mask
 from .errors import mapped
@@ -77,12 +87,12 @@ def gid_text(gid: str) -> str:
 
 
 class VerbsQP(QP):
-    def __init__(self, pd: "VerbsPD", init_attr: QPInitAttr) -> None:
+    def __init__(self, pd: VerbsPD, init_attr: QPInitAttr) -> None:
         super().__init__(pd, init_attr)
         self._vpd = pd
         ctx = pd.ctx
-        scq: "VerbsCQ" = init_attr.send_cq  # type: ignore[assignment]
-        rcq: "VerbsCQ" = init_attr.recv_cq or init_attr.send_cq  # type: ignore[assignment]
+        scq: VerbsCQ = init_attr.send_cq  # type: ignore[assignment]
+        rcq: VerbsCQ = init_attr.recv_cq or init_attr.send_cq  # type: ignore[assignment]
         for cq in (scq, rcq):
             if getattr(cq, "ctx", None) is not ctx:
                 raise RdmaUserError("the QP's CQs must belong to the same verbs device")

@@ -20,8 +20,8 @@ import fcntl
 import json
 import os
 import socket
-import struct
 import statistics
+import struct
 import subprocess
 import sys
 import time
