@@ -97,7 +97,7 @@ def plot(runs: dict[tuple[str, str], list[Readers]], path: Path) -> Path | None:
     cases = list(dict.fromkeys(case for case, _ in runs))
     stats = [*QUANTILES, ("max", 1.0)]
     fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 3.6), sharey=True)
-    for ax, case in zip(axes, cases):
+    for ax, case in zip(axes, cases, strict=False):
         for k, mode in enumerate(("off", "on")):
             rds = runs.get((case, mode), [])
             ys = []

@@ -37,7 +37,7 @@ pyfuse3 engine gets the kernel default (32).
 
 A target is set up once per workload (``setup``), put in its state before every
 measured run (``prepare``), and torn down by the suite's :class:`~bench.system.Mounts`.
-"""
+"""  # noqa: E501 - an RST table, read as one
 from __future__ import annotations
 
 import json

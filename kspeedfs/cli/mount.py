@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mem", metavar="SIZE", help="memory cache size (cache.memory)")
     p.add_argument("--cache-dir", metavar="DIR", help="disk cache tier directory (cache.disk_dir)")
     p.add_argument("--cache-disk", metavar="SIZE", help="disk cache tier size (cache.disk)")
-    p.add_argument("--allow-other", action="store_true", default=None, help="let other users access the mount")
+    p.add_argument("--allow-other", action="store_true", default=None,
+                   help="let other users access the mount")
     p.add_argument("--nonempty", action="store_true", help="allow mounting over a non-empty directory")
     p.add_argument("--upgrade", action="store_true",
                    help="take the live mount at MOUNTPOINT over from the daemon serving it, "

@@ -272,7 +272,7 @@ def mount_lines(sample: dict[str, Any], first: bool) -> list[str]:
     """The plain form: one line per sample, under a header line before the first."""
     table = Table(MOUNT_COLUMNS, right=range(1, len(MOUNT_COLUMNS)))
     table.add(*_mount_row(sample))
-    widths = [max(w, len(c)) for w, c in zip(MOUNT_WIDTHS, table.rows[0])]
+    widths = [max(w, len(c)) for w, c in zip(MOUNT_WIDTHS, table.rows[0], strict=False)]
     return table.lines(header=first, widths=widths)
 
 

@@ -162,10 +162,10 @@ def _summary(s: dict, run: ReadRun) -> None:
     mem = s["memory_hits"] + s["waited_in_flight"]
     chunks = (mem + s["peer_hits"] + s["source_loads"]) or 1
     _say("== summary")
-    _say(f"   bytes to readers: {s['read_bytes'] / 1e6:,.0f} MB, every one verified (xxh3 of its chunk, file or block); "
-         f"errors seen by readers: {len(run.errors)}")
-    _say(f"   chunk and small-file requests served by: the mount's memory tier {mem / chunks:.0%}, peers over "
-         f"vRDMA {s['peer_hits'] / chunks:.0%} ({s['peer_bytes'] / 1e6:,.0f} MB), the source "
+    _say(f"   bytes to readers: {s['read_bytes'] / 1e6:,.0f} MB, every one verified "
+         f"(xxh3 of its chunk, file or block); errors seen by readers: {len(run.errors)}")
+    _say(f"   chunk and small-file requests served by: the mount's memory tier {mem / chunks:.0%}, "
+         f"peers over vRDMA {s['peer_hits'] / chunks:.0%} ({s['peer_bytes'] / 1e6:,.0f} MB), the source "
          f"{s['source_loads'] / chunks:.0%}")
     _say("   per peer: " + ", ".join(f"{n} {b / 1e6:,.0f} MB"
                                      for n, b in sorted(s["per_peer_bytes"].items())))

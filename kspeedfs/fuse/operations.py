@@ -119,7 +119,8 @@ class Operations(pyfuse3.Operations):
         return entry
 
     @fuse_op
-    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def lookup(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         parent = self._entry(parent_inode)
         if not self.index.is_dir(parent):
             raise pyfuse3.FUSEError(errno.ENOTDIR)

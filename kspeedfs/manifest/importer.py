@@ -200,7 +200,8 @@ def chunk_extents(tree: _Tree, p: _Plan, k: int) -> Iterator[tuple[int, int, int
         i += 1
 
 
-def _hash_chunk(source: bytes, tree: _Tree, p: _Plan, k: int) -> tuple[int, bytes, list[tuple[int, bytes]], bytes, int]:
+def _hash_chunk(source: bytes, tree: _Tree, p: _Plan,
+                k: int) -> tuple[int, bytes, list[tuple[int, bytes]], bytes, int]:
     """(k, chunk digest, [(extent index, digest)], block digests, files starting here)."""
     buf = bytearray(p.chunk_len[k])
     view = memoryview(buf)

@@ -312,7 +312,8 @@ class Endpoint:
         client sends ends the accept loop: a failure closes this connection only."""
         _keepalive(stream)
         try:
-            peer = "%s:%d" % stream.socket.getpeername()[:2]
+            host, port = stream.socket.getpeername()[:2]
+            peer = f"{host}:{port}"
         except OSError:
             peer = "?"
         ch = await self.gate.accept(stream, self.secret, self.node, self.handshake_timeout)

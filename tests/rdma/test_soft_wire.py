@@ -38,7 +38,7 @@ def _eof_or_reset(sock: socket.socket, timeout: float = EOF_WAIT_S) -> bytes:
     except ConnectionResetError:
         return got
     except TimeoutError:
-        raise AssertionError(f"engine kept the connection open (got {got[:64]!r})")
+        raise AssertionError(f"engine kept the connection open (got {got[:64]!r})") from None
 
 
 def _assert_still_serves(p: Pair) -> None:

@@ -189,7 +189,7 @@ async def test_detached_read_returns_at_once_and_frees_its_buffer_at_its_wc(
     for _ in range(5):
         freed: list[int] = []
         with trio.move_on_after(0.0005) as cs:
-            await vqp.read(buf, 0, rm, SIZE, detach=lambda: freed.append(p.data_inflight))
+            await vqp.read(buf, 0, rm, SIZE, detach=lambda freed=freed: freed.append(p.data_inflight))
         if not cs.cancelled_caught:
             continue                             # it beat the timer: nothing to detach
         detached += 1

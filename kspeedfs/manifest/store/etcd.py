@@ -148,7 +148,7 @@ class EtcdStore(MetadataStore):
         parts = range(0, len(blob), PART_SIZE)
         for i, off in enumerate(parts):
             key, chunk = self.part_key(name, version, i), blob[off:off + PART_SIZE]
-            self.client.call(lambda c: c.put(key, chunk))
+            self.client.call(lambda c, key=key, chunk=chunk: c.put(key, chunk))
         record = {**sealed.to_json(), "parts": len(parts), "part_size": PART_SIZE}
         info_key = self._ds(name, f"v{version}", "info")
         self._seal(name, version, self._need_signer().seal_json(info_key, record))
