@@ -674,7 +674,8 @@ class Device:
     node_guid: int = 0
 
     def open(self) -> Context:
-        return load_provider(self.provider).open_device(self)
+        ctx: Context = load_provider(self.provider).open_device(self)
+        return ctx
 
 
 def sysfs_devices(path: str = SYSFS_INFINIBAND) -> list[str]:

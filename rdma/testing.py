@@ -167,7 +167,7 @@ def pair_factory(provider: str, device: str | None = None,
                 raise
         return pair
 
-    return make  # type: ignore[return-value]
+    return make
 
 
 def read_wr(wr_id: int, local: MR, remote: MR, length: int, local_off: int = 0,

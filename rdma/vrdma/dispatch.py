@@ -128,7 +128,7 @@ class ReadDispatcher:
     """
 
     def __init__(self, paths: PathSet, cfg: HeartbeatConfig, clock: Callable[[], float],
-                 now: float, wr_ids: itertools.count) -> None:
+                 now: float, wr_ids: itertools.count[int]) -> None:
         self.paths = paths
         self.cfg = cfg
         self.clock = clock

@@ -195,11 +195,13 @@ class Endpoint:
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Endpoint:
-        self._lifetime = self._running()
-        return await self._lifetime.__aenter__()
+        lifetime = self._running()
+        self._lifetime = lifetime
+        return await lifetime.__aenter__()
 
     async def __aexit__(self, *exc: Any) -> bool | None:
-        return await self._lifetime.__aexit__(*exc)
+        suppress: bool | None = await self._lifetime.__aexit__(*exc)
+        return suppress
 
     @asynccontextmanager
     async def _running(self) -> AsyncIterator[Endpoint]:
@@ -435,7 +437,7 @@ class Endpoint:
         assert self._nursery is not None, "use `async with Endpoint(...)`"
         timeout = self.cfg.connect_timeout * 2 if timeout is None else timeout
 
-        async def ask(addr: str) -> dict:
+        async def ask(addr: str) -> dict[str, Any]:
             with trio.fail_after(self.cfg.connect_timeout):
                 ch = await self._open_channel(addr, port, None)
                 try:
@@ -579,4 +581,5 @@ def _checked_info(info: Any) -> dict[str, Any]:
         Peer.check(info)
     except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
         raise HandshakeError(f"malformed info reply: {type(e).__name__}: {e}"[:300]) from None
-    return info
+    checked: dict[str, Any] = info
+    return checked

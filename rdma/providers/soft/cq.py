@@ -25,7 +25,8 @@ class SoftCQ(CQ):
     @property
     def fd(self) -> int:
         self._check_open()
-        return self._fd
+        fd: int = self._fd
+        return fd
 
     def poll(self, num_entries: int = 1) -> list[WC]:
         self._check_open()

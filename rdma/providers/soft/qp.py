@@ -90,7 +90,8 @@ class SoftQP(QP):
 
     def rx_age(self) -> float | None:
         self._check_open()
-        return self.engine.call("qp_rx_age", self.engine.raw.qp_rx_age, self.qp_num)
+        age: float | None = self.engine.call("qp_rx_age", self.engine.raw.qp_rx_age, self.qp_num)
+        return age
 
     def _modify(self, attr: QPAttr, names: frozenset[str], current: int,
                 requested: int) -> None:
@@ -158,8 +159,9 @@ class SoftQP(QP):
     @property
     def remote_private_data(self) -> bytes | None:
         self._check_open()
-        return self.engine.call("qp_private_data", self.engine.raw.qp_private_data,
-                                self.qp_num)
+        data: bytes | None = self.engine.call("qp_private_data", self.engine.raw.qp_private_data,
+                                              self.qp_num)
+        return data
 
     # ---- posting
     def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:

@@ -70,9 +70,9 @@ log = logging.getLogger(__name__)
 #: rxe: retry_cnt 7 never gives up (see the module docstring)
 RXE_MAX_RETRY_CNT = 6
 
-_WC_OF_WR = {ibv_wr_opcode.IBV_WR_RDMA_READ: ibv_wc_opcode.IBV_WC_RDMA_READ,
-             ibv_wr_opcode.IBV_WR_SEND: ibv_wc_opcode.IBV_WC_SEND,
-             ibv_wr_opcode.IBV_WR_RDMA_WRITE: ibv_wc_opcode.IBV_WC_RDMA_WRITE}
+_WC_OF_WR: dict[int, ibv_wc_opcode] = {ibv_wr_opcode.IBV_WR_RDMA_READ: ibv_wc_opcode.IBV_WC_RDMA_READ,
+                                        ibv_wr_opcode.IBV_WR_SEND: ibv_wc_opcode.IBV_WC_SEND,
+                                        ibv_wr_opcode.IBV_WR_RDMA_WRITE: ibv_wc_opcode.IBV_WC_RDMA_WRITE}
 
 #: the QPAttr fields copied as plain integers
 _SCALARS = ("qkey", "rq_psn", "sq_psn", "dest_qp_num", "qp_access_flags", "pkey_index",
@@ -107,7 +107,7 @@ class VerbsQP(QP):
             self.raw = _QP(pd.raw, ia)
         self.qp_num: int = int(self.raw.qp_num)
         self._scq, self._rcq = scq, rcq
-        self._state = IBV_QPS_RESET          # as last set by us
+        self._state: int = IBV_QPS_RESET     # as last set by us
         self._lock = threading.Lock()
         #: posted send WRs not yet retired: (wr_id, signaled, WC opcode)
         self._sq: collections.deque[tuple[int, bool, int]] = collections.deque()
