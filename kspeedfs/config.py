@@ -513,7 +513,8 @@ def _sections(cfg: Config) -> list[dataclasses.Field[Any]]:
 
 
 def _toml_name(f: dataclasses.Field[Any]) -> str:
-    return f.metadata.get("toml", f.name)
+    name: str = f.metadata.get("toml", f.name)
+    return name
 
 
 def _toml_value(v: Any) -> str:

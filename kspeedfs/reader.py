@@ -202,7 +202,7 @@ class Reader:
 
     # -- a small file alone ----------------------------------------------------------------
 
-    def hand_off(self, entry: int, read: tuple) -> bool:
+    def hand_off(self, entry: int, read: tuple[Any, ...]) -> bool:
         """Whether the native fetch took ``read``, a READ of ``entry`` the native engine
         queued (fd, unique, offset, size, random, since): a small file read alone, or a
         random read inside one block (``read_parts``' rules), whose extent or block C

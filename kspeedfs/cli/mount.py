@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                           "cluster.peers on)")
     logfile = logsetup.log_path(cfg.log.dir, args.dataset, os.path.abspath(args.mountpoint))
 
-    def request(note: Callable[[str], None]) -> MountRequest:
+    def request(note: Callable[[str], object]) -> MountRequest:
         """What to mount; with a preload, requested first (in the process that serves:
         ``_daemonize`` says why)."""
         if preload:
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     return _daemonize(cfg, request, logfile)
 
 
-def _preload(cfg: Any, args: argparse.Namespace, note: Callable[[str], None]) -> None:
+def _preload(cfg: Any, args: argparse.Namespace, note: Callable[[str], object]) -> None:
     """``--preload``/``--unload-on-exit``: request the preload before mounting, so a
     dataset that does not fit fails, in one line, with nothing mounted; ``note`` tells the
     user what was unloaded to make room."""
@@ -193,7 +193,7 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
-def _daemonize(cfg: Any, request: Callable[[Callable[[str], None]], Any], logfile: str) -> int:
+def _daemonize(cfg: Any, request: Callable[[Callable[[str], object]], Any], logfile: str) -> int:
     """Fork; the child makes the mount (``request``, then serve) and says "ready" or why
     not on a pipe, with the notes for the user before it; the parent prints those and
     exits. No etcd request is made before the fork: a child that used gRPC after its

@@ -4,10 +4,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING, Any
 
 from ..errors import KspeedfsError
 from .options import cli_logging, cluster_store, load_config
 from .terminal import Table, print_table
+
+if TYPE_CHECKING:
+    from ..manifest.store.etcd import EtcdStore
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def node_lines(name: str, rec: dict, s: dict, now: float) -> list[str]:
+def node_lines(name: str, rec: dict[str, Any], s: dict[str, Any], now: float) -> list[str]:
     """What ``status`` prints of one live node: ``rec`` its (verified) node record, ``s``
     its stats record as ``lifecycle.node_stats`` gives it."""
     a, c, d = s["arena"], s["counters"], s["disk"]
@@ -76,8 +80,9 @@ def node_lines(name: str, rec: dict, s: dict, now: float) -> list[str]:
     return out
 
 
-def _datasets(store, replicas: int, nodes: dict, preload: dict, progress: dict,
-              held: dict[str, list[dict]]) -> list[dict]:
+def _datasets(store: EtcdStore, replicas: int, nodes: dict[str, Any], preload: dict[str, Any],
+              progress: dict[str, Any],
+              held: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per preloaded dataset: chunk replicas cached (of those the live nodes own), bytes
     per tier (chunks in memory / on SSD × the mean chunk size), R achieved (replicas
     cached per chunk, on average), the hit ratio of its mounts (reads served by memory
@@ -126,7 +131,7 @@ def _p99(counts: list[int], buckets: list[float]) -> str:
     return "-"
 
 
-def _latency(reads: dict) -> str:
+def _latency(reads: dict[str, Any]) -> str:
     """One line of a node's READs from its peers: hedges (issue 19) and p99 per peer."""
     per = ", ".join(
         f"{peer} p99 ≤ {_p99(p['counts'], reads['peer_latency_buckets_ms'])}"

@@ -98,7 +98,7 @@ def buckets_of(key: bytes, nbuckets: int) -> tuple[int, ...]:
     return (b1,) if b1 == b2 else (b1, b2)
 
 
-def find_in_bucket(bucket: bytes, key: bytes) -> tuple[int, int] | None:
+def find_in_bucket(bucket: bytes | memoryview, key: bytes) -> tuple[int, int] | None:
     """(slot, length) of ``key`` in one bucket's bytes as READ from a peer, or None."""
     for i in range(WAYS):
         k, slot, length, _ = ENTRY.unpack_from(bucket, i * ENTRY.size)

@@ -72,6 +72,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -476,7 +477,7 @@ class Peers:
             rslot = self.hints.get(rec.node, rec.started, key)
             for _ in range(2 + (rslot is not None)):   # a stale hint, then twice the bucket
                 hinted = rslot is not None
-                if hinted:
+                if rslot is not None:
                     self.counters.hinted += 1
                 else:
                     found = None
@@ -628,7 +629,7 @@ class _Race:
     __slots__ = ("queue", "args", "nbytes", "on_overrun", "budgeted", "first", "hedge",
                  "winner", "error")
 
-    def __init__(self, queue: list[NodeRecord], args: tuple, nbytes: int,
+    def __init__(self, queue: list[NodeRecord], args: tuple[Any, ...], nbytes: int,
                  on_overrun: Callable[[_Attempt], None], budgeted: bool = False) -> None:
         self.queue, self.args, self.nbytes = queue, args, nbytes
         self.on_overrun = on_overrun            # Peers._overran

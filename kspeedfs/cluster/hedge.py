@@ -59,6 +59,10 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import ClusterConfig
 
 #: histogram bucket upper bounds, ms (the last bucket is everything above)
 BUCKETS_MS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
@@ -228,7 +232,7 @@ class Hedger:
                            hedged=h.hedged, won=h.won, suspected=self.suspected(peer, now))
 
 
-def from_config(cluster: object) -> Hedger | None:
+def from_config(cluster: ClusterConfig) -> Hedger | None:
     """A Hedger from a :class:`~kspeedfs.config.ClusterConfig` (``cluster.hedge_*``), or
     None when ``cluster.hedge`` is off."""
     c = cluster

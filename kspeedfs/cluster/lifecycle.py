@@ -49,7 +49,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import CapacityExceeded, StoreError
 from ..manifest.store.signature import canonical_json
@@ -116,7 +116,7 @@ def _text(x: object) -> str:
     return x if isinstance(x, str) else "?"
 
 
-def _is_count(v: object) -> bool:
+def _is_count(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 

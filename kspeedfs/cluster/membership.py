@@ -220,7 +220,9 @@ class Registration:
         with self._lock:
             keys = dict(self._keys)
         for k, v in keys.items():
-            self.store.race(lambda c, k=k, v=v: c.put(k, v, lease=lease.id))
+            def put(c: Any, k: str = k, v: bytes = v) -> Any:
+                return c.put(k, v, lease=lease.id)
+            self.store.race(put)
         log.info("etcd lease %x granted (ttl %ds); %d keys attached", self.lease_id, self.ttl, len(keys))
 
     def put(self, key: str, value: bytes) -> None:

@@ -30,6 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from .single import generate
 
@@ -141,12 +142,12 @@ def main(args: argparse.Namespace) -> int:
                 break
             time.sleep(0.5)
         t_rerep = time.monotonic() - t_kill
-        check = c.ks(["preload", "imagenet", "--check"], check=False)
+        recheck = c.ks(["preload", "imagenet", "--check"], check=False)
         _say(f"5. n2's lease expired; the survivors re-replicated its chunks: R copies again "
-             f"{t_rerep:.1f}s after the kill\n" + _indent(check.stdout))
+             f"{t_rerep:.1f}s after the kill\n" + _indent(recheck.stdout))
         _summary(stats, run)
         c.node_host(1).nic_up(1)
-        return 0 if not run.errors and check.returncode == 0 else 1
+        return 0 if not run.errors and recheck.returncode == 0 else 1
     finally:
         c.close()
         if not args.keep:
@@ -158,7 +159,7 @@ def _indent(text: str) -> str:
     return "\n".join("   " + line for line in text.strip().splitlines())
 
 
-def _summary(s: dict, run: ReadRun) -> None:
+def _summary(s: dict[str, Any], run: ReadRun) -> None:
     mem = s["memory_hits"] + s["waited_in_flight"]
     chunks = (mem + s["peer_hits"] + s["source_loads"]) or 1
     _say("== summary")

@@ -27,7 +27,7 @@ import logging
 import mmap
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
@@ -58,7 +58,9 @@ class PageCache:
     """Pushes chunks of open files into the kernel page cache (one instance per mount)."""
 
     def __init__(self, index: ManifestIndex, threads: int = 2,
-                 store: Callable[[int, int, memoryview], None] = pyfuse3.notify_store) -> None:
+                 store: Callable[[int, int, Any], object] = pyfuse3.notify_store) -> None:
+        # store: pyfuse3.notify_store (typed for bytes, takes any buffer) or the native
+        # engine's; given memoryviews of cached chunks
         self.index = index
         self.store = store          # the engine's FUSE_NOTIFY_STORE (pyfuse3's, or native's)
         self._limiter = trio.CapacityLimiter(threads)

@@ -37,7 +37,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -101,7 +101,7 @@ def fds_in(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
-def with_fds(fds: list[int]) -> list[tuple[int, int, array.array]]:
+def with_fds(fds: Sequence[int]) -> list[tuple[int, int, array.array[int]]]:
     """The ancillary data that passes ``fds`` (none: an empty list)."""
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
 
@@ -117,7 +117,7 @@ async def _recv(sock: trio.socket.SocketType, timeout: float) -> tuple[dict[str,
     return _message(data), fds
 
 
-async def _send(sock: trio.socket.SocketType, msg: dict[str, Any], fds: list[int] = ()) -> None:
+async def _send(sock: trio.socket.SocketType, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
     await sock.sendmsg([json.dumps(msg).encode()], with_fds(fds))
 
 

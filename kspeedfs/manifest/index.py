@@ -68,7 +68,8 @@ class ManifestIndex:
                 raise ManifestCorrupt("manifest truncated")
             view = mv[pos:pos + nbytes]
             pos += align8(nbytes)
-            return view.cast(code) if code else view
+            # typeshed types cast() for literal formats only; these come from ENTRY_ARRAYS
+            return view.cast(code) if code else view  # type: ignore[call-overload]
 
         for name, code, width in ENTRY_ARRAYS:
             setattr(self, name, take(width * self.entries, code))
@@ -228,7 +229,8 @@ class ManifestIndex:
 
     def file_offset_in_chunk(self, entry: int, chunk: int) -> int:
         """Where file ``entry``'s byte 0 sits relative to the start of ``chunk`` (may be < 0)."""
-        return self.data[entry] - chunk * self.chunk_size
+        offset: int = self.data[entry] - chunk * self.chunk_size
+        return offset
 
 
 def fsdecode(path: bytes) -> str:

@@ -33,6 +33,7 @@ or ``KeyError``; the stores turn that into ``StoreError``.
 from __future__ import annotations
 
 import abc
+import builtins
 import hashlib
 import math
 import re
@@ -134,7 +135,8 @@ class DatasetInfo:
         _want_str(d, "sha256", _HEX, 64)
         return cls(**d)
 
-    def sealed(self, version: int, blob: bytes, imported_at: float) -> DatasetInfo:
+    # builtins.bytes: in this class body ``bytes`` is the field above
+    def sealed(self, version: int, blob: builtins.bytes, imported_at: float) -> DatasetInfo:
         return replace(
             self, version=version, digest=blob_digest(blob), manifest_size=len(blob),
             imported_at=imported_at, sha256=blob_sha256(blob),

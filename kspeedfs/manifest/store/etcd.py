@@ -132,11 +132,14 @@ class EtcdStore(MetadataStore):
         return self.client.reachable
 
     def _get(self, key: str) -> tuple[bytes | None, Any]:
-        return self.client.call(lambda c: c.get(key))
+        got: tuple[bytes | None, Any] = self.client.call(lambda c: c.get(key))
+        return got
 
     def _txn(self, compare: list[Any], success: list[Any],
              failure: list[Any]) -> tuple[bool, list[Any]]:
-        return self.client.call(lambda c: c.transaction(compare=compare, success=success, failure=failure))
+        done: tuple[bool, list[Any]] = self.client.call(
+            lambda c: c.transaction(compare=compare, success=success, failure=failure))
+        return done
 
     # -- publish --------------------------------------------------------------------------
 
@@ -148,7 +151,8 @@ class EtcdStore(MetadataStore):
         parts = range(0, len(blob), PART_SIZE)
         for i, off in enumerate(parts):
             key, chunk = self.part_key(name, version, i), blob[off:off + PART_SIZE]
-            self.client.call(lambda c, key=key, chunk=chunk: c.put(key, chunk))
+            # call() runs op before returning: the loop variables are this part's
+            self.client.call(lambda c: c.put(key, chunk))  # noqa: B023
         record = {**sealed.to_json(), "parts": len(parts), "part_size": PART_SIZE}
         info_key = self._ds(name, f"v{version}", "info")
         self._seal(name, version, self._need_signer().seal_json(info_key, record))
@@ -219,7 +223,7 @@ class EtcdStore(MetadataStore):
         exactly this key (``RecordUnverified`` otherwise), a valid :class:`DatasetInfo`
         of ``name`` v``version`` with a SHA-256 and a consistent part count
         (``StoreError`` otherwise)."""
-        record = self._need_signer().open_json(key, raw)
+        record: dict[str, Any] = self._need_signer().open_json(key, raw)
         try:
             info = DatasetInfo.from_json(record)
             parts, part_size = record.get("parts"), record.get("part_size")

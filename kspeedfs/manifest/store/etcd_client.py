@@ -490,7 +490,8 @@ class EtcdClient:
                 if ok:
                     self._prefer(ep, failover=preferred in errors)
                     self.reachable = True
-                    return value
+                    result: T = value
+                    return result
                 if not isinstance(value, _Unreachable):
                     raise value                  # etcd answered: the same from every endpoint
                 errors[ep.url] = value
