@@ -901,8 +901,11 @@ static void Block_dealloc(BlockObject *self)
 static PyBufferProcs Block_as_buffer = {(getbufferproc)Block_getbuffer, NULL};
 
 static PyTypeObject BlockType = {
+    /* the macro ends in a comma that clang-format cannot see */
+    /* clang-format off */
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kspeedfs.fuse._engine.Block",
+    /* clang-format on */
     .tp_basicsize = sizeof(BlockObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Verified bytes the native fetch copied out of a staging slot (read-only).",
@@ -1337,8 +1340,11 @@ static PyGetSetDef Engine_getset[] = {
 };
 
 static PyTypeObject EngineType = {
+    /* the macro ends in a comma that clang-format cannot see */
+    /* clang-format off */
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kspeedfs.fuse._engine.Engine",
+    /* clang-format on */
     .tp_basicsize = sizeof(EngineObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "The native FUSE engine of one mount (request threads on /dev/fuse).",

@@ -78,8 +78,9 @@ enum { FE_FETCH_OK = 0, FE_FETCH_SHORT = 64, FE_FETCH_MISMATCH = 65, FE_FETCH_EX
 #define FE_NICS 4                   /* local NICs a landing slot has an lkey on */
 #define FE_SLOTS 64                 /* landing slots Python may give C at once */
 #define FE_STAGING 32               /* staging slots for the extents C starts (fetch_staging) */
-#define FE_SIZE_CLASSES 7           /* the hedger's READ size classes (cluster/hedge.py):
-                                     * ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M, larger */
+/* the hedger's READ size classes (cluster/hedge.py): ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M,
+ * larger */
+#define FE_SIZE_CLASSES 7
 
 /* One UP path to a peer: the soft engine of its local NIC (a fetch CQ there), its QP, the
  * peer's arena through it, and which of a landing slot's lkeys it takes. */
@@ -104,7 +105,8 @@ int fe_queue(struct fe_engine *e, const struct fe_request *q);
 uint64_t fe_now_ns(void);
 
 struct fe_fetch_counters {
-    uint64_t posted, landed, failed, parked, answered;  /* parked: per READ and chunk waited for */
+    /* parked: per READ and chunk waited for */
+    uint64_t posted, landed, failed, parked, answered;
     uint64_t redundant;             /* landed verified, but the tier had the chunk (EXISTS) */
     uint64_t started;               /* of ``posted``: started in C (fetch_start, _start_part) */
     uint64_t started_parts;         /* of ``started``: small files' extents (fetch_start_part) */

@@ -702,8 +702,11 @@ static PyGetSetDef Engine_getset[] = {
 };
 
 static PyTypeObject EngineType = {
+    /* the macro ends in a comma that clang-format cannot see */
+    /* clang-format off */
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "rdma._soft_engine.Engine",
+    /* clang-format on */
     .tp_basicsize = sizeof(EngineObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Native soft-RDMA engine for one device (listener + epoll thread).",
