@@ -47,7 +47,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define FE_NOTIFY_RESEND 7          /* kernel 6.9+ (include/uapi/linux/fuse.h, 7.40) */
+#define FE_NOTIFY_RESEND 7 /* kernel 6.9+ (include/uapi/linux/fuse.h, 7.40) */
 
 #ifndef FUSE_DEV_IOC_CLONE
 #define FUSE_DEV_IOC_CLONE _IOR(229, 0, uint32_t)
@@ -65,9 +65,9 @@
  * (1 MiB), mapped lazily: 32 MiB of address space per CPU, resident as far as replies
  * touched it. */
 #define FE_URING_DEPTH 32
-#define FE_URING_MAX_Q 256          /* qids are CPU numbers */
+#define FE_URING_MAX_Q 256 /* qids are CPU numbers */
 #define FE_URING_MAX_ENTS 256
-#define FE_URING_SLOTS 64           /* engines with rings per process (ring tokens) */
+#define FE_URING_SLOTS 64 /* engines with rings per process (ring tokens) */
 
 static void set_err(char *err, size_t errlen, const char *fmt, ...)
 {
@@ -84,7 +84,7 @@ static void set_err(char *err, size_t errlen, const char *fmt, ...)
 int fe_mount(const char *path, const char *fsname, int allow_other, int nonempty,
              uint32_t max_read, char *err, size_t errlen)
 {
-    (void)nonempty;    /* a fusermount rule; mount(2) itself mounts over anything */
+    (void)nonempty; /* a fusermount rule; mount(2) itself mounts over anything */
     int fd = open("/dev/fuse", O_RDWR | O_CLOEXEC);
     if (fd < 0) {
         set_err(err, errlen, "open /dev/fuse: %s", strerror(errno));
@@ -92,8 +92,9 @@ int fe_mount(const char *path, const char *fsname, int allow_other, int nonempty
     }
     char opts[256];
     int n = snprintf(opts, sizeof opts,
-                     "fd=%d,rootmode=40000,user_id=%u,group_id=%u,default_permissions%s",
-                     fd, (unsigned)getuid(), (unsigned)getgid(), allow_other ? ",allow_other" : "");
+                     "fd=%d,rootmode=40000,user_id=%u,group_id=%u,default_permissions%s", fd,
+                     (unsigned)getuid(), (unsigned)getgid(),
+                     allow_other ? ",allow_other" : "");
     if (max_read)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",max_read=%u", max_read);
     if (mount(fsname, path, "fuse.kspeedfs", MS_RDONLY | MS_NOSUID | MS_NODEV, opts) < 0) {
@@ -106,15 +107,12 @@ int fe_mount(const char *path, const char *fsname, int allow_other, int nonempty
     return fd;
 }
 
-int fe_unmount(const char *path)
-{
-    return umount2(path, MNT_DETACH) < 0 ? -errno : 0;
-}
+int fe_unmount(const char *path) { return umount2(path, MNT_DETACH) < 0 ? -errno : 0; }
 
 /* -------------------------------------------------------------------- the engine */
 
-struct fe_handle {                  /* one open file: the sequential-read state */
-    uint64_t fh;                    /* what the kernel holds: generation << 32 | slot + 1 */
+struct fe_handle { /* one open file: the sequential-read state */
+    uint64_t fh;   /* what the kernel holds: generation << 32 | slot + 1 */
     pthread_mutex_t lock;
     uint64_t next_offset;
     uint64_t run;
@@ -127,11 +125,11 @@ struct fe_worker {
     int fd;
     int started;
     atomic_int done;
-    uint8_t *in;                    /* FE_REQ_BUF: one request */
-    uint8_t *out;                   /* READDIR replies: max_pages pages */
+    uint8_t *in;  /* FE_REQ_BUF: one request */
+    uint8_t *out; /* READDIR replies: max_pages pages */
     size_t outlen;
     struct fe_counters c;
-    struct fe_uent *ent;            /* the ring entry of the request in hand (NULL: /dev/fuse) */
+    struct fe_uent *ent; /* the ring entry of the request in hand (NULL: /dev/fuse) */
     /* the crowd rule's totals (crowd_note): written by this thread only. Not the sums of
      * ``c.ns``/``c.count``: those stop before the reply is written (a 1 MiB READ's copy,
      * which makes it long) and leave out the requests queued for Python */
@@ -153,30 +151,30 @@ struct fe_uent {
     struct fe_uqueue *q;
     struct fe_uring_req_header *hdr;
     uint8_t *payload;
-    struct iovec iov[2];            /* what REGISTER hands the kernel */
+    struct iovec iov[2]; /* what REGISTER hands the kernel */
     uint16_t idx;
     atomic_int state;
-    uint64_t unique;                /* the request it holds (C, PY, COMMIT) */
+    uint64_t unique; /* the request it holds (C, PY, COMMIT) */
 };
 
 struct fe_uqueue {
     struct fe_engine *e;
-    struct fe_worker w;             /* dispatch's view: counters, buffers, ``ent`` */
+    struct fe_worker w; /* dispatch's view: counters, buffers, ``ent`` */
     int qid;
     struct io_uring ring;
     int ring_up;
     pthread_t thread;
     int started;
     struct fe_uent *ents;
-    uint8_t *payloads;              /* one mapping: nents x payload_len */
+    uint8_t *payloads; /* one mapping: nents x payload_len */
     size_t payload_len, map_len;
-    int efd;                        /* Python's commits (and the stop) wake the thread */
+    int efd; /* Python's commits (and the stop) wake the thread */
     uint64_t efd_val;
-    pthread_mutex_t mlock;          /* the mailbox: protects mail, nmail, closed */
+    pthread_mutex_t mlock; /* the mailbox: protects mail, nmail, closed */
     uint16_t *mail;
     int nmail;
-    int closed;                     /* the thread is gone: replies to its entries refused */
-    int registered;                 /* 1: every REGISTER accepted; < 0: -errno */
+    int closed;     /* the thread is gone: replies to its entries refused */
+    int registered; /* 1: every REGISTER accepted; < 0: -errno */
 };
 
 struct fe_engine {
@@ -184,13 +182,13 @@ struct fe_engine {
     int efd;
     struct fe_index ix;
     struct fe_options opt;
-    atomic_uint_least64_t spliced, spliced_bytes;  /* replies by splice, any thread's */
+    atomic_uint_least64_t spliced, spliced_bytes; /* replies by splice, any thread's */
     uint32_t *nlink;
     uint32_t blksize;
     /* negotiated at INIT */
     uint32_t minor, max_pages, max_readahead;
     uint64_t flags;
-    struct fe_tier *tier;           /* the memory tier's buffers (fuse_tier.c) */
+    struct fe_tier *tier; /* the memory tier's buffers (fuse_tier.c) */
     /* open file handles: a slot table, so an fh is validated, never dereferenced (after
      * an upgrade the kernel sends the previous daemon's fhs: unknown here, no stream) */
     pthread_mutex_t hlock;
@@ -209,32 +207,32 @@ struct fe_engine {
     struct fe_worker *workers;
     int nworkers;
     atomic_int live;
-    atomic_int dev_live;            /* of which /dev/fuse readers */
+    atomic_int dev_live; /* of which /dev/fuse readers */
     /* the solo gate (solo_gate): requests from one task at a time are read by the first
      * /dev/fuse thread alone; the others read too while several tasks send */
-    atomic_uint last_pid;           /* the task of the last request read */
-    _Atomic uint64_t multi_until;   /* fe_now_ns() before which every thread reads */
-    atomic_int gate_open;           /* a reader left (unmount, stop): nobody waits any more */
+    atomic_uint last_pid;         /* the task of the last request read */
+    _Atomic uint64_t multi_until; /* fe_now_ns() before which every thread reads */
+    atomic_int gate_open;         /* a reader left (unmount, stop): nobody waits any more */
     pthread_mutex_t slock;
     pthread_cond_t scond;
     /* the crowd rule (crowd_note): the last FE_SOLO_NS window's tasks, its requests'
      * time in dispatch (every /dev/fuse thread's) and their number, and its verdict */
-    int ncpu;                       /* CPUs this process may run on (fe_start) */
-    _Atomic uint64_t crowd_tasks;   /* bit pid % 64 of each task seen this window */
-    _Atomic uint64_t crowd_since;   /* when this window began */
-    uint64_t crowd_busy, crowd_requests;   /* the totals when it began; its closer only */
+    int ncpu;                            /* CPUs this process may run on (fe_start) */
+    _Atomic uint64_t crowd_tasks;        /* bit pid % 64 of each task seen this window */
+    _Atomic uint64_t crowd_since;        /* when this window began */
+    uint64_t crowd_busy, crowd_requests; /* the totals when it began; its closer only */
     atomic_int crowded;
     /* io_uring queues (fe_start, when INIT negotiated FUSE_OVER_IO_URING) */
-    int uring;                      /* negotiated */
+    int uring; /* negotiated */
     struct fe_uqueue *queues;
     int nqueues, nents;
-    int ring_slot;                  /* in ring_engines[] (ring tokens), -1: none */
+    int ring_slot; /* in ring_engines[] (ring tokens), -1: none */
     atomic_int ring_stop;
-    pthread_mutex_t rlock;          /* the queues' registration reports */
+    pthread_mutex_t rlock; /* the queues' registration reports */
     pthread_cond_t rcond;
     int nreported;
-    int transport;                  /* 1: every queue registered */
-    char ring_why[160];             /* why not, when INIT negotiated it */
+    int transport;      /* 1: every queue registered */
+    char ring_why[160]; /* why not, when INIT negotiated it */
     /* the native chunk fetch (fuse_fetch.c): set once by fe_fetch_enable, freed by
      * fe_destroy (request threads may park on it until they are joined) */
     _Atomic(struct fe_fetch *) fetch;
@@ -242,7 +240,7 @@ struct fe_engine {
      * thread, or Python's thread in fetch_unpark): counted as hits, with their whole
      * latency, like a request thread's */
     pthread_mutex_t alock;
-    struct fe_counters again;       /* under alock */
+    struct fe_counters again; /* under alock */
 };
 
 static int is_dir(uint32_t mode) { return S_ISDIR(mode); }
@@ -264,7 +262,7 @@ struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_o
     e->nlink = calloc(ix->entries ? ix->entries : 1, sizeof *e->nlink);
     if (e->efd < 0 || !e->tier || !e->nlink) {
         set_err(err, errlen, "engine setup: %s", strerror(errno ? errno : ENOMEM));
-        e->fd = -1;                     /* still the caller's */
+        e->fd = -1; /* still the caller's */
         fe_destroy(e);
         return NULL;
     }
@@ -283,7 +281,7 @@ struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_o
         if (is_dir(ix->mode[i]) && ix->parent[i] < ix->entries)
             e->nlink[ix->parent[i]]++;
     e->blksize = opt->blksize ? opt->blksize
-                 : (uint32_t)(ix->block_size ? ix->block_size : ix->chunk_size);
+                              : (uint32_t)(ix->block_size ? ix->block_size : ix->chunk_size);
     return e;
 }
 
@@ -334,7 +332,8 @@ size_t fe_tier_count(struct fe_engine *e) { return tier_count(e->tier); }
 /* Ring replies (the io_uring section defines them): Python's, by token, and the queue
  * thread's own for the request in hand. */
 static int ring_reply(int token, uint64_t unique, int err, struct iovec *iov, int n);
-static int ring_answer(struct fe_worker *w, uint64_t unique, int err, struct iovec *iov, int n);
+static int ring_answer(struct fe_worker *w, uint64_t unique, int err, struct iovec *iov,
+                       int n);
 static int ring_token(const struct fe_uent *ent);
 
 static int write_reply(int fd, struct iovec *iov, int n)
@@ -344,7 +343,7 @@ static int write_reply(int fd, struct iovec *iov, int n)
         if (w >= 0)
             return 0;
         if (errno != EINTR)
-            return -errno;          /* ENOENT: the request was interrupted; nothing to do */
+            return -errno; /* ENOENT: the request was interrupted; nothing to do */
     }
 }
 
@@ -373,13 +372,13 @@ static int write_reply(int fd, struct iovec *iov, int n)
 
 struct reply_pipe {
     int rd, wr;
-    size_t pages;               /* what it holds at most */
+    size_t pages; /* what it holds at most */
 };
 
 static pthread_key_t pipe_key;
 static pthread_once_t pipe_once = PTHREAD_ONCE_INIT;
-static __thread struct fe_engine *splice_for;   /* this thread splices for it: counts */
-static __thread struct reply_pipe *tpipe;   /* its pipe (also pipe_key's value) */
+static __thread struct fe_engine *splice_for; /* this thread splices for it: counts */
+static __thread struct reply_pipe *tpipe;     /* its pipe (also pipe_key's value) */
 
 static void pipe_close(void *arg)
 {
@@ -409,7 +408,8 @@ static struct reply_pipe *pipe_open(void)
         close(fd[1]);
         return NULL;
     }
-    *p = (struct reply_pipe){.rd = fd[0], .wr = fd[1],
+    *p = (struct reply_pipe){.rd = fd[0],
+                             .wr = fd[1],
                              .pages = (size_t)got / (size_t)sysconf(_SC_PAGESIZE)};
     return p;
 }
@@ -426,7 +426,7 @@ size_t fe_splice_room(void)
     struct reply_pipe *p = pipe_open();
     if (!p)
         return 0;
-    size_t room = (p->pages - 1) * (size_t)sysconf(_SC_PAGESIZE);   /* a header's page */
+    size_t room = (p->pages - 1) * (size_t)sysconf(_SC_PAGESIZE); /* a header's page */
     pipe_close(p);
     return room;
 }
@@ -445,7 +445,7 @@ static int splice_reply(int fd, const struct iovec *iov, int n, size_t len)
     if (!tpipe) {
         pthread_once(&pipe_once, pipe_key_make);
         if (!(tpipe = pipe_open())) {
-            splice_for = NULL;          /* none now: none later (no fds, or no pipes) */
+            splice_for = NULL; /* none now: none later (no fds, or no pipes) */
             return 0;
         }
         pthread_setspecific(pipe_key, tpipe);
@@ -459,11 +459,11 @@ static int splice_reply(int fd, const struct iovec *iov, int n, size_t len)
         return 0;
     ssize_t v = vmsplice(tpipe->wr, iov, (unsigned long)n, SPLICE_F_NONBLOCK);
     if (v != (ssize_t)len) {
-        pipe_drop();                    /* part of it may be in the pipe */
+        pipe_drop(); /* part of it may be in the pipe */
         return 0;
     }
     ssize_t s;
-    do                                  /* EINTR: nothing was taken from the pipe */
+    do /* EINTR: nothing was taken from the pipe */
         s = splice(tpipe->rd, NULL, fd, NULL, len, 0);
     while (s < 0 && errno == EINTR);
     if (s == (ssize_t)len) {
@@ -491,7 +491,7 @@ static int reply_iov(int fd, uint64_t unique, struct iovec *iov, int n)
     int spliced = splice_reply(fd, iov, n, len);
     if (spliced > 0 || spliced == -ENOENT)
         return spliced > 0 ? 0 : spliced;
-    return write_reply(fd, iov, n);     /* not spliced, or the splice failed */
+    return write_reply(fd, iov, n); /* not spliced, or the splice failed */
 }
 
 static int reply_buf(int fd, uint64_t unique, const void *buf, size_t len)
@@ -533,7 +533,9 @@ int fe_reply_xattr_size(int fd, uint64_t unique, uint32_t size)
 int fe_notify_store(int fd, uint64_t nodeid, uint64_t offset, const void *buf, size_t len)
 {
     struct fuse_out_header h = {.error = FUSE_NOTIFY_STORE, .unique = 0};
-    struct fuse_notify_store_out o = {.nodeid = nodeid, .offset = offset, .size = (uint32_t)len};
+    struct fuse_notify_store_out o = {.nodeid = nodeid,
+                                      .offset = offset,
+                                      .size = (uint32_t)len};
     struct iovec iov[3] = {{&h, sizeof h}, {&o, sizeof o}, {(void *)buf, len}};
     h.len = (uint32_t)(sizeof h + sizeof o + len);
     return write_reply(fd, iov, 3);
@@ -624,10 +626,10 @@ enum { QUEUED = 1, REPLIED_ENOENT = 2 };
 struct req {
     struct fe_worker *w;
     const struct fuse_in_header *h;
-    const uint8_t *arg;             /* after the header */
+    const uint8_t *arg; /* after the header */
     size_t arglen;
-    int op;                         /* its counter slot (enum fe_op) */
-    uint64_t t0;                    /* when it was read, ns */
+    int op;      /* its counter slot (enum fe_op) */
+    uint64_t t0; /* when it was read, ns */
     int counted;
 };
 
@@ -645,7 +647,8 @@ static void counted(struct req *r, int err)
 
 /* Answer the request ``w`` holds: into its ring entry, or on its /dev/fuse fd. ``err``
  * > 0 answers that errno; else ``iov[1..n)`` is the payload (iov[0] is the header's). */
-static int worker_reply(struct fe_worker *w, uint64_t unique, int err, struct iovec *iov, int n)
+static int worker_reply(struct fe_worker *w, uint64_t unique, int err, struct iovec *iov,
+                        int n)
 {
     if (w->ent)
         return ring_answer(w, unique, err, iov, n);
@@ -809,7 +812,7 @@ static int do_open(struct req *r)
         return -ENOMEM;
     struct fuse_open_out o = {.fh = fh->fh, .open_flags = FOPEN_KEEP_CACHE};
     if (answer(r, &o, sizeof o, 0) < 0)
-        handle_free(e, fh->fh);             /* interrupted: the kernel never sees this fh */
+        handle_free(e, fh->fh); /* interrupted: the kernel never sees this fh */
     return 0;
 }
 
@@ -900,7 +903,7 @@ static void wake(struct fe_engine *e)
 {
     uint64_t one = 1;
     ssize_t rc = write(e->efd, &one, sizeof one);
-    (void)rc;                       /* EAGAIN: the counter is already non-zero */
+    (void)rc; /* EAGAIN: the counter is already non-zero */
 }
 
 static int enqueue(struct fe_engine *e, const struct fe_request *q)
@@ -941,7 +944,7 @@ static int enqueue_for_python(struct fe_worker *w, struct fe_request *q,
         q->fd = w->fd;
     } else {
         q->fd = ring_token(w->ent);
-        atomic_store(&w->ent->state, ENT_PY);   /* before another thread can answer it */
+        atomic_store(&w->ent->state, ENT_PY); /* before another thread can answer it */
     }
     if (fetch && (fetch_park(fetch, first, last, q) || start_small(w->e, fetch, q)))
         return 0;
@@ -970,14 +973,17 @@ static int do_xattr(struct req *r, int kind)
     struct fe_engine *e = r->w->e;
     uint64_t entry;
     if (!e->opt.xattrs)
-        return -ENOSYS;             /* answered once: the kernel stops asking */
+        return -ENOSYS; /* answered once: the kernel stops asking */
     if (!valid_entry(e, r->h->nodeid, &entry))
         return -ENOENT;
     if (r->arglen < sizeof(struct fuse_getxattr_in))
         return -EINVAL;
     const struct fuse_getxattr_in *in = (const void *)r->arg;
-    struct fe_request q = {.kind = kind, .unique = r->h->unique, .entry = entry,
-                           .size = in->size, .t0 = r->t0};
+    struct fe_request q = {.kind = kind,
+                           .unique = r->h->unique,
+                           .entry = entry,
+                           .size = in->size,
+                           .t0 = r->t0};
     if (kind == FE_GETXATTR) {
         const char *name = (const char *)(in + 1);
         size_t n = strnlen(name, r->arglen - sizeof *in);
@@ -1000,8 +1006,7 @@ static const uint8_t *chunk_key(const struct fe_engine *e, uint64_t k)
 /* The sequential-read bookkeeping of cache/prefetch.py ``Prefetcher.advise``, for one
  * handle: whether this read is random, and the chunks to start loading ahead. */
 static int advise(struct fe_engine *e, struct fe_handle *fh, uint64_t offset, uint64_t size,
-                  uint64_t last, uint64_t file_last, uint64_t *pstart,
-                  uint64_t *pstop)
+                  uint64_t last, uint64_t file_last, uint64_t *pstart, uint64_t *pstop)
 {
     *pstart = *pstop = 0;
     pthread_mutex_lock(&fh->lock);
@@ -1028,7 +1033,7 @@ static int advise(struct fe_engine *e, struct fe_handle *fh, uint64_t offset, ui
 struct hit {
     struct iovec iov[FE_MAX_IOV + 1];
     struct fe_slot *held[FE_MAX_IOV];
-    int n;                          /* iovecs used, from 1 */
+    int n; /* iovecs used, from 1 */
     int nheld;
     int units;
 };
@@ -1188,14 +1193,14 @@ static int answer_again(struct fe_engine *e, const struct fe_request *q, uint64_
 int fe_read_or_park(struct fe_engine *e, const struct fe_request *q)
 {
     if (q->entry >= e->ix.entries || !S_ISREG(e->ix.mode[q->entry]))
-        return 0;                   /* (Python's READ tuple: not trusted blindly) */
+        return 0; /* (Python's READ tuple: not trusted blindly) */
     uint64_t end, first, last;
     read_span(e, q->entry, q->offset, q->size, &end, &first, &last);
     if (q->offset >= end)
         return 0;
     if (answer_again(e, q, end, first, last))
         return 1;
-    struct fe_fetch *f = atomic_load(&e->fetch);   /* one of its chunks in flight */
+    struct fe_fetch *f = atomic_load(&e->fetch); /* one of its chunks in flight */
     if (!f)
         return 0;
     /* Nothing to park on may also mean its last chunk landed between the two looks: the
@@ -1243,8 +1248,12 @@ static int do_read(struct req *r)
         worker_reply(r->w, r->h->unique, 0, h.iov, h.n);
         release_hit(e, &h);
     } else {
-        struct fe_request q = {.kind = FE_READ, .unique = r->h->unique, .entry = entry,
-                               .offset = offset, .size = in->size, .random = random,
+        struct fe_request q = {.kind = FE_READ,
+                               .unique = r->h->unique,
+                               .entry = entry,
+                               .offset = offset,
+                               .size = in->size,
+                               .random = random,
                                .t0 = r->t0};
         r->w->c.read_misses++;
         r->w->c.queued++;
@@ -1258,8 +1267,12 @@ static int do_read(struct req *r)
         struct fe_fetch *f = atomic_load(&e->fetch);
         for (uint64_t k = pstart; k < pstop; k++)
             if (!tier_has(e->tier, chunk_key(e, k), 16) && !(f && fetch_start(f, k))) {
-                struct fe_request q = {.kind = FE_PREFETCH, .fd = -1, .unique = last,
-                                       .entry = entry, .offset = k, .size = pstop};
+                struct fe_request q = {.kind = FE_PREFETCH,
+                                       .fd = -1,
+                                       .unique = last,
+                                       .entry = entry,
+                                       .offset = k,
+                                       .size = pstop};
                 r->w->c.prefetch_hints++;
                 enqueue(e, &q);
                 break;
@@ -1270,9 +1283,11 @@ static int do_read(struct req *r)
 
 /* ---------------------------------------------------------------------- dispatch */
 
-static const uint64_t bounds_ns[FE_BUCKETS - 1] = {
-    100000, 250000, 500000, 1000000, 2500000, 5000000, 10000000, 25000000, 50000000,
-    100000000, 250000000, 500000000, 1000000000, 2500000000ULL, 10000000000ULL};
+static const uint64_t bounds_ns[FE_BUCKETS - 1] = {100000,     250000,        500000,
+                                                   1000000,    2500000,       5000000,
+                                                   10000000,   25000000,      50000000,
+                                                   100000000,  250000000,     500000000,
+                                                   1000000000, 2500000000ULL, 10000000000ULL};
 
 uint64_t fe_now_ns(void)
 {
@@ -1313,7 +1328,7 @@ static void count(struct fe_worker *w, int op, uint64_t t0, int err)
  * wait here while, for FE_SOLO_NS, every request was a READ of FE_SOLO_READ or more
  * from one task (readahead); any other request, or another task's, opens the gate. */
 #define FE_SOLO_NS 20000000ull
-#define FE_SOLO_READ (256u << 10)   /* a READ this large is readahead, answered ahead of need */
+#define FE_SOLO_READ (256u << 10) /* a READ this large is readahead, answered ahead of need */
 
 /* The crowd rule.  More tasks than CPUs, each sending short requests in turn (8 workers
  * opening and reading ImageNet-like files on 2 CPUs): no CPU is idle for a second
@@ -1339,10 +1354,12 @@ static void crowd_note(struct fe_worker *w, uint32_t pid, uint64_t t0)
     if (e->nworkers < 2)
         return;
     uint64_t now = fe_now_ns();
-    atomic_store_explicit(&w->busy_ns, atomic_load_explicit(&w->busy_ns, memory_order_relaxed)
-                          + (now - t0), memory_order_relaxed);
-    atomic_store_explicit(&w->requests, atomic_load_explicit(&w->requests,
-                          memory_order_relaxed) + 1, memory_order_relaxed);
+    atomic_store_explicit(&w->busy_ns,
+                          atomic_load_explicit(&w->busy_ns, memory_order_relaxed) + (now - t0),
+                          memory_order_relaxed);
+    atomic_store_explicit(&w->requests,
+                          atomic_load_explicit(&w->requests, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
     uint64_t bit = 1ull << (pid % 64);
     if (pid && !(atomic_load_explicit(&e->crowd_tasks, memory_order_relaxed) & bit))
         atomic_fetch_or_explicit(&e->crowd_tasks, bit, memory_order_relaxed);
@@ -1375,9 +1392,9 @@ static void solo_note(struct fe_worker *w, const struct fuse_in_header *h, size_
 {
     struct fe_engine *e = w->e;
     if (e->nworkers < 2 || !h->pid)
-        return;                     /* (the kernel's own requests carry no task) */
+        return; /* (the kernel's own requests carry no task) */
     if (atomic_load_explicit(&e->crowded, memory_order_relaxed))
-        return;                     /* the crowd rule: the gate stays as it is */
+        return; /* the crowd rule: the gate stays as it is */
     if (atomic_load_explicit(&e->multi_until, memory_order_relaxed) > now + FE_SOLO_NS / 4 * 3)
         return;
     uint32_t prev = atomic_load_explicit(&e->last_pid, memory_order_relaxed);
@@ -1386,7 +1403,7 @@ static void solo_note(struct fe_worker *w, const struct fuse_in_header *h, size_
     const struct fuse_read_in *in = (const void *)(h + 1);
     if (prev == h->pid && h->opcode == FUSE_READ && n >= sizeof *h + sizeof *in &&
         in->size >= FE_SOLO_READ)
-        return;                     /* readahead of the one task reading */
+        return; /* readahead of the one task reading */
     if (atomic_exchange(&e->multi_until, now + FE_SOLO_NS) <= now) {
         if (prev != h->pid)
             w->c.gate_opened_tasks++;
@@ -1420,31 +1437,67 @@ static void dispatch_one(struct fe_worker *w, const uint8_t *buf, size_t n, uint
             w->c.shared_requests++;
     }
     if (h->unique >> 63)
-        w->c.resent++;              /* a dead predecessor read it; the kernel sent it again */
+        w->c.resent++; /* a dead predecessor read it; the kernel sent it again */
     int rc;
     switch (h->opcode) {
-    case FUSE_LOOKUP: r.op = FE_OP_LOOKUP; rc = do_lookup(&r); break;
-    case FUSE_GETATTR: r.op = FE_OP_GETATTR; rc = do_getattr(&r); break;
-    case FUSE_READLINK: r.op = FE_OP_READLINK; rc = do_readlink(&r); break;
-    case FUSE_OPEN: r.op = FE_OP_OPEN; rc = do_open(&r); break;
-    case FUSE_READ: r.op = FE_OP_READ; rc = do_read(&r); break;
-    case FUSE_RELEASE: r.op = FE_OP_RELEASE; rc = do_release(&r); break;
-    case FUSE_OPENDIR: r.op = FE_OP_OPENDIR; rc = do_opendir(&r); break;
-    case FUSE_READDIR: r.op = FE_OP_READDIR; rc = do_readdir(&r, 0); break;
-    case FUSE_READDIRPLUS: r.op = FE_OP_READDIR; rc = do_readdir(&r, 1); break;
+    case FUSE_LOOKUP:
+        r.op = FE_OP_LOOKUP;
+        rc = do_lookup(&r);
+        break;
+    case FUSE_GETATTR:
+        r.op = FE_OP_GETATTR;
+        rc = do_getattr(&r);
+        break;
+    case FUSE_READLINK:
+        r.op = FE_OP_READLINK;
+        rc = do_readlink(&r);
+        break;
+    case FUSE_OPEN:
+        r.op = FE_OP_OPEN;
+        rc = do_open(&r);
+        break;
+    case FUSE_READ:
+        r.op = FE_OP_READ;
+        rc = do_read(&r);
+        break;
+    case FUSE_RELEASE:
+        r.op = FE_OP_RELEASE;
+        rc = do_release(&r);
+        break;
+    case FUSE_OPENDIR:
+        r.op = FE_OP_OPENDIR;
+        rc = do_opendir(&r);
+        break;
+    case FUSE_READDIR:
+        r.op = FE_OP_READDIR;
+        rc = do_readdir(&r, 0);
+        break;
+    case FUSE_READDIRPLUS:
+        r.op = FE_OP_READDIR;
+        rc = do_readdir(&r, 1);
+        break;
     case FUSE_RELEASEDIR:
         r.op = FE_OP_RELEASEDIR;
         answer(&r, NULL, 0, 0);
         rc = 0;
         break;
-    case FUSE_STATFS: r.op = FE_OP_STATFS; rc = do_statfs(&r); break;
-    case FUSE_GETXATTR: r.op = FE_OP_GETXATTR; rc = do_xattr(&r, FE_GETXATTR); break;
-    case FUSE_LISTXATTR: r.op = FE_OP_LISTXATTR; rc = do_xattr(&r, FE_LISTXATTR); break;
+    case FUSE_STATFS:
+        r.op = FE_OP_STATFS;
+        rc = do_statfs(&r);
+        break;
+    case FUSE_GETXATTR:
+        r.op = FE_OP_GETXATTR;
+        rc = do_xattr(&r, FE_GETXATTR);
+        break;
+    case FUSE_LISTXATTR:
+        r.op = FE_OP_LISTXATTR;
+        rc = do_xattr(&r, FE_LISTXATTR);
+        break;
     case FUSE_FORGET:
-    case FUSE_BATCH_FORGET:         /* inodes are entry numbers: nothing to forget */
+    case FUSE_BATCH_FORGET: /* inodes are entry numbers: nothing to forget */
         w->c.count[FE_OP_FORGET]++;
         return;
-    case FUSE_INTERRUPT:            /* requests are short or queued; the reply comes anyway */
+    case FUSE_INTERRUPT: /* requests are short or queued; the reply comes anyway */
     case FUSE_NOTIFY_REPLY:
         return;
     case FUSE_DESTROY:
@@ -1452,14 +1505,26 @@ static void dispatch_one(struct fe_worker *w, const uint8_t *buf, size_t n, uint
         answer(&r, NULL, 0, 0);
         rc = 0;
         break;
-    case FUSE_SETATTR: case FUSE_SYMLINK: case FUSE_MKNOD: case FUSE_MKDIR: case FUSE_UNLINK:
-    case FUSE_RMDIR: case FUSE_RENAME: case FUSE_LINK: case FUSE_WRITE: case FUSE_SETXATTR:
-    case FUSE_REMOVEXATTR: case FUSE_CREATE: case FUSE_FALLOCATE: case FUSE_RENAME2:
-    case FUSE_COPY_FILE_RANGE: case FUSE_TMPFILE:
+    case FUSE_SETATTR:
+    case FUSE_SYMLINK:
+    case FUSE_MKNOD:
+    case FUSE_MKDIR:
+    case FUSE_UNLINK:
+    case FUSE_RMDIR:
+    case FUSE_RENAME:
+    case FUSE_LINK:
+    case FUSE_WRITE:
+    case FUSE_SETXATTR:
+    case FUSE_REMOVEXATTR:
+    case FUSE_CREATE:
+    case FUSE_FALLOCATE:
+    case FUSE_RENAME2:
+    case FUSE_COPY_FILE_RANGE:
+    case FUSE_TMPFILE:
         r.op = FE_OP_EROFS;
         rc = -EROFS;
         break;
-    default:                        /* flush, fsync, locks, ioctl, lseek, …: the kernel's own */
+    default: /* flush, fsync, locks, ioctl, lseek, …: the kernel's own */
         r.op = FE_OP_ENOSYS;
         rc = -ENOSYS;
         break;
@@ -1468,7 +1533,7 @@ static void dispatch_one(struct fe_worker *w, const uint8_t *buf, size_t n, uint
         counted(&r, r.op != FE_OP_ENOSYS);
         worker_reply(w, h->unique, -rc, NULL, 1);
     } else if (rc != QUEUED) {
-        counted(&r, 0);             /* answered without answer(): nothing to count late */
+        counted(&r, 0); /* answered without answer(): nothing to count late */
     }
 }
 
@@ -1507,7 +1572,7 @@ static int worker_buffers(struct fe_worker *w, struct fe_engine *e, int fd)
  * hits never touch the lock. */
 
 static pthread_mutex_t ring_engines_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct fe_engine *ring_engines[FE_URING_SLOTS];   /* protected by ring_engines_lock */
+static struct fe_engine *ring_engines[FE_URING_SLOTS]; /* protected by ring_engines_lock */
 
 static int ring_token(const struct fe_uent *ent)
 {
@@ -1531,7 +1596,7 @@ static void ring_fill(struct fe_uent *ent, uint64_t unique, int err, const struc
     if (err) {
         len = 0;
     } else if (len) {
-        uint64_t t0 = c ? fe_now_ns() : 0;     /* what the copy costs (a writev has none) */
+        uint64_t t0 = c ? fe_now_ns() : 0; /* what the copy costs (a writev has none) */
         size_t at = 0;
         for (int i = 1; i < n; i++) {
             memcpy(ent->payload + at, iov[i].iov_base, iov[i].iov_len);
@@ -1542,7 +1607,8 @@ static void ring_fill(struct fe_uent *ent, uint64_t unique, int err, const struc
             c->ring_copy_bytes += len;
         }
     }
-    struct fuse_out_header oh = {.len = (uint32_t)(sizeof oh + len), .error = -err,
+    struct fuse_out_header oh = {.len = (uint32_t)(sizeof oh + len),
+                                 .error = -err,
                                  .unique = unique};
     memcpy(ent->hdr->in_out, &oh, sizeof oh);
     ent->hdr->ring_ent_in_out.payload_sz = (uint32_t)len;
@@ -1563,7 +1629,7 @@ static struct io_uring_sqe *ring_sqe(struct fe_uqueue *q)
 static void ring_cmd(struct fe_uqueue *q, struct fe_uent *ent, uint32_t op)
 {
     struct io_uring_sqe *sqe = ring_sqe(q);
-    memset(sqe, 0, 128);                    /* an SQE128: the 80-byte command area too */
+    memset(sqe, 0, 128); /* an SQE128: the 80-byte command area too */
     sqe->opcode = IORING_OP_URING_CMD;
     sqe->fd = q->e->fd;
     sqe->cmd_op = op;
@@ -1572,7 +1638,8 @@ static void ring_cmd(struct fe_uqueue *q, struct fe_uent *ent, uint32_t op)
         sqe->len = 2;
     }
     struct fe_uring_cmd_req req = {.qid = (uint16_t)q->qid,
-                                   .commit_id = op == FE_IO_URING_CMD_REGISTER ? 0 : ent->unique};
+                                   .commit_id = op == FE_IO_URING_CMD_REGISTER ? 0
+                                                                               : ent->unique};
     memcpy(sqe->cmd, &req, sizeof req);
     io_uring_sqe_set_data(sqe, ent);
     atomic_store(&ent->state, ENT_KERNEL);
@@ -1584,7 +1651,7 @@ static int ring_answer(struct fe_worker *w, uint64_t unique, int err, struct iov
     struct fe_uent *ent = w->ent;
     ring_fill(ent, unique, err, iov, n, &w->c);
     ring_cmd(ent->q, ent, FE_IO_URING_CMD_COMMIT_AND_FETCH);
-    w->ent = NULL;                          /* answered: nothing more goes into it */
+    w->ent = NULL; /* answered: nothing more goes into it */
     return 0;
 }
 
@@ -1592,7 +1659,8 @@ static int ring_answer(struct fe_worker *w, uint64_t unique, int err, struct iov
 static int ring_reply(int token, uint64_t unique, int err, struct iovec *iov, int n)
 {
     long t = -(long)token - 1;
-    int idx = (int)(t % FE_URING_MAX_ENTS), qid = (int)(t / FE_URING_MAX_ENTS % FE_URING_MAX_Q);
+    int idx = (int)(t % FE_URING_MAX_ENTS),
+        qid = (int)(t / FE_URING_MAX_ENTS % FE_URING_MAX_Q);
     long slot = t / FE_URING_MAX_ENTS / FE_URING_MAX_Q;
     int rc = -ENOENT;
     pthread_mutex_lock(&ring_engines_lock);
@@ -1604,10 +1672,10 @@ static int ring_reply(int token, uint64_t unique, int err, struct iovec *iov, in
         if (!q->closed && atomic_load(&ent->state) == ENT_PY && ent->unique == unique) {
             ring_fill(ent, unique, err, iov, n, NULL);
             atomic_store(&ent->state, ENT_COMMIT);
-            q->mail[q->nmail++] = (uint16_t)idx;    /* at most once per entry: fits */
+            q->mail[q->nmail++] = (uint16_t)idx; /* at most once per entry: fits */
             uint64_t one = 1;
             ssize_t wr = write(q->efd, &one, sizeof one);
-            (void)wr;                               /* EAGAIN: already signalled */
+            (void)wr; /* EAGAIN: already signalled */
             rc = 0;
         }
         pthread_mutex_unlock(&q->mlock);
@@ -1692,16 +1760,16 @@ static void *queue_main(void *arg)
 {
     struct fe_uqueue *q = arg;
     struct fe_engine *e = q->e;
-    pthread_setname_np(pthread_self(), "ks-fuse-uring");   /* top -H, bench: by role */
+    pthread_setname_np(pthread_self(), "ks-fuse-uring"); /* top -H, bench: by role */
     cpu_set_t cpus;
     CPU_ZERO(&cpus);
     CPU_SET(q->qid, &cpus);
-    pthread_setaffinity_np(pthread_self(), sizeof cpus, &cpus);   /* offline CPU: unpinned */
+    pthread_setaffinity_np(pthread_self(), sizeof cpus, &cpus); /* offline CPU: unpinned */
     struct io_uring_params p = {.flags = IORING_SETUP_SQE128 | IORING_SETUP_SINGLE_ISSUER |
                                          IORING_SETUP_DEFER_TASKRUN};
     unsigned depth = (unsigned)e->nents * 2 + 2;
     int rc = io_uring_queue_init_params(depth, &q->ring, &p);
-    if (rc == -EINVAL) {                    /* a kernel without DEFER_TASKRUN */
+    if (rc == -EINVAL) { /* a kernel without DEFER_TASKRUN */
         struct io_uring_params plain = {.flags = IORING_SETUP_SQE128};
         rc = io_uring_queue_init_params(depth, &q->ring, &plain);
     }
@@ -1726,7 +1794,7 @@ static void *queue_main(void *arg)
             registered = cqe->res;
             seen++;
         } else {
-            break;                          /* a request already: handled below */
+            break; /* a request already: handled below */
         }
     }
     io_uring_cq_advance(&q->ring, seen);
@@ -1743,7 +1811,7 @@ static void *queue_main(void *arg)
             struct fe_uent *ent = io_uring_cqe_get_data(cqe);
             int res = cqe->res;
             seen++;
-            if (!ent) {                     /* the eventfd: Python's commits, or stop */
+            if (!ent) { /* the eventfd: Python's commits, or stop */
                 ring_drain_mail(q);
                 if (atomic_load(&e->ring_stop))
                     stop = 1;
@@ -1751,12 +1819,12 @@ static void *queue_main(void *arg)
                     ring_arm_eventfd(q);
             } else if (res == 0) {
                 ring_request(q, ent);
-            } else {                        /* ENOTCONN/ECONNABORTED: the connection is gone */
+            } else { /* ENOTCONN/ECONNABORTED: the connection is gone */
                 atomic_store(&ent->state, ENT_DEAD);
                 if (res == -ENOTCONN || res == -ECONNABORTED || res == -ECANCELED)
                     gone = 1;
                 else
-                    q->w.c.ring_lost++;     /* a refused commit: that entry serves no more */
+                    q->w.c.ring_lost++; /* a refused commit: that entry serves no more */
             }
         }
         io_uring_cq_advance(&q->ring, seen);
@@ -1765,7 +1833,7 @@ static void *queue_main(void *arg)
     }
 out:
     pthread_mutex_lock(&q->mlock);
-    q->closed = 1;                          /* Python's late replies: -ENOENT from now */
+    q->closed = 1; /* Python's late replies: -ENOENT from now */
     pthread_mutex_unlock(&q->mlock);
     if (atomic_fetch_sub(&e->live, 1) == 1)
         wake(e);
@@ -1890,8 +1958,9 @@ static int ring_start(struct fe_engine *e, char *err, size_t errlen)
     for (int i = 0; i < e->nqueues; i++)
         if (e->queues[i].registered != 1) {
             if (ok)
-                set_err(err, errlen, "io_uring queue %d: %s", i, e->queues[i].registered < 0
-                        ? strerror(-e->queues[i].registered) : "no report in 5 s");
+                set_err(err, errlen, "io_uring queue %d: %s", i,
+                        e->queues[i].registered < 0 ? strerror(-e->queues[i].registered)
+                                                    : "no report in 5 s");
             ok = 0;
         }
     pthread_mutex_unlock(&e->rlock);
@@ -1969,7 +2038,7 @@ static void ring_refuse(struct fe_engine *e)
     struct fe_uring_req_header hdr;
     struct iovec iov[2] = {{&hdr, sizeof hdr}, {&hdr, sizeof hdr}};
     struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
-    if (!sqe) {                             /* a new ring of 4 has room: never */
+    if (!sqe) { /* a new ring of 4 has room: never */
         io_uring_queue_exit(&ring);
         return;
     }
@@ -1998,12 +2067,13 @@ static void solo_gate(struct fe_engine *e, struct fe_worker *w)
         return;
     pthread_mutex_lock(&e->slock);
     for (int waited = 0; !atomic_load(&e->stopping) && !atomic_load(&e->gate_open) &&
-         fe_now_ns() >= atomic_load(&e->multi_until); waited = 1) {
+                         fe_now_ns() >= atomic_load(&e->multi_until);
+         waited = 1) {
         if (!waited)
             w->c.gate_waits++;
         struct timespec t;
         clock_gettime(CLOCK_REALTIME, &t);
-        t.tv_nsec += 100000000;     /* (stopping and gate_open also broadcast) */
+        t.tv_nsec += 100000000; /* (stopping and gate_open also broadcast) */
         if (t.tv_nsec >= 1000000000) {
             t.tv_sec++;
             t.tv_nsec -= 1000000000;
@@ -2025,28 +2095,28 @@ static void *worker_main(void *arg)
 {
     struct fe_worker *w = arg;
     struct fe_engine *e = w->e;
-    pthread_setname_np(pthread_self(), "ks-fuse");        /* top -H, bench: by role */
+    pthread_setname_np(pthread_self(), "ks-fuse"); /* top -H, bench: by role */
     fe_reply_thread(e);
     for (;;) {
         solo_gate(e, w);
         if (atomic_load(&e->stopping))
-            break;                  /* fe_stop: a successor reads the connection now */
+            break; /* fe_stop: a successor reads the connection now */
         ssize_t n = read(w->fd, w->in, FE_REQ_BUF);
         if (n == 0)
-            break;                  /* not /dev/fuse (the fuzzer's socket): its end */
+            break; /* not /dev/fuse (the fuzzer's socket): its end */
         if (n < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == ENOENT)
-                continue;           /* ENOENT: a request interrupted before we read it */
-            break;                  /* ENODEV: unmounted or aborted */
+                continue; /* ENOENT: a request interrupted before we read it */
+            break;        /* ENODEV: unmounted or aborted */
         }
         dispatch(w, w->in, (size_t)n);
     }
-    solo_release(e);                /* the others read on, and find the same end */
+    solo_release(e); /* the others read on, and find the same end */
     atomic_store(&w->done, 1);
     if (atomic_fetch_sub(&e->dev_live, 1) == 1 && e->nqueues)
-        ring_signal_stop(e);        /* the connection is gone (or handed over): so are the rings */
+        ring_signal_stop(e); /* the connection is gone (or handed over): so are the rings */
     if (atomic_fetch_sub(&e->live, 1) == 1)
-        wake(e);                    /* the last one out tells Python */
+        wake(e); /* the last one out tells Python */
     return NULL;
 }
 
@@ -2062,13 +2132,15 @@ int fe_init(struct fe_engine *e, char *err, size_t errlen)
     int rc = 0;
     const struct fuse_in_header *h = (const void *)buf;
     if (n < (ssize_t)(sizeof *h + 16) || h->opcode != FUSE_INIT) {
-        set_err(err, errlen, "no INIT from the kernel (%s)", n < 0 ? strerror(errno) : "short");
+        set_err(err, errlen, "no INIT from the kernel (%s)",
+                n < 0 ? strerror(errno) : "short");
         rc = n < 0 ? -errno : -EPROTO;
         goto out;
     }
     struct fuse_init_in in = {0};
     memcpy(&in, h + 1, (size_t)n - sizeof *h < sizeof in ? (size_t)n - sizeof *h : sizeof in);
-    struct fuse_init_out o = {.major = FUSE_KERNEL_VERSION, .minor = FUSE_KERNEL_MINOR_VERSION};
+    struct fuse_init_out o = {.major = FUSE_KERNEL_VERSION,
+                              .minor = FUSE_KERNEL_MINOR_VERSION};
     if (in.major != FUSE_KERNEL_VERSION || in.minor < 31) {
         reply_buf(e->fd, h->unique, &o, sizeof o);
         set_err(err, errlen, "kernel FUSE %u.%u: need 7.31 or later", in.major, in.minor);
@@ -2079,7 +2151,7 @@ int fe_init(struct fe_engine *e, char *err, size_t errlen)
     uint64_t wanted = FUSE_ASYNC_READ | FUSE_PARALLEL_DIROPS | FUSE_DO_READDIRPLUS |
                       FUSE_MAX_PAGES | FUSE_CACHE_SYMLINKS | FUSE_INIT_EXT;
     if (e->opt.uring && (offered & FE_FUSE_OVER_IO_URING) && ring_probe())
-        wanted |= FE_FUSE_OVER_IO_URING;    /* the kernel offers it only with enable_uring=Y */
+        wanted |= FE_FUSE_OVER_IO_URING; /* the kernel offers it only with enable_uring=Y */
     uint64_t flags = offered & wanted;
     uint32_t pages = e->opt.max_pages ? e->opt.max_pages : 256;
     o.minor = in.minor < FUSE_KERNEL_MINOR_VERSION ? in.minor : FUSE_KERNEL_MINOR_VERSION;
@@ -2088,7 +2160,8 @@ int fe_init(struct fe_engine *e, char *err, size_t errlen)
     o.flags2 = (uint32_t)(flags >> 32);
     o.max_background = (uint16_t)(e->opt.max_background ? e->opt.max_background : 64);
     o.congestion_threshold = (uint16_t)(e->opt.congestion_threshold
-                                        ? e->opt.congestion_threshold : o.max_background * 3 / 4);
+                                            ? e->opt.congestion_threshold
+                                            : o.max_background * 3 / 4);
     o.max_write = FE_MAX_WRITE;
     o.time_gran = 1;
     o.max_pages = (uint16_t)pages;
@@ -2116,12 +2189,12 @@ void fe_adopt(struct fe_engine *e, uint32_t minor, uint64_t flags, uint32_t max_
     e->max_readahead = max_readahead;
 }
 
-static void on_stop_signal(int sig) { (void)sig; }   /* only to interrupt read(2) */
+static void on_stop_signal(int sig) { (void)sig; } /* only to interrupt read(2) */
 
 static void install_stop_signal(void)
 {
     struct sigaction sa = {0};
-    sa.sa_handler = on_stop_signal;         /* no SA_RESTART: read returns EINTR */
+    sa.sa_handler = on_stop_signal; /* no SA_RESTART: read returns EINTR */
     sigemptyset(&sa.sa_mask);
     sigaction(SIGUSR2, &sa, NULL);
 }
@@ -2129,7 +2202,7 @@ static void install_stop_signal(void)
 int fe_stop(struct fe_engine *e)
 {
     if (e->transport)
-        return -EBUSY;              /* ring entries cannot change hands (fe_transport) */
+        return -EBUSY; /* ring entries cannot change hands (fe_transport) */
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, install_stop_signal);
     atomic_store(&e->stopping, 1);
@@ -2187,7 +2260,7 @@ int fe_notify_resend(int fd)
 int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen)
 {
     if (nthreads < e->ngiven)
-        nthreads = e->ngiven;           /* every handed-in fd is read (its requests too) */
+        nthreads = e->ngiven; /* every handed-in fd is read (its requests too) */
     if (nthreads < 1)
         nthreads = 1;
     if (nthreads > FE_MAX_THREADS)
@@ -2195,14 +2268,17 @@ int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen)
     e->workers = calloc((size_t)nthreads, sizeof *e->workers);
     if (!e->workers)
         return -ENOMEM;
-    cpu_set_t cpus;                     /* the crowd rule's CPUs */
+    cpu_set_t cpus; /* the crowd rule's CPUs */
     e->ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
     for (int i = 0; i < nthreads; i++) {
         struct fe_worker *w = &e->workers[i];
-        int bufs = worker_buffers(w, e, i == 0 ? e->fd : i < e->ngiven ? e->given[i]
-                                                            : clone_fd(e->fd));
+        int bufs = worker_buffers(w, e,
+                                  i == 0          ? e->fd
+                                  : i < e->ngiven ? e->given[i]
+                                                  : clone_fd(e->fd));
         if (w->fd < 0 || bufs < 0) {
-            set_err(err, errlen, "thread %d: %s", i, w->fd < 0 ? strerror(errno) : "out of memory");
+            set_err(err, errlen, "thread %d: %s", i,
+                    w->fd < 0 ? strerror(errno) : "out of memory");
             if (i && w->fd >= 0)
                 close(w->fd);
             free(w->in);
@@ -2230,9 +2306,9 @@ int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen)
      * a refused REGISTER. */
     if (e->uring) {
         e->transport = ring_start(e, e->ring_why, sizeof e->ring_why) == 1;
-        if (!e->transport) {        /* not fatal: /dev/fuse serves (fe_transport says why) */
+        if (!e->transport) { /* not fatal: /dev/fuse serves (fe_transport says why) */
             ring_refuse(e);
-            e->flags &= ~FE_FUSE_OVER_IO_URING;     /* the kernel turned it off: a successor
+            e->flags &= ~FE_FUSE_OVER_IO_URING; /* the kernel turned it off: a successor
                                                      * adopts a /dev/fuse connection */
         }
     }
@@ -2246,7 +2322,7 @@ void fe_join(struct fe_engine *e)
             pthread_join(e->workers[i].thread, NULL);
             e->workers[i].started = 0;
         }
-    ring_join(e);                   /* the last /dev/fuse reader out stopped them */
+    ring_join(e); /* the last /dev/fuse reader out stopped them */
 }
 
 static void add_counters(struct fe_counters *sum, const struct fe_counters *c)
@@ -2283,7 +2359,7 @@ void fe_counters(struct fe_engine *e, struct fe_counters *sum)
 {
     memset(sum, 0, sizeof *sum);
     for (int i = 0; i < e->nworkers; i++)
-        add_counters(sum, &e->workers[i].c);    /* racy reads of plain u64s */
+        add_counters(sum, &e->workers[i].c); /* racy reads of plain u64s */
     for (int i = 0; i < e->nqueues; i++)
         add_counters(sum, &e->queues[i].w.c);
     sum->spliced = atomic_load_explicit(&e->spliced, memory_order_relaxed);
@@ -2351,7 +2427,7 @@ void fe_destroy(struct fe_engine *e)
 {
     if (!e)
         return;
-    if (e->nqueues) {               /* joined already, unless fe_start failed half-way */
+    if (e->nqueues) { /* joined already, unless fe_start failed half-way */
         ring_signal_stop(e);
         ring_join(e);
     }
@@ -2376,7 +2452,7 @@ void fe_destroy(struct fe_engine *e)
         close(e->efd);
     free(e->q);
     free(e->nlink);
-    fetch_free(atomic_load(&e->fetch));     /* before the tier: it puts into it */
+    fetch_free(atomic_load(&e->fetch)); /* before the tier: it puts into it */
     tier_free(e->tier);
     free(e);
 }

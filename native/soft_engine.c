@@ -100,7 +100,7 @@
 #include "soft_engine.h"
 
 #define KS_IOV 64
-#define KS_TX_BUDGET (8u << 20)   /* bytes per handler call before releasing the lock */
+#define KS_TX_BUDGET (8u << 20) /* bytes per handler call before releasing the lock */
 #define KS_RX_BUDGET (8u << 20)
 /* While a READ response has at least this much payload to come, the requester socket's
  * SO_RCVLOWAT is raised to it: one wake-up per KS_LOWAT bytes instead of one per skb.
@@ -109,15 +109,15 @@
 #ifndef KS_LOWAT
 #define KS_LOWAT (256u << 10)
 #endif
-#define KS_LOWAT_MIN (16u << 10)  /* below this the setsockopt costs more than it saves */
+#define KS_LOWAT_MIN (16u << 10) /* below this the setsockopt costs more than it saves */
 /* A post whose READs ask for at least this many bytes rings the doorbell even on an idle
  * QP (design notes, "Requester"): their transfer takes 20-100x the engine thread's wake. */
 #define KS_DOORBELL_READ (1u << 20)
-#define KS_QPN_TAB (2 * KS_MAX_QP)  /* open-addressing QPN -> QP table, load <= 1/2 */
+#define KS_QPN_TAB (2 * KS_MAX_QP) /* open-addressing QPN -> QP table, load <= 1/2 */
 /* accepts per listener event, so the HELLOs of the connections already accepted are read
  * in between */
 #define KS_ACCEPT_BATCH 16
-#define KS_LISTEN_PAUSE_MS 100    /* out of fds (EMFILE...): stop accepting this long */
+#define KS_LISTEN_PAUSE_MS 100 /* out of fds (EMFILE...): stop accepting this long */
 
 /* ------------------------------------------------------------------------- objects */
 
@@ -125,29 +125,29 @@
  * are set before the object is published in an engine table and never change after. */
 
 struct ks_mr {
-    uint32_t key;           /* read-only (the slot bits are set by ks_mr_add) */
-    int pd;                 /* read-only */
-    uint64_t addr, length;  /* read-only */
-    int access;             /* read-only */
+    uint32_t key;          /* read-only (the slot bits are set by ks_mr_add) */
+    int pd;                /* read-only */
+    uint64_t addr, length; /* read-only */
+    int access;            /* read-only */
 };
 
 struct ks_cq {
-    int id;                 /* read-only */
-    int efd;                /* read-only */
-    int kickfd;             /* read-only; the engine's: wake it to time a moderation period */
+    int id;                  /* read-only */
+    int efd;                 /* read-only */
+    int kickfd;              /* read-only; the engine's: wake it to time a moderation period */
     pthread_t engine_thread; /* read-only */
-    ks_cq **defer;          /* read-only: &e->defer_sig */
+    ks_cq **defer;           /* read-only: &e->defer_sig */
     pthread_mutex_t lock;
-    ks_wc *ring;            /* protected by cq->lock */
+    ks_wc *ring;               /* protected by cq->lock */
     uint32_t cap, head, count; /* protected by cq->lock */
     /* Moderation (ibv_modify_cq): the eventfd is written once `mod_count` WCs are queued
      * or `mod_period_ns` after the first unsignalled one, whichever is first; count <= 1
      * means every WC signals.  `signaled`: the eventfd has been written since the ring
      * was last emptied. */
-    uint32_t mod_count;     /* protected by cq->lock */
+    uint32_t mod_count;                       /* protected by cq->lock */
     uint64_t mod_period_ns, first_unsignaled; /* protected by cq->lock */
-    int signaled;           /* protected by cq->lock */
-    int refs;               /* QPs using this CQ; protected by e->lock */
+    int signaled;                             /* protected by cq->lock */
+    int refs;                                 /* QPs using this CQ; protected by e->lock */
 };
 
 struct ks_pending {
@@ -161,86 +161,86 @@ enum { CONN_HELLO = 0, CONN_REQ = 1, CONN_RESP = 2 };
 /* A connection is reached only through e->conns and its QP, so every field is
  * protected by e->lock (the engine thread drops it around one readv: see rx_busy). */
 struct ks_conn {
-    int fd;                 /* protected by e->lock */
-    int role;               /* protected by e->lock */
-    int dead;               /* protected by e->lock */
-    ks_qp *qp;              /* protected by e->lock */
-    ks_conn *next, *prev;   /* e->conns list; protected by e->lock */
-    ks_conn *next_dead;     /* graveyard, freed after the engine's batch; protected by e->lock */
-    uint32_t events;        /* current epoll mask; protected by e->lock */
+    int fd;               /* protected by e->lock */
+    int role;             /* protected by e->lock */
+    int dead;             /* protected by e->lock */
+    ks_qp *qp;            /* protected by e->lock */
+    ks_conn *next, *prev; /* e->conns list; protected by e->lock */
+    ks_conn *next_dead;   /* graveyard, freed after the engine's batch; protected by e->lock */
+    uint32_t events;      /* current epoll mask; protected by e->lock */
     uint64_t hello_deadline; /* protected by e->lock */
     /* CONN_HELLO: e->hello_head FIFO, oldest first; protected by e->lock */
     ks_conn *hnext, *hprev;
     /* accepted connections: the source IPv4, network order */
-    uint32_t peer_ip;       /* protected by e->lock */
+    uint32_t peer_ip; /* protected by e->lock */
     /* the HELLO of an accepted connection, kept while it is a candidate of a QP in
      * RESET/INIT (qp->cand) and copied to the QP when it attaches */
-    uint32_t src_qpn;       /* protected by e->lock */
-    int pdata_len;          /* protected by e->lock */
+    uint32_t src_qpn;            /* protected by e->lock */
+    int pdata_len;               /* protected by e->lock */
     uint8_t pdata[KS_MAX_PDATA]; /* protected by e->lock */
     /* rx */
-    uint8_t *stage;         /* protected by e->lock */
-    uint32_t spos, slen;    /* protected by e->lock */
-    int in_payload;         /* protected by e->lock */
-    struct ks_hdr cur;      /* protected by e->lock */
-    uint64_t pay_off;       /* protected by e->lock */
-    uint8_t *sendbuf;       /* responder: SEND payload being received; protected by e->lock */
+    uint8_t *stage;      /* protected by e->lock */
+    uint32_t spos, slen; /* protected by e->lock */
+    int in_payload;      /* protected by e->lock */
+    struct ks_hdr cur;   /* protected by e->lock */
+    uint64_t pay_off;    /* protected by e->lock */
+    uint8_t *sendbuf;    /* responder: SEND payload being received; protected by e->lock */
     /* tx */
-    uint64_t tx_off;        /* bytes of the first queued item already sent; protected by e->lock */
-    int lowat;              /* current SO_RCVLOWAT (requester); protected by e->lock */
+    uint64_t tx_off; /* bytes of the first queued item already sent; protected by e->lock */
+    int lowat;       /* current SO_RCVLOWAT (requester); protected by e->lock */
     /* responder jobs ring */
     ks_job *jobs;           /* protected by e->lock */
     uint32_t jhead, jcount; /* protected by e->lock */
-    int fatal_after;        /* a NAK is queued: QP -> ERR once it is sent; protected by e->lock */
+    int fatal_after; /* a NAK is queued: QP -> ERR once it is sent; protected by e->lock */
 };
 
 struct ks_qp {
-    uint32_t qpn;                      /* read-only */
-    uint32_t slot;                     /* index in e->qps; read-only */
-    int pd;                            /* read-only */
-    int sig_all;                       /* read-only */
-    ks_cq *scq, *rcq;                  /* read-only */
+    uint32_t qpn;     /* read-only */
+    uint32_t slot;    /* index in e->qps; read-only */
+    int pd;           /* read-only */
+    int sig_all;      /* read-only */
+    ks_cq *scq, *rcq; /* read-only */
     uint32_t max_send_wr, max_recv_wr, max_send_sge, max_recv_sge; /* read-only */
-    uint32_t qpn_draws[8];             /* ks_qp_new's random QPNs for ks_qp_add; read-only */
-    int state;                         /* protected by e->lock */
-    int access;                        /* protected by e->lock */
-    ks_wqe *sq;                        /* ring contents protected by e->lock */
+    uint32_t qpn_draws[8]; /* ks_qp_new's random QPNs for ks_qp_add; read-only */
+    int state;             /* protected by e->lock */
+    int access;            /* protected by e->lock */
+    ks_wqe *sq;            /* ring contents protected by e->lock */
     /* ring counters (sq_*, rq_*) are free-running: slot n % max_send_wr / max_recv_wr */
     uint32_t sq_head, sq_sent, sq_tail; /* protected by e->lock */
-    ks_rwqe *rq;                       /* ring contents protected by e->lock */
-    uint32_t rq_head, rq_tail;         /* protected by e->lock */
-    uint32_t sq_psn, rq_psn;           /* protected by e->lock */
-    uint32_t dest_qpn;                 /* protected by e->lock */
-    uint64_t timeout_ns;               /* 0: infinite; protected by e->lock */
-    uint64_t last_progress;            /* protected by e->lock */
-    uint64_t last_rx;                  /* a response byte last arrived (0: never); e->lock */
-    ks_conn *req, *resp;               /* protected by e->lock */
+    ks_rwqe *rq;                        /* ring contents protected by e->lock */
+    uint32_t rq_head, rq_tail;          /* protected by e->lock */
+    uint32_t sq_psn, rq_psn;            /* protected by e->lock */
+    uint32_t dest_qpn;                  /* protected by e->lock */
+    uint64_t timeout_ns;                /* 0: infinite; protected by e->lock */
+    uint64_t last_progress;             /* protected by e->lock */
+    uint64_t last_rx;                   /* a response byte last arrived (0: never); e->lock */
+    ks_conn *req, *resp;                /* protected by e->lock */
     /* RESET/INIT: HELLO'd connections not yet checkable (the peer's QPN and address are
      * only known at RTR); RTR keeps the one that matches, if any, as `resp` */
-    ks_conn *cand[KS_QP_CANDIDATES];   /* protected by e->lock */
-    int ncand;                         /* protected by e->lock */
-    uint32_t peer_ip;                  /* RTR: the peer device's IPv4; protected by e->lock */
+    ks_conn *cand[KS_QP_CANDIDATES]; /* protected by e->lock */
+    int ncand;                       /* protected by e->lock */
+    uint32_t peer_ip;                /* RTR: the peer device's IPv4; protected by e->lock */
     /* expect_peer(): only a HELLO from this QPN (and address, and private data) may
      * attach; set in RESET/INIT, cleared by RESET */
-    int expect;                        /* protected by e->lock */
-    uint32_t expect_qpn, expect_ip;    /* expect_ip 0: any address; protected by e->lock */
-    int expect_pdata_len;              /* -1: any private data; protected by e->lock */
+    int expect;                         /* protected by e->lock */
+    uint32_t expect_qpn, expect_ip;     /* expect_ip 0: any address; protected by e->lock */
+    int expect_pdata_len;               /* -1: any private data; protected by e->lock */
     uint8_t expect_pdata[KS_MAX_PDATA]; /* protected by e->lock */
-    uint8_t pdata[KS_MAX_PDATA];       /* protected by e->lock */
-    int pdata_len;                     /* -1: none received; protected by e->lock */
-    uint32_t resp_src_qpn;             /* protected by e->lock */
-    ks_pending *pend_head, *pend_tail; /* protected by e->lock */
-    uint64_t pend_bytes;               /* protected by e->lock */
+    uint8_t pdata[KS_MAX_PDATA];        /* protected by e->lock */
+    int pdata_len;                      /* -1: none received; protected by e->lock */
+    uint32_t resp_src_qpn;              /* protected by e->lock */
+    ks_pending *pend_head, *pend_tail;  /* protected by e->lock */
+    uint64_t pend_bytes;                /* protected by e->lock */
 };
 
 struct ks_engine {
     pthread_mutex_t lock;
-    pthread_t thread;                  /* read-only once started */
-    int thread_started;                /* ks_engine_open / ks_engine_close only */
-    int epfd, lfd, kickfd;             /* read-only */
-    uint32_t ip;                       /* network order; read-only */
-    int port;                          /* read-only */
-    int stop;                          /* protected by e->lock */
+    pthread_t thread;      /* read-only once started */
+    int thread_started;    /* ks_engine_open / ks_engine_close only */
+    int epfd, lfd, kickfd; /* read-only */
+    uint32_t ip;           /* network order; read-only */
+    int port;              /* read-only */
+    int stop;              /* protected by e->lock */
     /* The engine thread drops `lock` around the bulk readv() of a READ response into
      * registered memory (the hot path; holding the lock there stalled every post_send
      * for milliseconds).  While `rx_busy` is set nobody may close that socket, flush or
@@ -251,31 +251,31 @@ struct ks_engine {
      * woken waiter had the lock, and a QP's move to ERR waited 23-30 ms of a 40 ms stream
      * (tests/rdma/test_soft_faults.py), up to 101 ms in the 4-reader peer loop, with the
      * GIL held: every Python thread of the mount stood still. */
-    int rx_busy;                       /* protected by e->lock */
-    int quiescing;                     /* threads in quiesce(); protected by e->lock */
-    pthread_cond_t rx_cond;            /* waited on with e->lock */
-    ks_qp *qps[KS_MAX_QP];             /* protected by e->lock */
-    ks_qp *qpn_tab[KS_QPN_TAB];        /* by QPN (linear probing); protected by e->lock */
-    uint32_t qp_hi;                    /* highest used slot + 1; protected by e->lock */
-    ks_mr *mrs[KS_MAX_MR];             /* protected by e->lock */
+    int rx_busy;                /* protected by e->lock */
+    int quiescing;              /* threads in quiesce(); protected by e->lock */
+    pthread_cond_t rx_cond;     /* waited on with e->lock */
+    ks_qp *qps[KS_MAX_QP];      /* protected by e->lock */
+    ks_qp *qpn_tab[KS_QPN_TAB]; /* by QPN (linear probing); protected by e->lock */
+    uint32_t qp_hi;             /* highest used slot + 1; protected by e->lock */
+    ks_mr *mrs[KS_MAX_MR];      /* protected by e->lock */
     pthread_mutex_t cq_tab_lock;
-    ks_cq *cqs[KS_MAX_CQ];             /* protected by e->cq_tab_lock (writers hold e->lock too) */
-    ks_conn *conns;                    /* protected by e->lock */
-    ks_conn *dead;                     /* protected by e->lock */
-    int n_hello;                       /* protected by e->lock */
-    ks_conn *hello_head, *hello_tail;  /* pending (CONN_HELLO) FIFO; protected by e->lock */
-    uint64_t listen_paused_until;      /* engine thread only; 0: accepting */
-    uint64_t last_timer;               /* engine thread only */
+    ks_cq *cqs[KS_MAX_CQ]; /* protected by e->cq_tab_lock (writers hold e->lock too) */
+    ks_conn *conns;        /* protected by e->lock */
+    ks_conn *dead;         /* protected by e->lock */
+    int n_hello;           /* protected by e->lock */
+    ks_conn *hello_head, *hello_tail; /* pending (CONN_HELLO) FIFO; protected by e->lock */
+    uint64_t listen_paused_until;     /* engine thread only; 0: accepting */
+    uint64_t last_timer;              /* engine thread only */
     /* A CQ whose eventfd the engine thread still owes a write: cq_push on the engine
      * thread defers the wake-up of the poller until just before the engine releases
      * `lock`, so the woken thread's post_send does not find the lock taken (and sleep
      * on it) while the engine finishes the event. */
-    ks_cq *defer_sig;                  /* protected by e->lock */
+    ks_cq *defer_sig; /* protected by e->lock */
     /* A post queued WRs the engine thread has not sent yet, and wrote the kick fd: */
-    int doorbell;                      /* protected by e->lock */
-    uint64_t n_dropped_conns, n_rx_bytes, n_tx_bytes;             /* protected by e->lock */
-    uint64_t n_doorbell_posts;                                    /* protected by e->lock */
-    uint64_t n_hello_evicted, n_hello_timeouts, n_hello_refused;  /* protected by e->lock */
+    int doorbell;                                                /* protected by e->lock */
+    uint64_t n_dropped_conns, n_rx_bytes, n_tx_bytes;            /* protected by e->lock */
+    uint64_t n_doorbell_posts;                                   /* protected by e->lock */
+    uint64_t n_hello_evicted, n_hello_timeouts, n_hello_refused; /* protected by e->lock */
 };
 
 static char TAG_LISTEN, TAG_KICK;
@@ -322,10 +322,23 @@ static void efd_post(int fd)
 
 /* --------------------------------------------------------------------------- wire */
 
-static uint32_t rd32(const uint8_t *p) { return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24; }
+static uint32_t rd32(const uint8_t *p)
+{
+    return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24;
+}
 static uint64_t rd64(const uint8_t *p) { return rd32(p) | (uint64_t)rd32(p + 4) << 32; }
-static void wr32(uint8_t *p, uint32_t v) { p[0] = v; p[1] = v >> 8; p[2] = v >> 16; p[3] = v >> 24; }
-static void wr64(uint8_t *p, uint64_t v) { wr32(p, (uint32_t)v); wr32(p + 4, (uint32_t)(v >> 32)); }
+static void wr32(uint8_t *p, uint32_t v)
+{
+    p[0] = v;
+    p[1] = v >> 8;
+    p[2] = v >> 16;
+    p[3] = v >> 24;
+}
+static void wr64(uint8_t *p, uint64_t v)
+{
+    wr32(p, (uint32_t)v);
+    wr32(p + 4, (uint32_t)(v >> 32));
+}
 
 void ks_hdr_build(uint8_t *buf, const struct ks_hdr *h)
 {
@@ -362,7 +375,7 @@ int ks_hdr_parse(const uint8_t *buf, struct ks_hdr *h, int role)
         if (h->psn != 0 || h->rkey != 0 || h->rlen != 0 || h->raddr != 0)
             return -EPROTO;
         if (role == KS_ROLE_HELLO && h->status != 0)
-            return -EPROTO;               /* an incoming HELLO is a request */
+            return -EPROTO; /* an incoming HELLO is a request */
         if (h->length > KS_HELLO_FIXED + KS_MAX_PDATA)
             return -EMSGSIZE;
         return 0;
@@ -412,7 +425,7 @@ int ks_hello_parse(const uint8_t *buf, uint32_t len, struct ks_hello *out, uint3
         return rc;
     if (h.length < KS_HELLO_FIXED)
         return -EPROTO;
-    *need = KS_HDR_LEN + h.length;         /* <= KS_HELLO_BUF: ks_hdr_parse checked */
+    *need = KS_HDR_LEN + h.length; /* <= KS_HELLO_BUF: ks_hdr_parse checked */
     if (len < *need)
         return -EAGAIN;
     if (len > *need)
@@ -431,10 +444,7 @@ int ks_hello_parse(const uint8_t *buf, uint32_t len, struct ks_hello *out, uint3
 
 /* QPNs are random, so the table is keyed by QPN (linear probing, at most half full:
  * KS_MAX_QP live QPs in 2 * KS_MAX_QP entries, so a probe always ends on an empty one). */
-static uint32_t qpn_home(uint32_t qpn)
-{
-    return (qpn * 2654435761u) % KS_QPN_TAB;
-}
+static uint32_t qpn_home(uint32_t qpn) { return (qpn * 2654435761u) % KS_QPN_TAB; }
 
 ks_qp *ks_qp_get(ks_engine *e, uint32_t qpn)
 {
@@ -503,10 +513,10 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
     int signal = 0;
     if (!cq->signaled) {
         if (cq->mod_count <= 1 || cq->count >= cq->mod_count) {
-            signal = 1;         /* written below, after cq->lock: see poll_cq */
+            signal = 1; /* written below, after cq->lock: see poll_cq */
             cq->signaled = 1;
         } else if (!cq->first_unsignaled) {
-            cq->first_unsignaled = now_ns();  /* run_timers signals it after the period */
+            cq->first_unsignaled = now_ns(); /* run_timers signals it after the period */
             if (!pthread_equal(pthread_self(), cq->engine_thread)) {
                 /* an app thread pushed (a flush): the engine may be asleep */
                 efd_post(cq->kickfd);
@@ -523,7 +533,7 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
             *cq->defer = cq;
             if (!prev || prev == cq)
                 return;
-            cq = prev;           /* one slot: the older CQ is woken now */
+            cq = prev; /* one slot: the older CQ is woken now */
         }
         efd_post(cq->efd);
     }
@@ -543,8 +553,12 @@ static void signal_flush(ks_engine *e)
 static void push_wc(ks_cq *cq, uint64_t wr_id, uint32_t status, uint32_t opcode,
                     uint32_t byte_len, uint32_t qpn)
 {
-    ks_wc wc = {.wr_id = wr_id, .status = status, .opcode = opcode, .byte_len = byte_len,
-                .qp_num = qpn, .vendor_err = 0};
+    ks_wc wc = {.wr_id = wr_id,
+                .status = status,
+                .opcode = opcode,
+                .byte_len = byte_len,
+                .qp_num = qpn,
+                .vendor_err = 0};
     cq_push(cq, &wc);
 }
 
@@ -776,7 +790,7 @@ static void qp_fatal_at(ks_engine *e, ks_qp *qp, uint32_t culprit, uint32_t stat
 /* The oldest outstanding send WR takes `status`. */
 static void qp_fatal(ks_engine *e, ks_qp *qp, uint32_t status)
 {
-    quiesce(e);  /* before reading sq_head: the engine may be completing it */
+    quiesce(e); /* before reading sq_head: the engine may be completing it */
     qp_fatal_at(e, qp, qp->sq_head, status);
 }
 
@@ -881,7 +895,8 @@ static int req_tx(ks_engine *e, ks_qp *qp)
                 skip -= KS_HDR_LEN;
             }
             if (w->opcode == KS_WR_SEND && w->total > skip)
-                cnt += sge_iov(w->sge, w->nsge, skip, w->total - skip, iov + cnt, KS_IOV - cnt);
+                cnt += sge_iov(w->sge, w->nsge, skip, w->total - skip, iov + cnt,
+                               KS_IOV - cnt);
             skip = 0;
         }
         struct msghdr mh = {.msg_iov = iov, .msg_iovlen = cnt};
@@ -930,10 +945,10 @@ static int req_consume(ks_engine *e, ks_qp *qp, ks_conn *c)
                 return rc;
             c->spos += KS_HDR_LEN;
             if (qp->sq_head == qp->sq_sent)
-                return -EPROTO;             /* response to nothing */
+                return -EPROTO; /* response to nothing */
             ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
             if (h.psn != w->psn)
-                return -EPROTO;             /* out of order */
+                return -EPROTO; /* out of order */
             if ((w->opcode == KS_WR_RDMA_READ) != (h.opcode == KS_OP_READ_RESP))
                 return -EPROTO;
             if (h.status != 0) {
@@ -1030,7 +1045,7 @@ static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c)
         ssize_t n;
         if (c->in_payload) {
             if (e->quiescing)
-                return 0;       /* a quiesce() waits: it goes first (level-triggered: the
+                return 0; /* a quiesce() waits: it goes first (level-triggered: the
                                  * bytes wait in the socket for the next epoll round) */
             /* the bulk: straight from the socket into registered memory */
             ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
@@ -1078,7 +1093,7 @@ static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c)
             if (qp->sq_head != qp->sq_sent) {
                 ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
                 if (w->opcode == KS_WR_RDMA_READ && w->total > KS_SMALL)
-                    want = KS_HDR_LEN - c->slen;  /* header only; payload goes direct */
+                    want = KS_HDR_LEN - c->slen; /* header only; payload goes direct */
             }
             n = recv(c->fd, c->stage + c->slen, want, 0);
             if (n > 0)
@@ -1105,7 +1120,7 @@ static int resp_rx_enabled(ks_conn *c)
 {
     ks_qp *qp = c->qp;
     if (!qp || c->dead || c->fatal_after || qp->resp != c)
-        return 0;                         /* (a candidate is read only once chosen) */
+        return 0; /* (a candidate is read only once chosen) */
     if (qp->state != KS_QPS_RTR && qp->state != KS_QPS_RTS)
         return 0;
     if (c->jcount >= KS_RESP_JOBS)
@@ -1128,13 +1143,14 @@ static void job_push(ks_conn *c, uint8_t op, uint32_t psn, uint32_t status,
 }
 
 /* Check a READ request against the responder QP and the MR table. */
-static uint32_t read_check(ks_engine *e, ks_qp *qp, const struct ks_hdr *h, const uint8_t **data)
+static uint32_t read_check(ks_engine *e, ks_qp *qp, const struct ks_hdr *h,
+                           const uint8_t **data)
 {
     *data = NULL;
     if (!(qp->access & KS_ACCESS_REMOTE_READ))
-        return KS_WC_REM_INV_REQ_ERR;     /* QP does not allow READ: invalid request */
+        return KS_WC_REM_INV_REQ_ERR; /* QP does not allow READ: invalid request */
     if (h->rlen == 0)
-        return KS_WC_SUCCESS;             /* zero-length READ checks no key (IB) */
+        return KS_WC_SUCCESS; /* zero-length READ checks no key (IB) */
     ks_mr *mr = ks_mr_get(e, h->rkey);
     if (!mr || mr->pd != qp->pd || !(mr->access & KS_ACCESS_REMOTE_READ))
         return KS_WC_REM_ACCESS_ERR;
@@ -1236,7 +1252,7 @@ static int resp_consume(ks_engine *e, ks_qp *qp, ks_conn *c)
         if (rc < 0)
             return rc;
         if (h.psn != qp->rq_psn)
-            return -EPROTO;               /* out of order / replayed */
+            return -EPROTO; /* out of order / replayed */
         c->spos += KS_HDR_LEN;
         qp->rq_psn = (qp->rq_psn + 1) & 0xFFFFFF;
         if (h.opcode == KS_OP_READ_REQ) {
@@ -1246,10 +1262,10 @@ static int resp_consume(ks_engine *e, ks_qp *qp, ks_conn *c)
                 job_push(c, KS_OP_READ_RESP, h.psn, 0, data, h.rlen, h.rlen ? h.rkey : 0);
             } else {
                 job_push(c, KS_OP_READ_RESP, h.psn, st, NULL, 0, 0);
-                c->fatal_after = 1;       /* NAK, then this QP goes to ERR (IB class C) */
+                c->fatal_after = 1; /* NAK, then this QP goes to ERR (IB class C) */
                 return 0;
             }
-        } else {                          /* SEND */
+        } else { /* SEND */
             c->sendbuf = malloc(h.length ? h.length : 1);
             if (!c->sendbuf)
                 return -ENOMEM;
@@ -1360,7 +1376,7 @@ static int resp_tx(ks_engine *e, ks_conn *c)
         for (int i = 0; i < cnt; i++)
             asked += iov[i].iov_len;
         if ((uint64_t)r < asked)
-            budget = 0;  /* send buffer full: wait for EPOLLOUT, not for EAGAIN */
+            budget = 0; /* send buffer full: wait for EPOLLOUT, not for EAGAIN */
         uint64_t done = c->tx_off + (uint64_t)r;
         while (c->jcount) {
             ks_job *j = &c->jobs[c->jhead];
@@ -1399,7 +1415,7 @@ static int hello_is_peer(const ks_qp *qp, const ks_conn *c)
         if (qp->expect_pdata_len >= 0) {
             if (c->pdata_len != qp->expect_pdata_len)
                 return 0;
-            uint8_t diff = 0;             /* constant time: it may be a secret token */
+            uint8_t diff = 0; /* constant time: it may be a secret token */
             for (int i = 0; i < c->pdata_len; i++)
                 diff |= c->pdata[i] ^ qp->expect_pdata[i];
             if (diff)
@@ -1447,7 +1463,7 @@ static int hello_route(ks_engine *e, ks_conn *c, const struct ks_hello *hl)
     int ok = qp && qp->state != KS_QPS_ERR && !qp->resp && hello_is_peer(qp, c);
     int early = ok && qp->state != KS_QPS_RTR && qp->state != KS_QPS_RTS;
     if (early && qp->ncand >= KS_QP_CANDIDATES)
-        ok = 0;                           /* first come first served: see soft_engine.h */
+        ok = 0; /* first come first served: see soft_engine.h */
     if (!ok) {
         e->n_hello_refused++;
         hello_reply(c->fd, KS_WC_REM_INV_REQ_ERR);
@@ -1457,7 +1473,7 @@ static int hello_route(ks_engine *e, ks_conn *c, const struct ks_hello *hl)
     c->role = CONN_RESP;
     if (early) {
         c->qp = qp;
-        qp->cand[qp->ncand++] = c;        /* no EPOLLIN until chosen (resp_rx_enabled) */
+        qp->cand[qp->ncand++] = c; /* no EPOLLIN until chosen (resp_rx_enabled) */
         conn_update_events(e, c);
     } else {
         int rc = conn_attach(e, qp, c);
@@ -1530,9 +1546,8 @@ static void conn_drop(ks_engine *e, ks_conn *c, int err, uint32_t status)
          * cause (REM_ACCESS_ERR...), so read it before blaming the transport.  Without
          * this test_soft_conformance's rkey/bounds checks saw RETRY_EXC_ERR ~1 run in 6
          * on a loaded 2-core machine. */
-        if (c->role == CONN_RESP && qp->req && !qp->req->dead &&
-            req_rx(e, qp, qp->req) == 1)
-            return;                       /* the NAK moved the QP to ERR */
+        if (c->role == CONN_RESP && qp->req && !qp->req->dead && req_rx(e, qp, qp->req) == 1)
+            return; /* the NAK moved the QP to ERR */
         if (qp->state == KS_QPS_RTR || qp->state == KS_QPS_RTS)
             qp_fatal(e, qp, status);
         else
@@ -1653,7 +1668,7 @@ static void accept_all(ks_engine *e)
             }
             if (errno == EAGAIN || errno == EWOULDBLOCK)
                 return;
-            continue;   /* EINTR, ECONNABORTED, a network error on that one connection */
+            continue; /* EINTR, ECONNABORTED, a network error on that one connection */
         }
         uint32_t ip = sa.sin_addr.s_addr;
         hello_make_room(e, ip);
@@ -1666,7 +1681,7 @@ static void accept_all(ks_engine *e)
         }
         c->peer_ip = ip;
         c->hello_deadline = now_ns() + (uint64_t)KS_HELLO_TIMEOUT_MS * 1000000ull;
-        int rc = hello_rx(e, c);          /* the HELLO often came with the handshake */
+        int rc = hello_rx(e, c); /* the HELLO often came with the handshake */
         if (rc < 0)
             conn_drop(e, c, rc, KS_WC_WR_FLUSH_ERR);
     }
@@ -1695,7 +1710,7 @@ static int run_timers(ks_engine *e)
         if (dl < next)
             next = dl;
     }
-    for (int i = 0; i < KS_MAX_CQ; i++) {   /* moderated CQs whose period ran out */
+    for (int i = 0; i < KS_MAX_CQ; i++) { /* moderated CQs whose period ran out */
         ks_cq *cq = e->cqs[i];
         if (!cq || cq->mod_count <= 1)
             continue;
@@ -1757,7 +1772,7 @@ static void doorbell_answer(ks_engine *e)
 static void *engine_main(void *arg)
 {
     ks_engine *e = arg;
-    pthread_setname_np(pthread_self(), "ks-soft-nic");    /* top -H, bench: by role */
+    pthread_setname_np(pthread_self(), "ks-soft-nic"); /* top -H, bench: by role */
     struct epoll_event evs[64];
     int timeout = 100;
     for (;;) {
@@ -1793,7 +1808,7 @@ static void *engine_main(void *arg)
             timeout = run_timers(e);
             e->last_timer = now;
         } else {
-            timeout = 1;  /* timers were skipped (busy): look again within 1 ms */
+            timeout = 1; /* timers were skipped (busy): look again within 1 ms */
         }
         graveyard_free(e);
         signal_flush(e);
@@ -1820,7 +1835,8 @@ int ks_engine_open(uint32_t ip, int port, ks_engine **out, const char **why)
     mutex_init_adaptive(&e->lock);
     mutex_init_adaptive(&e->cq_tab_lock);
     pthread_cond_init(&e->rx_cond, NULL);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port),
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons(port),
                              .sin_addr.s_addr = ip};
     e->ip = ip;
     e->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -1945,7 +1961,7 @@ int ks_mr_new(int pd, uint64_t addr, uint64_t length, int access, ks_mr **out,
 
 uint32_t ks_mr_add(ks_engine *e, ks_mr *mr)
 {
-    for (uint32_t i = 1; i < KS_MAX_MR; i++) {  /* slot 0 unused: key 0 is never valid */
+    for (uint32_t i = 1; i < KS_MAX_MR; i++) { /* slot 0 unused: key 0 is never valid */
         if (!e->mrs[i]) {
             mr->key |= i;
             e->mrs[i] = mr;
@@ -2057,7 +2073,7 @@ int ks_cq_remove(ks_engine *e, ks_cq *cq, const char **why)
         return -EBUSY;
     }
     if (e->defer_sig == cq)
-        e->defer_sig = NULL;   /* nobody may wait on a CQ being destroyed */
+        e->defer_sig = NULL; /* nobody may wait on a CQ being destroyed */
     pthread_mutex_lock(&e->cq_tab_lock);
     e->cqs[cq->id] = NULL;
     pthread_mutex_unlock(&e->cq_tab_lock);
@@ -2077,8 +2093,7 @@ void ks_cq_free(ks_cq *cq)
 /* Moderation and polling touch only the CQ table and the ring: they take e->cq_tab_lock
  * (so the CQ cannot be destroyed meanwhile) and cq->lock, never e->lock, so they never
  * wait for the engine's socket I/O. */
-int ks_cq_moderate(ks_engine *e, int id, uint32_t count, uint32_t period_us,
-                   const char **why)
+int ks_cq_moderate(ks_engine *e, int id, uint32_t count, uint32_t period_us, const char **why)
 {
     if (count > 1 && period_us == 0) {
         *why = "modify_cq: cq_count > 1 needs a cq_period (or WCs could wait forever)";
@@ -2094,7 +2109,7 @@ int ks_cq_moderate(ks_engine *e, int id, uint32_t count, uint32_t period_us,
         pthread_mutex_lock(&cq->lock);
         cq->mod_count = count;
         cq->mod_period_ns = (uint64_t)period_us * 1000ull;
-        if (!cq->signaled && cq->count) {  /* signal what already waits */
+        if (!cq->signaled && cq->count) { /* signal what already waits */
             efd_post(cq->efd);
             cq->signaled = 1;
         }
@@ -2102,7 +2117,7 @@ int ks_cq_moderate(ks_engine *e, int id, uint32_t count, uint32_t period_us,
     }
     pthread_mutex_unlock(&e->cq_tab_lock);
     if (rc == 0)
-        efd_post(e->kickfd);   /* the engine plans its sleep around CQ periods too */
+        efd_post(e->kickfd); /* the engine plans its sleep around CQ periods too */
     return rc;
 }
 
@@ -2118,7 +2133,7 @@ static int cq_take(ks_cq *cq, ks_wc *wc, int num)
     }
     if (cq->count == 0) {
         cq->first_unsignaled = 0;
-        drain = cq->signaled;  /* only a signalled CQ has an eventfd count to drain */
+        drain = cq->signaled; /* only a signalled CQ has an eventfd count to drain */
     }
     pthread_mutex_unlock(&cq->lock);
     /* Re-arm: the fd is unreadable while the ring is empty.  The read happens outside
@@ -2218,7 +2233,7 @@ int ks_qp_add(ks_engine *e, ks_qp *qp, const struct ks_qp_attr *a, const char **
     if (slot < 0)
         return -ENOMEM;
     if (!qp->qpn)
-        return -EAGAIN;   /* 8 draws all taken, p < (4096 / 2^24)^8: never */
+        return -EAGAIN; /* 8 draws all taken, p < (4096 / 2^24)^8: never */
     qp->slot = (uint32_t)slot;
     qp->scq->refs++;
     qp->rcq->refs++;
@@ -2261,7 +2276,7 @@ int ks_qp_private_data(const ks_qp *qp, uint8_t *buf)
 {
     int n = qp->pdata_len;
     const uint8_t *src = qp->pdata;
-    if (n < 0 && qp->ncand) {   /* before RTR: the oldest candidate's (see expect_peer) */
+    if (n < 0 && qp->ncand) { /* before RTR: the oldest candidate's (see expect_peer) */
         n = qp->cand[0]->pdata_len;
         src = qp->cand[0]->pdata;
     }
@@ -2317,12 +2332,12 @@ int ks_qp_to_rtr(ks_engine *e, ks_qp *qp, int fd, uint32_t dest_qpn, uint32_t rq
         if (qp->cand[i] != peer)
             conn_kill(e, qp->cand[i]);
     if (peer && conn_attach(e, qp, peer) < 0)
-        conn_kill(e, peer);   /* ENOMEM: the peer sees EOF, its QP goes to ERR */
+        conn_kill(e, peer); /* ENOMEM: the peer sees EOF, its QP goes to ERR */
     return 0;
 }
 
-int ks_qp_expect(ks_engine *e, ks_qp *qp, uint32_t src_qpn, uint32_t ip,
-                 const uint8_t *pdata, int pdata_len, const char **why)
+int ks_qp_expect(ks_engine *e, ks_qp *qp, uint32_t src_qpn, uint32_t ip, const uint8_t *pdata,
+                 int pdata_len, const char **why)
 {
     if (pdata_len > KS_MAX_PDATA || src_qpn > 0xFFFFFF) {
         *why = "qp_expect: QPN over 24 bits or private data over 256 B";
@@ -2374,7 +2389,7 @@ void ks_qp_to_err(ks_engine *e, ks_qp *qp)
 static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
 {
     int was_idle = qp->sq_head == qp->sq_tail;
-    uint64_t reads = 0;             /* response bytes the batch asks for */
+    uint64_t reads = 0; /* response bytes the batch asks for */
     size_t i = 0;
     for (; i < n && qp->state == KS_QPS_RTS; i++) {
         ks_wqe *w = &qp->sq[qp->sq_tail % qp->max_send_wr];
@@ -2402,7 +2417,7 @@ static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
         if (!ok)
             qp_fatal_at(e, qp, at, KS_WC_LOC_PROT_ERR);
     }
-    for (; i < n; i++)      /* after a WR that sent the QP to ERR: never queued */
+    for (; i < n; i++) /* after a WR that sent the QP to ERR: never queued */
         if (wrs[i].cq)
             push_wc(wrs[i].cq, wrs[i].wr_id, KS_WC_WR_FLUSH_ERR, wc_opcode_of(wrs[i].opcode),
                     0, qp->qpn);
@@ -2413,7 +2428,7 @@ static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
     if (was_idle && reads < KS_DOORBELL_READ)
         req_send(e, qp);
     else if (qp->req && !qp->req->dead) {
-        e->doorbell = 1;    /* the engine thread sends: doorbell_answer */
+        e->doorbell = 1; /* the engine thread sends: doorbell_answer */
         e->n_doorbell_posts++;
     }
 }
