@@ -31,8 +31,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from . import datasets, readers
 from .datasets import Dataset
@@ -50,7 +51,8 @@ log = logging.getLogger(__name__)
 #: kspeedfs reads 4 MiB chunks; single-file extents of small files are ~110 KB.
 TRANSPORT_SIZES = [("4MiB", 4 << 20), ("128KiB", 128 << 10), ("1MiB", 1 << 20)]
 TRANSPORT_QD = 8
-CLIENT_CACHE = "256MiB"      # the client's own chunk cache: fresh per run, room for every reader's prefetch window
+# the client's own chunk cache: fresh per run, room for every reader's prefetch window
+CLIENT_CACHE = "256MiB"
 FLAP_DOWN_S = 1.0            # NIC down this long, then up (carrier back) and as long again
 
 

@@ -121,7 +121,8 @@ class Results:
                         cpu += f" (main thread {s['daemon_main_cpu_us_per_op']:.1f})"
                 if "host_cpu_s_per_GB" in s:
                     cpu += f"   machine {s['host_cpu_s_per_GB']:.2f} CPU-s/GB"
-                lines.append(f"    {t:<34} {_fmt(s['median']):>10}   [{_fmt(s['min'])} .. {_fmt(s['max'])}]{cpu}")
+                lines.append(f"    {t:<34} {_fmt(s['median']):>10}   "
+                             f"[{_fmt(s['min'])} .. {_fmt(s['max'])}]{cpu}")
             for name, s in row["ratios"].items():
                 lines.append(f"    ratio {name:<40} {s['median']:6.2f}   [{s['min']:.2f} .. {s['max']:.2f}]")
             for name, s in row["cpu_ratios"].items():

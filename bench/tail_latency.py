@@ -48,7 +48,7 @@ def plot(runs: dict[tuple[str, str], list[Readers]], path: Path) -> Path | None:
     cases = list(dict.fromkeys(case for case, _ in runs))
     stats = [*QUANTILES, ("max", 1.0)]
     fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 3.6), sharey=True)
-    for ax, case in zip(axes, cases):
+    for ax, case in zip(axes, cases, strict=False):
         for k, mode in enumerate(("off", "on")):
             rds = runs.get((case, mode), [])
             ys = []
@@ -143,7 +143,7 @@ def main() -> None:
                 c.ks(["preload", "tail", "--timeout", "60"])
     print("\n".join(rows), flush=True)
     if ratios:
-        print(f"no fault, both mounts at once: reads with hedging / without = "
+        print("no fault, both mounts at once: reads with hedging / without = "
               + ", ".join(f"{r:.3f}" for r in ratios)
               + f" (median {sorted(ratios)[len(ratios) // 2]:.3f})", flush=True)
     if args.plot and plot(runs, args.plot):

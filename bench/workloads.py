@@ -38,14 +38,23 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 from . import cluster, datasets, library, readers
 from .datasets import Dataset
 from .system import REPO, run_fio
-from .targets import ENABLE_URING, Kspeedfs, KspeedfsStore, RamFS, SourceCold, SourceWarm, Target, UringKspeedfs
+from .targets import (
+    ENABLE_URING,
+    Kspeedfs,
+    KspeedfsStore,
+    RamFS,
+    SourceCold,
+    SourceWarm,
+    Target,
+    UringKspeedfs,
+)
 
 
 @dataclass(frozen=True)
@@ -423,7 +432,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     sweep("sweep-blksize", "fuse.blksize", ["128KiB", "4MiB"], True, _files,
           lambda ds, ctx: [rand_case(ds, ctx, "4k", 1, "IOPS"), rand_case(ds, ctx, "4k", 4, "IOPS"),
                            seq_case(ds, "psync", 1), _records_case(ds, ctx)],
-          "st_blksize reported (0 = automatic: 4 KiB native, the block size on pyfuse3; 128KiB = the block size; 4MiB = the chunk size), warm reads"),
+          "st_blksize reported (0 = automatic: 4 KiB native, the block size on pyfuse3; "
+          "128KiB = the block size; 4MiB = the chunk size), warm reads"),
     sweep("sweep-blksize-cold", "fuse.blksize", ["128KiB", "4MiB"], False, _files,
           lambda ds, ctx: [_records_case(ds, ctx), rand_case(ds, ctx, "4k", 1, "IOPS")],
           "st_blksize reported, cold random reads, memory tier half the dataset",

@@ -30,6 +30,7 @@ import os
 import re
 import socket
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
@@ -60,7 +61,8 @@ def parse_size(value: object) -> int:
 
 
 def format_size(n: int) -> str:
-    for unit, mult in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, mult in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20),
+                       ("KiB", 1 << 10)):
         if n >= mult and n % mult == 0:
             return f"{n // mult}{unit}"
     return str(n)
@@ -222,7 +224,8 @@ class FuseConfig:
     push_pages: bool = _opt(False, "store prefetched chunks in the kernel page cache (FUSE_NOTIFY_STORE) "
                                   "so sequential readers skip the READ round trip")
     max_background: int = _opt(64, "FUSE max_background, set via sysfs after mount (kernel default 12)")
-    congestion_threshold: int = _opt(48, "FUSE congestion_threshold via sysfs (default 3/4 of max_background)")
+    congestion_threshold: int = _opt(48, "FUSE congestion_threshold via sysfs "
+                                         "(default 3/4 of max_background)")
     read_ahead_kb: int = _opt(4096, "bdi read_ahead_kb via sysfs (kernel default 128)")
     workers: int = _opt(16, "threads for blocking source/disk I/O")
     engine: str = _opt("native", "FUSE engine: 'native' (C request threads answer metadata and "
@@ -259,7 +262,8 @@ class FuseConfig:
         _range("fuse.threads", self.threads, 0, 253)     # fuse/upgrade.py MAX_FDS
         _positive("fuse.resume_patience", self.resume_patience, 86400.0)
         _range("fuse.max_pages", self.max_pages, 1, 256)
-        if self.blksize and (self.blksize < 512 or self.blksize > 1 << 30 or self.blksize & (self.blksize - 1)):
+        if self.blksize and (self.blksize < 512 or self.blksize > 1 << 30
+                             or self.blksize & (self.blksize - 1)):
             raise ConfigError(f"fuse.blksize: {self.blksize} must be 0 or a power of two in 512..1GiB")
         _positive("fuse.entry_timeout", self.entry_timeout, _YEAR)
         _positive("fuse.attr_timeout", self.attr_timeout, _YEAR)
@@ -548,7 +552,7 @@ class Config:
     # "section.key" -> where its value came from (file path, environment, command line)
     sources: dict[str, str] = field(default_factory=dict, metadata={"skip": True})
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         """Every section's ``validate()``; an error gets the source of the key it names
         first (each message starts with that key)."""
         for section in _sections(self):
@@ -579,7 +583,8 @@ def _sections(cfg: Config) -> list[dataclasses.Field[Any]]:
 
 
 def _toml_name(f: dataclasses.Field[Any]) -> str:
-    return f.metadata.get("toml", f.name)
+    name: str = f.metadata.get("toml", f.name)
+    return name
 
 
 def _toml_value(v: Any) -> str:

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from .fuse.registry import LocalMount
     from .manifest.store.etcd import EtcdStore
     from .fuse.native import NativeSession
+    from .manifest.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def _read_counters(reader: Reader) -> dict[str, int]:
     return {name: int(getattr(s, name)) for name in _HELD_COUNTERS}
 
 
-async def _hold(store: "EtcdStore", record: MountRecord, ttl: int,
+async def _hold(store: EtcdStore, record: MountRecord, ttl: int,
                 counters: Callable[[], dict[str, int]], handed_over: Callable[[], bool],
                 period: float = 5.0) -> None:
     """Hold ``record``'s version for this mount's life: its ``mounts/`` key on a lease
@@ -183,8 +184,8 @@ async def _hold(store: "EtcdStore", record: MountRecord, ttl: int,
                 log.warning("leaving: %s (the nodes release the preload after its grace)", e)
 
 
-async def _export_metrics(cfg: Config, ops: Operations, peers: "Peers | None",
-                          store: "EtcdStore | None", path: str) -> None:
+async def _export_metrics(cfg: Config, ops: Operations, peers: Peers | None,
+                          store: EtcdStore | None, path: str) -> None:
     """Serve this mount's metrics (``metrics.py``) at ``metrics.listen`` until cancelled."""
     from . import metrics
 
@@ -228,7 +229,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     async with compose.cluster(cfg, index, bool(req.resume), keep,
                         bool(req.upgrade or req.resume)) as (peers, store), \
             trio.open_nursery() as nursery:
-        session: "NativeSession | None" = None
+        session: NativeSession | None = None
         pages = None
         if cfg.fuse.push_pages:
             pages = PageCache(index, store=pyfuse3.notify_store if engine == "pyfuse3"

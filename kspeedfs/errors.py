@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import errno as _errno
 
-from rdma.errors import ErrnoError   # the base of both trees; the boundaries import it here
+from rdma.errors import ErrnoError as ErrnoError  # the base of both trees; the boundaries import it here
 
 
 class KspeedfsError(ErrnoError):

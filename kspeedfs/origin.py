@@ -117,7 +117,8 @@ class Origin:
             raise ChunkUnavailable(f"{what} of {self.dataset}: no replica had it and the "
                                    f"source {os.fsdecode(self.root)} is missing")
 
-    def _changed(self, path: bytes, why: str, entries: frozenset[int], partial: bytes | None) -> SourceChanged:
+    def _changed(self, path: bytes, why: str, entries: frozenset[int],
+                 partial: bytes | None) -> SourceChanged:
         return SourceChanged(
             f"source file {os.fsdecode(path)} {why}: it changed after dataset "
             f"{self.dataset} was imported; re-import the dataset (kspeedfs import)",

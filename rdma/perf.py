@@ -203,7 +203,8 @@ def local_addr_for(remote: str) -> str:
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         s.connect((remote, 9))
-        return s.getsockname()[0]
+        addr: str = s.getsockname()[0]
+        return addr
     finally:
         s.close()
 

@@ -6,7 +6,8 @@ import os
 # before anything imports grpc: its fork handlers abort a test process that spawns a
 # server (fork) while gRPC threads run (seen once in CI-like runs: etcd restart test)
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 

@@ -96,9 +96,9 @@ class MemoryCache:
         self.transient_capacity = min(capacity, max(int(capacity * transient_fraction),
                                                     transient_min))
         self.resident_capacity = capacity - self.transient_capacity
-        self._resident: dict[bytes, bytes] = {}
+        self._resident: dict[bytes, bytes | memoryview] = {}
         self._resident_used = 0
-        self._transient: OrderedDict[bytes, bytes] = OrderedDict()
+        self._transient: OrderedDict[bytes, bytes | memoryview] = OrderedDict()
         self._transient_used = 0
         self._put_at: dict[bytes, int] = {}     # transient key -> _put_bytes after its put
         self._put_bytes = 0                     # bytes ever put into the transient part
@@ -152,7 +152,7 @@ class MemoryCache:
             self._transient.move_to_end(key)
         return data
 
-    def put(self, key: bytes, data: bytes) -> None:
+    def put(self, key: bytes, data: bytes | memoryview) -> None:
         self.discard(key)
         n = len(data)
         if self._resident_used + n <= self.resident_capacity:
@@ -208,7 +208,7 @@ class MemoryCache:
         elif (old := self._transient.pop(key, None)) is not None:
             self._gone(key, old)
 
-    def _gone(self, key: bytes, data: bytes) -> None:
+    def _gone(self, key: bytes, data: bytes | memoryview) -> None:
         """``key``'s buffer ``data``, taken out of the transient LRU, is gone: its bytes,
         its put age and the mirror's entry with it (eviction and ``discard`` alike)."""
         self._transient_used -= len(data)

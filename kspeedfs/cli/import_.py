@@ -11,12 +11,12 @@ import os
 import re
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from .options import cli_logging, dataset_name, load_config
 from .terminal import ProgressBar, progress_bar
-
 
 if TYPE_CHECKING:
     from ..config import Config

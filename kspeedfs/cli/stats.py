@@ -30,7 +30,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from ..errors import MountError
 from .options import cli_logging, cluster_store, load_config, seconds
@@ -218,9 +219,13 @@ def mount_sample(prev: dict[str, Any], cur: dict[str, Any], dt: float) -> dict[s
     """The rates between two stats records ``dt`` s apart. ``hit_ratio``: the share of
     chunk requests a cache tier (memory, disk, peer) answered rather than the source
     (whole chunks, blocks or small files read alone); None when there were none."""
-    rate = lambda key: _per_s(cur, prev, key, dt)   # noqa: E731
+    def rate(key: str | None) -> float | None:
+        return _per_s(cur, prev, key, dt)
+
     ops_now, ops_before = sum(cur.get("ops", {}).values()), sum(prev.get("ops", {}).values())
-    tiers = {t: {"chunks_per_s": _r(rate(c)), "mb_per_s": _r(None if b is None else rate(b) / 1e6, 2)}
+    # mb_per_s None, like chunks_per_s, when the record lacks the counter
+    tiers = {t: {"chunks_per_s": _r(rate(c)),
+                 "mb_per_s": _r(None if (mb := rate(b)) is None else mb / 1e6, 2)}
              for t, (c, b) in TIER_COUNTERS.items()}
     out: dict[str, Any] = {
         "time": round(cur["time"], 3), "interval": round(dt, 3),
@@ -301,7 +306,7 @@ def mount_lines(sample: dict[str, Any], first: bool) -> list[str]:
     """The plain form: one line per sample, under a header line before the first."""
     table = Table(MOUNT_COLUMNS, right=range(1, len(MOUNT_COLUMNS)))
     table.add(*_mount_row(sample))
-    widths = [max(w, len(c)) for w, c in zip(MOUNT_WIDTHS, table.rows[0])]
+    widths = [max(w, len(c)) for w, c in zip(MOUNT_WIDTHS, table.rows[0], strict=False)]
     return table.lines(header=first, widths=widths)
 
 
@@ -392,9 +397,13 @@ def node_rates(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any]:
     dt = cur.get("time", 0) - prev.get("time", 0)
     c, pc = cur.get("counters", {}), prev.get("counters", {})
     a, pa = cur.get("arena", {}), prev.get("arena", {})
-    rate = lambda new, old, key: _per_s(new, old, key, dt) or 0.0   # noqa: E731
-    failed = lambda rec: sum(p.get("reads_failed_over", 0)         # noqa: E731
-                             for p in rec.get("endpoint", {}).get("peers", {}).values())
+    def rate(new: dict[str, Any], old: dict[str, Any], key: str) -> float:
+        return _per_s(new, old, key, dt) or 0.0
+
+    def failed(rec: dict[str, Any]) -> int:
+        return sum(p.get("reads_failed_over", 0)
+                   for p in rec.get("endpoint", {}).get("peers", {}).values())
+
     return {
         "source_loads_per_s": _r(rate(c, pc, "source_loads")),
         "peer_loads_per_s": _r(rate(c, pc, "peer_loads")),
@@ -408,8 +417,9 @@ def node_rates(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any]:
 def node_state(rec: dict[str, Any], capacity: int) -> dict[str, Any]:
     """A node's cache use and its vQPs' paths, from its last record."""
     a = rec.get("arena", {})
-    links = {peer: {"state": str(p.get("state", "?")), "paths": dict(p.get("paths", {}))}
-             for peer, p in sorted(rec.get("endpoint", {}).get("peers", {}).items())}
+    links: dict[str, dict[str, Any]] = {
+        peer: {"state": str(p.get("state", "?")), "paths": dict(p.get("paths", {}))}
+        for peer, p in sorted(rec.get("endpoint", {}).get("peers", {}).items())}
     paths = [s for link in links.values() for s in link["paths"].values()]
     return {"used_bytes": a.get("used_bytes", 0), "capacity": a.get("capacity", capacity),
             "used_slots": a.get("used_slots", 0), "nics": rec.get("endpoint", {}).get("nics", []),

@@ -24,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from ..cluster import lifecycle
-    from ..cluster.membership import NodeRecord, list_json as _prefix
+    from ..cluster.membership import NodeRecord
+    from ..cluster.membership import list_json as _prefix
 
     cli_logging(args)
     cfg = load_config(args)
@@ -136,8 +137,9 @@ def node_lines(name: str, rec: dict, s: dict, now: float) -> list[str]:
     return out
 
 
-def _datasets(store, replicas: int, nodes: dict, preload: dict, progress: dict,
-              held: dict[str, list[dict]]) -> list[dict]:
+def _datasets(store: EtcdStore, replicas: int, nodes: dict[str, Any], preload: dict[str, Any],
+              progress: dict[str, Any],
+              held: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per preloaded dataset: chunk replicas cached (of those the live nodes own), bytes
     per tier (chunks in memory / on SSD × the mean chunk size), R achieved (replicas
     cached per chunk, on average), the hit ratio of its mounts (reads served by memory

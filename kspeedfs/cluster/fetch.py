@@ -74,8 +74,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 import trio
 
@@ -373,7 +374,7 @@ class Peers:
             self.counters.longest_stall = max(self.counters.longest_stall, took)
         return win.data
 
-    def _overran(self, att: "_Attempt") -> None:
+    def _overran(self, att: _Attempt) -> None:
         """``att``'s READ (or connect) passed its threshold: note it against the peer and,
         once per read and within the budget, start the next replica as a hedge."""
         now = time.monotonic()
@@ -389,7 +390,7 @@ class Peers:
                   hedge.rec.node)
         self.nursery.start_soon(self._hedge, hedge)
 
-    async def _hedge(self, att: "_Attempt") -> None:
+    async def _hedge(self, att: _Attempt) -> None:
         assert att.ended is not None
         try:
             with att.scope:
@@ -397,7 +398,7 @@ class Peers:
         finally:
             att.ended.set()
 
-    async def _attempt(self, att: "_Attempt") -> None:
+    async def _attempt(self, att: _Attempt) -> None:
         """One replica: READ, else ask its owner to load it and READ again. Sets
         ``att.data`` and makes it the race's winner (cancelling the other attempt), or
         sets ``att.failed``; an unexpected exception is the race's ``error``."""
@@ -438,7 +439,7 @@ class Peers:
             att.failed = True           # the hedge's task: the reader raises it
             att.race.error = e
 
-    async def _read(self, att: "_Attempt", vqp: VQP, rec: NodeRecord, dst: VMR, at: int,
+    async def _read(self, att: _Attempt, vqp: VQP, rec: NodeRecord, dst: VMR, at: int,
                     remote: str, nbytes: int, remote_off: int) -> None:
         """One timed vqp.read: its latency goes to the hedger (a sample only if it came
         within its threshold); hedging, it calls ``_overran`` when it passes the threshold
@@ -486,7 +487,7 @@ class Peers:
 
     async def _read_from(self, rec: NodeRecord, key: bytes, length: int,
                          part: tuple[int, int, bytes] | None = None,
-                         att: "_Attempt | None" = None) -> bytes | memoryview | None:
+                         att: _Attempt | None = None) -> bytes | memoryview | None:
         """Index bucket READ (its second bucket's too, for a key not in its first), then
         slot READ, then verify; None if the node lacks the chunk (or, in a race, another
         attempt has won: nothing is kept or copied then)."""
@@ -513,7 +514,7 @@ class Peers:
             rslot = self.hints.get(rec.node, rec.started, key)
             for _ in range(2 + (rslot is not None)):   # a stale hint, then twice the bucket
                 hinted = rslot is not None
-                if hinted:
+                if rslot is not None:
                     self.counters.hinted += 1
                 else:
                     found = None
@@ -669,8 +670,8 @@ class _Race:
     __slots__ = ("queue", "args", "nbytes", "on_overrun", "budgeted", "first", "hedge",
                  "winner", "error")
 
-    def __init__(self, queue: list[NodeRecord], args: tuple, nbytes: int,
-                 on_overrun: Callable[["_Attempt"], None], budgeted: bool = False) -> None:
+    def __init__(self, queue: list[NodeRecord], args: tuple[Any, ...], nbytes: int,
+                 on_overrun: Callable[[_Attempt], None], budgeted: bool = False) -> None:
         self.queue, self.args, self.nbytes = queue, args, nbytes
         self.on_overrun = on_overrun            # Peers._overran
         self.budgeted = budgeted                # read_chunk(budgeted=True): a hedge itself
@@ -679,7 +680,7 @@ class _Race:
         self.winner: _Attempt | None = None
         self.error: Exception | None = None     # the hedge's unexpected exception
 
-    def won(self, att: "_Attempt") -> None:
+    def won(self, att: _Attempt) -> None:
         """``att``'s bytes verified first: it wins, the other attempt is cancelled (its
         READ, if one is out, gives its buffers back when it completes)."""
         self.winner = att

@@ -37,6 +37,10 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import ClusterConfig
 
 #: histogram bucket upper bounds, ms (the last bucket is everything above)
 BUCKETS_MS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
@@ -206,12 +210,12 @@ class Hedger:
                            hedged=h.hedged, won=h.won, suspected=self.suspected(peer, now))
 
 
-def from_config(cluster: object) -> Hedger | None:
+def from_config(cluster: ClusterConfig) -> Hedger | None:
     """A Hedger from a :class:`~kspeedfs.config.ClusterConfig` (``cluster.hedge_*``), or
     None when ``cluster.hedge`` is off."""
     c = cluster
-    if not getattr(c, "hedge"):
+    if not c.hedge:
         return None
-    return Hedger(factor=getattr(c, "hedge_factor"), floor=getattr(c, "hedge_floor"),
-                  cap=getattr(c, "hedge_cap"), budget=getattr(c, "hedge_budget"),
-                  suspect_time=getattr(c, "hedge_suspect_time"))
+    return Hedger(factor=c.hedge_factor, floor=c.hedge_floor,
+                  cap=c.hedge_cap, budget=c.hedge_budget,
+                  suspect_time=c.hedge_suspect_time)

@@ -52,7 +52,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import CapacityExceeded, StoreError
 from ..manifest.store.signature import canonical_json
@@ -119,7 +119,7 @@ def _text(x: object) -> str:
     return x if isinstance(x, str) else "?"
 
 
-def _is_count(v: object) -> bool:
+def _is_count(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
@@ -185,7 +185,7 @@ class PreloadRequest:
         return canonical_json(asdict(self))
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "PreloadRequest":
+    def from_json(cls, raw: bytes) -> PreloadRequest:
         """Parse untrusted JSON (records of older versions had only version/requested)."""
         d = _json_object(raw, "preload request")
         release = d.get("release", "manual")
@@ -221,7 +221,7 @@ class MountRecord:
         return canonical_json(asdict(self))
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "MountRecord":
+    def from_json(cls, raw: bytes) -> MountRecord:
         what = "mount record"
         d = _json_object(raw, what)
         unload = d.get("unload_on_exit", False)

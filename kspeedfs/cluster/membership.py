@@ -55,8 +55,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import trio
 
@@ -110,7 +111,7 @@ class NodeRecord:
         return f"{store.prefix}nodes/{node}"
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "NodeRecord":
+    def from_json(cls, raw: bytes) -> NodeRecord:
         """Parse and type-check untrusted JSON; ``ValueError`` for anything invalid."""
         try:
             d = json.loads(raw)
@@ -174,7 +175,7 @@ class NodeRecord:
         return lambda values: decode(cls.verified(store, values))
 
     @classmethod
-    def list_verified(cls, store: EtcdStore) -> dict[str, "NodeRecord"]:
+    def list_verified(cls, store: EtcdStore) -> dict[str, NodeRecord]:
         """Blocking, for the CLI: every live node whose record verifies, by name."""
         pre = store.prefix + "nodes/"
         resp = store.call(lambda c: c.get_prefix_response(pre))
@@ -227,7 +228,9 @@ class Registration:
         with self._lock:
             keys = dict(self._keys)
         for k, v in keys.items():
-            self.store.race(lambda c, k=k, v=v: c.put(k, v, lease=lease.id))
+            def put(c: Any, k: str = k, v: bytes = v) -> Any:
+                return c.put(k, v, lease=lease.id)
+            self.store.race(put)
         log.info("etcd lease %x granted (ttl %ds); %d keys attached", self.lease_id, self.ttl, len(keys))
 
     def put(self, key: str, value: bytes) -> None:

@@ -85,8 +85,9 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -123,7 +124,8 @@ C_SLOTS = 16
 C_STAGING = 16
 
 try:
-    from ..fuse import _engine as _fe      # FETCHED statuses (native/fuse_fetch.h)
+    # FETCHED statuses (native/fuse_fetch.h); the C extension has no stubs
+    from ..fuse import _engine as _fe  # type: ignore[attr-defined]
 except ImportError:                        # a checkout whose native code was not built
     _fe = None
 
@@ -181,8 +183,8 @@ class NativeFetch:
     its hedges count in the hedger's.
     """
 
-    def __init__(self, engine: Any, peers: Peers, tiers: "TierChain", memory: "MemoryCache",
-                 index: "ManifestIndex", small_file_limit: int = 0) -> None:
+    def __init__(self, engine: Any, peers: Peers, tiers: TierChain, memory: MemoryCache,
+                 index: ManifestIndex, small_file_limit: int = 0) -> None:
         """``small_file_limit``: ReadPolicy.small_file_limit, the largest small file read
         alone (0: none), the size of the staging slots C holds for those it starts."""
         capi = soft_capi()
@@ -212,7 +214,7 @@ class NativeFetch:
         docstring); False: load it the usual way."""
         return self._start(k, key, key, self.index.chunk_len[k], 0, None)
 
-    def start_extent(self, k: int, ext: Extent, read: tuple | None = None) -> bool:
+    def start_extent(self, k: int, ext: Extent, read: tuple[Any, ...] | None = None) -> bool:
         """Post small file ``ext.entry``'s one extent (in chunk ``k``) to C, as ``start``
         a chunk: READ into a staging slot, verified and copied into a buffer of its own,
         which the memory tier keeps under ``ext.digest``; with ``read`` (fd, unique,
@@ -223,7 +225,7 @@ class NativeFetch:
         return self._start(k, ext.digest, self.index.chunk_digest(k), ext.length,
                            ext.chunk_offset, ext.entry, read)
 
-    def start_block(self, k: int, b: int, key: bytes, entry: int, read: tuple) -> bool:
+    def start_block(self, k: int, b: int, key: bytes, entry: int, read: tuple[Any, ...]) -> bool:
         """Post block ``b`` of chunk ``k`` (tier key ``key``) to C with ``read``, a random
         READ of ``entry`` inside it, as ``start_extent`` an extent (verified against the
         block's xxh3-64)."""
@@ -232,7 +234,7 @@ class NativeFetch:
                            entry, read, b, ix.block_digest(k, b))
 
     def _start(self, k: int, key: bytes, chunk_key: bytes, length: int, offset: int,
-               entry: int | None, read: tuple | None = None, block: int | None = None,
+               entry: int | None, read: tuple[Any, ...] | None = None, block: int | None = None,
                want: bytes = b"") -> bool:
         if self._closed or key in self.inflight:
             return False
@@ -410,7 +412,7 @@ class NativeFetch:
         FAILED_FOR seconds: a READ of it is not handed to C again meanwhile."""
         return time.monotonic() - self._failed.get(key, -FAILED_FOR) < FAILED_FOR
 
-    def read_or_park(self, entry: int, read: tuple) -> bool:
+    def read_or_park(self, entry: int, read: tuple[Any, ...]) -> bool:
         """``read`` (a queued READ of ``entry``: fd, unique, offset, size, random, since)
         answered from the tier or parked in C on its chunks in flight here; False: it
         stays the caller's."""
@@ -463,9 +465,11 @@ class NativeFetch:
         if block is not None or (status == _fe.FETCH_OK and not f.extent):
             f.landed = True
             if f.extent:                   # C's buffer, in the tier already: adopted
+                assert block is not None
                 data = memoryview(block)
                 self._give(f.slot, True)
             else:
+                assert f.slot is not None
                 data = self.peers.landing.keep(f.slot, f.length)
             self.peers.landed_native(f.node, f.length)
             if self.peers.hedge is not None:
@@ -526,8 +530,8 @@ class Routes:
     good, from one vMR of their own. Not thread-safe: the trio thread's.
     """
 
-    def __init__(self, engine: Any, peers: Peers, memory: "MemoryCache",
-                 index: "ManifestIndex", handle: Callable[[Any], int],
+    def __init__(self, engine: Any, peers: Peers, memory: MemoryCache,
+                 index: ManifestIndex, handle: Callable[[Any], int],
                  late: Counter[str], small_file_limit: int = 0) -> None:
         self.engine = engine
         self.peers = peers

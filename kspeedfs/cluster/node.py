@@ -54,11 +54,9 @@ from .arena import Arena, ArenaStatistics, Geometry
 from .arena_files import ArenaFiles, cluster_tag
 from .fetch import Peers, PeerStatistics
 from .hedge import from_config as hedge_from_config
-from . import lifecycle
 from .lifecycle import PreloadRequest
 from .membership import Membership, NodeRecord, PrefixView, Registration
 from .placement import Member, owners
-from . import rpc
 
 log = logging.getLogger(__name__)
 

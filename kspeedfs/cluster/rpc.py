@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 

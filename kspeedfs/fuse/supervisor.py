@@ -68,7 +68,7 @@ CALL_TIMEOUT = 60.0
 REAP_WAIT = 5.0
 
 
-def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
+def _recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """One message and the fds that came with it; ({}, []) at EOF."""
     data, anc, _, _ = sock.recvmsg(MAX_MESSAGE, FD_ROOM)
     fds = fds_in(anc)
@@ -81,7 +81,7 @@ def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
     return (msg if isinstance(msg, dict) else {}), fds
 
 
-def _send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:
+def _send(sock: socket.socket, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
     sock.sendmsg([json.dumps(msg).encode()], with_fds(fds))
 
 
@@ -107,7 +107,7 @@ class Supervisor:
         self.control = control
         self.argv = argv
         self.fds: list[int] = []
-        self.state: dict = {}
+        self.state: dict[str, Any] = {}
         self.manifest_fd: int | None = None      # a sealed copy (manifest/sealed.py)
         self.restarts: list[float] = []
 
@@ -210,7 +210,7 @@ class Supervisor:
         proc.wait()                                   # its CLI parent exits once it serves
         return True
 
-    def _refused(self, conn: socket.socket, proc: subprocess.Popen) -> bool:
+    def _refused(self, conn: socket.socket, proc: subprocess.Popen[bytes]) -> bool:
         """A new daemon that called and did not take the connection: closed, reaped (it
         exits on its own; killed after REAP_WAIT s), so no zombie is left. False."""
         conn.close()
@@ -232,7 +232,7 @@ class Supervisor:
         return [*self.argv, "--version", str(version)] if isinstance(version, int) else \
             list(self.argv)
 
-    def _call_from(self, listener: socket.socket, proc: subprocess.Popen,
+    def _call_from(self, listener: socket.socket, proc: subprocess.Popen[bytes],
                    timeout: float) -> socket.socket | None:
         """The new daemon's call on ``listener``, or None: its CLI exited first (it
         failed: its log says why; the CLI exits only after its daemon served, which needs

@@ -106,7 +106,7 @@ def fds_in(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
-def with_fds(fds: list[int]) -> list[tuple[int, int, array.array]]:
+def with_fds(fds: Sequence[int]) -> list[tuple[int, int, array.array[int]]]:
     """The ancillary data that passes ``fds`` (none: an empty list)."""
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
 
@@ -122,7 +122,7 @@ async def _recv(sock: trio.socket.SocketType, timeout: float) -> tuple[dict[str,
     return _message(data), fds
 
 
-async def _send(sock: trio.socket.SocketType, msg: dict[str, Any], fds: list[int] = ()) -> None:
+async def _send(sock: trio.socket.SocketType, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
     await sock.sendmsg([json.dumps(msg).encode()], with_fds(fds))
 
 

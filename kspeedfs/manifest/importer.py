@@ -32,7 +32,8 @@ import time
 import zlib
 from array import array
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
@@ -65,6 +66,18 @@ ProgressFn = Callable[[ImportProgress], None]
 
 class _Tree:
     """Entry arrays under construction (see model.ENTRY_ARRAYS)."""
+
+    # one array per ENTRY_ARRAYS name, made in __init__
+    parent: array[int]
+    mode: array[int]
+    uid: array[int]
+    gid: array[int]
+    size: array[int]
+    mtime_ns: array[int]
+    name_off: array[int]
+    name_len: array[int]
+    data: array[int]
+    ext: array[int]
 
     def __init__(self) -> None:
         for name, code, _ in ENTRY_ARRAYS:
@@ -203,9 +216,9 @@ def scan(source: bytes, progress: ScanProgress | None = None) -> _Tree:
 class _Plan:
     layout: Layout
     block_size: int
-    files: array            # entry index of every non-empty regular file, in layout order
-    chunk_len: array
-    chunk_first_file: array
+    files: array[int]       # entry index of every non-empty regular file, in layout order
+    chunk_len: array[int]
+    chunk_first_file: array[int]
     extents: int
 
 
@@ -353,7 +366,7 @@ def import_tree(
     done_bytes = 0
     with ThreadPoolExecutor(threads, thread_name_prefix="kspeedfs-hash") as pool:
         window = threads * 2
-        pending: deque = deque()
+        pending: deque[Future[tuple[int, bytes, list[tuple[int, bytes]], bytes, int]]] = deque()
         chunks = iter(range(len(p.chunk_len)))
         for k in chunks:
             pending.append(pool.submit(_hash_chunk, src, tree, p, k))

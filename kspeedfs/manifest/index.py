@@ -26,12 +26,24 @@ import json
 import os
 import sys
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import ManifestCorrupt
 from .model import (
-    BLOCK_DIGEST_SIZE, CHUNK_ARRAYS, DIGEST_SIZE, ENTRY_ARRAYS, FORMATS, HEADER, MAGIC, Extent,
-    align8, blocks_per_chunk, check_header, is_dir, is_file, is_symlink,
+    BLOCK_DIGEST_SIZE,
+    CHUNK_ARRAYS,
+    DIGEST_SIZE,
+    ENTRY_ARRAYS,
+    FORMATS,
+    HEADER,
+    MAGIC,
+    Extent,
+    align8,
+    blocks_per_chunk,
+    check_header,
+    is_dir,
+    is_file,
+    is_symlink,
 )
 
 
@@ -57,7 +69,8 @@ class ManifestIndex:
                 raise ManifestCorrupt("manifest truncated")
             view = mv[pos:pos + nbytes]
             pos += align8(nbytes)
-            return view.cast(code) if code else view
+            # typeshed types cast() for literal formats only; these come from ENTRY_ARRAYS
+            return view.cast(code) if code else view  # type: ignore[call-overload]
 
         for name, code, width in ENTRY_ARRAYS:
             setattr(self, name, take(width * self.entries, code))
@@ -98,7 +111,7 @@ class ManifestIndex:
         self.chunk_first_file: memoryview
 
     @classmethod
-    def from_blob(cls, blob: bytes, inflated_size: int = 0) -> "ManifestIndex":
+    def from_blob(cls, blob: bytes, inflated_size: int = 0) -> ManifestIndex:
         """Inflate and index a store blob; at most ``inflated_size`` bytes are inflated
         when it is declared (> 0), and the result must be exactly that long."""
         return cls(inflate(blob, inflated_size))
@@ -243,7 +256,8 @@ class ManifestIndex:
 
     def file_offset_in_chunk(self, entry: int, chunk: int) -> int:
         """Where file ``entry``'s byte 0 sits relative to the start of ``chunk`` (may be < 0)."""
-        return self.data[entry] - chunk * self.chunk_size
+        offset: int = self.data[entry] - chunk * self.chunk_size
+        return offset
 
 
 def _source_record(raw: bytes) -> dict[str, str]:

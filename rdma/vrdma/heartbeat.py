@@ -56,11 +56,12 @@ moved to ERR, its WRs flush, each flush re-posts), so the caller-visible stall i
 ``(M+1)·I`` ≈ 60 ms + one READ -- inside the ~100 ms the issue asks for, with ~40 ms of
 headroom for scheduling jitter of a Python event loop.  Measured on the netns testbed
 (soft provider, 8 READs of 4–64 KiB in flight): NIC down → path DOWN in 58–82 ms, the
-slowest READ caught by the failure completes after 57–127 ms, no READ fails.  Why not smaller: a trio loop busy
-with checksum work can be late by a few ms; ``M·I`` = 50 ms is ~10× that, so a healthy
-path is not declared dead by a late tick (a false DOWN costs a rebuild, not data, but it
-costs it on every path at once).  Cost: 100 probes/s per path of 8 bytes -- negligible for
-a handful of peers; for hundreds of peers raise ``I`` (detection scales linearly).
+slowest READ caught by the failure completes after 57–127 ms, no READ fails.  Why not
+smaller: a trio loop busy with checksum work can be late by a few ms; ``M·I`` = 50 ms
+is ~10× that, so a healthy path is not declared dead by a late tick (a false DOWN costs
+a rebuild, not data, but it costs it on every path at once).  Cost: 100 probes/s per
+path of 8 bytes -- negligible for a handful of peers; for hundreds of peers raise ``I``
+(detection scales linearly).
 
 Idle virtual QPs probe slowly.  A vQP with no data READ for ``idle_after`` (and none in
 flight or waiting) ticks and probes every ``idle_interval`` (default 100 ms) instead of

@@ -73,7 +73,7 @@ class Reading:
             last = now
             self.reads += 1
 
-    def __enter__(self) -> "Reading":
+    def __enter__(self) -> Reading:
         self._t.start()
         return self
 

@@ -82,7 +82,7 @@ class Readers:
                 f"p99 {self.quantile(0.99) * 1e3:.1f} ms, p99.9 {self.quantile(0.999) * 1e3:.1f} ms, "
                 f"longest {max(self.latencies, default=0) * 1e3:.0f} ms")
 
-    def __enter__(self) -> "Readers":
+    def __enter__(self) -> Readers:
         for t in self._threads:
             t.start()
         return self
@@ -145,7 +145,7 @@ class Stutter:
             self.proc.cont()
             time.sleep(self.period - self.pause)
 
-    def __enter__(self) -> "Stutter":
+    def __enter__(self) -> Stutter:
         self._t.start()
         return self
 

@@ -19,9 +19,9 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -88,7 +88,7 @@ class Etcd(Backend):
     def open(self) -> MetadataStore:
         return open_store(self.cfg)
 
-    def raw(self) -> "etcd3.Etcd3Client":  # noqa: F821 - imported lazily
+    def raw(self) -> etcd3.Etcd3Client:  # noqa: F821 - imported lazily
         import etcd3
 
         return etcd3.client("127.0.0.1", self.server.client_port, timeout=5)

@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -91,7 +92,7 @@ class Readers:
             if h.digest() != self.digest[rel]:
                 self.wrong += 1
 
-    def __enter__(self) -> "Readers":
+    def __enter__(self) -> Readers:
         for t in self.threads:
             t.start()
         return self
@@ -103,7 +104,7 @@ class Readers:
         assert not any(t.is_alive() for t in self.threads), "a reader hung"
 
 
-def _upgrade(c: Cluster1, mnt: Path, *extra: str) -> "subprocess.CompletedProcess[str]":
+def _upgrade(c: Cluster1, mnt: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return kspeedfs(["mount", "up", str(mnt), "--upgrade", *extra, *c.common()], check=False)
 
 
@@ -491,7 +492,8 @@ def test_requests_a_killed_daemon_held_are_answered_after_resend(tmp_path: Path)
         (src / name).write_bytes(b)
     slow = tmp_path / "slow"
     slow.mkdir()
-    ramfs = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parents[2] / "bench" / "ramfs_py.py"), str(src), str(slow)],
+    ramfs_py = Path(__file__).resolve().parents[2] / "bench" / "ramfs_py.py"
+    ramfs = subprocess.Popen([sys.executable, str(ramfs_py), str(src), str(slow)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_mounted(slow, ramfs, timeout=30)

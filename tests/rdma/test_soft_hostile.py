@@ -10,7 +10,7 @@ import resource
 import socket
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -80,7 +80,7 @@ def _closed_by_engine(s: socket.socket, timeout: float) -> bool:
         return s.recv(64) == b""
     except ConnectionError:
         return True
-    except (socket.timeout, BlockingIOError, OSError):
+    except (TimeoutError, BlockingIOError, OSError):
         return False
 
 

@@ -23,9 +23,23 @@ from hypothesis import strategies as st
 from rdma.errors import AuthenticationError, HandshakeError
 from rdma.vrdma import Endpoint
 from rdma.vrdma import handshake as hs
-from tests.fixtures.hostile import (LO, close_all, closed_by_peer, connect_many, deep,
-                                    fd_count, frame, json_values, nested, rss_bytes, run,
-                                    send_quietly, settle, tcp_pair, wire_bytes)
+from tests.fixtures.hostile import (
+    LO,
+    close_all,
+    closed_by_peer,
+    connect_many,
+    deep,
+    fd_count,
+    frame,
+    json_values,
+    nested,
+    rss_bytes,
+    run,
+    send_quietly,
+    settle,
+    tcp_pair,
+    wire_bytes,
+)
 
 SECRET = b"t2-hostile-secret-0123"
 FUZZ = settings(max_examples=150, deadline=None,

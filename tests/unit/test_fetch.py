@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import AsyncIterator
 
 import trio
 import xxhash
@@ -125,7 +125,10 @@ async def test_a_silent_replica_is_hedged_then_tried_last_and_its_attempt_cleans
     from types import SimpleNamespace
 
     from kspeedfs.cluster.hedge import Hedger
-    from tests.unit.test_rpc_hostile import SECRET as S, SLOT as SL, _chunk as chunk, _node
+    from tests.unit.test_rpc_hostile import SECRET as S
+    from tests.unit.test_rpc_hostile import SLOT as SL
+    from tests.unit.test_rpc_hostile import _chunk as chunk
+    from tests.unit.test_rpc_hostile import _node
 
     with socket.socket() as silent:
         silent.bind((LO, 0))
@@ -227,7 +230,10 @@ async def test_a_hedge_waits_for_no_token_or_staging_slot_that_hung_reads_hold()
     from types import SimpleNamespace
 
     from kspeedfs.cluster.hedge import Hedger
-    from tests.unit.test_rpc_hostile import SECRET as S, SLOT as SL, _chunk as chunk, _node
+    from tests.unit.test_rpc_hostile import SECRET as S
+    from tests.unit.test_rpc_hostile import SLOT as SL
+    from tests.unit.test_rpc_hostile import _chunk as chunk
+    from tests.unit.test_rpc_hostile import _node
 
     async with _node("good") as (_, arena, good), \
             Endpoint(S, node="mount", addrs=[LO], provider="soft") as mount, \

@@ -19,9 +19,9 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from ...errors import DatasetNotFound, StoreError, StoreUnavailable
 from .base import DatasetInfo, MetadataStore, check_name, verify_blob

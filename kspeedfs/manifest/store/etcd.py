@@ -50,15 +50,15 @@ import logging
 import random
 import re
 import time
-from typing import Any, Callable, TypeVar
-
-from .etcd_client import EtcdClient, watch_once  # first: it sets gRPC's fork option before grpc loads
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import etcd3.transactions as tx  # noqa: E402
 
 from ...config import StoreConfig  # noqa: E402
 from ...errors import ConfigError, DatasetNotFound, RecordUnverified, StoreError, VersionConflict  # noqa: E402
 from .base import DatasetInfo, MetadataStore, check_name, verify_blob  # noqa: E402
+from .etcd_client import EtcdClient, watch_once  # first: it sets gRPC's fork option before grpc loads
 from .signature import RecordSigner  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -143,11 +143,14 @@ class EtcdStore(MetadataStore):
         return self.client.reachable
 
     def _get(self, key: str) -> tuple[bytes | None, Any]:
-        return self.client.call(lambda c: c.get(key))
+        got: tuple[bytes | None, Any] = self.client.call(lambda c: c.get(key))
+        return got
 
     def _txn(self, compare: list[Any], success: list[Any],
              failure: list[Any]) -> tuple[bool, list[Any]]:
-        return self.client.call(lambda c: c.transaction(compare=compare, success=success, failure=failure))
+        done: tuple[bool, list[Any]] = self.client.call(
+            lambda c: c.transaction(compare=compare, success=success, failure=failure))
+        return done
 
     # -- publish --------------------------------------------------------------------------
 
@@ -159,7 +162,8 @@ class EtcdStore(MetadataStore):
         parts = range(0, len(blob), PART_SIZE)
         for i, off in enumerate(parts):
             key, chunk = self.part_key(name, version, i), blob[off:off + PART_SIZE]
-            self.client.call(lambda c: c.put(key, chunk))
+            # call() runs op before returning: the loop variables are this part's
+            self.client.call(lambda c: c.put(key, chunk))  # noqa: B023
         record = {**sealed.to_json(), "parts": len(parts), "part_size": PART_SIZE}
         info_key = self._ds(name, f"v{version}", "info")
         self._seal(name, version, self._need_signer().seal_json(info_key, record))
@@ -230,7 +234,7 @@ class EtcdStore(MetadataStore):
         exactly this key (``RecordUnverified`` otherwise), a valid :class:`DatasetInfo`
         of ``name`` v``version`` with a SHA-256 and a consistent part count
         (``StoreError`` otherwise)."""
-        record = self._need_signer().open_json(key, raw)
+        record: dict[str, Any] = self._need_signer().open_json(key, raw)
         try:
             info = DatasetInfo.from_json(record)
             parts, part_size = record.get("parts"), record.get("part_size")

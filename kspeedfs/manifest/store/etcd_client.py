@@ -64,9 +64,10 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 # gRPC's fork handlers (pthread_atfork) abort a process that forks while gRPC threads
@@ -129,7 +130,7 @@ class _Endpoint:
         self._retired: dict[int, etcd3.Etcd3Client] = {}  # failed, closed by the last user
 
     @contextmanager
-    def using(self, connect: Callable[["_Endpoint"], etcd3.Etcd3Client]) -> Iterator[etcd3.Etcd3Client]:
+    def using(self, connect: Callable[[_Endpoint], etcd3.Etcd3Client]) -> Iterator[etcd3.Etcd3Client]:
         """The current client (made by ``connect`` if there is none), held for the call."""
         with self.lock:
             if self.client is None:
@@ -147,7 +148,7 @@ class _Endpoint:
             if done is not None:
                 _close(done)
 
-    def _dial(self, connect: Callable[["_Endpoint"], etcd3.Etcd3Client]) -> etcd3.Etcd3Client:
+    def _dial(self, connect: Callable[[_Endpoint], etcd3.Etcd3Client]) -> etcd3.Etcd3Client:
         """``connect``, unless the last dial failed less than a backoff ago (0.25 s,
         doubling to 4 s, jittered): then ``_Unreachable`` at once. Why: with auth, a dial
         is an Authenticate, a bcrypt on the server; after an etcd restart a dozen
@@ -494,7 +495,8 @@ class EtcdClient:
                 if ok:
                     self._prefer(ep, failover=preferred in errors)
                     self.reachable = True
-                    return value
+                    result: T = value
+                    return result
                 if not isinstance(value, _Unreachable):
                     raise value                  # etcd answered: the same from every endpoint
                 errors[ep.url] = value
@@ -503,7 +505,7 @@ class EtcdClient:
             time.sleep(min(random.uniform(0.05, 0.15), max(0.0, budget - (time.monotonic() - start))))
 
     def _attempt(self, ep: _Endpoint, op: Callable[[etcd3.Etcd3Client], T],
-                 answers: "queue.SimpleQueue[tuple[_Endpoint, bool, Any]]") -> None:
+                 answers: queue.SimpleQueue[tuple[_Endpoint, bool, Any]]) -> None:
         try:
             answers.put((ep, True, self._call_one(ep, op)))
         except Exception as e:                              # noqa: BLE001 - handed to the racer
