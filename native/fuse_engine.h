@@ -63,9 +63,9 @@ struct fe_options {
     uint32_t max_background, congestion_threshold;
     uint32_t max_pages; /* pages per request (256 = 1 MiB) */
     uint32_t prefetch_depth, prefetch_trigger;
-    int uring;                      /* offer FUSE_OVER_IO_URING at INIT (if the kernel does) */
-    uint32_t uring_depth;           /* entries per queue (0 = FE_URING_DEPTH) */
-    int splice;                     /* large READ replies by vmsplice + splice (fuse_reply.c) */
+    int uring;            /* offer FUSE_OVER_IO_URING at INIT (if the kernel does) */
+    uint32_t uring_depth; /* entries per queue (0 = FE_URING_DEPTH) */
+    int splice;           /* large READ replies by vmsplice + splice (fuse_reply.c) */
 };
 
 /* A queued request for Python. */
@@ -118,9 +118,9 @@ struct fe_counters {
                              * look once their chunks landed (fe_read_or_park: Python took
                              * them from the queue; or handed on from a parked list) */
     uint64_t resent;        /* requests the kernel sent again (FUSE_NOTIFY_RESEND) */
-    uint64_t ring_requests;         /* requests that came through an io_uring queue */
-    uint64_t ring_copy_bytes, ring_copy_ns;   /* READ hits copied into ring payloads */
-    uint64_t ring_lost;             /* entries whose commit the kernel refused */
+    uint64_t ring_requests; /* requests that came through an io_uring queue */
+    uint64_t ring_copy_bytes, ring_copy_ns; /* READ hits copied into ring payloads */
+    uint64_t ring_lost;                     /* entries whose commit the kernel refused */
     /* the solo gate (fuse_threads.c): times a /dev/fuse thread after the first waited at
      * it, and requests those threads read (the gate open: several tasks, or not readahead);
      * times it opened for a request of another task than the last, and for one of the
