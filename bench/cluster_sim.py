@@ -46,7 +46,8 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from bench.sim.moves import chunk_keys, moves
 from kspeedfs.cluster.placement import Member
@@ -175,9 +176,9 @@ def rates(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     r: dict[str, Any] = {"seconds": round(dt, 2)}
     for name, _, _, merge in COUNTERS:
         # per member first: a member applying the log late must not look like a burst
-        d = [y - x for x, y in zip(a[name], b[name])]
+        d = [y - x for x, y in zip(a[name], b[name], strict=False)]
         r[name + "_s"] = (max(d) if merge == "max" else sum(d)) / dt
-    cpu = [(y - x) / dt for x, y in zip(a["etcd_cpu"], b["etcd_cpu"])]
+    cpu = [(y - x) / dt for x, y in zip(a["etcd_cpu"], b["etcd_cpu"], strict=False)]
     r["etcd_cpu"] = sum(cpu)                       # cores, the three members together
     r["etcd_cpu_leader"] = cpu[b["leader"]]
     r["sim_cpu"] = (b["sim_cpu"] - a["sim_cpu"]) / dt

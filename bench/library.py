@@ -27,8 +27,8 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from . import datasets
 from .datasets import Dataset
@@ -36,7 +36,7 @@ from .system import Mounts, drop_caches, process_cpu
 from .targets import Kspeedfs, KspeedfsStore, Target
 
 #: the open datasets of the Library targets, by the path the suite hands each case
-_HANDLES: dict[Path, "object"] = {}
+_HANDLES: dict[Path, object] = {}
 RATIOS = [("library", "kspeedfs-warm"), ("library-cold", "kspeedfs-cold"),
           ("library", "ramfs-c"), ("kspeedfs-warm", "ramfs-c")]
 
@@ -99,7 +99,7 @@ def handle(path: Path):
     return _HANDLES.get(path)
 
 
-def targets(ds: Dataset, ctx: "object") -> list[Target]:
+def targets(ds: Dataset, ctx: object) -> list[Target]:
     from .workloads import ramfs_c_targets
 
     store = KspeedfsStore(ctx.work, ds)          # type: ignore[attr-defined]
@@ -107,7 +107,7 @@ def targets(ds: Dataset, ctx: "object") -> list[Target]:
             Library(ds, store, warm=False), *ramfs_c_targets(ds, ctx)]
 
 
-def imagenet_cases(ds: Dataset, ctx: "object") -> list:
+def imagenet_cases(ds: Dataset, ctx: object) -> list:
     from .workloads import Case
 
     paths = ds.paths()
@@ -121,7 +121,7 @@ def imagenet_cases(ds: Dataset, ctx: "object") -> list:
     return [Case("8-threads", run, "files/s", also=("MB/s",))]
 
 
-def rand_cases(ds: Dataset, ctx: "object") -> list:
+def rand_cases(ds: Dataset, ctx: object) -> list:
     from .workloads import Case
 
     paths = ds.paths()
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     for case, by in rows.items():
         med = {n: statistics.median(r["ops/s"] for r in rs) for n, rs in by.items()}
         cpu = {n: statistics.median(r["cpu_us/op"] for r in rs) for n, rs in by.items()}
-        ratios = [a["ops/s"] / b["ops/s"] for a, b in zip(by["library"], by["mount"])]
+        ratios = [a["ops/s"] / b["ops/s"] for a, b in zip(by["library"], by["mount"], strict=False)]
         print(f"{case:<11} {med['library']:>14,.0f} {med['mount']:>12,.0f} "
               f"{med['library'] / med['mount']:>10.2f} {cpu['library']:>14.1f} {cpu['mount']:>16.1f}"
               f"   (per round {', '.join(f'{r:.2f}' for r in ratios)})")

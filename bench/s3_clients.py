@@ -24,8 +24,9 @@ import argparse
 import logging
 import resource
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from tests.fixtures.s3 import ACCESS_KEY, REGION, SECRET_KEY, S3Server
 
@@ -97,7 +98,8 @@ def fill(s3: S3Server, large: int, large_mib: int, small: int) -> list[tuple[str
     return objs
 
 
-def get_round(client: Any, objs: list[tuple[str, str, int]], inflight: int, part: int) -> tuple[float, float, int]:
+def get_round(client: Any, objs: list[tuple[str, str, int]], inflight: int,
+              part: int) -> tuple[float, float, int]:
     """(seconds, CPU-seconds, bytes) for reading every object once in ``part`` ranges."""
     tasks = [(k, e, lo, min(lo + part, size)) for k, e, size in objs for lo in range(0, size, part)]
     cpu0, t0 = _cpu(), time.perf_counter()

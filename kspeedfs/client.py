@@ -41,7 +41,8 @@ import logging
 import os
 import stat as stat_
 import threading
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import trio
 
@@ -57,6 +58,7 @@ from .stats import ReadStatistics
 
 __all__ = ["Dataset", "DatasetFile", "open_dataset"]
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 PathLike = str | bytes | os.PathLike[str]
@@ -119,7 +121,7 @@ def _config(etcd: Sequence[str] | None, config: Config | str | os.PathLike[str] 
 
 def open_dataset(name: str, version: int | None = None, *, etcd: Sequence[str] | None = None,
                  config: Config | str | os.PathLike[str] | Mapping[str, Any] | None = None,
-                 source: str | None = None) -> "Dataset":
+                 source: str | None = None) -> Dataset:
     """Open version ``version`` (None: the newest) of dataset ``name`` for reading.
 
     Args:
@@ -215,7 +217,8 @@ class Dataset:
             await self._stop.wait()
             nursery.cancel_scope.cancel()
 
-    def _call(self, afn: Any, *args: Any, path: PathLike | None = None) -> Any:
+    def _call(self, afn: Callable[..., Awaitable[T]], *args: Any,
+              path: PathLike | None = None) -> T:
         """``await afn(*args)`` in the trio thread, from a caller's thread."""
         self._check()
         with _errors(path):
@@ -245,7 +248,7 @@ class Dataset:
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join()
 
-    def __enter__(self) -> "Dataset":
+    def __enter__(self) -> Dataset:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -447,10 +450,11 @@ class Dataset:
                 failed.append(e)
         self._check()
         here: dict[int, bytes] = {}
-        for i, item in enumerate(todo):
-            if item is not None:
-                end = min(item[1] + item[2], self.index.size[item[0]])
-                parts = self._resident(item[0], item[1], end - item[1]) if end > item[1] else [b""]
+        for i, job in enumerate(todo):
+            if job is not None:
+                entry, offset, size = job
+                end = min(offset + size, self.index.size[entry])
+                parts = self._resident(entry, offset, end - offset) if end > offset else [b""]
                 if parts is not None:
                     here[i] = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
                     todo[i] = None
@@ -460,19 +464,20 @@ class Dataset:
             results, errors = [b""] * len(todo), [None] * len(todo)
         for i, data in here.items():
             results[i] = data
-        for i, e in enumerate(errors):
-            if e is not None:
+        for i, error in enumerate(errors):
+            if error is not None:
                 item = items[i]
-                mapped = _mapped(e, item[0] if isinstance(item, tuple) else item)
-                if mapped is not e:
-                    mapped.__cause__ = e
+                mapped = _mapped(error, item[0] if isinstance(item, tuple) else item)
+                if mapped is not error:
+                    mapped.__cause__ = error
                 failed[i] = mapped
-        for i, e in enumerate(failed):
-            if e is not None:
+        out: list[Any] = list(results)
+        for i, fault in enumerate(failed):
+            if fault is not None:
                 if not return_exceptions:
-                    raise e
-                results[i] = e
-        return results
+                    raise fault
+                out[i] = fault
+        return out
 
     def open(self, path: PathLike, mode: str = "rb", buffering: int = -1,
              encoding: str | None = None, errors: str | None = None,

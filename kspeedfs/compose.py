@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, AsyncIterator, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
@@ -66,7 +67,7 @@ def local_tiers(cfg: Config, info: DatasetInfo, index: ManifestIndex,
 
 
 def new_reader(cfg: Config, info: DatasetInfo, index: ManifestIndex, tiers: LocalTiers,
-               nursery: trio.Nursery, peers: "Peers | None", push: Push | None = None) -> Reader:
+               nursery: trio.Nursery, peers: Peers | None, push: Push | None = None) -> Reader:
     """The Reader of one dataset version over ``tiers`` and ``peers``; trio thread only."""
     return Reader(index=index, origin=tiers.origin, memory=tiers.memory, disk=tiers.disk,
                   nursery=nursery, peers=peers, dataset=(info.name, info.version),
@@ -76,7 +77,7 @@ def new_reader(cfg: Config, info: DatasetInfo, index: ManifestIndex, tiers: Loca
 @asynccontextmanager
 async def cluster(cfg: Config, index: ManifestIndex, resume: bool = False,
                   keep: str | None = None, taking_over: bool = False,
-                  ) -> AsyncIterator[tuple["Peers | None", "EtcdStore | None"]]:
+                  ) -> AsyncIterator[tuple[Peers | None, EtcdStore | None]]:
     """Peers to read chunks from, when this reader belongs to a cluster (etcd store and
     ``cluster.peers``); None otherwise. The reader talks to the nodes directly — its own
     vRDMA endpoint and one-sided READs into its own buffers — so a read from a peer

@@ -29,8 +29,9 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -51,9 +52,8 @@ from .reader import Reader
 
 if TYPE_CHECKING:
     from .cluster.fetch import Peers
-    from .fuse.registry import LocalMount
-    from .manifest.store.etcd import EtcdStore
     from .fuse.native import NativeSession
+    from .fuse.registry import LocalMount
     from .manifest.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -303,7 +303,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
 async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetInfo,
                          req: MountRequest, nursery: trio.Nursery,
                          after_mount: Callable[[], Awaitable[None]], pages: PageCache | None,
-                         record: "LocalMount") -> None:
+                         record: LocalMount) -> None:
     """Mount with pyfuse3 and run its request loop until unmounted; then the page-cache
     pushes stop before the session is destroyed (``pyfuse3.close`` unmounts). Its control
     socket answers ``query`` and ``stats`` (it has no connection to hand over)."""
@@ -332,7 +332,7 @@ async def _no_handover() -> None:
     raise AssertionError("a pyfuse3 mount refuses every handover")     # upgrade.py
 
 
-async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
+async def _serve_native(session: NativeSession, nursery: trio.Nursery,
                         after_mount: Callable[[], Awaitable[None]], req: MountRequest,
                         manifest_fd: int | None, secrets: dict[str, str]) -> None:
     """Mount with the native engine (or take the live mount over from its daemon, or

@@ -22,7 +22,8 @@ import errno
 import os
 import stat as stat_
 import threading
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fsspec.spec import AbstractFileSystem
 
@@ -31,7 +32,7 @@ from .client import Dataset, _config, open_dataset
 __all__ = ["KspeedfsFileSystem"]
 
 
-class KspeedfsFileSystem(AbstractFileSystem):
+class KspeedfsFileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyped
     """fsspec's view of the datasets of one store (embedded, or a cluster's etcd)."""
 
     protocol = "kspeedfs"
@@ -94,12 +95,12 @@ class KspeedfsFileSystem(AbstractFileSystem):
         if not path:
             return self._ls_root(detail)
         ds, inner = self._dataset(path)
-        names = ds.listdir(inner)
+        names: list[str] = ds.listdir(inner)    # type: ignore[assignment]  # str path: str names
         full = [f"{path}/{n}" for n in names]
         if not detail:
             return full
         return [self._entry(f, ds.stat(f"{inner}/{n}" if inner else n, follow_symlinks=False))
-                for f, n in zip(full, names)]
+                for f, n in zip(full, names, strict=False)]
 
     def _ls_root(self, detail: bool) -> list[Any]:
         from .manifest.store import open_configured
@@ -113,7 +114,7 @@ class KspeedfsFileSystem(AbstractFileSystem):
     def modified(self, path: str) -> Any:
         import datetime
 
-        return datetime.datetime.fromtimestamp(self.info(path)["mtime"], datetime.timezone.utc)
+        return datetime.datetime.fromtimestamp(self.info(path)["mtime"], datetime.UTC)
 
     # -- data: the library's fast paths --------------------------------------------------
 
@@ -132,7 +133,7 @@ class KspeedfsFileSystem(AbstractFileSystem):
         files = [p for p in paths if not self.isdir(p)]
         got = self.cat_ranges(files, None, None, on_error="return" if on_error != "raise" else "raise")
         out: dict[str, Any] = {}
-        for p, data in zip(files, got):
+        for p, data in zip(files, got, strict=False):
             if isinstance(data, Exception) and on_error == "omit":
                 continue
             out[p] = data
@@ -149,7 +150,7 @@ class KspeedfsFileSystem(AbstractFileSystem):
             raise ValueError("paths, starts and ends differ in length")
         out: list[Any] = [None] * len(paths)
         batches: dict[int, tuple[Dataset, list[int], list[tuple[str, int, int | None]]]] = {}
-        for i, (p, s, e) in enumerate(zip(paths, starts, ends)):
+        for i, (p, s, e) in enumerate(zip(paths, starts, ends, strict=False)):
             try:
                 ds, inner = self._dataset(p)
                 offset, size = self._range(ds, inner, s, e)
@@ -162,7 +163,8 @@ class KspeedfsFileSystem(AbstractFileSystem):
             where.append(i)
             items.append((inner, offset, size))
         for ds, where, items in batches.values():
-            for i, data in zip(where, ds.read_many(items, return_exceptions=on_error == "return")):
+            got = ds.read_many(items, return_exceptions=on_error == "return")
+            for i, data in zip(where, got, strict=False):
                 out[i] = data
         return out
 

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 def open_origin(source: str, index: ManifestIndex, dataset: str, required: bool = True,
-                config: "SourceConfig | None" = None) -> "Origin":
+                config: SourceConfig | None = None) -> Origin:
     """The origin of a dataset whose source is ``source`` (its recorded one, or a
     mount's ``--source``): an ``s3://`` URL reads the bucket, anything else a directory.
     ``config``: the ``[source]`` settings of an object store (defaults when None)."""

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch.utils.data
 
@@ -32,7 +33,7 @@ def _raw(path: str, data: bytes) -> bytes:
     return data
 
 
-class MapDataset(torch.utils.data.Dataset):
+class MapDataset(torch.utils.data.Dataset[Any]):
     """Item ``i`` is ``decode(paths[i], bytes of paths[i])``.
 
     Args:
@@ -77,7 +78,7 @@ class MapDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         paths = [self.paths[i] for i in indices]
-        return [self.decode(p, d) for p, d in zip(paths, self.dataset().read_many(paths))]
+        return [self.decode(p, d) for p, d in zip(paths, self.dataset().read_many(paths), strict=False)]
 
     def close(self) -> None:
         """Close this process's handle (workers' handles end with their processes)."""

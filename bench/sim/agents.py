@@ -39,8 +39,7 @@ from kspeedfs.cluster.arena import ArenaStatistics
 from kspeedfs.cluster.fetch import PeerStatistics
 from kspeedfs.cluster.lifecycle import MountRecord
 from kspeedfs.cluster.membership import Membership, NodeRecord, Registration
-from kspeedfs.cluster.node import (EndpointStatistics, LinkStatistics, Node, NodeCounters,
-                                   NodeStatistics)
+from kspeedfs.cluster.node import EndpointStatistics, LinkStatistics, Node, NodeCounters, NodeStatistics
 from kspeedfs.config import StoreConfig
 from kspeedfs.errors import StoreError
 from kspeedfs.manifest.store.etcd import EtcdStore

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kspeedfs.cluster.placement import Member, owners
 

@@ -137,13 +137,13 @@ class MemoryCache:
         key not held (the mirror holds exactly what this tier holds)."""
         return self._mirror is not None and self._mirror.served(key)
 
-    def resident(self, key: bytes) -> bytes | None:
+    def resident(self, key: bytes) -> bytes | memoryview | None:
         """``key``'s buffer if the resident part holds it; safe from any thread (the
         library's callers): that part is never reordered, and an entry enters or leaves
         it whole, in one dict operation under the GIL."""
         return self._resident.get(key)
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes) -> bytes | memoryview | None:
         data = self._resident.get(key)
         if data is not None:
             return data

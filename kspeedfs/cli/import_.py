@@ -58,7 +58,7 @@ def _progress(bar: ProgressBar) -> Callable[[ImportProgress], None]:
     return show
 
 
-def open_source(source: str, cfg: Config) -> "str | ImportSource":
+def open_source(source: str, cfg: Config) -> str | ImportSource:
     """A directory path as it is; ``s3://`` as an :class:`~kspeedfs.s3.source.S3Source`."""
     if source.startswith("file://"):
         return source[len("file://"):]

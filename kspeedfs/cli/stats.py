@@ -261,7 +261,9 @@ def hit_ratio(cur: dict[str, Any], prev: dict[str, Any] | None = None) -> float 
     the source, between two stats records (no ``prev``: since the mount began); None
     when there were none."""
     prev = prev or {}
-    delta = lambda key: max(0, cur.get(key, 0) - prev.get(key, 0))   # noqa: E731
+    def delta(key: str) -> int:
+        return max(0, int(cur.get(key, 0)) - int(prev.get(key, 0)))
+
     hits = sum(delta(TIER_COUNTERS[t][0]) for t in ("memory", "disk", "peer"))
     misses = sum(delta(k) for k in ("source_loads", "source_blocks", "source_extents"))
     return round(hits / (hits + misses), 4) if hits + misses else None

@@ -14,6 +14,7 @@ from .terminal import Table, print_table
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ..manifest.store.etcd import EtcdStore
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,11 +98,14 @@ def _single_machine(cfg: Config, as_json: bool) -> int:
     table = Table(["MOUNTPOINT", "DATASET", "ENGINE", "MEMORY", "DISK", "HIT", "READ", "UP"],
                   right=(3, 4, 5, 6, 7))
     now = time.time()
+    def size(m: dict[str, Any], key: str) -> str:
+        return "-" if m[key] is None else size_word(m[key])
+
     for m in mounts:
-        size = lambda key: "-" if m[key] is None else size_word(m[key])    # noqa: E731
-        table.add(m["mountpoint"], m["tag"], m["engine"], size("memory_bytes"), size("disk_bytes"),
+        table.add(m["mountpoint"], m["tag"], m["engine"], size(m, "memory_bytes"),
+                  size(m, "disk_bytes"),
                   "-" if m["hit_ratio"] is None else f"{100 * m['hit_ratio']:.1f}%",
-                  size("read_bytes"), f"{now - m['since']:.0f}s")
+                  size(m, "read_bytes"), f"{now - m['since']:.0f}s")
     if mounts:
         print_table(table)
     for m in mounts:
@@ -110,7 +114,7 @@ def _single_machine(cfg: Config, as_json: bool) -> int:
     return 0
 
 
-def node_lines(name: str, rec: dict, s: dict, now: float) -> list[str]:
+def node_lines(name: str, rec: dict[str, Any], s: dict[str, Any], now: float) -> list[str]:
     """What ``status`` prints of one live node: ``rec`` its (verified) node record, ``s``
     its stats record as ``lifecycle.node_stats`` gives it."""
     a, c, d = s["arena"], s["counters"], s["disk"]
@@ -188,7 +192,7 @@ def _p99(counts: list[int], buckets: list[float]) -> str:
     return "-"
 
 
-def _latency(reads: dict) -> str:
+def _latency(reads: dict[str, Any]) -> str:
     """One line of a node's READs from its peers: hedges and p99 per peer."""
     per = ", ".join(
         f"{peer} p99 ≤ {_p99(p['counts'], reads['peer_latency_buckets_ms'])}"

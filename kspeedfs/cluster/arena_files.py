@@ -213,7 +213,7 @@ class ArenaFiles:
     def usage(self) -> dict[str, int]:
         """Each file's path → the bytes of RAM it holds now."""
         return {os.path.join(self.directory, self.stem + s): os.fstat(fd).st_blocks * 512
-                for s, fd in zip(SUFFIXES, self._fds)}
+                for s, fd in zip(SUFFIXES, self._fds, strict=False)}
 
     def close(self) -> None:
         """Close the files; the lock goes with the last of them and of the mappings

@@ -35,13 +35,14 @@ quiet period costs a one-key read (etcd's revision: a restored etcd going back i
 lists again), not a listing of the whole prefix. Listing on every resync was the
 cluster's largest etcd load: N views × N records every 10 s, 3 × with every member an
 endpoint (``bench.cluster_sim``; docs/design.md, "1,000 nodes, simulated"). Readers
-consult the view's in-memory copy; nothing on the read path talks to etcd. If etcd is unreachable the view keeps the last membership it saw and says so in
-the log once; it catches up when etcd is back. A mount's view also keeps the last values
-it saw in a file (``keep``, under /run/kspeedfs/mounts, root only), and the daemon that
-takes the mount over (a resume after a crash, an upgrade) starts from that file when etcd
-does not list the prefix in time (``seed``): during an etcd outage its reads go to the
-peers its predecessor knew, not to the source. The file's values pass the same record
-checks as etcd's (``NodeRecord.verifying``: signed with the cluster secret).
+consult the view's in-memory copy; nothing on the read path talks to etcd. If etcd is
+unreachable the view keeps the last membership it saw and says so in the log once; it
+catches up when etcd is back. A mount's view also keeps the last values it saw in a file
+(``keep``, under /run/kspeedfs/mounts, root only), and the daemon that takes the mount
+over (a resume after a crash, an upgrade) starts from that file when etcd does not list
+the prefix in time (``seed``): during an etcd outage its reads go to the peers its
+predecessor knew, not to the source. The file's values pass the same record checks as
+etcd's (``NodeRecord.verifying``: signed with the cluster secret).
 """
 from __future__ import annotations
 

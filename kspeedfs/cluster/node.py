@@ -31,8 +31,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import trio
 
@@ -44,12 +45,17 @@ from ..cache.singleflight import SingleFlight
 from ..cache.tiers import Loaded, TierChain
 from ..config import Config, SourceConfig
 from ..errors import (
-    ChunkUnavailable, ConfigError, KspeedfsError, SourceChanged, StoreUnavailable,
+    ChunkUnavailable,
+    ConfigError,
+    KspeedfsError,
+    SourceChanged,
+    StoreUnavailable,
 )
 from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from ..manifest.store.etcd import EtcdStore
 from ..origin import open_origin
+from . import lifecycle, rpc
 from .arena import Arena, ArenaStatistics, Geometry
 from .arena_files import ArenaFiles, cluster_tag
 from .fetch import Peers, PeerStatistics

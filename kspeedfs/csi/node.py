@@ -227,10 +227,11 @@ def publish(p: Plugin, volume_id: str, staging: str, target: str,
         record = stage(p, volume_id, p.state.ephemeral_staging(volume_id), volume_context,
                        ephemeral=True)
     else:
-        record = p.state.get(volume_id)
-        if (record is None or os.path.abspath(record.staging_path) != os.path.abspath(staging)
+        staged = p.state.get(volume_id)
+        if (staged is None or os.path.abspath(staged.staging_path) != os.path.abspath(staging)
                 or not binds.is_mounted(staging)):
             raise FailedPrecondition(f"volume {volume_id} is not staged at {staging}")
+        record = staged
     if binds.is_mounted(target):
         if not binds.same_filesystem(target, record.staging_path):
             raise AlreadyExists(f"{target} is already a mount point of something else")

@@ -66,7 +66,7 @@ def csi_call(fn: F) -> F:
     return call  # type: ignore[return-value]
 
 
-class Identity(pb_grpc.IdentityServicer):
+class Identity(pb_grpc.IdentityServicer):  # type: ignore[name-defined,misc]  # generated at run time
     def __init__(self, plugin: node.Plugin) -> None:
         self.plugin = plugin
 
@@ -87,7 +87,7 @@ class Identity(pb_grpc.IdentityServicer):
 _RPC = pb.NodeServiceCapability.RPC
 
 
-class Node(pb_grpc.NodeServicer):
+class Node(pb_grpc.NodeServicer):  # type: ignore[name-defined,misc]  # generated at run time
     def __init__(self, plugin: node.Plugin) -> None:
         self.plugin = plugin
 
@@ -150,7 +150,7 @@ class Node(pb_grpc.NodeServicer):
 def _required(request: Any, *names: str) -> list[str]:
     """The request's string fields ``names``; INVALID_ARGUMENT naming the first empty one."""
     values = [getattr(request, name) for name in names]
-    for name, value in zip(names, values):
+    for name, value in zip(names, values, strict=False):
         if not value:
             raise InvalidArgument(f"{name} is required")
     return values

@@ -143,7 +143,7 @@ class NativeSession:
 
     def __init__(self, path: str, ops: Operations, memory: MemoryCache, index: ManifestIndex,
                  info: DatasetInfo, cfg: FuseConfig, *, nonempty: bool = False,
-                 record: "LocalMount | None" = None) -> None:
+                 record: LocalMount | None = None) -> None:
         self.path = path
         self.ops = ops
         self.memory = memory

@@ -93,7 +93,7 @@ class LocalMount:
 
     @classmethod
     def of_this_process(cls, mountpoint: str, dataset: str, version: int, store: str,
-                        engine: str) -> "LocalMount":
+                        engine: str) -> LocalMount:
         """The record of a mount this process serves."""
         pid = os.getpid()
         return cls(os.path.abspath(mountpoint), dataset, version, store, engine, pid,
@@ -107,7 +107,7 @@ class LocalMount:
         return json.dumps({"format": RECORD_FORMAT, **asdict(self)}).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "LocalMount":
+    def from_json(cls, raw: bytes) -> LocalMount:
         """Parse a record (root-written, but checked: ``ValueError`` for anything else)."""
         try:
             d = json.loads(raw)
@@ -115,7 +115,7 @@ class LocalMount:
             raise ValueError(f"not JSON: {e}") from None
         if not isinstance(d, dict) or d.get("format") != RECORD_FORMAT:
             raise ValueError("not a format-1 mount record")
-        out = {}
+        out: dict[str, Any] = {}
         for name, kind in (("mountpoint", str), ("dataset", str), ("store", str), ("engine", str),
                            ("version", int), ("pid", int), ("pid_start", int),
                            ("since", (int, float))):
@@ -203,7 +203,7 @@ def ask(mountpoint: str, request: dict[str, Any], timeout: float = 5.0) -> dict[
             raise MountError(f"its control socket {path} is root-only") from None
         except (FileNotFoundError, ConnectionRefusedError):
             raise MountError(f"no daemon listens at its control socket {path}") from None
-        except socket.timeout:
+        except TimeoutError:
             raise MountError(f"its daemon did not answer on {path} in {timeout:g} s") from None
         except OSError as e:
             raise MountError(f"its control socket {path}: {e.strerror}") from None

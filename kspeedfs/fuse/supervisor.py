@@ -48,7 +48,8 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import trio
 
@@ -260,7 +261,7 @@ class Supervisor:
                 return None
 
 
-def spawn(mountpoint: str, fds: list[int], state: dict, argv: list[str], logfile: str,
+def spawn(mountpoint: str, fds: list[int], state: dict[str, Any], argv: list[str], logfile: str,
           patience: float, manifest_fd: int | None = None,
           secrets: dict[str, str] | None = None) -> socket.socket:
     """Start the supervisor of this daemon's mount; returns the daemon's control socket

@@ -40,7 +40,8 @@ import json
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -225,7 +226,7 @@ class HandoverServer:
     def __init__(self, mountpoint: str, dataset: str, version: int, fd: int,
                  state: Callable[[], dict[str, Any]], stop: Callable[[], Awaitable[None]], *,
                  stats: Callable[[], dict[str, Any]] | None = None,
-                 record: "LocalMount | None" = None) -> None:
+                 record: LocalMount | None = None) -> None:
         self.path = socket_path(mountpoint)
         self.mountpoint = os.path.abspath(mountpoint)
         self.dataset = dataset

@@ -8,8 +8,9 @@ same for both.
 Three phases, each over flat arrays so a 10^7-file tree fits comfortably:
 
 1. **scan**: a directory is walked breadth-first (one thread, ``os.scandir`` with bytes
-   names, lstat only); a bucket is listed in parallel and its keys become paths. Children of a directory get consecutive entry numbers in name order
-   (model.py explains why). Sockets, FIFOs and device nodes are skipped with a
+   names, lstat only); a bucket is listed in parallel and its keys become paths.
+   Children of a directory get consecutive entry numbers in name order (model.py
+   explains why). Sockets, FIFOs and device nodes are skipped with a
    warning; hard links are imported as independent files.
 2. **layout**: every regular file gets an offset in the chunked address space
    (``model.Layout.place``); extents and chunk boundaries follow from it.
@@ -35,14 +36,24 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import xxhash
 
 from ..errors import SourceChanged, SourceError
 from .model import (
-    BLOCK_DIGEST_SIZE, CHUNK_ARRAYS, DIGEST_SIZE, ENTRY_ARRAYS, FORMAT_OBJECTS, FORMAT_VERSION,
-    HEADER, MAGIC, NAME_MAX, Layout, align8, blocks_per_chunk,
+    BLOCK_DIGEST_SIZE,
+    CHUNK_ARRAYS,
+    DIGEST_SIZE,
+    ENTRY_ARRAYS,
+    FORMAT_OBJECTS,
+    FORMAT_VERSION,
+    HEADER,
+    MAGIC,
+    NAME_MAX,
+    Layout,
+    align8,
+    blocks_per_chunk,
 )
 from .store.base import DatasetInfo, MetadataStore, check_name
 
@@ -269,7 +280,8 @@ def chunk_extents(tree: _Tree, p: _Plan, k: int) -> Iterator[tuple[int, int, int
         i += 1
 
 
-def _hash_chunk(source: ImportSource, tree: _Tree, p: _Plan, k: int) -> tuple[int, bytes, list[tuple[int, bytes]], bytes, int]:
+def _hash_chunk(source: ImportSource, tree: _Tree, p: _Plan,
+                k: int) -> tuple[int, bytes, list[tuple[int, bytes]], bytes, int]:
     """(k, chunk digest, [(extent index, digest)], block digests, files starting here)."""
     buf = bytearray(p.chunk_len[k])
     view = memoryview(buf)

@@ -49,7 +49,7 @@ class Connection:
     region: str
 
 
-def connect(cfg: "SourceConfig", endpoint: str = "", region: str = "") -> Connection:
+def connect(cfg: SourceConfig, endpoint: str = "", region: str = "") -> Connection:
     """A client from ``cfg`` and the AWS settings; ``endpoint``/``region`` (a manifest's
     record) apply only where neither names one."""
     import boto3

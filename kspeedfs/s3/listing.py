@@ -15,9 +15,9 @@ is overwritten. Versioning suspended counts as versioned (older versions keep th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable
 
 from .client import Connection, client_error
 from .url import S3Url

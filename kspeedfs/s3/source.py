@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import stat
 import time
+
 from ..errors import SourceChanged, SourceError
 from ..manifest.importer import ScanProgress, _Tree
 from ..manifest.model import NAME_MAX

@@ -21,7 +21,7 @@ class S3Url:
     prefix: str      # "" or ends with "/"
 
     @classmethod
-    def parse(cls, url: str) -> "S3Url":
+    def parse(cls, url: str) -> S3Url:
         if not url.startswith("s3://"):
             raise ConfigError(f"{url!r} is not an s3://BUCKET/PREFIX URL")
         bucket, _, prefix = url[len("s3://"):].partition("/")

@@ -51,7 +51,7 @@ class Timeline(Readers):
     def count(self, since: float, until: float) -> int:
         return sum(1 for _, e in self.reads if since <= e < until)
 
-    def __enter__(self) -> "Timeline":
+    def __enter__(self) -> Timeline:
         super().__enter__()
         return self
 

@@ -5,8 +5,9 @@ on a dead endpoint within a bounded time, as EIO (``ChunkUnavailable``)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import xxhash

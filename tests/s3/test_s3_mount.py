@@ -40,7 +40,7 @@ def test_mount_reads_every_byte(aws_env: S3Server, bucket: tuple[Any, str], tmp_
         mnt = node.mount("ds")
         files = {k[len("train/"):]: v for k, v in objects.items() if not k.endswith("/")}
         seen = set()
-        for dirpath, dirs, names in os.walk(mnt):
+        for dirpath, _dirs, names in os.walk(mnt):
             for n in names:
                 seen.add(os.path.relpath(os.path.join(dirpath, n), mnt))
         assert seen == set(files)

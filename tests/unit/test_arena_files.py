@@ -12,8 +12,8 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -37,7 +37,7 @@ def sysctls_off() -> Iterator[None]:
     try:
         yield
     finally:
-        for k, v in zip(keys, before):
+        for k, v in zip(keys, before, strict=False):
             k.write_text(v)
 
 

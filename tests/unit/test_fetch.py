@@ -185,7 +185,10 @@ async def test_a_node_back_as_a_new_incarnation_is_read_last_until_it_is_connect
     from types import SimpleNamespace
 
     from kspeedfs.cluster.hedge import Hedger
-    from tests.unit.test_rpc_hostile import SECRET as S, SLOT as SL, _chunk as chunk, _node
+    from tests.unit.test_rpc_hostile import SECRET as S
+    from tests.unit.test_rpc_hostile import SLOT as SL
+    from tests.unit.test_rpc_hostile import _chunk as chunk
+    from tests.unit.test_rpc_hostile import _node
 
     with socket.socket() as silent:
         silent.bind((LO, 0))

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-fsspec = pytest.importorskip("fsspec")
-
 from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.store.embedded import EmbeddedStore
+
+fsspec = pytest.importorskip("fsspec")
 
 CHUNK = 256 << 10
 
@@ -103,7 +103,7 @@ def test_cat_cat_file_and_cat_ranges_match_the_source(store, fs) -> None:
     starts = [i * 7 for i in range(len(paths))]
     ends = [s + 1000 for s in starts]
     out = fs.cat_ranges(paths, starts, ends)
-    for p, s, e, data in zip(paths[:-1], starts, ends, out):
+    for p, s, e, data in zip(paths[:-1], starts, ends, out, strict=False):
         assert data == (src / p.removeprefix("ds/")).read_bytes()[s:e], p
     assert isinstance(out[-1], FileNotFoundError)
     with pytest.raises(FileNotFoundError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import trio
@@ -76,7 +76,7 @@ async def test_a_supervisor_that_keeps_dying_is_given_up_on(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(supervised.watch)
             for i in range(supervisor.MAX_RESTARTS + 1):
-                await _until(lambda: len(starts.theirs) == i + 1)
+                await _until(lambda i=i: len(starts.theirs) == i + 1)
                 starts.theirs[i].close()
     # watch returned by itself: MAX_RESTARTS new ones, then none
     assert len(starts.theirs) == supervisor.MAX_RESTARTS + 1 and supervised.control is None

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-
 from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.store.embedded import EmbeddedStore
-from kspeedfs.torch import MapDataset
+
+torch = pytest.importorskip("torch")
+
+from kspeedfs.torch import MapDataset  # noqa: E402  (imports torch: only once it is there)
 
 
 def with_pid(path: str, data: bytes) -> tuple[int, str, bytes]:

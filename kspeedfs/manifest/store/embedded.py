@@ -55,8 +55,8 @@ class EmbeddedStore(MetadataStore):
 
     @property
     def identity(self) -> str:
-        from . import identity
         from ...config import StoreConfig
+        from . import identity
 
         return identity(StoreConfig(backend="embedded", path=str(self.root)))
 
