@@ -161,7 +161,8 @@ class Sim:
     logs: LogCounter = field(default_factory=LogCounter)
 
     def store_for(self, k: int) -> EtcdStore:
-        return self.stores[(k // self.cfg["per_store"]) % len(self.stores)]
+        per_store: int = self.cfg["per_store"]
+        return self.stores[(k // per_store) % len(self.stores)]
 
     # -- agents ---------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import urllib.request
 import uuid
+from typing import Any
 
 import trio
 
@@ -26,11 +27,17 @@ def _granted(server: EtcdServer) -> int:
     raise AssertionError("etcd has no lease counter")
 
 
+def _lease_of(store: EtcdStore, key: str) -> int:
+    resp: Any = store.call(lambda c: c.get_response(key))
+    return int(resp.kvs[0].lease)
+
+
 async def test_a_first_put_racing_the_keep_alive_grants_one_lease(
         etcd_server_private: EtcdServer) -> None:
     cfg = StoreConfig(backend="etcd", etcd=[etcd_server_private.endpoint],
                       etcd_prefix=f"/ksf-{uuid.uuid4().hex[:12]}/")
-    with EtcdStore(cfg, os.urandom(32)) as store:
+    store = EtcdStore(cfg, os.urandom(32))
+    try:
         before = _granted(etcd_server_private)
         regs = [Registration(store, 5) for _ in range(20)]
         async with trio.open_nursery() as n:
@@ -40,7 +47,8 @@ async def test_a_first_put_racing_the_keep_alive_grants_one_lease(
             await trio.sleep(1.0)
             assert _granted(etcd_server_private) - before == 20
             for i, reg in enumerate(regs):            # each key is on the refreshed lease
-                ttl = await trio.to_thread.run_sync(
-                    lambda i=i: store.call(lambda c: c.get_response(f"{cfg.etcd_prefix}k{i}")))
-                assert ttl.kvs[0].lease == reg.lease_id
+                assert await trio.to_thread.run_sync(_lease_of, store, f"{cfg.etcd_prefix}k{i}") \
+                    == reg.lease_id
             n.cancel_scope.cancel()
+    finally:
+        store.close()
