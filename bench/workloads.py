@@ -28,6 +28,10 @@ workload           dataset                    cases (primary figure)
 ``library-4k``     files                      random 4 KiB, one thread: ``readinto`` of the
                                               library vs ``pread`` on the mount, warm and
                                               cold (IOPS)
+``s3``             s3: a moto bucket, mixed   every chunk through the S3 origin as a node's
+                   objects + one of 64 MiB    preload loads it, and a cold cat through a
+                                              mount, vs plain boto3 GETs (MB/s, CPU-s/GB;
+                                              bench/s3.py)
 =================  =========================  =====================================================
 
 Sizes come from a :class:`Scale` (``--quick``, ``--scale medium``, full by default).
@@ -42,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import cluster, datasets, library, readers
+from . import cluster, datasets, library, readers, s3
 from .datasets import Dataset
 from .system import REPO, run_fio
 from .targets import (
@@ -454,6 +458,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              ratios=cluster.CLUSTER_RATIOS),
     Workload("cluster-flap", "reads from 3 peers while one client NIC flaps (down 1 s, up, repeat)",
              cluster.cluster_dataset, cluster.flap_cases, cluster.flap_targets, ratios=cluster.FLAP_RATIOS),
+    Workload("s3", "a bucket on a loopback moto server: the S3 origin's preload and a cold cat "
+             "through a mount vs plain boto3 GETs", s3.dataset, s3.cases, s3.targets,
+             ratios=s3.RATIOS),
 ]}
 
 GROUPS = {
