@@ -385,6 +385,7 @@ class NativeFetch:
                 if f is None:
                     continue                        # landed (or failed) in time
                 self._overdue(f)                    # (one deadline per fetch)
+                self.routes.retell(f.node, f.started)   # its node off in C while late
 
     async def _hedge(self, f: _Fetch) -> None:
         """READ ``f``'s chunk from another replica; once it is in the memory tier, answer
@@ -624,6 +625,13 @@ class Routes:
             self.engine.fetch_peer(idx, paths, limit, limits)
             self._told[idx] = told
         return idx if paths else None
+
+    def retell(self, node: str, started: float) -> None:
+        """Tell C again what it knows of incarnation ``started`` of ``node``, if anything:
+        with a READ of it overdue, that is no path, so C starts nothing more on it."""
+        idx = self._ids.get((node, started))
+        if idx is not None and idx in self._of:
+            self.tell(*self._of[idx])
 
     def feed(self) -> None:
         """Keep ``C_SLOTS`` landing slots with C (each with its lkey on every local NIC),

@@ -633,9 +633,6 @@ async def test_no_new_fetch_goes_through_c_to_a_node_with_a_fetch_past_its_deadl
     assert rig.nf.start(4, rig.key(4))
 
 
-@pytest.mark.xfail(strict=True, reason="NativeFetch._overdue of a fetch Python posted does not "
-                   "tell C its peer is off (only _late_own does): C keeps starting routed "
-                   "chunks on that node until the next Routes.tell of it")
 async def test_a_late_fetch_python_posted_turns_its_node_off_in_c_at_once(
         dataset, nursery, mock_clock) -> None:
     hedge = Hedger()
