@@ -7,10 +7,11 @@
  *   index            the manifest arrays: one Py_buffer per array, lengths checked, then
  *                    struct fe_index points into them
  *   tier owners      struct owner: the Py_buffer behind one memory-tier buffer
- *   Engine           lifecycle (init, start, join, close), queue (take), tier, counters
+ *   Engine           lifecycle (init, start, join, close), tier, counters
  *   module           mount, unmount, reply*, notify_store, constants
- * fuse_fetch_py.c has the native fetch's methods of Engine and the Block type;
- * fuse_engine_py.h, what crosses the two files.
+ * fuse_events_py.c has take() and the named type of each kind it returns;
+ * fuse_fetch_py.c, the native fetch's methods of Engine and the Block type;
+ * fuse_engine_py.h, what crosses the files.
  *
  * The GIL. Released around every call that blocks or writes to /dev/fuse: fe_mount,
  * fe_unmount, fe_init (waits for the kernel's INIT), fe_join (waits for the threads),
@@ -49,7 +50,6 @@
 #include "py_errno.h"
 
 #define MAX_IOV 64          /* fe_reply_iov's limit; more parts are joined into one */
-#define MAX_TAKE 1024       /* requests per take() */
 #define OWNER_BATCH 256     /* owners per fe_tier_reap / fe_tier_clear call */
 
 /* ------------------------------------------------------------------------ helpers */
@@ -542,62 +542,6 @@ static PyObject *Engine_negotiated(EngineObject *self, PyObject *unused)
     return Py_BuildValue("(IKII)", minor, (unsigned long long)flags, max_pages, max_readahead);
 }
 
-/* ----------------------------------------------------------------------- the queue */
-
-/* (kind, fd, unique, entry, offset, size, random, name, since) */
-static PyObject *request_tuple(const struct fe_request *r)
-{
-    Py_ssize_t nlen = r->kind == FE_GETXATTR ? (Py_ssize_t)strnlen(r->name, 255) : 0;
-    return Py_BuildValue("(iiKKKKiy#d)", r->kind, r->fd, (unsigned long long)r->unique,
-                         (unsigned long long)r->entry, (unsigned long long)r->offset,
-                         (unsigned long long)r->size, r->random, r->name, nlen,
-                         (double)r->t0 / 1e9);
-}
-
-static PyObject *request_list(const struct fe_request *reqs, size_t n)
-{
-    PyObject *list = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; list && i < n; i++) {
-        PyObject *t = request_tuple(&reqs[i]);
-        if (!t) {
-            Py_CLEAR(list);
-            break;
-        }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
-    }
-    return list;
-}
-
-/* Taken requests Python will never see (out of memory): answer them EIO rather than
- * leave the kernel waiting. Hints (PREFETCH) need no answer. */
-static void requests_fail(const struct fe_request *reqs, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (reqs[i].kind != FE_PREFETCH && reqs[i].kind != FE_FETCHED)
-            fe_reply_error(reqs[i].fd, reqs[i].unique, EIO);
-}
-
-/* take(max=256) -> [request tuples], oldest first. */
-static PyObject *Engine_take(EngineObject *self, PyObject *args)
-{
-    Py_ssize_t max = 256;
-    if (!PyArg_ParseTuple(args, "|n:take", &max))
-        return NULL;
-    struct fe_engine *e = engine_of(self, "take");
-    if (!e)
-        return NULL;
-    max = max < 1 ? 1 : max > MAX_TAKE ? MAX_TAKE : max;
-    struct fe_request *reqs = PyMem_Malloc(sizeof *reqs * (size_t)max);
-    if (!reqs)
-        return PyErr_NoMemory();
-    size_t n = fe_take(e, reqs, (size_t)max);
-    PyObject *list = request_list(reqs, n);
-    if (!list)
-        requests_fail(reqs, n);
-    PyMem_Free(reqs);
-    return list;
-}
-
 /* ---------------------------------------------------------------------- memory tier */
 
 /* tier_put(key, data): the engine answers READs of ``key`` from ``data`` in place. */
@@ -780,8 +724,8 @@ static PyMethodDef Engine_methods[] = {
     {"negotiated", (PyCFunction)Engine_negotiated, METH_NOARGS,
      "negotiated() -> (minor, flags, max_pages, max_readahead)"},
     {"take", (PyCFunction)Engine_take, METH_VARARGS,
-     "take(max=256) -> [(kind, fd, unique, entry, offset, size, random, name, since)]; "
-     "since: when a READ or xattr request arrived (time.monotonic's clock), else 0"},
+     "take(max=256) -> [Read | Getxattr | Listxattr | Prefetch | Fetched], oldest first "
+     "(one named type per kind; ``since``: time.monotonic's clock)"},
     {"tier_put", (PyCFunction)Engine_tier_put, METH_VARARGS,
      "tier_put(key, data): serve READs of key (16 or 20 bytes) from data, in place"},
     {"tier_discard", (PyCFunction)Engine_tier_discard, METH_VARARGS,
@@ -1046,7 +990,7 @@ PyMODINIT_FUNC PyInit__engine(void)
     PyObject *m = PyModule_Create(&moddef);
     if (!m)
         return NULL;
-    if (PyModule_AddType(m, &EngineType) < 0 ||
+    if (PyModule_AddType(m, &EngineType) < 0 || events_ready(m) < 0 ||
         PyModule_AddIntConstant(m, "READ", FE_READ) < 0 ||
         PyModule_AddIntConstant(m, "GETXATTR", FE_GETXATTR) < 0 ||
         PyModule_AddIntConstant(m, "LISTXATTR", FE_LISTXATTR) < 0 ||

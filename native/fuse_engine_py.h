@@ -1,6 +1,7 @@
 /* fuse_engine_py.h — what crosses the binding's files: the Engine object and the
  * functions one file defines and another calls (fuse_engine_py.c: the module and the
- * Engine type; fuse_fetch_py.c: its methods for the native fetch, and the Block type).
+ * Engine type; fuse_events_py.c: take() and its event types; fuse_fetch_py.c: Engine's
+ * methods for the native fetch, and the Block type).
  * The includer defines PY_SSIZE_T_CLEAN first.
  */
 #ifndef KSPEEDFS_FUSE_ENGINE_PY_H
@@ -38,6 +39,10 @@ typedef struct {
 /* fuse_engine_py.c */
 const char *reason(const char *err, int errnum);
 struct fe_engine *engine_of(EngineObject *self, const char *what);
+
+/* fuse_events_py.c */
+PyObject *Engine_take(EngineObject *self, PyObject *args);
+int events_ready(PyObject *m);
 
 /* fuse_fetch_py.c */
 extern PyTypeObject BlockType;
