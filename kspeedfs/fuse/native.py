@@ -1,6 +1,6 @@
 """① The native engine's side in Python: what the C request threads hand over.
 
-    kernel ─ /dev/fuse ─► C threads (native/fuse_engine.c), one per core
+    kernel ─ /dev/fuse ─► C threads (native/fuse_threads.c), one per core
         LOOKUP GETATTR READDIR(PLUS) OPEN RELEASE STATFS READLINK EROFS …   answered in C
         READ whose bytes the memory tier holds                            answered in C
         READ miss, GETXATTR, LISTXATTR, prefetch hints ─► queue + eventfd ─► NativeSession
@@ -8,7 +8,7 @@
 
 With ``fuse.io_uring = auto`` and a kernel that allows it (``enable_uring`` = Y), INIT
 negotiates FUSE over io_uring and the C engine also serves one io_uring queue per CPU
-(fuse_engine.c, section io_uring): requests then arrive on the queue of the reader's CPU,
+(native/fuse_uring.c): requests then arrive on the queue of the reader's CPU,
 and a queued request's "fd" is a ring token (negative) that the same ``_engine.reply*``
 calls route back to its ring entry. Such a mount cannot be handed over or resumed
 (``RING_LIFECYCLE``): it is not supervised, and ``--upgrade`` is refused.
@@ -444,7 +444,7 @@ class NativeSession:
         landed, the rest were answered in Python) and prefetch hints sent to
         Python; the solo gate's (``gate_waits``, ``shared_requests``, the times it
         opened for another task or a request that was not readahead, and the windows
-        the crowd rule began to keep it as it was: fuse_engine.c); and
+        the crowd rule began to keep it as it was: fuse_threads.c); and
         the native chunk fetch's counters (native/fuse_fetch.h; ``fetch_started``: of
         ``fetch_posted``, the chunks and extents C started from Python's routes,
         ``fetch_started_parts``: of those, small files' extents)."""
