@@ -5,7 +5,7 @@ rails, addresses in 198.18.0.0/15, no route out), so nothing leaves the machine:
 
 * ``transport``: ``rdma.perf`` READ bandwidth of the soft provider against one plain TCP
   stream between the *same* two hosts, one target each, interleaved, so the ratio
-  soft/tcp is the transport's own cost on this machine (issue 5), not the box's load.
+  soft/tcp is the transport's own cost on this machine, not the box's load.
 * ``cluster``: a client host reading, through its kspeedfs mount, a dataset preloaded
   into the memory of 3 peer nodes (``tests/fixtures/cluster.py``), next to the same
   files read from the source directory cold and warm and from the pyfuse3 RAM ceiling:
@@ -31,8 +31,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from . import datasets, readers
 from .datasets import Dataset
@@ -50,7 +51,8 @@ log = logging.getLogger(__name__)
 #: kspeedfs reads 4 MiB chunks; single-file extents of small files are ~110 KB.
 TRANSPORT_SIZES = [("4MiB", 4 << 20), ("128KiB", 128 << 10), ("1MiB", 1 << 20)]
 TRANSPORT_QD = 8
-CLIENT_CACHE = "256MiB"      # the client's own chunk cache: fresh per run, room for every reader's prefetch window
+# the client's own chunk cache: fresh per run, room for every reader's prefetch window
+CLIENT_CACHE = "256MiB"
 FLAP_DOWN_S = 1.0            # NIC down this long, then up (carrier back) and as long again
 
 
@@ -413,7 +415,7 @@ def _seq_paths(ds: Dataset) -> list[str]:
 
 def cluster_targets(ds: Dataset, ctx: Context) -> list[Target]:
     bed = ClusterBed(ctx.work / "cluster", ds, chunk=ctx.cluster_chunk)
-    # ramfs-c: the ceiling issue 16's target is stated against (client CPU-s per GB)
+    # ramfs-c: the ceiling the peer-read CPU target is stated against (client CPU-s per GB)
     ramfs_c = [RamFS(ds, "c", ctx.ramfs_c)] if ctx.ramfs_c else []
     # --ab-tree: the same peers read by a mount of another checkout (ratios B / A)
     ab = [PeersTarget(ds, bed, tree=ctx.ab_tree)] if ctx.ab_tree else []

@@ -48,7 +48,8 @@ def main() -> None:
             assert stats["source_loads"] == 0, stats
             mounts.remove(mnt)
         med = {k: statistics.median(v) for k, v in results.items()}
-        print(f"dataset {ds.bytes // 10**6} MB, 4 sequential readers, {args.rounds} interleaved rounds (median):")
+        print(f"dataset {ds.bytes // 10**6} MB, 4 sequential readers, "
+              f"{args.rounds} interleaved rounds (median):")
         for k, v in med.items():
             print(f"  {k:<16} {v:8.0f} MB/s   {v / med['source cold']:5.2f}x source cold   "
                   f"{v / med['source warm']:5.2f}x source warm")

@@ -93,7 +93,8 @@ def main() -> None:
     mnt.mkdir(exist_ok=True)
     common = ["--store", str(store_dir), "--set", f"log.dir={base / 'log'}"]
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "kspeedfs.cli.app", "mount", "scale", str(mnt), *common], check=True)
+    subprocess.run([sys.executable, "-m", "kspeedfs.cli.app", "mount", "scale", str(mnt), *common],
+                   check=True)
     t_mount = time.perf_counter() - t0
     try:
         t0 = time.perf_counter()

@@ -8,8 +8,8 @@
  * A file's bytes start on a page: the kernel copies a reply into the page cache a page
  * at a time, and malloc's 16-byte-aligned bytes made every page two short copies. With
  * malloc this daemon used 0.165-0.186 CPU-s per GB of psync 1 MiB sequential reads,
- * page-aligned 0.144-0.151 (3 alternating rounds of 4 passes; before stop 35 the
- * suite's ceiling was the malloc'd one, and kspeedfs's chunks were misaligned alike).
+ * page-aligned 0.144-0.151 (3 alternating rounds of 4 passes; the suite's ceiling was
+ * once the malloc'd one, and kspeedfs's chunks were misaligned alike).
  *
  * Usage: ramfs_c SOURCE MOUNTPOINT        (stays in the foreground; fusermount3 -u stops it)
  *

@@ -9,7 +9,7 @@ import os
 import random
 import subprocess
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def read_paths(root: str | os.PathLike[str], paths: Sequence[str]) -> int:
@@ -79,7 +79,7 @@ def records(root: str, paths: Sequence[str], size: int, seconds: float, seed: in
     t0 = time.perf_counter()
     try:
         while time.perf_counter() - t0 < seconds:
-            for f, fsize in zip(files, sizes):
+            for f, fsize in zip(files, sizes, strict=True):
                 f.seek(rnd.randrange(0, max(1, fsize - size)))     # records sit anywhere
                 total += len(f.read(size))
             n += len(files)
@@ -104,8 +104,7 @@ def stat_all(root: str, paths: Sequence[str]) -> dict:
 def ls_l(directory: str) -> dict:
     """``ls -l`` of one directory (readdir + a stat per entry), output discarded."""
     t0 = time.perf_counter()
-    p = subprocess.run(["ls", "-l", "--color=never", directory], stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE)
+    p = subprocess.run(["ls", "-l", "--color=never", directory], capture_output=True)
     dt = time.perf_counter() - t0
     if p.returncode:
         raise RuntimeError(f"ls -l {directory}: {p.stderr.decode(errors='replace')}")

@@ -89,7 +89,7 @@ class Results:
                 per_rep = [va[k] / vb[k] for k in va if k in vb and vb[k] > 0]
                 if per_rep:
                     row["ratios"][f"{a} / {b}"] = self._spread(per_rep)
-                # issue 16's peer figure: a's CPU per GB without the emulated NIC against
+                # the peer-read figure: a's CPU per GB without the emulated NIC against
                 # b's, per rep (only where a reports its NIC threads: the cluster targets)
                 if any("daemon_nic_cpu_s_per_GB" in r.figures for r in self.runs
                        if r.workload == wl and r.case == case and r.target == a):
@@ -121,7 +121,8 @@ class Results:
                         cpu += f" (main thread {s['daemon_main_cpu_us_per_op']:.1f})"
                 if "host_cpu_s_per_GB" in s:
                     cpu += f"   machine {s['host_cpu_s_per_GB']:.2f} CPU-s/GB"
-                lines.append(f"    {t:<34} {_fmt(s['median']):>10}   [{_fmt(s['min'])} .. {_fmt(s['max'])}]{cpu}")
+                lines.append(f"    {t:<34} {_fmt(s['median']):>10}   "
+                             f"[{_fmt(s['min'])} .. {_fmt(s['max'])}]{cpu}")
             for name, s in row["ratios"].items():
                 lines.append(f"    ratio {name:<40} {s['median']:6.2f}   [{s['min']:.2f} .. {s['max']:.2f}]")
             for name, s in row["cpu_ratios"].items():

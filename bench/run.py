@@ -27,8 +27,19 @@ from pathlib import Path
 from . import workloads as W
 from .datasets import Dataset
 from .results import Results, Run
-from .system import (MAIN_THREAD, NIC_THREADS, ROLE_THREADS, Mounts, REPO, fresh_memory_rate,
-                     machine_cpu, mem_available, process_cpu, role_key, thread_cpu)
+from .system import (
+    MAIN_THREAD,
+    NIC_THREADS,
+    REPO,
+    ROLE_THREADS,
+    Mounts,
+    fresh_memory_rate,
+    machine_cpu,
+    mem_available,
+    process_cpu,
+    role_key,
+    thread_cpu,
+)
 from .targets import Target, build_ramfs_c, fuse_knobs
 
 log = logging.getLogger("bench")
@@ -80,7 +91,7 @@ def _meta(args: argparse.Namespace, scale: W.Scale, names: list[str]) -> dict:
     knobs = fuse_knobs()
     return {
         "command": " ".join([os.path.basename(sys.executable), "-m", "bench", *sys.argv[1:]]),
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "scale": scale.name, "reps": scale.reps, "sizes": scale.__dict__, "workloads": names,
         "git": sh("git", "rev-parse", "--short", "HEAD"), "kernel": platform.release(),
         "kspeedfs": args.kspeedfs_tree or args.kspeedfs_rev or "working tree", "ab_tree": args.ab_tree,

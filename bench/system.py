@@ -14,8 +14,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, cast
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +40,13 @@ def is_mounted(path: Path) -> bool:
         return any(line.split()[4] == target for line in f)
 
 
-def wait_mounted(path: Path, proc: subprocess.Popen | None, timeout: float = 300.0) -> None:
+def wait_mounted(path: Path, proc: subprocess.Popen[bytes] | None, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while not is_mounted(path):
         if proc is not None and proc.poll() is not None:
             err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RuntimeError(f"{proc.args[0]} exited {proc.returncode} before mounting {path}: {err}")
+            argv0 = cast("list[str]", proc.args)[0]      # started from an argv list
+            raise RuntimeError(f"{argv0} exited {proc.returncode} before mounting {path}: {err}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"{path} not mounted after {timeout:.0f}s")
         time.sleep(0.05)
@@ -224,7 +226,7 @@ def machine_cpu() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
-def run_fio(job: str, env: dict[str, str], extra: Sequence[str] = ()) -> dict:
+def run_fio(job: str, env: dict[str, str], extra: Sequence[str] = ()) -> dict[str, Any]:
     """Run ``bench/fio/<job>`` read-only; the summed read figures of all jobs."""
     cmd = ["fio", "--readonly", "--output-format=json", *extra, str(FIO_DIR / job)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=1800)

@@ -1,4 +1,4 @@
-"""Tail latency of reads through a mount, with and without hedged peer READs (issue 19).
+"""Tail latency of reads through a mount, with and without hedged peer READs.
 
     python -m bench.tail_latency [--reps 2] [--readers 8] [--seconds 4] [--plot FILE.png]
 
@@ -13,57 +13,8 @@ for 1.5 s inside a 3.5 s window; then node 2 SIGKILLed while both mounts read (h
 readers each) and restarted. Prints p50 / p99 / p99.9 / max per case, and the hedged
 share of the bytes READ.
 
-Measured here (2-core VM, soft provider, 8 readers, ms; two repetitions, one line each;
-``docs/bench/results-*-tail-latency.txt``, ``docs/bench/tail-latency.png``):
-
-    case                 hedging   p50       p99        p99.9       max       hedged bytes
-    no fault             off       2.0 2.0   4.2  4.1   33.2 10.0    58  16
-    no fault             on        2.2 2.2   4.8  4.3   17.3  8.2    61  22   0.48 % 0.27 %
-    n2 slowed (20/25 ms) off       1.8 1.8  23.4 23.4   72.1 29.6   103  72
-    n2 slowed (20/25 ms) on        2.4 2.1   4.7  4.2    8.2  5.8    14  12
-    SIGSTOP 1.5 s        off       2.3 2.0   6.7  4.0   29.9 13.3   583 564
-    SIGSTOP 1.5 s        on        2.4 2.3   7.1  4.2   24.0 14.0    65  34
-    SIGKILL (4 readers)  off       1.8 1.9   5.6  5.2   31.8  8.6   540 508
-    SIGKILL (4 readers)  on        1.7 1.5   5.7  5.3   10.0  9.3    27  14
-
-0 errors in every case. The slowest read without hedging is the peer timeout (0.5 s)
-plus a little; with it, it is within this machine's no-fault noise (the slowest read
-with no fault at all is 16–61 ms here), and p50/p99 are unchanged. A slow-but-alive
-peer is invisible to the old path (p99 = its 20 ms stall); hedged, p99 stays at the
-no-fault p99. The cost with no fault: 0.88–0.92× the reads of hedging off (see the
-results file's ``reads`` column): Python work per read in the race (docs/design.md).
-
-A later run (``docs/bench/results-*-tail-latency.txt`` of stop 23, a noisier machine:
-no-fault p99 14–26 ms, max 53–148 ms): both mounts at once, reads with hedging /
-without 0.71, 0.87, 0.99, 0.91; daemon CPU per read (open + 64 KiB + close, misses to
-peers) 600–1030 µs without, +95–136 µs with (measured with ``bench.system.process_cpu``
-around the same window). Longest read with a fault and hedging 57–123 ms (SIGSTOP,
-SIGKILL) against 532–578 ms without; within that run's no-fault maximum. A racer that
-woke only for deadlines earlier than its own (fewer scheduler hops per READ) measured
-0.64–0.98 (median 0.82) the same way: no better, not kept.
-
-Since the first replica is READ in the reader's own task and a task is started only for
-a late READ (``docs/bench/results-*-tail-latency.txt`` of stop 24, 4 repetitions): both
-mounts at once, reads with / without 1.05, 0.84, 0.79, 1.01, and 0.95, 0.97 in a second
-run (before the change, the same day: 0.81, 0.81, 0.91, 0.84); daemon CPU per read with
-/ without, 8 windows: median difference −3 µs (before: +57–153 µs). Longest read with
-hedging, SIGSTOP 33–80 ms, SIGKILL 58–82 ms (alone, one mount and 4 readers: 17–24 ms),
-against 515–578 ms without; that run's no-fault maximum 46–150 ms. 0 errors throughout.
-
-Stop 25, a quiet machine three times faster (results-e40d83c-tail-latency.txt, 10 windows
-per fault): slowest read with hedging SIGSTOP 15–54 ms, SIGKILL 13–30 ms (without:
-563–585, 505–516); slowed peer p99 0.95–1.07x the no-fault p99; reads with / without
-hedging, median 0.96. With one core kept busy by a spinning process the tail follows the
-machine (SIGSTOP 59–96 ms, hedging-off no-fault maximum up to 60 ms).
-
-Stop 26 traced the 40–60 ms reads that were left (results-d363e1d-tail-latency.txt): READ
-responses of the *live* peers stalled mid-payload on TCP's delayed ACKs; the soft engine
-now ACKs at once (native/soft_engine.c). Same machine, A/B, 8 windows per fault and arm:
-slowest read with hedging, SIGSTOP 17–46 ms (without the change 17–51), SIGKILL 15–27
-(15–61); slowed peer p99 0.98–1.16x the no-fault p99; hedged bytes 0.04–0.33 %; reads
-with / without hedging, medians 0.99 and 1.03. With one core kept busy by a spinning
-process: SIGSTOP 34, 54 ms, SIGKILL 62, 100 ms, while the no-fault maximum of the same
-run is 38–140 ms (the machine, not the fault).
+What it measured, run by run, and what changed between the runs: docs/benchmarks.md,
+"Tail latency with a hung or dead replica".
 """
 from __future__ import annotations
 
@@ -97,7 +48,7 @@ def plot(runs: dict[tuple[str, str], list[Readers]], path: Path) -> Path | None:
     cases = list(dict.fromkeys(case for case, _ in runs))
     stats = [*QUANTILES, ("max", 1.0)]
     fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 3.6), sharey=True)
-    for ax, case in zip(axes, cases):
+    for ax, case in zip(axes, cases, strict=False):
         for k, mode in enumerate(("off", "on")):
             rds = runs.get((case, mode), [])
             ys = []
@@ -192,7 +143,7 @@ def main() -> None:
                 c.ks(["preload", "tail", "--timeout", "60"])
     print("\n".join(rows), flush=True)
     if ratios:
-        print(f"no fault, both mounts at once: reads with hedging / without = "
+        print("no fault, both mounts at once: reads with hedging / without = "
               + ", ".join(f"{r:.3f}" for r in ratios)
               + f" (median {sorted(ratios)[len(ratios) // 2]:.3f})", flush=True)
     if args.plot and plot(runs, args.plot):

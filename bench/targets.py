@@ -37,7 +37,7 @@ pyfuse3 engine gets the kernel default (32).
 
 A target is set up once per workload (``setup``), put in its state before every
 measured run (``prepare``), and torn down by the suite's :class:`~bench.system.Mounts`.
-"""
+"""  # noqa: E501 - an RST table, read as one
 from __future__ import annotations
 
 import json
@@ -46,8 +46,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from .datasets import Dataset
 from .readers import read_paths
@@ -76,7 +76,7 @@ def read_tree(root: Path, paths: Sequence[str]) -> int:
     return read_paths(root, paths)
 
 
-def fuse_knobs(overrides: dict[str, str] | None = None) -> "object":
+def fuse_knobs(overrides: dict[str, str] | None = None) -> object:
     """kspeedfs's effective FUSE knobs (defaults + overrides), as tuning.KernelKnobs."""
     from kspeedfs import config
     from kspeedfs.fuse import tuning

@@ -22,6 +22,12 @@ workload           dataset                    cases (primary figure)
                                               files (files/s)
 ``cluster-flap``   cluster: 4 large files     the same readers, time based, one client NIC
                                               flapping (MB/s; errors, longest stall)
+``library``        imagenet                   the Python library in 8 threads (``ds.read``)
+                                              vs the mount (``open().read()``), warm and cold
+                                              (files/s)
+``library-4k``     files                      random 4 KiB, one thread: ``readinto`` of the
+                                              library vs ``pread`` on the mount, warm and
+                                              cold (IOPS)
 =================  =========================  =====================================================
 
 Sizes come from a :class:`Scale` (``--quick``, ``--scale medium``, full by default).
@@ -32,14 +38,23 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
-from . import cluster, datasets, readers
+from . import cluster, datasets, library, readers
 from .datasets import Dataset
 from .system import REPO, run_fio
-from .targets import ENABLE_URING, Kspeedfs, KspeedfsStore, RamFS, SourceCold, SourceWarm, Target, UringKspeedfs
+from .targets import (
+    ENABLE_URING,
+    Kspeedfs,
+    KspeedfsStore,
+    RamFS,
+    SourceCold,
+    SourceWarm,
+    Target,
+    UringKspeedfs,
+)
 
 
 @dataclass(frozen=True)
@@ -417,7 +432,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     sweep("sweep-blksize", "fuse.blksize", ["128KiB", "4MiB"], True, _files,
           lambda ds, ctx: [rand_case(ds, ctx, "4k", 1, "IOPS"), rand_case(ds, ctx, "4k", 4, "IOPS"),
                            seq_case(ds, "psync", 1), _records_case(ds, ctx)],
-          "st_blksize reported (0 = automatic: 4 KiB native, the block size on pyfuse3; 128KiB = the block size; 4MiB = the chunk size), warm reads"),
+          "st_blksize reported (0 = automatic: 4 KiB native, the block size on pyfuse3; "
+          "128KiB = the block size; 4MiB = the chunk size), warm reads"),
     sweep("sweep-blksize-cold", "fuse.blksize", ["128KiB", "4MiB"], False, _files,
           lambda ds, ctx: [_records_case(ds, ctx), rand_case(ds, ctx, "4k", 1, "IOPS")],
           "st_blksize reported, cold random reads, memory tier half the dataset",
@@ -425,6 +441,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     sweep("sweep-push", "fuse.push_pages", ["False", "True"], False, _files,
           lambda ds, ctx: [seq_case(ds, "psync", 1), seq_case(ds, "psync", 4)],
           "page-cache push of prefetched chunks (FUSE_NOTIFY_STORE), cold sequential readers"),
+    Workload("library", "the Python library, 8 threads, vs the native mount: every ImageNet-like "
+             "file whole, warm and cold", _imagenet, library.imagenet_cases, library.targets,
+             ratios=library.RATIOS),
+    Workload("library-4k", "the Python library vs the native mount: random 4 KiB, one thread, warm and cold",
+             _files, library.rand_cases, library.targets, ratios=library.RATIOS),
     Workload("transport", "soft RDMA READ vs plain TCP between two netns hosts (rdma.perf)",
              cluster.transport_dataset, cluster.transport_cases, cluster.transport_targets,
              ratios=cluster.TRANSPORT_RATIOS),

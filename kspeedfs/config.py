@@ -30,9 +30,10 @@ import os
 import re
 import socket
 import tomllib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 
@@ -60,7 +61,8 @@ def parse_size(value: object) -> int:
 
 
 def format_size(n: int) -> str:
-    for unit, mult in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, mult in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20),
+                       ("KiB", 1 << 10)):
         if n >= mult and n % mult == 0:
             return f"{n // mult}{unit}"
     return str(n)
@@ -86,7 +88,13 @@ class StoreConfig:
     etcd_prefix: str = _opt("/kspeedfs/", "key prefix of everything kspeedfs keeps in etcd")
     etcd_user: str = _opt("", "etcd user name (auth enabled when set)")
     etcd_password: str = field(default="", metadata={"doc": "etcd password (kspeedfs config "
-                                                      "prints *** when set)", "secret": True})
+                                                      "prints *** when set); given with --set "
+                                                      "or -o, every local user reads it in ps: "
+                                                      "prefer etcd_password_file",
+                                                      "secret": True})
+    etcd_password_file: str = _opt("", "file holding the etcd password (a trailing newline "
+                                   "is dropped); refused unless mode 0600 or stricter and owned "
+                                   "by root or the user reading it; read once per process")
     etcd_ca_cert: str = _opt("", "CA bundle for etcd TLS (https endpoints)")
     etcd_cert: str = _opt("", "client certificate for etcd mutual TLS")
     etcd_key: str = _opt("", "client key for etcd mutual TLS")
@@ -115,6 +123,37 @@ class StoreConfig:
         if self.etcd_attempt_timeout > self.etcd_timeout:
             raise ConfigError(f"store.etcd_attempt_timeout: {self.etcd_attempt_timeout} must be "
                               f"<= store.etcd_timeout ({self.etcd_timeout})")
+        if self.etcd_password and self.etcd_password_file:
+            raise ConfigError("store.etcd_password_file: set it or store.etcd_password, not both")
+
+    def password(self) -> str:
+        """The etcd password: ``etcd_password_file``'s contents when set (a trailing
+        newline dropped), else ``etcd_password``. Like :meth:`ClusterConfig.secret`, the
+        file is refused with a ConfigError naming it when it cannot be read, is empty,
+        lets group or others access it (``mode & 0o077``), or belongs to a user other
+        than root and the reader (that user could read or replace it)."""
+        if not self.etcd_password_file:
+            return self.etcd_password
+        where = f"store.etcd_password_file {self.etcd_password_file}"
+        try:
+            with open(self.etcd_password_file, "rb") as f:
+                st = os.fstat(f.fileno())
+                data = f.read(4097)
+        except OSError as e:
+            raise ConfigError(f"{where}: {e.strerror}") from None
+        if st.st_mode & 0o077:
+            raise ConfigError(f"{where}: mode {st.st_mode & 0o777:04o} lets group or others "
+                              f"read the password; chmod 600 {self.etcd_password_file}")
+        if st.st_uid not in (0, os.geteuid()):
+            raise ConfigError(f"{where}: owned by uid {st.st_uid}, who can read or replace the "
+                              f"password; chown root {self.etcd_password_file}")
+        password = data.rstrip(b"\r\n")
+        if not password or len(data) > 4096:
+            raise ConfigError(f"{where}: the password is empty or longer than 4096 bytes")
+        try:
+            return password.decode()
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where}: the password is not UTF-8 text") from None
 
 
 @dataclass
@@ -185,7 +224,8 @@ class FuseConfig:
     push_pages: bool = _opt(False, "store prefetched chunks in the kernel page cache (FUSE_NOTIFY_STORE) "
                                   "so sequential readers skip the READ round trip")
     max_background: int = _opt(64, "FUSE max_background, set via sysfs after mount (kernel default 12)")
-    congestion_threshold: int = _opt(48, "FUSE congestion_threshold via sysfs (default 3/4 of max_background)")
+    congestion_threshold: int = _opt(48, "FUSE congestion_threshold via sysfs "
+                                         "(default 3/4 of max_background)")
     read_ahead_kb: int = _opt(4096, "bdi read_ahead_kb via sysfs (kernel default 128)")
     workers: int = _opt(16, "threads for blocking source/disk I/O")
     engine: str = _opt("native", "FUSE engine: 'native' (C request threads answer metadata and "
@@ -205,15 +245,11 @@ class FuseConfig:
                          "enable_uring = Y; kspeedfs never sets it), else /dev/fuse; 'off': "
                          "/dev/fuse. An io_uring mount is not supervised and cannot be "
                          "upgraded: the kernel cannot move ring entries to another process "
-                         "(docs/design.md). Off by default: no consistent gain here (2 vCPUs, "
-                         "io_uring / /dev/fuse in two runs: ImageNet-like 0.82x and 1.18x, "
-                         "rand-4k j1 1.12x and 0.95x, j4 2.35x and 1.01x with half the daemon "
-                         "CPU per I/O, one Python reader 0.53x and 0.77x; 1 MiB reads 1.3x "
-                         "slower: ~125 us per MiB copying into the ring; results-7e5d9f1-uring), "
-                         "and it costs the mount its supervisor and upgrades")
+                         "(docs/design.md). Off by default: no consistent gain on 2 vCPUs "
+                         "(docs/design.md, 'FUSE over io_uring'), and it costs the mount its "
+                         "supervisor and upgrades")
     splice: bool = _opt(True, "native engine: READ replies of 256 KiB or more go by vmsplice + "
-                        "splice instead of writev (fewer page pins in the kernel's copy: the "
-                        "cluster's sequential readers -16% request-thread CPU per GB here, "
+                        "splice instead of writev (fewer page pins in the kernel's copy: "
                         "docs/design.md 'Replies by splice'); a reply that does not fit a pipe "
                         "(a 1 MiB READ's needs fs.pipe-max-size >= 2 MiB or CAP_SYS_RESOURCE) "
                         "is written as before")
@@ -226,7 +262,8 @@ class FuseConfig:
         _range("fuse.threads", self.threads, 0, 253)     # fuse/upgrade.py MAX_FDS
         _positive("fuse.resume_patience", self.resume_patience, 86400.0)
         _range("fuse.max_pages", self.max_pages, 1, 256)
-        if self.blksize and (self.blksize < 512 or self.blksize > 1 << 30 or self.blksize & (self.blksize - 1)):
+        if self.blksize and (self.blksize < 512 or self.blksize > 1 << 30
+                             or self.blksize & (self.blksize - 1)):
             raise ConfigError(f"fuse.blksize: {self.blksize} must be 0 or a power of two in 512..1GiB")
         _positive("fuse.entry_timeout", self.entry_timeout, _YEAR)
         _positive("fuse.attr_timeout", self.attr_timeout, _YEAR)
@@ -415,6 +452,41 @@ def secret_bits(data: bytes) -> float:
 
 
 @dataclass
+class SourceConfig:
+    """Object-store sources: ``kspeedfs import s3://BUCKET/PREFIX`` and the origin that
+    reads such a dataset back (``kspeedfs/s3/``). A key left empty falls back to what
+    every AWS tool reads: ``AWS_ENDPOINT_URL``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
+    ``AWS_PROFILE``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``,
+    ``~/.aws/config`` and ``~/.aws/credentials``, an instance role. Credentials never
+    leave the process: not in the manifest, etcd, logs or ``kspeedfs config``."""
+
+    endpoint: str = _opt("", "S3 endpoint URL (MinIO, a local server); empty = AWS_ENDPOINT_URL "
+                         "or the profile's, else AWS; plain http only when the URL says http://")
+    region: str = _opt("", "region; empty = AWS_REGION, AWS_DEFAULT_REGION or the profile's")
+    profile: str = _opt("", "profile of ~/.aws/config and ~/.aws/credentials; empty = AWS_PROFILE")
+    access_key_id: str = _opt("", "access key id; empty = the AWS credential chain "
+                              "(environment, profile files, instance role)")
+    secret_access_key: str = field(default="", metadata={
+        "doc": "secret access key (kspeedfs config prints ***); prefer the environment or "
+               "~/.aws/credentials", "secret": True})
+    session_token: str = field(default="", metadata={
+        "doc": "session token of temporary credentials (printed as ***)", "secret": True})
+    max_inflight: int = _opt(16, "ranged GETs in flight per chunk load, and import's readers")
+    retries: int = _opt(5, "attempts per request: the client retries 5xx, SlowDown, 429, "
+                        "timeouts and resets with jittered exponential backoff")
+    timeout: float = _opt(10.0, "connect and read timeout of one attempt, s")
+
+    def validate(self) -> None:
+        if self.endpoint and not re.match(r"^https?://[^/\s]+/?$", self.endpoint):
+            raise ConfigError(f"source.endpoint: {self.endpoint!r} is not http[s]://host[:port]")
+        if bool(self.access_key_id) != bool(self.secret_access_key):
+            raise ConfigError("source.access_key_id: set it and source.secret_access_key together")
+        _range("source.max_inflight", self.max_inflight, 1, 256)
+        _range("source.retries", self.retries, 1, 20)
+        _positive("source.timeout", self.timeout, 3600)
+
+
+@dataclass
 class LogConfig:
     """Where the daemon logs (``log.py``)."""
 
@@ -473,13 +545,14 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     fuse: FuseConfig = field(default_factory=FuseConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    source: SourceConfig = field(default_factory=SourceConfig)
     log: LogConfig = field(default_factory=LogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     source_path: str = field(default="", metadata={"skip": True})  # file the config came from
     # "section.key" -> where its value came from (file path, environment, command line)
     sources: dict[str, str] = field(default_factory=dict, metadata={"skip": True})
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         """Every section's ``validate()``; an error gets the source of the key it names
         first (each message starts with that key)."""
         for section in _sections(self):
@@ -510,7 +583,8 @@ def _sections(cfg: Config) -> list[dataclasses.Field[Any]]:
 
 
 def _toml_name(f: dataclasses.Field[Any]) -> str:
-    return f.metadata.get("toml", f.name)
+    name: str = f.metadata.get("toml", f.name)
+    return name
 
 
 def _toml_value(v: Any) -> str:
@@ -636,6 +710,36 @@ def apply(cfg: Config, values: Mapping[str, Any], source: str) -> None:
             )
         setattr(section, name, _coerce(key, fields[name], value, source))
         cfg.sources[f"{section_name}.{name}"] = source
+        if fields[name].metadata.get("secret") and source == "command line" and value:
+            instead = (f"{section_name}.{name}_file (mode 0600)" if f"{name}_file" in fields
+                       else "the environment or a config file of mode 0600")
+            log.warning("%s given on the command line, where every local user reads it (ps, "
+                        "/proc/PID/cmdline); put it in %s instead", key, instead)
+
+
+def _secrets(cfg: Config) -> Iterator[tuple[str, Any]]:
+    """(``section.key``, value) of every key marked secret."""
+    for s in _sections(cfg):
+        section = getattr(cfg, s.name)
+        for f in dataclasses.fields(section):
+            if f.metadata.get("secret"):
+                yield f"{_toml_name(s)}.{f.name}", getattr(section, f.name)
+
+
+def secret_keys() -> list[str]:
+    """The ``section.key`` names of the keys marked secret: ``kspeedfs config`` prints
+    them as ``***``, and no command line kspeedfs runs carries them."""
+    return [key for key, _ in _secrets(Config())]
+
+
+def secret_environment(cfg: Config) -> dict[str, str]:
+    """The secret values that came from the command line, as the environment variables
+    that give them to a process this one starts (``KSPEEDFS_STORE_ETCD_PASSWORD``): a
+    mount's supervisor re-spawns daemons without them in their argv
+    (``fuse/supervisor.py``). Secrets from the config file or a ``*_file`` key are read
+    there again, and those from the environment are inherited."""
+    return {"KSPEEDFS_" + key.replace(".", "_").upper(): str(value)
+            for key, value in _secrets(cfg) if value and cfg.sources.get(key) == "command line"}
 
 
 def load(

@@ -1,7 +1,7 @@
 """The mount daemon's composition root: every resource, in order, with its teardown.
 
     store → DatasetInfo → manifest blob → ManifestIndex      (once; never again)
-    Origin (source dir) · MemoryCache · DiskCache?
+    Origin (source dir) · MemoryCache · DiskCache?        (compose.py: the library's too)
     nursery ─┬─ Reader (loads + prefetch run here)
              ├─ the request loop, one of two engines (``fuse.engine``):
              │    native: C threads on /dev/fuse answer metadata and memory-tier hits,
@@ -9,6 +9,8 @@
              │    pyfuse3: pyfuse3.main, every request in this thread (fuse/operations.py)
              ├─ signals: SIGTERM/SIGINT → unmount (pyfuse3.terminate / session.terminate)
              ├─ metrics exporter (only with metrics.listen: metrics.py)
+             ├─ control socket + record: /run/kspeedfs/mounts/<name>.sock and .mount
+             │        (handovers, counters; the registry of local mounts: fuse/registry.py)
              ├─ hold: mounts/<ds>@<v>/<host>:<pid> on this mount's lease, with its read
              │        counters (cluster mounts: cluster/lifecycle.py); on exit the
              │        --unload-on-exit preload is released if no other mount holds it
@@ -27,39 +29,34 @@ import logging
 import os
 import signal
 import socket
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
 
+from . import compose
 from . import mountpoint as mp
-from .cache.disk import DiskCache
-from .cache.memory import MemoryCache
 from .cluster.lifecycle import MountRecord
-from .config import Config
+from .config import Config, secret_environment
 from .errors import ManifestCorrupt, MountError
 from .fuse import tuning
 from .fuse.operations import Operations
 from .fuse.pagecache import PageCache
 from .manifest import sealed
 from .manifest.index import ManifestIndex
-from .manifest.store import open_configured
+from .manifest.store import identity
 from .manifest.store.base import DatasetInfo
-from .origin import Origin
 from .reader import Reader
 
 if TYPE_CHECKING:
     from .cluster.fetch import Peers
-    from .manifest.store.etcd import EtcdStore
     from .fuse.native import NativeSession
+    from .fuse.registry import LocalMount
+    from .manifest.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
-
-#: seconds a resumed daemon waits for the cluster's node list (``_cluster``)
-RESUME_FIRST_WAIT = 1.0
-
 
 @dataclass(frozen=True)
 class MountRequest:
@@ -79,7 +76,8 @@ class MountRequest:
 
 def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, bytes, ManifestIndex]:
     """Blocking: the only store access of a mount's lifetime (none on a resume with the
-    supervisor's sealed copy of the manifest, unless that copy fails its checks)."""
+    supervisor's sealed copy of the manifest, unless that copy fails its checks). The
+    copy's fd stays open: ``serve`` keeps it for a supervisor it may start."""
     info = blob = None
     if req.manifest_fd is not None:
         try:
@@ -87,12 +85,8 @@ def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, bytes, Ma
             log.info("resume: the manifest from the supervisor's sealed copy")
         except ManifestCorrupt as e:
             log.warning("resume: %s; loading it from the store", e)
-        finally:
-            os.close(req.manifest_fd)
     if info is None or blob is None:
-        with open_configured(cfg) as store:   # etcd: records verified with the cluster secret
-            info = store.dataset(req.dataset, req.version)
-            blob = store.manifest(info.name, info.version)
+        info, blob = compose.fetch_manifest(cfg, req.dataset, req.version)
     return info, blob, ManifestIndex.from_blob(blob, info.inflated_size)
 
 
@@ -143,57 +137,6 @@ def choose_engine(cfg: Config) -> str:
     return "native"
 
 
-@asynccontextmanager
-async def _cluster(cfg: Config, index: ManifestIndex, resume: bool = False,
-                   keep: str | None = None, taking_over: bool = False,
-                   ) -> AsyncIterator[tuple["Peers | None", "EtcdStore | None"]]:
-    """Peers to read chunks from, when this mount belongs to a cluster (etcd store and
-    ``cluster.peers``); None otherwise. The mount talks to the nodes directly — its own
-    vRDMA endpoint and one-sided READs into its own buffers — so a read from a peer
-    crosses the network once and the local node's CPU is never on the path. ``resume``:
-    readers wait on this daemon, so the node list is waited for ``RESUME_FIRST_WAIT`` s
-    at most (etcd lists it in milliseconds; during an outage the usual wait, one
-    ``etcd_timeout`` and a second, found nothing and cost a resume 6 s). ``keep``: the
-    file the node list is kept in (``PrefixView``); ``taking_over`` (a resume or an
-    upgrade): with no listing in time, start from the list kept there by the daemon
-    before, so reads go to its peers, not to the source, until etcd is back."""
-    if cfg.store.backend != "etcd" or not cfg.cluster.peers:
-        yield None, None
-        return
-    from rdma.vrdma import Endpoint
-
-    from .cluster.fetch import Peers
-    from .cluster.hedge import from_config as hedge_from_config
-    from .cluster.membership import Membership
-    from .manifest.store.etcd import EtcdStore
-
-    secret = cfg.cluster.secret()
-    store = EtcdStore(cfg.store, secret)      # verifies node records (membership)
-    me = f"mount:{os.uname().nodename}:{os.getpid()}"
-    async with Endpoint(secret, node=me, addrs=cfg.cluster.nics or None,
-                        provider=cfg.cluster.provider or None, cfg=cfg.cluster.heartbeat()) as ep, \
-            trio.open_nursery() as nursery:
-        membership = Membership(store, leave_grace=cfg.cluster.leave_grace,
-                                first_wait=RESUME_FIRST_WAIT if resume else None,
-                                keep=keep, seed=taking_over)
-        await nursery.start(membership.run)
-        slot = max(cfg.cluster.slot_size, index.chunk_size)
-        peers = Peers(ep, membership, secret, cfg.cluster.replicas, slot, nursery=nursery,
-                      find_local=True, nbuf=max(8, cfg.fuse.prefetch_chunks * 2),
-                      landing_slots=cfg.cache.memory // slot,
-                      hedge=hedge_from_config(cfg.cluster))
-        log.info("cluster: %d nodes (%s), local node %s, R=%d", len(membership.nodes),
-                 ", ".join(sorted(membership.nodes)), peers.local_member(),
-                 cfg.cluster.replicas)
-        try:
-            yield peers, store
-        finally:
-            with trio.CancelScope(shield=True):
-                await peers.aclose()
-            nursery.cancel_scope.cancel()
-            store.close()
-
-
 _HELD_COUNTERS = ("reads", "read_bytes", "memory_hits", "disk_hits", "peer_hits", "source_loads",
                   "source_extents", "source_blocks")
 
@@ -203,7 +146,7 @@ def _read_counters(reader: Reader) -> dict[str, int]:
     return {name: int(getattr(s, name)) for name in _HELD_COUNTERS}
 
 
-async def _hold(store: "EtcdStore", record: MountRecord, ttl: int,
+async def _hold(store: EtcdStore, record: MountRecord, ttl: int,
                 counters: Callable[[], dict[str, int]], handed_over: Callable[[], bool],
                 period: float = 5.0) -> None:
     """Hold ``record``'s version for this mount's life: its ``mounts/`` key on a lease
@@ -241,8 +184,8 @@ async def _hold(store: "EtcdStore", record: MountRecord, ttl: int,
                 log.warning("leaving: %s (the nodes release the preload after its grace)", e)
 
 
-async def _export_metrics(cfg: Config, ops: Operations, peers: "Peers | None",
-                          store: "EtcdStore | None", path: str) -> None:
+async def _export_metrics(cfg: Config, ops: Operations, peers: Peers | None,
+                          store: EtcdStore | None, path: str) -> None:
     """Serve this mount's metrics (``metrics.py``) at ``metrics.listen`` until cancelled."""
     from . import metrics
 
@@ -273,39 +216,38 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
     log.info("dataset %s v%d: %d entries, %d bytes, %d chunks of %d; index %d bytes",
              info.name, info.version, info.entries, info.bytes, info.chunks, info.chunk_size,
              index.nbytes)
-    clustered = cfg.store.backend == "etcd" and cfg.cluster.peers
-    origin = Origin(req.source or info.source, index, info.name, required=not clustered)
-    memory = MemoryCache(cfg.cache.memory)
-    disk = DiskCache(cfg.cache.disk_dir, cfg.cache.disk) if cfg.cache.disk else None
+    tiers = compose.local_tiers(cfg, info, index, req.source)
+    memory, disk = tiers.memory, tiers.disk
 
     engine = choose_engine(cfg)
     if (req.upgrade or req.resume) and engine != "native":
         raise MountError("--upgrade needs the native FUSE engine (fuse.engine=native, root)")
+    from .fuse.registry import LocalMount
     from .fuse.upgrade import members_path
     keep = members_path(path) if engine == "native" else None   # only those are taken over
-    async with _cluster(cfg, index, bool(req.resume), keep,
+    record = LocalMount.of_this_process(path, info.name, info.version, identity(cfg.store), engine)
+    async with compose.cluster(cfg, index, bool(req.resume), keep,
                         bool(req.upgrade or req.resume)) as (peers, store), \
             trio.open_nursery() as nursery:
-        session: "NativeSession | None" = None
+        session: NativeSession | None = None
         pages = None
         if cfg.fuse.push_pages:
             pages = PageCache(index, store=pyfuse3.notify_store if engine == "pyfuse3"
                               else lambda *a: session.notify_store(*a))   # type: ignore[union-attr]
-        reader = Reader(index=index, origin=origin, memory=memory, disk=disk, nursery=nursery,
-                        peers=peers, dataset=(info.name, info.version), workers=cfg.fuse.workers,
-                        prefetch_depth=cfg.fuse.prefetch_chunks,
-                        push=pages.push if pages else None)
+        reader = compose.new_reader(cfg, info, index, tiers, nursery, peers,
+                                    push=pages.push if pages else None)
         ops = Operations(index, reader, info, cfg.fuse, slow_op=cfg.log.slow_op)
         if engine == "native":
             from .fuse.native import NativeSession
 
-            session = NativeSession(path, ops, memory, index, info, cfg.fuse, nonempty=req.nonempty)
+            session = NativeSession(path, ops, memory, index, info, cfg.fuse, nonempty=req.nonempty,
+                                    record=record)
             reader.served_elsewhere = session.served
         if store is not None:                     # held from now: a --preload is not released
-            record = MountRecord(info.name, info.version, os.uname().nodename, path,
-                                 os.getpid(), unload_on_exit=req.unload_on_exit)
+            hold = MountRecord(info.name, info.version, os.uname().nodename, path,
+                               os.getpid(), unload_on_exit=req.unload_on_exit)
             handed_over = lambda: session is not None and session.handed_over  # noqa: E731
-            nursery.start_soon(_hold, store, record, cfg.cluster.lease_ttl,
+            nursery.start_soon(_hold, store, hold, cfg.cluster.lease_ttl,
                                lambda: _read_counters(reader), handed_over, name="hold")
 
         async def after_mount() -> None:
@@ -333,19 +275,26 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
             if ready:
                 ready(path)
 
-        # a copy of the manifest for the supervisor (a resumed daemon's has one already);
-        # the blob itself is not kept for the mount's life
-        manifest_fd = sealed.seal(info, blob) if session is not None and req.supervise \
-            and not req.resume else None
+        # a sealed copy of the manifest for the supervisor, kept for the mount's life so a
+        # supervisor started again gets it too; a resumed daemon keeps the copy it came
+        # with (the same memfd: no second copy in memory); the blob itself is not kept
+        manifest_fd = req.manifest_fd
+        if session is None or not req.supervise:
+            if manifest_fd is not None:
+                os.close(manifest_fd)
+            manifest_fd = None
+        elif manifest_fd is None:
+            manifest_fd = sealed.seal(info, blob)
         del blob
         if session is not None:
             try:
-                await _serve_native(session, nursery, after_mount, req, manifest_fd)
+                await _serve_native(session, nursery, after_mount, req, manifest_fd,
+                                    secret_environment(cfg))
             finally:
                 if pages:
                     pages.close()
         else:
-            await _serve_pyfuse3(ops, path, cfg, info, req, nursery, after_mount, pages)
+            await _serve_pyfuse3(ops, path, cfg, info, req, nursery, after_mount, pages, record)
         nursery.cancel_scope.cancel()
     log.info("%s %s; %s", "handed over" if session is not None and session.handed_over
              else "unmounted", path, reader.statistics())
@@ -353,9 +302,13 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
 
 async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetInfo,
                          req: MountRequest, nursery: trio.Nursery,
-                         after_mount: Callable[[], Awaitable[None]], pages: PageCache | None) -> None:
+                         after_mount: Callable[[], Awaitable[None]], pages: PageCache | None,
+                         record: LocalMount) -> None:
     """Mount with pyfuse3 and run its request loop until unmounted; then the page-cache
-    pushes stop before the session is destroyed (``pyfuse3.close`` unmounts)."""
+    pushes stop before the session is destroyed (``pyfuse3.close`` unmounts). Its control
+    socket answers ``query`` and ``stats`` (it has no connection to hand over)."""
+    from .fuse.upgrade import HandoverServer
+
     options = set(pyfuse3.default_options) | {"ro", f"fsname=kspeedfs:{info.name}", "subtype=kspeedfs"}
     if cfg.fuse.allow_other:
         options.add("allow_other")
@@ -363,6 +316,9 @@ async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetI
         options.add("nonempty")
     pyfuse3.init(ops, path, options)
     try:
+        control = HandoverServer(path, info.name, info.version, -1, lambda: {"transport": "pyfuse3"},
+                                 _no_handover, stats=ops.stats_record, record=record)
+        await nursery.start(control.run, name="control")
         nursery.start_soon(_on_signals, pyfuse3.terminate, name="signals")
         nursery.start_soon(after_mount, name="after-mount")
         await pyfuse3.main()
@@ -372,54 +328,65 @@ async def _serve_pyfuse3(ops: Operations, path: str, cfg: Config, info: DatasetI
         pyfuse3.close(unmount=True)
 
 
-async def _serve_native(session: "NativeSession", nursery: trio.Nursery,
+async def _no_handover() -> None:
+    raise AssertionError("a pyfuse3 mount refuses every handover")     # upgrade.py
+
+
+async def _serve_native(session: NativeSession, nursery: trio.Nursery,
                         after_mount: Callable[[], Awaitable[None]], req: MountRequest,
-                        manifest_fd: int | None) -> None:
+                        manifest_fd: int | None, secrets: dict[str, str]) -> None:
     """Mount with the native engine (or take the live mount over from its daemon, or
     from its supervisor after a crash) and answer its queue until unmounted or handed
     over; always leaves the C threads joined, and the mount gone unless a successor
-    serves it. A supervised mount tells its supervisor "bye" when it ends cleanly;
-    ``manifest_fd`` (sealed, ``manifest/sealed.py``) goes to a supervisor it starts."""
+    serves it. A supervised mount tells its supervisor "bye" when it ends cleanly, and
+    starts a new one if it dies first (``supervisor.Supervised``); ``manifest_fd``
+    (sealed, ``manifest/sealed.py``, closed here) and ``secrets`` (environment) go to
+    each supervisor it starts."""
     from .fuse import supervisor
     from .fuse import upgrade as handover
     from .fuse.native import RING_LIFECYCLE
 
-    control = None
+    def start() -> trio.socket.SocketType:
+        return trio.socket.from_stdlib_socket(supervisor.spawn(
+            session.path, session.engine.fds(), session.state(), list(req.argv), req.logfile,
+            session.cfg.resume_patience, manifest_fd, secrets))
+
+    supervised = None
     try:
         if req.upgrade or req.resume:
             sock = await handover.take_over(session.path, session.info.name, session.info.version,
                                             session.adopt, path=req.resume)
-            if req.resume:
-                control = sock                    # the supervisor stays on this socket
+            if req.resume:                        # the supervisor stays on this socket
+                supervised = supervisor.Supervised(session.path, sock, start)
                 await sock.send(json.dumps({"state": session.state()}).encode())
             else:
                 sock.close()
         else:
             await trio.to_thread.run_sync(session.mount)
-        if control is None and req.supervise and session.transport == "io_uring":
+        if supervised is None and req.supervise and session.transport == "io_uring":
             # a supervisor holding the connection of a crashed io_uring daemon would keep the
             # readers its rings held hanging; unsupervised, the crash ends the connection
             # (ENOTCONN) and the next ``kspeedfs mount`` cleans it up (fuse/native.py)
             log.info("io_uring mount: not supervised (%s)", RING_LIFECYCLE)
-        elif control is None and req.supervise:
-            control = trio.socket.from_stdlib_socket(supervisor.spawn(
-                session.path, session.engine.fds(), session.state(), list(req.argv), req.logfile,
-                session.cfg.resume_patience, manifest_fd))
-    finally:
-        if manifest_fd is not None:             # the supervisor has its own now
+        elif supervised is None and req.supervise:
+            supervised = supervisor.Supervised(session.path, start(), start)
+    except BaseException:
+        if manifest_fd is not None:
             os.close(manifest_fd)
+        raise
     try:
         nursery.start_soon(_on_signals, session.terminate, name="signals")
         nursery.start_soon(after_mount, name="after-mount")
+        if supervised is not None:
+            nursery.start_soon(supervised.watch, name="supervisor-watch")
         await session.serve()
     finally:
+        if supervised is not None:            # no new supervisor for a connection ending
+            supervised.watching.cancel()
         session.terminate()
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(session.close)
-    if control is not None:                   # a clean end: the supervisor may go
-        why = "handed over" if session.handed_over else "unmounted"
-        try:
-            await control.send(json.dumps({"bye": True, "why": why}).encode())
-        except OSError:
-            pass
-        control.close()
+        if manifest_fd is not None:
+            os.close(manifest_fd)
+    if supervised is not None:                # a clean end: the supervisor may go
+        await supervised.bye("handed over" if session.handed_over else "unmounted")

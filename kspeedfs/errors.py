@@ -11,16 +11,17 @@ is their shared base, so ``rdma`` stays importable without ``kspeedfs``):
 * what failed underneath (an ``OSError``, an ``rdma`` error) is chained as ``__cause__``
   (``raise StoreUnavailable(...) from exc``).
 
-Exactly two places translate them, and they read ``err.errno`` the same way for this
+Exactly three places translate them, and they read ``err.errno`` the same way for this
 tree and for ``rdma.errors``: ``fuse/boundary.py`` turns them into
-``pyfuse3.FUSEError(err.errno)`` for the kernel, and ``cli/app.py`` turns them into a
+``pyfuse3.FUSEError(err.errno)`` for the kernel, ``client.py`` (the Python library) into
+the ``OSError(err.errno)`` that ``open()`` on a mount raises, and ``cli/app.py`` into a
 one-line message and exit status 1. Nothing else catches them to print or to convert.
 """
 from __future__ import annotations
 
 import errno as _errno
 
-from rdma.errors import ErrnoError   # the base of both trees; the boundaries import it here
+from rdma.errors import ErrnoError as ErrnoError  # the base of both trees; the boundaries import it here
 
 
 class KspeedfsError(ErrnoError):

@@ -40,6 +40,7 @@ def setup(level: str, stderr: bool = True, file: str | None = None) -> None:
         fh = logging.FileHandler(file)
         fh.setFormatter(logging.Formatter(_FILE_FORMAT))
         root.addHandler(fh)
+        assert fh.stream is not None           # opened now (no delay=True)
         faulthandler.enable(fh.stream, all_threads=True)
     elif stderr:
         faulthandler.enable(sys.stderr, all_threads=True)

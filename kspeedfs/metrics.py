@@ -21,13 +21,19 @@ The metric list and a Grafana dashboard: docs/operations.md, mount/grafana-kspee
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import trio
 from prometheus_client import start_http_server
-from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily, Metric)
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from .config import parse_listen
 
@@ -74,7 +80,8 @@ def _peer_families(f: _Families, p: Any) -> None:
     f.counter("peer_unreachable_total", "peer READs that found no live path", p.peer_unreachable)
     f.gauge("peer_longest_stall_seconds", "longest replica stall seen (failover wait)",
             p.peer_longest_stall_ms / 1000)
-    f.gauge("peer_connection_up", "1 if the vQP to the peer is up (reachable or degraded: a path is alive)", by="peer",
+    f.gauge("peer_connection_up",
+            "1 if the vQP to the peer is up (reachable or degraded: a path is alive)", by="peer",
             values={n: float(s in ("reachable", "degraded")) for n, s in p.vqps.items()})
     for field, doc in (("peer_hedges", "second-replica READs issued (hedging)"),
                        ("peer_hedges_won", "hedged READs that verified first")):
@@ -88,7 +95,7 @@ def _peer_families(f: _Families, p: Any) -> None:
         bounds = [b / 1000 for b in p.peer_latency_buckets_ms] + [float("inf")]
         for peer, lat in sorted(latency.items()):
             acc, buckets = 0, []
-            for bound, n in zip(bounds, lat.counts):
+            for bound, n in zip(bounds, lat.counts, strict=False):
                 acc += n
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
             hist.add_metric(f.values + [peer], buckets, None)
@@ -222,7 +229,7 @@ def mount_families(snap: dict[str, Any], labels: dict[str, str]) -> Families:
         if not row[0]:
             continue
         acc, buckets = 0, []
-        for bound, n in zip([*snap["bounds"], float("inf")], row[3:]):
+        for bound, n in zip([*snap["bounds"], float("inf")], row[3:], strict=False):
             acc += n
             buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
         hist.add_metric(f.values + [op], buckets, row[2])

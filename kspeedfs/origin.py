@@ -1,4 +1,9 @@
-"""⑤′ The origin: the source directory the dataset was imported from, last resort.
+"""⑤′ The origin: the source the dataset was imported from, last resort.
+
+:func:`open_origin` picks the class by the dataset's source: :class:`Origin` reads a
+directory; ``s3/origin.py``'s ``S3Origin`` is the same class reading extents with
+ranged GETs pinned to each object's ETag (a bucket prefix). Everything below about
+checking, retrying and naming the changed file holds for both.
 
 A chunk is assembled from the files it packs (one ``preadv`` per extent into one
 buffer) and checked extent by extent, so a mismatch names the file. A mismatching
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -31,7 +37,23 @@ from .errors import ChunkUnavailable, SourceChanged, SourceError
 from .manifest.index import ManifestIndex
 from .manifest.model import Extent
 
+if TYPE_CHECKING:
+    from .config import SourceConfig
+
 log = logging.getLogger(__name__)
+
+
+def open_origin(source: str, index: ManifestIndex, dataset: str, required: bool = True,
+                config: SourceConfig | None = None) -> Origin:
+    """The origin of a dataset whose source is ``source`` (its recorded one, or a
+    mount's ``--source``): an ``s3://`` URL reads the bucket, anything else a directory.
+    ``config``: the ``[source]`` settings of an object store (defaults when None)."""
+    if source.startswith("s3://"):
+        from .config import SourceConfig
+        from .s3.origin import S3Origin
+
+        return S3Origin(source, index, dataset, config or SourceConfig())
+    return Origin(source, index, dataset, required)
 
 
 class Origin:
@@ -48,9 +70,13 @@ class Origin:
                 raise SourceError(msg)
             log.warning("%s: chunks no replica holds cannot be read", msg)
 
+    def _name(self, entry: int) -> bytes:
+        """The source's name of file ``entry``, for messages."""
+        return os.path.join(self.root, self.index.path(entry))
+
     def _pread(self, entry: int, offset: int, part: memoryview) -> str | None:
         """Fill ``part`` from file ``entry`` at ``offset``; why it failed, or None."""
-        path = os.path.join(self.root, self.index.path(entry))
+        path = self._name(entry)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as err:
@@ -75,18 +101,24 @@ class Origin:
         ix = self.index
         view = page_aligned(ix.chunk_len[chunk])
         bad: list[tuple[int, bytes, str]] = []
-        for e in ix.chunk_extents(chunk):
-            why = self._read_extent(e, view[e.chunk_offset:e.chunk_offset + e.length])
+        for e, why in self._read_extents(list(ix.chunk_extents(chunk)), view):
             if why:
-                bad.append((e.entry, os.path.join(self.root, ix.path(e.entry)), why))
+                bad.append((e.entry, self._name(e.entry), why))
         return view, bad
+
+    def _read_extents(self, extents: list[Extent], view: memoryview) -> list[tuple[Extent, str | None]]:
+        """Each extent into its place in ``view`` (a chunk) and why it failed, or None;
+        one after the other here (local reads), several in flight for an object store."""
+        return [(e, self._read_extent(e, view[e.chunk_offset:e.chunk_offset + e.length]))
+                for e in extents]
 
     def _check_root(self, what: str) -> None:
         if not os.path.isdir(self.root):
             raise ChunkUnavailable(f"{what} of {self.dataset}: no replica had it and the "
                                    f"source {os.fsdecode(self.root)} is missing")
 
-    def _changed(self, path: bytes, why: str, entries: frozenset[int], partial: bytes | None) -> SourceChanged:
+    def _changed(self, path: bytes, why: str, entries: frozenset[int],
+                 partial: bytes | None) -> SourceChanged:
         return SourceChanged(
             f"source file {os.fsdecode(path)} {why}: it changed after dataset "
             f"{self.dataset} was imported; re-import the dataset (kspeedfs import)",
@@ -100,10 +132,10 @@ class Origin:
         why = self._read_extent(e, buf)
         if why:
             log.warning("extent of %s failed the checksum, retrying: %s",
-                        os.fsdecode(self.index.path(e.entry)), why)
+                        os.fsdecode(self._name(e.entry)), why)
             why = self._read_extent(e, buf)
         if why:
-            raise self._changed(os.path.join(self.root, self.index.path(e.entry)), why,
+            raise self._changed(self._name(e.entry), why,
                                 frozenset((e.entry,)), None)
         return buf.toreadonly()
 

@@ -17,7 +17,7 @@ Each rule carries the measurement behind it.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .cache.prefetch import Stream
 

@@ -1,4 +1,5 @@
-"""②–⑥ on one screen: from (file, offset, size) to verified bytes.
+"""②–⑥ on one screen: from (file, offset, size) to verified bytes (the steps:
+docs/design.md, "The steps of a read").
 
     read(entry, offset, size)
       → index.chunk_range()                 ② manifest lookup: which chunks
@@ -20,7 +21,8 @@ a load others wait for; blocking I/O and hashing run in worker threads (limited 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -102,7 +104,7 @@ class Reader:
 
     def __init__(self, *, index: ManifestIndex, origin: Origin, memory: MemoryCache,
                  nursery: trio.Nursery, disk: DiskCache | None = None,
-                 peers: "Peers | None" = None, dataset: tuple[str, int] = ("", 0),
+                 peers: Peers | None = None, dataset: tuple[str, int] = ("", 0),
                  workers: int = 16, prefetch_depth: int = 4, push: Push | None = None) -> None:
         self.index = index
         self.origin = origin
@@ -201,7 +203,7 @@ class Reader:
 
     # -- a small file alone ----------------------------------------------------------------
 
-    def hand_off(self, entry: int, read: tuple) -> bool:
+    def hand_off(self, entry: int, read: tuple[Any, ...]) -> bool:
         """Whether the native fetch took ``read``, a READ of ``entry`` the native engine
         queued (fd, unique, offset, size, random, since): a small file read alone, or a
         random read inside one block (``read_parts``' rules), whose extent or block C

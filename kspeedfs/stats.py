@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class Counters:
     def __init__(self) -> None:
         for f in dataclasses.fields(ReadStatistics):
             setattr(self, f.name, 0)
+
+    if TYPE_CHECKING:
+        # the fields set in __init__, one int per ReadStatistics field
+        def __getattr__(self, name: str) -> int: ...
 
     def add(self, name: str, n: int = 1) -> None:
         setattr(self, name, getattr(self, name) + n)

@@ -41,7 +41,7 @@ struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_o
     e->nlink = calloc(ix->entries ? ix->entries : 1, sizeof *e->nlink);
     if (e->efd < 0 || !e->tier || !e->nlink) {
         set_err(err, errlen, "engine setup: %s", strerror(errno ? errno : ENOMEM));
-        e->fd = -1;                     /* still the caller's */
+        e->fd = -1; /* still the caller's */
         fe_destroy(e);
         return NULL;
     }
@@ -60,7 +60,7 @@ struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_o
         if (is_dir(ix->mode[i]) && ix->parent[i] < ix->entries)
             e->nlink[ix->parent[i]]++;
     e->blksize = opt->blksize ? opt->blksize
-                 : (uint32_t)(ix->block_size ? ix->block_size : ix->chunk_size);
+                              : (uint32_t)(ix->block_size ? ix->block_size : ix->chunk_size);
     return e;
 }
 
@@ -118,13 +118,15 @@ int fe_init(struct fe_engine *e, char *err, size_t errlen)
     int rc = 0;
     const struct fuse_in_header *h = (const void *)buf;
     if (n < (ssize_t)(sizeof *h + 16) || h->opcode != FUSE_INIT) {
-        set_err(err, errlen, "no INIT from the kernel (%s)", n < 0 ? strerror(errno) : "short");
+        set_err(err, errlen, "no INIT from the kernel (%s)",
+                n < 0 ? strerror(errno) : "short");
         rc = n < 0 ? -errno : -EPROTO;
         goto out;
     }
     struct fuse_init_in in = {0};
     memcpy(&in, h + 1, (size_t)n - sizeof *h < sizeof in ? (size_t)n - sizeof *h : sizeof in);
-    struct fuse_init_out o = {.major = FUSE_KERNEL_VERSION, .minor = FUSE_KERNEL_MINOR_VERSION};
+    struct fuse_init_out o = {.major = FUSE_KERNEL_VERSION,
+                              .minor = FUSE_KERNEL_MINOR_VERSION};
     if (in.major != FUSE_KERNEL_VERSION || in.minor < 31) {
         reply_buf(e->fd, h->unique, &o, sizeof o);
         set_err(err, errlen, "kernel FUSE %u.%u: need 7.31 or later", in.major, in.minor);
@@ -135,7 +137,7 @@ int fe_init(struct fe_engine *e, char *err, size_t errlen)
     uint64_t wanted = FUSE_ASYNC_READ | FUSE_PARALLEL_DIROPS | FUSE_DO_READDIRPLUS |
                       FUSE_MAX_PAGES | FUSE_CACHE_SYMLINKS | FUSE_INIT_EXT;
     if (e->opt.uring && (offered & FE_FUSE_OVER_IO_URING) && ring_probe())
-        wanted |= FE_FUSE_OVER_IO_URING;    /* the kernel offers it only with enable_uring=Y */
+        wanted |= FE_FUSE_OVER_IO_URING; /* the kernel offers it only with enable_uring=Y */
     uint64_t flags = offered & wanted;
     uint32_t pages = e->opt.max_pages ? e->opt.max_pages : 256;
     o.minor = in.minor < FUSE_KERNEL_MINOR_VERSION ? in.minor : FUSE_KERNEL_MINOR_VERSION;
@@ -144,7 +146,8 @@ int fe_init(struct fe_engine *e, char *err, size_t errlen)
     o.flags2 = (uint32_t)(flags >> 32);
     o.max_background = (uint16_t)(e->opt.max_background ? e->opt.max_background : 64);
     o.congestion_threshold = (uint16_t)(e->opt.congestion_threshold
-                                        ? e->opt.congestion_threshold : o.max_background * 3 / 4);
+                                            ? e->opt.congestion_threshold
+                                            : o.max_background * 3 / 4);
     o.max_write = FE_MAX_WRITE;
     o.time_gran = 1;
     o.max_pages = (uint16_t)pages;
@@ -206,7 +209,7 @@ void fe_counters(struct fe_engine *e, struct fe_counters *sum)
 {
     memset(sum, 0, sizeof *sum);
     for (int i = 0; i < e->nworkers; i++)
-        add_counters(sum, &e->workers[i].c);    /* racy reads of plain u64s */
+        add_counters(sum, &e->workers[i].c); /* racy reads of plain u64s */
     for (int i = 0; i < e->nqueues; i++)
         add_counters(sum, &e->queues[i].w.c);
     sum->spliced = atomic_load_explicit(&e->spliced, memory_order_relaxed);
@@ -251,7 +254,7 @@ void fe_destroy(struct fe_engine *e)
 {
     if (!e)
         return;
-    if (e->nqueues) {               /* joined already, unless fe_start failed half-way */
+    if (e->nqueues) { /* joined already, unless fe_start failed half-way */
         ring_signal_stop(e);
         ring_join(e);
     }
@@ -276,7 +279,7 @@ void fe_destroy(struct fe_engine *e)
         close(e->efd);
     free(e->q);
     free(e->nlink);
-    fetch_free(atomic_load(&e->fetch));     /* before the tier: it puts into it */
+    fetch_free(atomic_load(&e->fetch)); /* before the tier: it puts into it */
     tier_free(e->tier);
     free(e);
 }

@@ -34,12 +34,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "fuse_tier.h"      /* FE_TOUCHED, FE_SERVED */
+#include "fuse_tier.h" /* FE_TOUCHED, FE_SERVED */
 
 /* The manifest index: pointers into the arrays Python holds (kspeedfs/manifest/model.py). */
 struct fe_index {
     uint64_t entries, chunks, extents, names_len, nfiles;
-    uint64_t chunk_size, block_size, block_stride;  /* stride: blocks per chunk */
+    uint64_t chunk_size, block_size, block_stride; /* stride: blocks per chunk */
     const uint32_t *parent, *mode, *uid, *gid;
     const uint64_t *size;
     const int64_t *mtime_ns;
@@ -49,48 +49,67 @@ struct fe_index {
     const uint32_t *ext;
     const uint32_t *chunk_len;
     const uint8_t *names;
-    const uint8_t *ext_digests;     /* 16 bytes per extent */
-    const uint8_t *chunk_digests;   /* 16 bytes per chunk */
+    const uint8_t *ext_digests;   /* 16 bytes per extent */
+    const uint8_t *chunk_digests; /* 16 bytes per chunk */
 };
 
 /* What the engine answers with, from the validated config. */
 struct fe_options {
-    uint64_t generation;            /* the dataset version */
-    uint64_t dataset_bytes;         /* for STATFS */
+    uint64_t generation;    /* the dataset version */
+    uint64_t dataset_bytes; /* for STATFS */
     double entry_timeout, attr_timeout;
-    uint32_t blksize;               /* st_blksize */
-    int xattrs;                     /* hand GETXATTR/LISTXATTR to Python; else ENOSYS */
+    uint32_t blksize; /* st_blksize */
+    int xattrs;       /* hand GETXATTR/LISTXATTR to Python; else ENOSYS */
     uint32_t max_background, congestion_threshold;
-    uint32_t max_pages;             /* pages per request (256 = 1 MiB) */
+    uint32_t max_pages; /* pages per request (256 = 1 MiB) */
     uint32_t prefetch_depth, prefetch_trigger;
-    int uring;                      /* offer FUSE_OVER_IO_URING at INIT (if the kernel does) */
-    uint32_t uring_depth;           /* entries per queue (0 = FE_URING_DEPTH) */
-    int splice;                     /* large READ replies by vmsplice + splice (fuse_reply.c) */
+    int uring;            /* offer FUSE_OVER_IO_URING at INIT (if the kernel does) */
+    uint32_t uring_depth; /* entries per queue (0 = FE_URING_DEPTH) */
+    int splice;           /* large READ replies by vmsplice + splice (fuse_reply.c) */
 };
 
 /* A queued request for Python. */
-enum fe_kind { FE_READ = 1, FE_GETXATTR = 2, FE_LISTXATTR = 3, FE_PREFETCH = 4,
-               FE_FETCHED = 5 };   /* FETCHED: entry = cookie, offset = chunk, size = status */
+enum fe_kind {
+    FE_READ = 1,
+    FE_GETXATTR = 2,
+    FE_LISTXATTR = 3,
+    FE_PREFETCH = 4,
+    FE_FETCHED = 5
+}; /* FETCHED: entry = cookie, offset = chunk, size = status */
 
 struct fe_request {
     int kind;
-    int fd;                 /* reply on this fd (the clone that read it); < 0: a ring token */
-    uint64_t unique;        /* PREFETCH: the chunk the hinting READ reached */
-    uint64_t entry;         /* manifest entry (inode - 1) */
-    uint64_t offset;        /* READ: offset; PREFETCH: first chunk */
-    uint64_t size;          /* READ: size; xattr: the caller's buffer size; PREFETCH: stop chunk */
-    int random;             /* READ: not continuing the previous read of its handle */
-    uint64_t t0;            /* READ, xattr: when it arrived (CLOCK_MONOTONIC ns; its latency) */
-    char name[256];         /* GETXATTR: the attribute's name */
+    int fd;          /* reply on this fd (the clone that read it); < 0: a ring token */
+    uint64_t unique; /* PREFETCH: the chunk the hinting READ reached */
+    uint64_t entry;  /* manifest entry (inode - 1) */
+    uint64_t offset; /* READ: offset; PREFETCH: first chunk */
+    uint64_t size;   /* READ: size; xattr: the caller's buffer size; PREFETCH: stop chunk */
+    int random;      /* READ: not continuing the previous read of its handle */
+    uint64_t t0;     /* READ, xattr: when it arrived (CLOCK_MONOTONIC ns; its latency) */
+    char name[256];  /* GETXATTR: the attribute's name */
 };
 
 /* Counters, per thread, summed on demand. Op slots follow enum fe_op. */
 enum fe_op {
-    FE_OP_LOOKUP, FE_OP_GETATTR, FE_OP_READLINK, FE_OP_OPEN, FE_OP_READ, FE_OP_RELEASE,
-    FE_OP_OPENDIR, FE_OP_READDIR, FE_OP_RELEASEDIR, FE_OP_STATFS, FE_OP_FORGET,
-    FE_OP_GETXATTR, FE_OP_LISTXATTR, FE_OP_EROFS, FE_OP_ENOSYS, FE_OP_OTHER, FE_NOPS
+    FE_OP_LOOKUP,
+    FE_OP_GETATTR,
+    FE_OP_READLINK,
+    FE_OP_OPEN,
+    FE_OP_READ,
+    FE_OP_RELEASE,
+    FE_OP_OPENDIR,
+    FE_OP_READDIR,
+    FE_OP_RELEASEDIR,
+    FE_OP_STATFS,
+    FE_OP_FORGET,
+    FE_OP_GETXATTR,
+    FE_OP_LISTXATTR,
+    FE_OP_EROFS,
+    FE_OP_ENOSYS,
+    FE_OP_OTHER,
+    FE_NOPS
 };
-#define FE_BUCKETS 16   /* latency buckets: the bounds of boundary.OpStats, then the rest */
+#define FE_BUCKETS 16 /* latency buckets: the bounds of boundary.OpStats, then the rest */
 
 struct fe_counters {
     uint64_t count[FE_NOPS], errors[FE_NOPS], ns[FE_NOPS], buckets[FE_NOPS][FE_BUCKETS];
@@ -99,22 +118,22 @@ struct fe_counters {
                              * look once their chunks landed (fe_read_or_park: Python took
                              * them from the queue; or handed on from a parked list) */
     uint64_t resent;        /* requests the kernel sent again (FUSE_NOTIFY_RESEND) */
-    uint64_t ring_requests;         /* requests that came through an io_uring queue */
-    uint64_t ring_copy_bytes, ring_copy_ns;   /* READ hits copied into ring payloads */
-    uint64_t ring_lost;             /* entries whose commit the kernel refused */
+    uint64_t ring_requests; /* requests that came through an io_uring queue */
+    uint64_t ring_copy_bytes, ring_copy_ns; /* READ hits copied into ring payloads */
+    uint64_t ring_lost;                     /* entries whose commit the kernel refused */
     /* the solo gate (fuse_threads.c): times a /dev/fuse thread after the first waited at
      * it, and requests those threads read (the gate open: several tasks, or not readahead);
      * times it opened for a request of another task than the last, and for one of the
      * same task that was not readahead (not a READ, or a READ under FE_SOLO_READ) */
     uint64_t gate_waits, shared_requests, gate_opened_tasks, gate_opened_requests;
-    uint64_t gate_crowded;          /* windows the crowd rule began to keep it as it was */
+    uint64_t gate_crowded; /* windows the crowd rule began to keep it as it was */
     /* the native chunk fetch (fuse_fetch.h): READs posted, landed verified, failed or
      * stepped aside, READs parked on one in flight, parked READs answered or handed on */
     uint64_t fetch_posted, fetch_landed, fetch_failed, fetch_parked, fetch_answered;
-    uint64_t fetch_started;  /* of fetch_posted: started in C (fuse_fetch.h fetch_start) */
-    uint64_t fetch_started_parts;   /* of those, small files' extents (fetch_start_part) */
+    uint64_t fetch_started; /* of fetch_posted: started in C (fuse_fetch.h fetch_start) */
+    uint64_t fetch_started_parts; /* of those, small files' extents (fetch_start_part) */
     uint64_t fetch_redundant;
-    uint64_t spliced, spliced_bytes;    /* READ replies sent by splice (fuse.splice) */
+    uint64_t spliced, spliced_bytes; /* READ replies sent by splice (fuse.splice) */
 };
 
 struct fe_engine;
@@ -143,7 +162,7 @@ void fe_adopt(struct fe_engine *e, uint32_t minor, uint64_t flags, uint32_t max_
 /* Hand over to a successor reading the same connection: every request thread finishes
  * the request it holds and ends (a signal interrupts the ones waiting in read); returns
  * when they are joined. Nothing is unmounted or aborted; queued requests stay queued. */
-int fe_stop(struct fe_engine *e);            /* -EBUSY: io_uring queues (see fe_transport) */
+int fe_stop(struct fe_engine *e); /* -EBUSY: io_uring queues (see fe_transport) */
 /* Resume after a crash: the request threads read these fds (the dead daemon's master
  * and clones, kept open by the supervisor; ``fds[0]`` is the engine's fd) instead of
  * cloning new ones. Before fe_start; the engine owns them from then on. */
@@ -162,7 +181,7 @@ void fe_negotiated(const struct fe_engine *e, uint32_t *minor, uint64_t *flags,
  * negotiated FUSE_OVER_IO_URING), 0 = /dev/fuse reads. Valid after fe_start. An io_uring
  * engine cannot be handed over or resumed (fe_stop refuses it): the kernel binds a ring
  * entry to the buffers and task of the process that registered it (docs/design.md). */
-int fe_transport(const struct fe_engine *e, const char **why);  /* why: "" or the reason not */
+int fe_transport(const struct fe_engine *e, const char **why); /* why: "" or the reason not */
 
 /* The queue: up to ``max`` requests, oldest first (the eventfd is drained by Python). */
 size_t fe_take(struct fe_engine *e, struct fe_request *out, size_t max);

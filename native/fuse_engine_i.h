@@ -49,8 +49,8 @@
 #define FE_MAX_WRITE (128 * 1024)
 #define FE_REQ_BUF (FE_MAX_WRITE + 4096)
 
-struct fe_handle {                  /* one open file: the sequential-read state */
-    uint64_t fh;                    /* what the kernel holds: generation << 32 | slot + 1 */
+struct fe_handle { /* one open file: the sequential-read state */
+    uint64_t fh;   /* what the kernel holds: generation << 32 | slot + 1 */
     pthread_mutex_t lock;
     uint64_t next_offset;
     uint64_t run;
@@ -63,11 +63,11 @@ struct fe_worker {
     int fd;
     int started;
     atomic_int done;
-    uint8_t *in;                    /* FE_REQ_BUF: one request */
-    uint8_t *out;                   /* READDIR replies: max_pages pages */
+    uint8_t *in;  /* FE_REQ_BUF: one request */
+    uint8_t *out; /* READDIR replies: max_pages pages */
     size_t outlen;
     struct fe_counters c;
-    struct fe_uent *ent;            /* the ring entry of the request in hand (NULL: /dev/fuse) */
+    struct fe_uent *ent; /* the ring entry of the request in hand (NULL: /dev/fuse) */
     /* the crowd rule's totals (crowd_note): written by this thread only. Not the sums of
      * ``c.ns``/``c.count``: those stop before the reply is written (a 1 MiB READ's copy,
      * which makes it long) and leave out the requests queued for Python */
@@ -89,30 +89,30 @@ struct fe_uent {
     struct fe_uqueue *q;
     struct fe_uring_req_header *hdr;
     uint8_t *payload;
-    struct iovec iov[2];            /* what REGISTER hands the kernel */
+    struct iovec iov[2]; /* what REGISTER hands the kernel */
     uint16_t idx;
     atomic_int state;
-    uint64_t unique;                /* the request it holds (C, PY, COMMIT) */
+    uint64_t unique; /* the request it holds (C, PY, COMMIT) */
 };
 
 struct fe_uqueue {
     struct fe_engine *e;
-    struct fe_worker w;             /* dispatch's view: counters, buffers, ``ent`` */
+    struct fe_worker w; /* dispatch's view: counters, buffers, ``ent`` */
     int qid;
     struct io_uring ring;
     int ring_up;
     pthread_t thread;
     int started;
     struct fe_uent *ents;
-    uint8_t *payloads;              /* one mapping: nents x payload_len */
+    uint8_t *payloads; /* one mapping: nents x payload_len */
     size_t payload_len, map_len;
-    int efd;                        /* Python's commits (and the stop) wake the thread */
+    int efd; /* Python's commits (and the stop) wake the thread */
     uint64_t efd_val;
-    pthread_mutex_t mlock;          /* the mailbox: protects mail, nmail, closed */
+    pthread_mutex_t mlock; /* the mailbox: protects mail, nmail, closed */
     uint16_t *mail;
     int nmail;
-    int closed;                     /* the thread is gone: replies to its entries refused */
-    int registered;                 /* 1: every REGISTER accepted; < 0: -errno */
+    int closed;     /* the thread is gone: replies to its entries refused */
+    int registered; /* 1: every REGISTER accepted; < 0: -errno */
 };
 
 struct fe_engine {
@@ -120,13 +120,13 @@ struct fe_engine {
     int efd;
     struct fe_index ix;
     struct fe_options opt;
-    atomic_uint_least64_t spliced, spliced_bytes;  /* replies by splice, any thread's */
+    atomic_uint_least64_t spliced, spliced_bytes; /* replies by splice, any thread's */
     uint32_t *nlink;
     uint32_t blksize;
     /* negotiated at INIT */
     uint32_t minor, max_pages, max_readahead;
     uint64_t flags;
-    struct fe_tier *tier;           /* the memory tier's buffers (fuse_tier.c) */
+    struct fe_tier *tier; /* the memory tier's buffers (fuse_tier.c) */
     /* open file handles: a slot table, so an fh is validated, never dereferenced (after
      * an upgrade the kernel sends the previous daemon's fhs: unknown here, no stream) */
     pthread_mutex_t hlock;
@@ -145,32 +145,32 @@ struct fe_engine {
     struct fe_worker *workers;
     int nworkers;
     atomic_int live;
-    atomic_int dev_live;            /* of which /dev/fuse readers */
+    atomic_int dev_live; /* of which /dev/fuse readers */
     /* the solo gate (solo_gate): requests from one task at a time are read by the first
      * /dev/fuse thread alone; the others read too while several tasks send */
-    atomic_uint last_pid;           /* the task of the last request read */
-    _Atomic uint64_t multi_until;   /* fe_now_ns() before which every thread reads */
-    atomic_int gate_open;           /* a reader left (unmount, stop): nobody waits any more */
+    atomic_uint last_pid;         /* the task of the last request read */
+    _Atomic uint64_t multi_until; /* fe_now_ns() before which every thread reads */
+    atomic_int gate_open;         /* a reader left (unmount, stop): nobody waits any more */
     pthread_mutex_t slock;
     pthread_cond_t scond;
     /* the crowd rule (crowd_note): the last FE_SOLO_NS window's tasks, its requests'
      * time in dispatch (every /dev/fuse thread's) and their number, and its verdict */
-    int ncpu;                       /* CPUs this process may run on (fe_start) */
-    _Atomic uint64_t crowd_tasks;   /* bit pid % 64 of each task seen this window */
-    _Atomic uint64_t crowd_since;   /* when this window began */
-    uint64_t crowd_busy, crowd_requests;   /* the totals when it began; its closer only */
+    int ncpu;                            /* CPUs this process may run on (fe_start) */
+    _Atomic uint64_t crowd_tasks;        /* bit pid % 64 of each task seen this window */
+    _Atomic uint64_t crowd_since;        /* when this window began */
+    uint64_t crowd_busy, crowd_requests; /* the totals when it began; its closer only */
     atomic_int crowded;
     /* io_uring queues (fe_start, when INIT negotiated FUSE_OVER_IO_URING) */
-    int uring;                      /* negotiated */
+    int uring; /* negotiated */
     struct fe_uqueue *queues;
     int nqueues, nents;
-    int ring_slot;                  /* in ring_engines[] (ring tokens), -1: none */
+    int ring_slot; /* in ring_engines[] (ring tokens), -1: none */
     atomic_int ring_stop;
-    pthread_mutex_t rlock;          /* the queues' registration reports */
+    pthread_mutex_t rlock; /* the queues' registration reports */
     pthread_cond_t rcond;
     int nreported;
-    int transport;                  /* 1: every queue registered */
-    char ring_why[160];             /* why not, when INIT negotiated it */
+    int transport;      /* 1: every queue registered */
+    char ring_why[160]; /* why not, when INIT negotiated it */
     /* the native chunk fetch (fuse_fetch.c): set once by fe_fetch_enable, freed by
      * fe_destroy (request threads may park on it until they are joined) */
     _Atomic(struct fe_fetch *) fetch;
@@ -178,7 +178,7 @@ struct fe_engine {
      * thread, or Python's thread in fetch_unpark): counted as hits, with their whole
      * latency, like a request thread's */
     pthread_mutex_t alock;
-    struct fe_counters again;       /* under alock */
+    struct fe_counters again; /* under alock */
 };
 
 /* What a handler returns: < 0 an errno to answer; 0 answered; QUEUED for Python (which
@@ -188,10 +188,10 @@ enum { QUEUED = 1, REPLIED_ENOENT = 2 };
 struct req {
     struct fe_worker *w;
     const struct fuse_in_header *h;
-    const uint8_t *arg;             /* after the header */
+    const uint8_t *arg; /* after the header */
     size_t arglen;
-    int op;                         /* its counter slot (enum fe_op) */
-    uint64_t t0;                    /* when it was read, ns */
+    int op;      /* its counter slot (enum fe_op) */
+    uint64_t t0; /* when it was read, ns */
     int counted;
 };
 
@@ -218,8 +218,8 @@ void dispatch(struct fe_worker *w, const uint8_t *buf, size_t n);
 /* fuse_queue.c */
 void wake(struct fe_engine *e);
 int enqueue(struct fe_engine *e, const struct fe_request *q);
-int enqueue_for_python(struct fe_worker *w, struct fe_request *q,
-                       struct fe_fetch *fetch, uint64_t first, uint64_t last);
+int enqueue_for_python(struct fe_worker *w, struct fe_request *q, struct fe_fetch *fetch,
+                       uint64_t first, uint64_t last);
 
 /* fuse_read.c */
 int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_request *q);

@@ -49,16 +49,13 @@
 
 #include "py_errno.h"
 
-#define MAX_IOV 64          /* fe_reply_iov's limit; more parts are joined into one */
-#define OWNER_BATCH 256     /* owners per fe_tier_reap / fe_tier_clear call */
+#define MAX_IOV 64      /* fe_reply_iov's limit; more parts are joined into one */
+#define OWNER_BATCH 256 /* owners per fe_tier_reap / fe_tier_clear call */
 
 /* ------------------------------------------------------------------------ helpers */
 
 /* The engine's message if it wrote one, else strerror(err). */
-const char *reason(const char *err, int errnum)
-{
-    return err[0] ? err : strerror(errnum);
-}
+const char *reason(const char *err, int errnum) { return err[0] ? err : strerror(errnum); }
 
 /* O& converters: Python ints into u64 / u32, with range checks (no silent wrap). */
 static int conv_u64(PyObject *o, void *out)
@@ -98,12 +95,18 @@ static const struct ix_array {
     enum per per;
     unsigned width;
 } IX_ARRAYS[IX_N] = {
-    [IX_PARENT] = {"parent", PER_ENTRY, 4},       [IX_MODE] = {"mode", PER_ENTRY, 4},
-    [IX_UID] = {"uid", PER_ENTRY, 4},             [IX_GID] = {"gid", PER_ENTRY, 4},
-    [IX_SIZE] = {"size", PER_ENTRY, 8},           [IX_MTIME_NS] = {"mtime_ns", PER_ENTRY, 8},
-    [IX_NAME_OFF] = {"name_off", PER_ENTRY, 8},   [IX_NAME_LEN] = {"name_len", PER_ENTRY, 2},
-    [IX_DATA] = {"data", PER_ENTRY, 8},           [IX_EXT] = {"ext", PER_ENTRY, 4},
-    [IX_CHUNK_LEN] = {"chunk_len", PER_CHUNK, 4}, [IX_NAMES] = {"names", PER_ANY, 1},
+    [IX_PARENT] = {"parent", PER_ENTRY, 4},
+    [IX_MODE] = {"mode", PER_ENTRY, 4},
+    [IX_UID] = {"uid", PER_ENTRY, 4},
+    [IX_GID] = {"gid", PER_ENTRY, 4},
+    [IX_SIZE] = {"size", PER_ENTRY, 8},
+    [IX_MTIME_NS] = {"mtime_ns", PER_ENTRY, 8},
+    [IX_NAME_OFF] = {"name_off", PER_ENTRY, 8},
+    [IX_NAME_LEN] = {"name_len", PER_ENTRY, 2},
+    [IX_DATA] = {"data", PER_ENTRY, 8},
+    [IX_EXT] = {"ext", PER_ENTRY, 4},
+    [IX_CHUNK_LEN] = {"chunk_len", PER_CHUNK, 4},
+    [IX_NAMES] = {"names", PER_ANY, 1},
     [IX_EXT_DIGESTS] = {"ext_digests", PER_EXTENT, 16},
     [IX_CHUNK_DIGESTS] = {"chunk_digests", PER_CHUNK, 16},
 };
@@ -143,8 +146,9 @@ static int index_counts(PyObject *index, struct fe_index *ix)
 static int index_check(const Py_buffer *v, const struct ix_array *a, const struct fe_index *ix)
 {
     if (a->per != PER_ANY) {
-        uint64_t count = a->per == PER_ENTRY ? ix->entries
-                         : a->per == PER_CHUNK ? ix->chunks : ix->extents;
+        uint64_t count = a->per == PER_ENTRY   ? ix->entries
+                         : a->per == PER_CHUNK ? ix->chunks
+                                               : ix->extents;
         uint64_t expected;
         if (__builtin_mul_overflow(count, (uint64_t)a->width, &expected)) {
             PyErr_Format(PyExc_ValueError, "index: %s: %llu items of %u bytes overflow",
@@ -172,7 +176,7 @@ static int index_view(EngineObject *self, PyObject *index, int i, const struct f
     if (!o)
         return -1;
     int rc = PyObject_GetBuffer(o, &self->views[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
-    Py_DECREF(o);           /* the view holds its own reference to the exporter */
+    Py_DECREF(o); /* the view holds its own reference to the exporter */
     if (rc < 0)
         return -1;
     self->nviews = i + 1;
@@ -217,7 +221,7 @@ static int index_load(EngineObject *self, PyObject *index, struct fe_index *ix)
 /* ----------------------------------------------------------------------- tier owners */
 
 struct owner {
-    Py_buffer view;         /* holds the exporter: the bytes stay alive and unmoved */
+    Py_buffer view; /* holds the exporter: the bytes stay alive and unmoved */
 };
 
 static void owner_release(void *p)
@@ -318,22 +322,36 @@ static int check_timeouts(const struct fe_options *opt)
  *        large READ replies by vmsplice + splice. */
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"fd", "index", "generation", "dataset_bytes", "entry_timeout",
-                             "attr_timeout", "blksize", "xattrs", "max_background",
-                             "congestion_threshold", "max_pages", "prefetch_depth",
-                             "prefetch_trigger", "uring", "uring_depth", "splice", NULL};
+    static char *kwlist[] = {"fd",
+                             "index",
+                             "generation",
+                             "dataset_bytes",
+                             "entry_timeout",
+                             "attr_timeout",
+                             "blksize",
+                             "xattrs",
+                             "max_background",
+                             "congestion_threshold",
+                             "max_pages",
+                             "prefetch_depth",
+                             "prefetch_trigger",
+                             "uring",
+                             "uring_depth",
+                             "splice",
+                             NULL};
     int fd;
     PyObject *index;
     struct fe_options opt = {.entry_timeout = 1.0, .attr_timeout = 1.0, .prefetch_trigger = 2};
     struct fe_index ix;
     char err[256] = "";
-    if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "iO|$O&O&ddO&pO&O&O&O&O&pO&p:Engine", kwlist, &fd, &index,
-            conv_u64, &opt.generation, conv_u64, &opt.dataset_bytes, &opt.entry_timeout,
-            &opt.attr_timeout, conv_u32, &opt.blksize, &opt.xattrs, conv_u32,
-            &opt.max_background, conv_u32, &opt.congestion_threshold, conv_u32, &opt.max_pages,
-            conv_u32, &opt.prefetch_depth, conv_u32, &opt.prefetch_trigger, &opt.uring,
-            conv_u32, &opt.uring_depth, &opt.splice))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|$O&O&ddO&pO&O&O&O&O&pO&p:Engine", kwlist,
+                                     &fd, &index, conv_u64, &opt.generation, conv_u64,
+                                     &opt.dataset_bytes, &opt.entry_timeout, &opt.attr_timeout,
+                                     conv_u32, &opt.blksize, &opt.xattrs, conv_u32,
+                                     &opt.max_background, conv_u32, &opt.congestion_threshold,
+                                     conv_u32, &opt.max_pages, conv_u32, &opt.prefetch_depth,
+                                     conv_u32, &opt.prefetch_trigger, &opt.uring, conv_u32,
+                                     &opt.uring_depth, &opt.splice))
         return -1;
     if (self->e || self->nviews) {
         PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
@@ -560,7 +578,7 @@ static PyObject *Engine_tier_put(EngineObject *self, PyObject *args)
         PyMem_Free(o);
         return NULL;
     }
-    struct fe_engine *e = engine_of(self, "tier_put");    /* after any exporter code ran */
+    struct fe_engine *e = engine_of(self, "tier_put"); /* after any exporter code ran */
     int rc = e ? fe_tier_put(e, (const uint8_t *)key, (size_t)keylen, o->view.buf,
                              (size_t)o->view.len, o)
                : -EBADF;
@@ -595,8 +613,8 @@ static PyObject *Engine_tier_touched(EngineObject *self, PyObject *args, PyObjec
     const char *key;
     Py_ssize_t keylen;
     int served = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y#|p:tier_touched", kwlist, &key,
-                                     &keylen, &served) ||
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y#|p:tier_touched", kwlist, &key, &keylen,
+                                     &served) ||
         check_key(keylen, "tier_touched") < 0)
         return NULL;
     struct fe_engine *e = engine_of(self, "tier_touched");
@@ -622,12 +640,22 @@ static PyObject *Engine_tier_count(EngineObject *self, void *closure)
 /* ------------------------------------------------------------------------- counters */
 
 static const char *const OP_NAMES[FE_NOPS] = {
-    [FE_OP_LOOKUP] = "lookup",   [FE_OP_GETATTR] = "getattr",       [FE_OP_READLINK] = "readlink",
-    [FE_OP_OPEN] = "open",       [FE_OP_READ] = "read",             [FE_OP_RELEASE] = "release",
-    [FE_OP_OPENDIR] = "opendir", [FE_OP_READDIR] = "readdir",       [FE_OP_RELEASEDIR] = "releasedir",
-    [FE_OP_STATFS] = "statfs",   [FE_OP_FORGET] = "forget",         [FE_OP_EROFS] = "erofs",
-    [FE_OP_GETXATTR] = "getxattr", [FE_OP_LISTXATTR] = "listxattr",
-    [FE_OP_ENOSYS] = "enosys",   [FE_OP_OTHER] = "other",
+    [FE_OP_LOOKUP] = "lookup",
+    [FE_OP_GETATTR] = "getattr",
+    [FE_OP_READLINK] = "readlink",
+    [FE_OP_OPEN] = "open",
+    [FE_OP_READ] = "read",
+    [FE_OP_RELEASE] = "release",
+    [FE_OP_OPENDIR] = "opendir",
+    [FE_OP_READDIR] = "readdir",
+    [FE_OP_RELEASEDIR] = "releasedir",
+    [FE_OP_STATFS] = "statfs",
+    [FE_OP_FORGET] = "forget",
+    [FE_OP_EROFS] = "erofs",
+    [FE_OP_GETXATTR] = "getxattr",
+    [FE_OP_LISTXATTR] = "listxattr",
+    [FE_OP_ENOSYS] = "enosys",
+    [FE_OP_OTHER] = "other",
 };
 
 /* (count, errors, seconds, [bucket counts]) of one op */
@@ -671,35 +699,30 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
     PyObject *ops = ops_dict(&c);
     if (!ops)
         return NULL;
-    return Py_BuildValue("{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "ops", ops,
-                         "read_hits", (unsigned long long)c.read_hits,
-                         "read_hit_bytes", (unsigned long long)c.read_hit_bytes,
-                         "memory_hits", (unsigned long long)c.memory_hits,
-                         "read_misses", (unsigned long long)c.read_misses,
-                         "late_hits", (unsigned long long)c.late_hits,
-                         "queued", (unsigned long long)c.queued,
-                         "prefetch_hints", (unsigned long long)c.prefetch_hints,
-                         "resent", (unsigned long long)c.resent,
-                         "ring_requests", (unsigned long long)c.ring_requests,
-                         "ring_copy_bytes", (unsigned long long)c.ring_copy_bytes,
-                         "spliced", (unsigned long long)c.spliced,
-                         "spliced_bytes", (unsigned long long)c.spliced_bytes,
-                         "ring_copy_ns", (unsigned long long)c.ring_copy_ns,
-                         "ring_lost", (unsigned long long)c.ring_lost,
-                         "gate_waits", (unsigned long long)c.gate_waits,
-                         "shared_requests", (unsigned long long)c.shared_requests,
-                         "gate_opened_tasks", (unsigned long long)c.gate_opened_tasks,
-                         "gate_opened_requests", (unsigned long long)c.gate_opened_requests,
-                         "gate_crowded", (unsigned long long)c.gate_crowded,
-                         "fetch_posted", (unsigned long long)c.fetch_posted,
-                         "fetch_landed", (unsigned long long)c.fetch_landed,
-                         "fetch_failed", (unsigned long long)c.fetch_failed,
-                         "fetch_redundant", (unsigned long long)c.fetch_redundant,
-                         "fetch_parked", (unsigned long long)c.fetch_parked,
-                         "fetch_answered", (unsigned long long)c.fetch_answered,
-                         "fetch_started", (unsigned long long)c.fetch_started,
-                         "fetch_started_parts", (unsigned long long)c.fetch_started_parts);
+    return Py_BuildValue(
+        "{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
+        "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "ops", ops, "read_hits", (unsigned long long)c.read_hits, "read_hit_bytes",
+        (unsigned long long)c.read_hit_bytes, "memory_hits", (unsigned long long)c.memory_hits,
+        "read_misses", (unsigned long long)c.read_misses, "late_hits",
+        (unsigned long long)c.late_hits, "queued", (unsigned long long)c.queued,
+        "prefetch_hints", (unsigned long long)c.prefetch_hints, "resent",
+        (unsigned long long)c.resent, "ring_requests", (unsigned long long)c.ring_requests,
+        "ring_copy_bytes", (unsigned long long)c.ring_copy_bytes, "spliced",
+        (unsigned long long)c.spliced, "spliced_bytes", (unsigned long long)c.spliced_bytes,
+        "ring_copy_ns", (unsigned long long)c.ring_copy_ns, "ring_lost",
+        (unsigned long long)c.ring_lost, "gate_waits", (unsigned long long)c.gate_waits,
+        "shared_requests", (unsigned long long)c.shared_requests, "gate_opened_tasks",
+        (unsigned long long)c.gate_opened_tasks, "gate_opened_requests",
+        (unsigned long long)c.gate_opened_requests, "gate_crowded",
+        (unsigned long long)c.gate_crowded, "fetch_posted", (unsigned long long)c.fetch_posted,
+        "fetch_landed", (unsigned long long)c.fetch_landed, "fetch_failed",
+        (unsigned long long)c.fetch_failed, "fetch_redundant",
+        (unsigned long long)c.fetch_redundant, "fetch_parked",
+        (unsigned long long)c.fetch_parked, "fetch_answered",
+        (unsigned long long)c.fetch_answered, "fetch_started",
+        (unsigned long long)c.fetch_started, "fetch_started_parts",
+        (unsigned long long)c.fetch_started_parts);
 }
 
 /* ------------------------------------------------------------------ the Engine type */
@@ -778,8 +801,11 @@ static PyGetSetDef Engine_getset[] = {
 };
 
 static PyTypeObject EngineType = {
+    /* the macro ends in a comma that clang-format cannot see */
+    /* clang-format off */
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kspeedfs.fuse._engine.Engine",
+    /* clang-format on */
     .tp_basicsize = sizeof(EngineObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "The native FUSE engine of one mount (request threads on /dev/fuse).",
@@ -841,7 +867,7 @@ static PyObject *mod_notify_store(PyObject *m, PyObject *args)
     if (!PyArg_ParseTuple(args, "iO&O&y*:notify_store", &fd, conv_u64, &nodeid, conv_u64,
                           &offset, &b))
         return NULL;
-    if ((uint64_t)b.len <= UINT32_MAX - 4096) {       /* the kernel's size field is u32 */
+    if ((uint64_t)b.len <= UINT32_MAX - 4096) { /* the kernel's size field is u32 */
         Py_BEGIN_ALLOW_THREADS
         rc = fe_notify_store(fd, nodeid, offset, b.buf, (size_t)b.len);
         Py_END_ALLOW_THREADS
@@ -903,12 +929,12 @@ static PyObject *mod_reply(PyObject *m, PyObject *args)
         return NULL;
     if (!PyList_Check(data) && !PyTuple_Check(data))
         return reply_parts(fd, unique, &data, 1);
-    PyObject *fast = PySequence_Fast(data, "reply: data");   /* a new reference */
+    PyObject *fast = PySequence_Fast(data, "reply: data"); /* a new reference */
     if (!fast)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject *ret = n > MAX_IOV ? reply_joined(fd, unique, fast)
-                    : reply_parts(fd, unique, PySequence_Fast_ITEMS(fast), n);
+                                : reply_parts(fd, unique, PySequence_Fast_ITEMS(fast), n);
     Py_DECREF(fast);
     return ret;
 }
@@ -967,7 +993,8 @@ static PyMethodDef mod_methods[] = {
      "notify_store(fd, nodeid, offset, data) -> 0 or -errno (FUSE_NOTIFY_STORE)"},
     {"reply", mod_reply, METH_VARARGS,
      "reply(fd, unique, data or [data, ...]) -> 0 or -errno"},
-    {"reply_error", mod_reply_error, METH_VARARGS, "reply_error(fd, unique, err) -> 0 or -errno"},
+    {"reply_error", mod_reply_error, METH_VARARGS,
+     "reply_error(fd, unique, err) -> 0 or -errno"},
     {"notify_resend", mod_notify_resend, METH_VARARGS,
      "notify_resend(fd) -> 0 or -errno: unanswered requests of the connection are queued again"},
     {"reply_xattr_size", mod_reply_xattr_size, METH_VARARGS,
@@ -978,9 +1005,15 @@ static PyMethodDef mod_methods[] = {
 };
 
 static struct PyModuleDef moddef = {
-    PyModuleDef_HEAD_INIT, "kspeedfs.fuse._engine",
-    "The native FUSE data plane (see native/fuse_engine.h).", -1, mod_methods,
-    NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT,
+    "kspeedfs.fuse._engine",
+    "The native FUSE data plane (see native/fuse_engine.h).",
+    -1,
+    mod_methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
 };
 
 PyMODINIT_FUNC PyInit__engine(void)

@@ -15,17 +15,32 @@
 #include "fuse_fetch.h"
 
 /* The index arrays an Engine holds a view of (IX_ARRAYS in fuse_engine_py.c). */
-enum { IX_PARENT, IX_MODE, IX_UID, IX_GID, IX_SIZE, IX_MTIME_NS, IX_NAME_OFF, IX_NAME_LEN,
-       IX_DATA, IX_EXT, IX_CHUNK_LEN, IX_NAMES, IX_EXT_DIGESTS, IX_CHUNK_DIGESTS, IX_N };
+enum {
+    IX_PARENT,
+    IX_MODE,
+    IX_UID,
+    IX_GID,
+    IX_SIZE,
+    IX_MTIME_NS,
+    IX_NAME_OFF,
+    IX_NAME_LEN,
+    IX_DATA,
+    IX_EXT,
+    IX_CHUNK_LEN,
+    IX_NAMES,
+    IX_EXT_DIGESTS,
+    IX_CHUNK_DIGESTS,
+    IX_N
+};
 
 typedef struct {
     PyObject_HEAD
-    struct fe_engine *e;    /* NULL until created and once closed; the GIL guards it */
-    Py_buffer views[IX_N];  /* the index arrays, views[0..nviews) held */
+    struct fe_engine *e;   /* NULL until created and once closed; the GIL guards it */
+    Py_buffer views[IX_N]; /* the index arrays, views[0..nviews) held */
     int nviews;
-    int initialised;        /* fe_init succeeded */
-    int started;            /* fe_start succeeded */
-    int busy;               /* init or join is running without the GIL */
+    int initialised; /* fe_init succeeded */
+    int started;     /* fe_start succeeded */
+    int busy;        /* init or join is running without the GIL */
     /* the native fetch: the soft engines it holds (rdma._soft_engine.Engine objects,
      * held through the C API until fetch_stop) */
     const struct ks_capi *capi;

@@ -9,7 +9,7 @@
 #include <stdarg.h>
 #include <string.h>
 
-#define MAX_TAKE 1024       /* requests per take() */
+#define MAX_TAKE 1024 /* requests per take() */
 
 static PyStructSequence_Field read_fields[] = {
     {"fd", "the /dev/fuse fd to reply on, or a ring token (< 0)"},
@@ -58,10 +58,9 @@ static PyStructSequence_Field fetched_fields[] = {
 static PyStructSequence_Desc descs[] = {
     {"kspeedfs.fuse._engine.Read", "A READ C did not answer: Python reads and replies.",
      read_fields, 7},
-    {"kspeedfs.fuse._engine.Getxattr", "A GETXATTR for Python to answer.",
-     getxattr_fields, 6},
-    {"kspeedfs.fuse._engine.Listxattr", "A LISTXATTR for Python to answer.",
-     listxattr_fields, 5},
+    {"kspeedfs.fuse._engine.Getxattr", "A GETXATTR for Python to answer.", getxattr_fields, 6},
+    {"kspeedfs.fuse._engine.Listxattr", "A LISTXATTR for Python to answer.", listxattr_fields,
+     5},
     {"kspeedfs.fuse._engine.Prefetch", "A sequential reader's chunks for Python to load.",
      prefetch_fields, 4},
     {"kspeedfs.fuse._engine.Fetched", "A native fetch that ended, or is late (FETCH_LATE).",
@@ -108,7 +107,7 @@ static PyObject *event(const struct fe_request *r)
         return event_new(&event_types[2], "(iKKKd)", r->fd, unique, entry, size, since);
     case FE_PREFETCH:
         return event_new(&event_types[3], "(KKKK)", unique, entry, offset, size);
-    case FE_FETCHED:        /* entry = cookie, offset = chunk, size = status, unique = slot,
+    case FE_FETCHED: /* entry = cookie, offset = chunk, size = status, unique = slot,
                              * fd = peer, random = path (fuse_fetch.h) */
         return event_new(&event_types[4], "(KKKKiid)", entry, offset, size, unique, r->fd,
                          r->random, since);

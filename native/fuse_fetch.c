@@ -23,45 +23,45 @@ struct parked {
     struct fe_request q;
 };
 
-struct own {                        /* what a C-started fetch's FE_FETCHED names */
-    uint32_t slot;                  /* Python's id of its landing slot; a part's: the
+struct own {       /* what a C-started fetch's FE_FETCHED names */
+    uint32_t slot; /* Python's id of its landing slot; a part's: the
                                      * index of its staging slot in f->stage */
     int peer, path;
-    uint64_t t0, deadline;          /* CLOCK_MONOTONIC ns; deadline 0: none */
-    int late;                       /* FE_FETCH_LATE sent */
-    uint64_t chunk, entry;          /* a part's (FE_PART): its chunk, and the file it is */
+    uint64_t t0, deadline; /* CLOCK_MONOTONIC ns; deadline 0: none */
+    int late;              /* FE_FETCH_LATE sent */
+    uint64_t chunk, entry; /* a part's (FE_PART): its chunk, and the file it is */
 };
 
-struct rec {                        /* one fetch in flight; all fields under f->lock */
+struct rec { /* one fetch in flight; all fields under f->lock */
     int used;
-    uint32_t gen;                   /* in the WR id beside the index: a stale WC is ignored */
-    uint64_t k, cookie;             /* k: FE_NO_CHUNK for a part (an extent, a block):
+    uint32_t gen;       /* in the WR id beside the index: a stale WC is ignored */
+    uint64_t k, cookie; /* k: FE_NO_CHUNK for a part (an extent, a block):
                                      * copied out of laddr once verified, and put under
                                      * key[0..keylen) */
     uint8_t *laddr;
     uint32_t len;
-    int orphan;                     /* its bytes came another way (fetch_unpark): no READ
+    int orphan;                /* its bytes came another way (fetch_unpark): no READ
                                      * parks on it any more */
-    uint8_t key[20], keylen;        /* its tier key (a chunk's is f->digests + k * 16) */
-    uint8_t want[16], wantlen;      /* its digest: xxh3-128 (16), or xxh3-64 (8: a block) */
+    uint8_t key[20], keylen;   /* its tier key (a chunk's is f->digests + k * 16) */
+    uint8_t want[16], wantlen; /* its digest: xxh3-128 (16), or xxh3-64 (8: a block) */
     struct parked *parked;
-    struct own own;                 /* a C-started fetch's (cookie & FE_OWN) */
+    struct own own; /* a C-started fetch's (cookie & FE_OWN) */
 };
 
-struct landed {                     /* an extent's buffer in the tier, until Python takes it */
+struct landed { /* an extent's buffer in the tier, until Python takes it */
     struct landed *next;
     uint64_t cookie;
     uint8_t *buf;
     uint32_t len;
 };
 
-struct fcq {                        /* a fetch CQ on one soft engine */
+struct fcq { /* a fetch CQ on one soft engine */
     ks_engine *ke;
     ks_cq *cq;
     int id, efd;
 };
 
-struct peer {                       /* fetch_peer's; under f->lock */
+struct peer { /* fetch_peer's; under f->lock */
     struct fe_path path[FE_PATHS];
     int npaths, turn;
     uint64_t limit_ns, part_limit_ns[FE_SIZE_CLASSES];
@@ -79,35 +79,36 @@ struct fe_fetch {
     const uint8_t *digests;
     const uint32_t *chunk_len;
     uint64_t chunks;
-    uint64_t *routes;               /* chunk → (peer + 1) << 56 | arena offset; 0: none */
-    struct peer peers[FE_PEERS];    /* under lock, as routes and slots */
+    uint64_t *routes;            /* chunk → (peer + 1) << 56 | arena offset; 0: none */
+    struct peer peers[FE_PEERS]; /* under lock, as routes and slots */
     struct slot slots[FE_SLOTS];
     int nslots;
-    struct slot stage[FE_STAGING];  /* fetch_staging's, each C's for good (id: its size) */
-    int stage_free[FE_STAGING];     /* indexes into stage of the free ones */
+    struct slot stage[FE_STAGING]; /* fetch_staging's, each C's for good (id: its size) */
+    int stage_free[FE_STAGING];    /* indexes into stage of the free ones */
     int nstage, nstage_free;
     uint64_t own_seq;
     const struct ks_capi *api;
     pthread_mutex_t lock;
-    struct rec recs[FE_FETCH_MAX];  /* under lock */
-    int active;                     /* records used; under lock */
-    atomic_int nactive;             /* the same, read without the lock by fetch_park */
-    int stopping;                   /* under lock: no more posts */
+    struct rec recs[FE_FETCH_MAX]; /* under lock */
+    int active;                    /* records used; under lock */
+    atomic_int nactive;            /* the same, read without the lock by fetch_park */
+    int stopping;                  /* under lock: no more posts */
     struct fcq cqs[FE_FETCH_ENGINES];
-    atomic_int ncqs;                /* cqs[0..ncqs) published; added under lock */
+    atomic_int ncqs; /* cqs[0..ncqs) published; added under lock */
     int epfd, stopfd, kickfd;
-    atomic_int idle;                /* the thread sleeps with no deadline to watch */
+    atomic_int idle; /* the thread sleeps with no deadline to watch */
     pthread_t thread;
     int started;
-    struct landed *landed;          /* under lock */
-    struct fe_fetch_counters c;     /* under lock */
+    struct landed *landed;      /* under lock */
+    struct fe_fetch_counters c; /* under lock */
 };
 
 static void *fetch_main(void *arg);
 
-struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t, const uint8_t *chunk_digests,
-                           const uint32_t *chunk_len, uint64_t chunks, const struct ks_capi *api,
-                           char *err, size_t errlen)
+struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t,
+                           const uint8_t *chunk_digests, const uint32_t *chunk_len,
+                           uint64_t chunks, const struct ks_capi *api, char *err,
+                           size_t errlen)
 {
     struct fe_fetch *f = calloc(1, sizeof *f);
     uint64_t *routes = calloc(chunks ? chunks : 1, sizeof *routes);
@@ -247,7 +248,10 @@ static int hand_on(struct fe_fetch *f, struct parked *p, int again)
 static void event(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
                   const struct own *own)
 {
-    struct fe_request ev = {.kind = FE_FETCHED, .fd = -1, .entry = cookie, .offset = k,
+    struct fe_request ev = {.kind = FE_FETCHED,
+                            .fd = -1,
+                            .entry = cookie,
+                            .offset = k,
                             .size = (uint64_t)status};
     if (cookie & FE_OWN) {
         if (cookie & FE_PART) {
@@ -273,7 +277,7 @@ static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
     if (status == FE_FETCH_OK)
         f->c.landed++;
     else if (status == FE_FETCH_EXISTS)
-        f->c.redundant++;           /* a hedge or Python's load won: not a failure */
+        f->c.redundant++; /* a hedge or Python's load won: not a failure */
     else
         f->c.failed++;
     pthread_mutex_unlock(&f->lock);
@@ -363,8 +367,8 @@ static uint64_t wr_id_of(const struct fe_fetch *f, int i)
 /* fetch_post and fetch_post_part: a record for chunk ``k`` (or, FE_NO_CHUNK, for the part
  * under tier key ``key``, digest ``want``, with the caller's READ ``read`` parked on it),
  * and its READ. */
-static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, const uint8_t *key,
-                size_t keylen, const uint8_t *want, size_t wantlen,
+static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k,
+                const uint8_t *key, size_t keylen, const uint8_t *want, size_t wantlen,
                 const struct fe_request *read, uint64_t cookie, void *laddr, uint32_t lkey,
                 uint64_t raddr, uint32_t rkey, uint32_t len, const char **why)
 {
@@ -373,7 +377,7 @@ static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, con
         *why = "fetch_post: no fetch CQ on that engine (fetch_engine)";
         return -EINVAL;
     }
-    struct parked *own = NULL;          /* ``read``, parked before the READ can complete */
+    struct parked *own = NULL; /* ``read``, parked before the READ can complete */
     if (read) {
         if (!(own = malloc(sizeof *own))) {
             *why = "fetch_post: out of memory";
@@ -389,8 +393,9 @@ static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, con
         *why = "fetch_post: in flight";
         return -EALREADY;
     }
-    int free_i = f->stopping ? -1 : rec_open(f, k, key, keylen, want, wantlen, cookie, laddr,
-                                             len, own, (struct own){0});
+    int free_i = f->stopping ? -1
+                             : rec_open(f, k, key, keylen, want, wantlen, cookie, laddr, len,
+                                        own, (struct own){0});
     if (free_i < 0) {
         pthread_mutex_unlock(&f->lock);
         free(own);
@@ -401,11 +406,11 @@ static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, con
     pthread_mutex_unlock(&f->lock);
 
     int rc = post_read(f, ke, q, qpn, wr_id, laddr, lkey, raddr, rkey, len, why);
-    if (rc < 0) {               /* never posted: READs that parked meanwhile go to Python */
+    if (rc < 0) { /* never posted: READs that parked meanwhile go to Python */
         pthread_mutex_lock(&f->lock);
         f->c.posted--;
         struct parked *p = rec_end(f, free_i), **link = &p;
-        if (own) {              /* ``read`` stays the caller's: it answers it */
+        if (own) { /* ``read`` stays the caller's: it answers it */
             f->c.parked--;
             while (*link != own)
                 link = &(*link)->next;
@@ -512,14 +517,15 @@ static int own_post(struct fe_fetch *f, struct peer *p, int pi, int i, const str
     uint64_t wr_id = wr_id_of(f, i);
     int watch = f->recs[i].own.deadline != 0;
     pthread_mutex_unlock(&f->lock);
-    if (watch && atomic_exchange(&f->idle, 0)) {    /* its deadline needs the thread awake */
+    if (watch && atomic_exchange(&f->idle, 0)) { /* its deadline needs the thread awake */
         uint64_t one = 1;
         ssize_t wr = write(f->kickfd, &one, sizeof one);
         (void)wr;
     }
     const char *why;
     return post_read(f, path.ke, cq_of(f, path.ke) /* (fetch_peer checked it) */, path.qpn,
-                     wr_id, s->laddr, s->lkey[path.nic], path.raddr + off, path.rkey, len, &why);
+                     wr_id, s->laddr, s->lkey[path.nic], path.raddr + off, path.rkey, len,
+                     &why);
 }
 
 int fetch_staging(struct fe_fetch *f, void *laddr, uint32_t size, const uint32_t *lkeys,
@@ -545,7 +551,7 @@ int fetch_staging(struct fe_fetch *f, void *laddr, uint32_t size, const uint32_t
 /* The hedger's size class of a READ of ``len`` bytes (cluster/hedge.py size_class). */
 static int size_class(uint32_t len)
 {
-    int bits = len > 1 ? 32 - __builtin_clz(len - 1) : 0;   /* (len - 1).bit_length() */
+    int bits = len > 1 ? 32 - __builtin_clz(len - 1) : 0; /* (len - 1).bit_length() */
     int c = (bits - 11) / 2;
     return bits < 11 ? 0 : c < FE_SIZE_CLASSES - 1 ? c : FE_SIZE_CLASSES - 1;
 }
@@ -562,7 +568,7 @@ int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t l
     mine->next = NULL;
     pthread_mutex_lock(&f->lock);
     struct rec *r = part_rec_of(f, key, 16);
-    if (r) {                        /* in flight: the READ waits for it (unless a hedge
+    if (r) { /* in flight: the READ waits for it (unless a hedge
                                      * answered that fetch's READs: then Python's) */
         int park = !r->orphan;
         if (park)
@@ -585,9 +591,13 @@ int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t l
     int pi = p->turn % p->npaths;
     uint64_t now = fe_now_ns();
     uint64_t limit = p->part_limit_ns[size_class(len)];
-    struct own own = {.slot = (uint32_t)si, .peer = peer, .path = pi, .t0 = now,
+    struct own own = {.slot = (uint32_t)si,
+                      .peer = peer,
+                      .path = pi,
+                      .t0 = now,
                       .deadline = limit ? now + limit : 0,
-                      .chunk = k, .entry = read->entry};
+                      .chunk = k,
+                      .entry = read->entry};
     int free_i = rec_open(f, FE_NO_CHUNK, key, 16, key, 16,
                           FE_OWN | FE_PART | (f->own_seq + 1), s.laddr, len, mine, own);
     if (free_i < 0) {
@@ -625,7 +635,7 @@ int fetch_start(struct fe_fetch *f, uint64_t k)
     pthread_mutex_lock(&f->lock);
     if (rec_of(f, k)) {
         pthread_mutex_unlock(&f->lock);
-        return 1;                   /* in flight: nothing to start */
+        return 1; /* in flight: nothing to start */
     }
     int peer;
     uint64_t at;
@@ -638,7 +648,10 @@ int fetch_start(struct fe_fetch *f, uint64_t k)
     struct slot s = f->slots[f->nslots - 1];
     int pi = p->turn % p->npaths;
     uint64_t now = fe_now_ns();
-    struct own own = {.slot = s.id, .peer = peer, .path = pi, .t0 = now,
+    struct own own = {.slot = s.id,
+                      .peer = peer,
+                      .path = pi,
+                      .t0 = now,
                       .deadline = p->limit_ns ? now + p->limit_ns : 0};
     const uint8_t *digest = f->digests + k * 16;
     int free_i = rec_open(f, k, digest, 16, digest, 16, FE_OWN | (f->own_seq + 1), s.laddr,
@@ -689,12 +702,12 @@ int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct f
         return 0;
     p->q = *q;
     struct rec *wait = NULL;
-    pthread_mutex_lock(&f->lock);       /* (a record ends under it, after its tier put) */
+    pthread_mutex_lock(&f->lock); /* (a record ends under it, after its tier put) */
     for (uint64_t k = first; k <= last; k++) {
         if (tier_has(f->t, f->digests + k * 16, 16))
             continue;
         struct rec *r = rec_of(f, k);
-        if (!r || r->orphan) {          /* missing and not in flight: Python loads it */
+        if (!r || r->orphan) { /* missing and not in flight: Python loads it */
             wait = NULL;
             break;
         }
@@ -732,7 +745,7 @@ int fetch_unpark(struct fe_fetch *f, uint64_t cookie)
  * FE_ALIGN_MIN on the buffer starts on a page: the kernel copies a reply a page at a
  * time, and a source that starts mid-page is two short copies per page (the memory
  * tier's page_aligned, kspeedfs/cache/memory.py, says what it costs). */
-#define FE_ALIGN_MIN (64u << 10)   /* = ALIGN_MIN there */
+#define FE_ALIGN_MIN (64u << 10) /* = ALIGN_MIN there */
 static int put_part(struct fe_fetch *f, uint64_t cookie, const uint8_t *key, size_t keylen,
                     const uint8_t *laddr, uint32_t len)
 {
@@ -770,7 +783,7 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
     struct rec *r = i >= 0 && i < FE_FETCH_MAX ? &f->recs[i] : NULL;
     if (!r || !r->used || r->gen != gen) {
         pthread_mutex_unlock(&f->lock);
-        return;                             /* abandoned by fetch_stop */
+        return; /* abandoned by fetch_stop */
     }
     uint64_t k = r->k, cookie = r->cookie;
     uint8_t *laddr = r->laddr, key[20], want[16];
@@ -794,17 +807,17 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
             status = FE_FETCH_MISMATCH;
         else if (k != FE_NO_CHUNK) {
             if (tier_put_new(f->t, key, keylen, laddr, len) < 0)
-                status = FE_FETCH_EXISTS;   /* Python put it meanwhile: its copy serves */
+                status = FE_FETCH_EXISTS; /* Python put it meanwhile: its copy serves */
         } else
             status = put_part(f, cookie, key, keylen, laddr, len);
     }
     pthread_mutex_lock(&f->lock);
     struct parked *p = rec_end(f, i);
     if ((cookie & FE_OWN) && status != FE_FETCH_OK && status != FE_FETCH_EXISTS)
-        f->routes[cookie & FE_PART ? own.chunk : k] = 0;   /* a stale or dead route: the
+        f->routes[cookie & FE_PART ? own.chunk : k] = 0; /* a stale or dead route: the
                                                              * next hint goes to Python */
     if ((cookie & (FE_OWN | FE_PART)) == (FE_OWN | FE_PART))
-        f->stage_free[f->nstage_free++] = (int)own.slot;   /* its bytes are copied out */
+        f->stage_free[f->nstage_free++] = (int)own.slot; /* its bytes are copied out */
     pthread_mutex_unlock(&f->lock);
     finish(f, k, cookie, status, p, status == FE_FETCH_OK || status == FE_FETCH_EXISTS, &own);
 }
@@ -816,9 +829,12 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
 #define FE_LATE_TICK_MS 5
 static int late_check(struct fe_fetch *f)
 {
-    struct late { uint64_t k, cookie; struct own own; } late[16];
+    struct late {
+        uint64_t k, cookie;
+        struct own own;
+    } late[16];
     int n = 0, waiting = 0;
-    atomic_store(&f->idle, 1);      /* before the scan: fetch_start kicks after it */
+    atomic_store(&f->idle, 1); /* before the scan: fetch_start kicks after it */
     uint64_t now = fe_now_ns();
     pthread_mutex_lock(&f->lock);
     for (int i = 0; i < FE_FETCH_MAX; i++) {
@@ -844,8 +860,8 @@ static int late_check(struct fe_fetch *f)
 static void *fetch_main(void *arg)
 {
     struct fe_fetch *f = arg;
-    pthread_setname_np(pthread_self(), "ks-fetch");     /* top -H, bench: by role */
-    fe_reply_thread(f->e);                              /* it answers parked READs */
+    pthread_setname_np(pthread_self(), "ks-fetch"); /* top -H, bench: by role */
+    fe_reply_thread(f->e);                          /* it answers parked READs */
     ks_wc wcs[64];
     for (;;) {
         struct epoll_event evs[FE_FETCH_ENGINES + 2];
@@ -861,13 +877,13 @@ static void *fetch_main(void *arg)
                 stop = 1;
                 continue;
             }
-            if (which == FE_FETCH_ENGINES + 1) {    /* a deadline to watch: late_check */
+            if (which == FE_FETCH_ENGINES + 1) { /* a deadline to watch: late_check */
                 uint64_t v;
                 ssize_t rd = read(f->kickfd, &v, sizeof v);
                 (void)rd;
                 continue;
             }
-            struct fcq *q = &f->cqs[which];     /* polling it empty re-arms its eventfd */
+            struct fcq *q = &f->cqs[which]; /* polling it empty re-arms its eventfd */
             const char *why;
             int got;
             while ((got = f->api->cq_poll(q->ke, q->id, wcs, 64, &why)) > 0)
@@ -887,7 +903,7 @@ int fetch_stop(struct fe_fetch *f, int timeout_ms)
     pthread_mutex_unlock(&f->lock);
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (;;) {                      /* the thread completes what is out, if it comes */
+    for (;;) { /* the thread completes what is out, if it comes */
         if (!atomic_load(&f->nactive))
             break;
         struct timespec t;
@@ -919,7 +935,7 @@ int fetch_stop(struct fe_fetch *f, int timeout_ms)
     for (int i = 0; i < n; i++) {
         const char *why;
         if (f->cqs[i].cq && f->api->cq_close(f->cqs[i].ke, f->cqs[i].cq, &why) == 0)
-            f->cqs[i].cq = NULL;    /* else a READ is still out: the engine's close frees it */
+            f->cqs[i].cq = NULL; /* else a READ is still out: the engine's close frees it */
     }
     pthread_mutex_unlock(&f->lock);
     return left;
@@ -931,7 +947,7 @@ void fetch_free(struct fe_fetch *f)
         return;
     if (f->started)
         fetch_stop(f, 0);
-    while (f->landed) {             /* never taken: no thread reads the tier any more */
+    while (f->landed) { /* never taken: no thread reads the tier any more */
         struct landed *x = f->landed;
         f->landed = x->next;
         free(x->buf);

@@ -63,30 +63,38 @@
 
 #include "soft_engine.h"
 
-#define FE_FETCH_MAX 256            /* fetches in flight at once */
-#define FE_FETCH_ENGINES 8          /* soft engines (local NICs) with a fetch CQ */
-#define FE_NO_CHUNK UINT64_MAX      /* FE_FETCHED's chunk for an extent's fetch */
+#define FE_FETCH_MAX 256       /* fetches in flight at once */
+#define FE_FETCH_ENGINES 8     /* soft engines (local NICs) with a fetch CQ */
+#define FE_NO_CHUNK UINT64_MAX /* FE_FETCHED's chunk for an extent's fetch */
 
 /* FE_FETCHED's status beyond the WC's (ks_wc.status, < 64) */
-enum { FE_FETCH_OK = 0, FE_FETCH_SHORT = 64, FE_FETCH_MISMATCH = 65, FE_FETCH_EXISTS = 66,
-       FE_FETCH_STOPPED = 67, FE_FETCH_NOMEM = 68, FE_FETCH_LATE = 69 };
+enum {
+    FE_FETCH_OK = 0,
+    FE_FETCH_SHORT = 64,
+    FE_FETCH_MISMATCH = 65,
+    FE_FETCH_EXISTS = 66,
+    FE_FETCH_STOPPED = 67,
+    FE_FETCH_NOMEM = 68,
+    FE_FETCH_LATE = 69
+};
 
-#define FE_OWN (1ULL << 63)         /* in the cookie of a fetch C started (fetch_start) */
-#define FE_PART (1ULL << 62)        /* beside FE_OWN: a small file's extent (fetch_start_part) */
-#define FE_PEERS 64                 /* peers routes may name */
-#define FE_PATHS 2                  /* UP paths a peer's entry holds (used in turn) */
-#define FE_NICS 4                   /* local NICs a landing slot has an lkey on */
-#define FE_SLOTS 64                 /* landing slots Python may give C at once */
-#define FE_STAGING 32               /* staging slots for the extents C starts (fetch_staging) */
-#define FE_SIZE_CLASSES 7           /* the hedger's READ size classes (cluster/hedge.py):
-                                     * ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M, larger */
+#define FE_OWN (1ULL << 63)  /* in the cookie of a fetch C started (fetch_start) */
+#define FE_PART (1ULL << 62) /* beside FE_OWN: a small file's extent (fetch_start_part) */
+#define FE_PEERS 64          /* peers routes may name */
+#define FE_PATHS 2           /* UP paths a peer's entry holds (used in turn) */
+#define FE_NICS 4            /* local NICs a landing slot has an lkey on */
+#define FE_SLOTS 64          /* landing slots Python may give C at once */
+#define FE_STAGING 32        /* staging slots for the extents C starts (fetch_staging) */
+/* the hedger's READ size classes (cluster/hedge.py): ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M,
+ * larger */
+#define FE_SIZE_CLASSES 7
 
 /* One UP path to a peer: the soft engine of its local NIC (a fetch CQ there), its QP, the
  * peer's arena through it, and which of a landing slot's lkeys it takes. */
 struct fe_path {
     ks_engine *ke;
     uint32_t qpn, rkey, nic;
-    uint64_t raddr;                 /* the arena's first byte through this path */
+    uint64_t raddr; /* the arena's first byte through this path */
 };
 
 struct fe_engine;
@@ -95,15 +103,17 @@ struct fe_tier;
 struct fe_fetch;
 
 struct fe_fetch_counters {
-    uint64_t posted, landed, failed, parked, answered;  /* parked: per READ and chunk waited for */
-    uint64_t redundant;             /* landed verified, but the tier had the chunk (EXISTS) */
-    uint64_t started;               /* of ``posted``: started in C (fetch_start, _start_part) */
-    uint64_t started_parts;         /* of ``started``: small files' extents (fetch_start_part) */
+    /* parked: per READ and chunk waited for */
+    uint64_t posted, landed, failed, parked, answered;
+    uint64_t redundant;     /* landed verified, but the tier had the chunk (EXISTS) */
+    uint64_t started;       /* of ``posted``: started in C (fetch_start, _start_part) */
+    uint64_t started_parts; /* of ``started``: small files' extents (fetch_start_part) */
 };
 
-struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t, const uint8_t *chunk_digests,
-                           const uint32_t *chunk_len, uint64_t chunks, const struct ks_capi *api,
-                           char *err, size_t errlen);
+struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t,
+                           const uint8_t *chunk_digests, const uint32_t *chunk_len,
+                           uint64_t chunks, const struct ks_capi *api, char *err,
+                           size_t errlen);
 /* A fetch CQ on soft engine ``ke`` (held by the caller until fetch_free), once. */
 int fetch_engine(struct fe_fetch *f, ks_engine *ke, const char **why);
 /* READ ``len`` bytes at ``raddr``/``rkey`` on QP ``qpn`` of ``ke`` into ``laddr``/``lkey``,
@@ -151,7 +161,8 @@ void fetch_unroute(struct fe_fetch *f);
 /* A landing slot for C-started fetches: ``id`` comes back in their FE_FETCHED (the
  * ``unique`` field; ``fd`` the peer, ``random`` the path), ``lkeys[nic]`` its lkey on each
  * local NIC. -ENOSPC when FE_SLOTS are held. */
-int fetch_slot(struct fe_fetch *f, uint32_t id, void *laddr, const uint32_t *lkeys, int nlkeys);
+int fetch_slot(struct fe_fetch *f, uint32_t id, void *laddr, const uint32_t *lkeys,
+               int nlkeys);
 /* A staging slot of ``size`` bytes for the extents C starts (fetch_start_part): C's from
  * now on, used again as soon as each READ into it completed (its bytes are copied out).
  * -ENOSPC when FE_STAGING are held. */

@@ -130,8 +130,11 @@ static void Block_dealloc(BlockObject *self)
 static PyBufferProcs Block_as_buffer = {(getbufferproc)Block_getbuffer, NULL};
 
 PyTypeObject BlockType = {
+    /* the macro ends in a comma that clang-format cannot see */
+    /* clang-format off */
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kspeedfs.fuse._engine.Block",
+    /* clang-format on */
     .tp_basicsize = sizeof(BlockObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Verified bytes the native fetch copied out of a staging slot (read-only).",
@@ -178,12 +181,12 @@ PyObject *Engine_read_or_park(EngineObject *self, PyObject *args)
  * bytes into the staging buffer at laddr/lkey, verified against ``want``, copied into a
  * buffer of its own and put in the tier under ``key`` (fuse_fetch.h fetch_post_part).
  * Raised: ``read`` stays the caller's. */
-static PyObject *post_part(EngineObject *self, struct fe_engine *e, int handle, unsigned int qpn,
-                           const uint8_t *key, size_t keylen, const uint8_t *want,
-                           size_t wantlen, uint32_t len, unsigned long long entry,
-                           unsigned long long cookie, unsigned long long laddr,
-                           unsigned int lkey, unsigned long long raddr, unsigned int rkey,
-                           PyObject *read)
+static PyObject *post_part(EngineObject *self, struct fe_engine *e, int handle,
+                           unsigned int qpn, const uint8_t *key, size_t keylen,
+                           const uint8_t *want, size_t wantlen, uint32_t len,
+                           unsigned long long entry, unsigned long long cookie,
+                           unsigned long long laddr, unsigned int lkey,
+                           unsigned long long raddr, unsigned int rkey, PyObject *read)
 {
     struct fe_request q;
     if (read != Py_None && read_request(read, entry, &q) < 0)
@@ -212,8 +215,8 @@ PyObject *Engine_fetch_post_extent(EngineObject *self, PyObject *args)
     unsigned int qpn, lkey, rkey;
     unsigned long long entry, cookie, laddr, raddr;
     PyObject *read = Py_None;
-    if (!PyArg_ParseTuple(args, "iIKKKIKI|O:fetch_post_extent", &handle, &qpn, &entry,
-                          &cookie, &laddr, &lkey, &raddr, &rkey, &read))
+    if (!PyArg_ParseTuple(args, "iIKKKIKI|O:fetch_post_extent", &handle, &qpn, &entry, &cookie,
+                          &laddr, &lkey, &raddr, &rkey, &read))
         return NULL;
     struct fe_engine *e = engine_of(self, "fetch_post_extent");
     if (!e)
@@ -276,8 +279,8 @@ PyObject *Engine_fetch_landed(EngineObject *self, PyObject *arg)
     int have = fetch_and_cookie(self, arg, "fetch_landed", &f, &cookie);
     if (have <= 0)
         return have < 0 ? NULL : Py_NewRef(Py_None);
-    BlockObject *b = PyObject_New(BlockObject, &BlockType);   /* first: once taken, the */
-    if (!b)                                                   /* buffer must have an owner */
+    BlockObject *b = PyObject_New(BlockObject, &BlockType); /* first: once taken, the */
+    if (!b)                                                 /* buffer must have an owner */
         return NULL;
     uint32_t len = 0;
     b->buf = fetch_landed(f, cookie, &len);
@@ -325,8 +328,11 @@ PyObject *Engine_fetch_peer(EngineObject *self, PyObject *args)
             Py_DECREF(fast);
             return raise_errno(EINVAL, "fetch_peer: no such fetch engine");
         }
-        paths[i] = (struct fe_path){.ke = self->held_e[handle], .qpn = qpn, .rkey = rkey,
-                                    .nic = nic, .raddr = raddr};
+        paths[i] = (struct fe_path){.ke = self->held_e[handle],
+                                    .qpn = qpn,
+                                    .rkey = rkey,
+                                    .nic = nic,
+                                    .raddr = raddr};
     }
     Py_DECREF(fast);
     uint64_t part_limits[FE_SIZE_CLASSES] = {0};
@@ -344,7 +350,8 @@ PyObject *Engine_fetch_peer(EngineObject *self, PyObject *args)
         }
         Py_DECREF(pf);
         if (np > FE_SIZE_CLASSES)
-            return raise_errno(EINVAL, "fetch_peer: more than %d part limits", FE_SIZE_CLASSES);
+            return raise_errno(EINVAL, "fetch_peer: more than %d part limits",
+                               FE_SIZE_CLASSES);
     }
     int rc = fetch_peer(f, peer, paths, (int)n, limit_ns, part_limits);
     if (rc < 0)

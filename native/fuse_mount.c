@@ -13,7 +13,7 @@
 int fe_mount(const char *path, const char *fsname, int allow_other, int nonempty,
              uint32_t max_read, char *err, size_t errlen)
 {
-    (void)nonempty;    /* a fusermount rule; mount(2) itself mounts over anything */
+    (void)nonempty; /* a fusermount rule; mount(2) itself mounts over anything */
     int fd = open("/dev/fuse", O_RDWR | O_CLOEXEC);
     if (fd < 0) {
         set_err(err, errlen, "open /dev/fuse: %s", strerror(errno));
@@ -21,8 +21,9 @@ int fe_mount(const char *path, const char *fsname, int allow_other, int nonempty
     }
     char opts[256];
     int n = snprintf(opts, sizeof opts,
-                     "fd=%d,rootmode=40000,user_id=%u,group_id=%u,default_permissions%s",
-                     fd, (unsigned)getuid(), (unsigned)getgid(), allow_other ? ",allow_other" : "");
+                     "fd=%d,rootmode=40000,user_id=%u,group_id=%u,default_permissions%s", fd,
+                     (unsigned)getuid(), (unsigned)getgid(),
+                     allow_other ? ",allow_other" : "");
     if (max_read)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",max_read=%u", max_read);
     if (mount(fsname, path, "fuse.kspeedfs", MS_RDONLY | MS_NOSUID | MS_NODEV, opts) < 0) {
@@ -35,7 +36,4 @@ int fe_mount(const char *path, const char *fsname, int allow_other, int nonempty
     return fd;
 }
 
-int fe_unmount(const char *path)
-{
-    return umount2(path, MNT_DETACH) < 0 ? -errno : 0;
-}
+int fe_unmount(const char *path) { return umount2(path, MNT_DETACH) < 0 ? -errno : 0; }

@@ -270,7 +270,7 @@ static int do_open(struct req *r)
         return -ENOMEM;
     struct fuse_open_out o = {.fh = fh->fh, .open_flags = FOPEN_KEEP_CACHE};
     if (answer(r, &o, sizeof o, 0) < 0)
-        handle_free(e, fh->fh);             /* interrupted: the kernel never sees this fh */
+        handle_free(e, fh->fh); /* interrupted: the kernel never sees this fh */
     return 0;
 }
 
@@ -360,14 +360,17 @@ static int do_xattr(struct req *r, int kind)
     struct fe_engine *e = r->w->e;
     uint64_t entry;
     if (!e->opt.xattrs)
-        return -ENOSYS;             /* answered once: the kernel stops asking */
+        return -ENOSYS; /* answered once: the kernel stops asking */
     if (!valid_entry(e, r->h->nodeid, &entry))
         return -ENOENT;
     if (r->arglen < sizeof(struct fuse_getxattr_in))
         return -EINVAL;
     const struct fuse_getxattr_in *in = (const void *)r->arg;
-    struct fe_request q = {.kind = kind, .unique = r->h->unique, .entry = entry,
-                           .size = in->size, .t0 = r->t0};
+    struct fe_request q = {.kind = kind,
+                           .unique = r->h->unique,
+                           .entry = entry,
+                           .size = in->size,
+                           .t0 = r->t0};
     if (kind == FE_GETXATTR) {
         const char *name = (const char *)(in + 1);
         size_t n = strnlen(name, r->arglen - sizeof *in);
@@ -382,9 +385,11 @@ static int do_xattr(struct req *r, int kind)
 
 /* ---------------------------------------------------------------------- dispatch */
 
-static const uint64_t bounds_ns[FE_BUCKETS - 1] = {
-    100000, 250000, 500000, 1000000, 2500000, 5000000, 10000000, 25000000, 50000000,
-    100000000, 250000000, 500000000, 1000000000, 2500000000ULL, 10000000000ULL};
+static const uint64_t bounds_ns[FE_BUCKETS - 1] = {100000,     250000,        500000,
+                                                   1000000,    2500000,       5000000,
+                                                   10000000,   25000000,      50000000,
+                                                   100000000,  250000000,     500000000,
+                                                   1000000000, 2500000000ULL, 10000000000ULL};
 
 uint64_t fe_now_ns(void)
 {
@@ -433,31 +438,67 @@ static void dispatch_one(struct fe_worker *w, const uint8_t *buf, size_t n, uint
             w->c.shared_requests++;
     }
     if (h->unique >> 63)
-        w->c.resent++;              /* a dead predecessor read it; the kernel sent it again */
+        w->c.resent++; /* a dead predecessor read it; the kernel sent it again */
     int rc;
     switch (h->opcode) {
-    case FUSE_LOOKUP: r.op = FE_OP_LOOKUP; rc = do_lookup(&r); break;
-    case FUSE_GETATTR: r.op = FE_OP_GETATTR; rc = do_getattr(&r); break;
-    case FUSE_READLINK: r.op = FE_OP_READLINK; rc = do_readlink(&r); break;
-    case FUSE_OPEN: r.op = FE_OP_OPEN; rc = do_open(&r); break;
-    case FUSE_READ: r.op = FE_OP_READ; rc = do_read(&r); break;
-    case FUSE_RELEASE: r.op = FE_OP_RELEASE; rc = do_release(&r); break;
-    case FUSE_OPENDIR: r.op = FE_OP_OPENDIR; rc = do_opendir(&r); break;
-    case FUSE_READDIR: r.op = FE_OP_READDIR; rc = do_readdir(&r, 0); break;
-    case FUSE_READDIRPLUS: r.op = FE_OP_READDIR; rc = do_readdir(&r, 1); break;
+    case FUSE_LOOKUP:
+        r.op = FE_OP_LOOKUP;
+        rc = do_lookup(&r);
+        break;
+    case FUSE_GETATTR:
+        r.op = FE_OP_GETATTR;
+        rc = do_getattr(&r);
+        break;
+    case FUSE_READLINK:
+        r.op = FE_OP_READLINK;
+        rc = do_readlink(&r);
+        break;
+    case FUSE_OPEN:
+        r.op = FE_OP_OPEN;
+        rc = do_open(&r);
+        break;
+    case FUSE_READ:
+        r.op = FE_OP_READ;
+        rc = do_read(&r);
+        break;
+    case FUSE_RELEASE:
+        r.op = FE_OP_RELEASE;
+        rc = do_release(&r);
+        break;
+    case FUSE_OPENDIR:
+        r.op = FE_OP_OPENDIR;
+        rc = do_opendir(&r);
+        break;
+    case FUSE_READDIR:
+        r.op = FE_OP_READDIR;
+        rc = do_readdir(&r, 0);
+        break;
+    case FUSE_READDIRPLUS:
+        r.op = FE_OP_READDIR;
+        rc = do_readdir(&r, 1);
+        break;
     case FUSE_RELEASEDIR:
         r.op = FE_OP_RELEASEDIR;
         answer(&r, NULL, 0, 0);
         rc = 0;
         break;
-    case FUSE_STATFS: r.op = FE_OP_STATFS; rc = do_statfs(&r); break;
-    case FUSE_GETXATTR: r.op = FE_OP_GETXATTR; rc = do_xattr(&r, FE_GETXATTR); break;
-    case FUSE_LISTXATTR: r.op = FE_OP_LISTXATTR; rc = do_xattr(&r, FE_LISTXATTR); break;
+    case FUSE_STATFS:
+        r.op = FE_OP_STATFS;
+        rc = do_statfs(&r);
+        break;
+    case FUSE_GETXATTR:
+        r.op = FE_OP_GETXATTR;
+        rc = do_xattr(&r, FE_GETXATTR);
+        break;
+    case FUSE_LISTXATTR:
+        r.op = FE_OP_LISTXATTR;
+        rc = do_xattr(&r, FE_LISTXATTR);
+        break;
     case FUSE_FORGET:
-    case FUSE_BATCH_FORGET:         /* inodes are entry numbers: nothing to forget */
+    case FUSE_BATCH_FORGET: /* inodes are entry numbers: nothing to forget */
         w->c.count[FE_OP_FORGET]++;
         return;
-    case FUSE_INTERRUPT:            /* requests are short or queued; the reply comes anyway */
+    case FUSE_INTERRUPT: /* requests are short or queued; the reply comes anyway */
     case FUSE_NOTIFY_REPLY:
         return;
     case FUSE_DESTROY:
@@ -465,14 +506,26 @@ static void dispatch_one(struct fe_worker *w, const uint8_t *buf, size_t n, uint
         answer(&r, NULL, 0, 0);
         rc = 0;
         break;
-    case FUSE_SETATTR: case FUSE_SYMLINK: case FUSE_MKNOD: case FUSE_MKDIR: case FUSE_UNLINK:
-    case FUSE_RMDIR: case FUSE_RENAME: case FUSE_LINK: case FUSE_WRITE: case FUSE_SETXATTR:
-    case FUSE_REMOVEXATTR: case FUSE_CREATE: case FUSE_FALLOCATE: case FUSE_RENAME2:
-    case FUSE_COPY_FILE_RANGE: case FUSE_TMPFILE:
+    case FUSE_SETATTR:
+    case FUSE_SYMLINK:
+    case FUSE_MKNOD:
+    case FUSE_MKDIR:
+    case FUSE_UNLINK:
+    case FUSE_RMDIR:
+    case FUSE_RENAME:
+    case FUSE_LINK:
+    case FUSE_WRITE:
+    case FUSE_SETXATTR:
+    case FUSE_REMOVEXATTR:
+    case FUSE_CREATE:
+    case FUSE_FALLOCATE:
+    case FUSE_RENAME2:
+    case FUSE_COPY_FILE_RANGE:
+    case FUSE_TMPFILE:
         r.op = FE_OP_EROFS;
         rc = -EROFS;
         break;
-    default:                        /* flush, fsync, locks, ioctl, lseek, …: the kernel's own */
+    default: /* flush, fsync, locks, ioctl, lseek, …: the kernel's own */
         r.op = FE_OP_ENOSYS;
         rc = -ENOSYS;
         break;
@@ -481,6 +534,6 @@ static void dispatch_one(struct fe_worker *w, const uint8_t *buf, size_t n, uint
         counted(&r, r.op != FE_OP_ENOSYS);
         worker_reply(w, h->unique, -rc, NULL, 1);
     } else if (rc != QUEUED) {
-        counted(&r, 0);             /* answered without answer(): nothing to count late */
+        counted(&r, 0); /* answered without answer(): nothing to count late */
     }
 }

@@ -12,7 +12,7 @@ void wake(struct fe_engine *e)
 {
     uint64_t one = 1;
     ssize_t rc = write(e->efd, &one, sizeof one);
-    (void)rc;                       /* EAGAIN: the counter is already non-zero */
+    (void)rc; /* EAGAIN: the counter is already non-zero */
 }
 
 int enqueue(struct fe_engine *e, const struct fe_request *q)
@@ -44,14 +44,14 @@ int enqueue(struct fe_engine *e, const struct fe_request *q)
  * there (fuse_fetch.h: answered by the fetch thread, or queued for Python if a chunk
  * does not land); or, a small file's READ, park it on its extent's fetch started here
  * (``start_small``). */
-int enqueue_for_python(struct fe_worker *w, struct fe_request *q,
-                       struct fe_fetch *fetch, uint64_t first, uint64_t last)
+int enqueue_for_python(struct fe_worker *w, struct fe_request *q, struct fe_fetch *fetch,
+                       uint64_t first, uint64_t last)
 {
     if (!w->ent) {
         q->fd = w->fd;
     } else {
         q->fd = ring_token(w->ent);
-        atomic_store(&w->ent->state, ENT_PY);   /* before another thread can answer it */
+        atomic_store(&w->ent->state, ENT_PY); /* before another thread can answer it */
     }
     if (fetch && (fetch_park(fetch, first, last, q) || start_small(w->e, fetch, q)))
         return 0;

@@ -17,8 +17,7 @@ static const uint8_t *chunk_key(const struct fe_engine *e, uint64_t k)
 /* The sequential-read bookkeeping of cache/prefetch.py ``Prefetcher.advise``, for one
  * handle: whether this read is random, and the chunks to start loading ahead. */
 static int advise(struct fe_engine *e, struct fe_handle *fh, uint64_t offset, uint64_t size,
-                  uint64_t last, uint64_t file_last, uint64_t *pstart,
-                  uint64_t *pstop)
+                  uint64_t last, uint64_t file_last, uint64_t *pstart, uint64_t *pstop)
 {
     *pstart = *pstop = 0;
     pthread_mutex_lock(&fh->lock);
@@ -45,7 +44,7 @@ static int advise(struct fe_engine *e, struct fe_handle *fh, uint64_t offset, ui
 struct hit {
     struct iovec iov[FE_MAX_IOV + 1];
     struct fe_slot *held[FE_MAX_IOV];
-    int n;                          /* iovecs used, from 1 */
+    int n; /* iovecs used, from 1 */
     int nheld;
     int units;
 };
@@ -203,14 +202,14 @@ static int answer_again(struct fe_engine *e, const struct fe_request *q, uint64_
 int fe_read_or_park(struct fe_engine *e, const struct fe_request *q)
 {
     if (q->entry >= e->ix.entries || !S_ISREG(e->ix.mode[q->entry]))
-        return 0;                   /* (Python's READ tuple: not trusted blindly) */
+        return 0; /* (Python's READ tuple: not trusted blindly) */
     uint64_t end, first, last;
     read_span(e, q->entry, q->offset, q->size, &end, &first, &last);
     if (q->offset >= end)
         return 0;
     if (answer_again(e, q, end, first, last))
         return 1;
-    struct fe_fetch *f = atomic_load(&e->fetch);   /* one of its chunks in flight */
+    struct fe_fetch *f = atomic_load(&e->fetch); /* one of its chunks in flight */
     if (!f)
         return 0;
     /* Nothing to park on may also mean its last chunk landed between the two looks: the
@@ -258,8 +257,12 @@ int do_read(struct req *r)
         worker_reply(r->w, r->h->unique, 0, h.iov, h.n);
         release_hit(e, &h);
     } else {
-        struct fe_request q = {.kind = FE_READ, .unique = r->h->unique, .entry = entry,
-                               .offset = offset, .size = in->size, .random = random,
+        struct fe_request q = {.kind = FE_READ,
+                               .unique = r->h->unique,
+                               .entry = entry,
+                               .offset = offset,
+                               .size = in->size,
+                               .random = random,
                                .t0 = r->t0};
         r->w->c.read_misses++;
         r->w->c.queued++;
@@ -273,8 +276,12 @@ int do_read(struct req *r)
         struct fe_fetch *f = atomic_load(&e->fetch);
         for (uint64_t k = pstart; k < pstop; k++)
             if (!tier_has(e->tier, chunk_key(e, k), 16) && !(f && fetch_start(f, k))) {
-                struct fe_request q = {.kind = FE_PREFETCH, .fd = -1, .unique = last,
-                                       .entry = entry, .offset = k, .size = pstop};
+                struct fe_request q = {.kind = FE_PREFETCH,
+                                       .fd = -1,
+                                       .unique = last,
+                                       .entry = entry,
+                                       .offset = k,
+                                       .size = pstop};
                 r->w->c.prefetch_hints++;
                 enqueue(e, &q);
                 break;

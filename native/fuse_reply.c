@@ -10,7 +10,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define FE_NOTIFY_RESEND 7          /* kernel 6.9+ (include/uapi/linux/fuse.h, 7.40) */
+#define FE_NOTIFY_RESEND 7 /* kernel 6.9+ (include/uapi/linux/fuse.h, 7.40) */
 
 static int write_reply(int fd, struct iovec *iov, int n)
 {
@@ -19,7 +19,7 @@ static int write_reply(int fd, struct iovec *iov, int n)
         if (w >= 0)
             return 0;
         if (errno != EINTR)
-            return -errno;          /* ENOENT: the request was interrupted; nothing to do */
+            return -errno; /* ENOENT: the request was interrupted; nothing to do */
     }
 }
 
@@ -48,13 +48,13 @@ static int write_reply(int fd, struct iovec *iov, int n)
 
 struct reply_pipe {
     int rd, wr;
-    size_t pages;               /* what it holds at most */
+    size_t pages; /* what it holds at most */
 };
 
 static pthread_key_t pipe_key;
 static pthread_once_t pipe_once = PTHREAD_ONCE_INIT;
-static __thread struct fe_engine *splice_for;   /* this thread splices for it: counts */
-static __thread struct reply_pipe *tpipe;   /* its pipe (also pipe_key's value) */
+static __thread struct fe_engine *splice_for; /* this thread splices for it: counts */
+static __thread struct reply_pipe *tpipe;     /* its pipe (also pipe_key's value) */
 
 static void pipe_close(void *arg)
 {
@@ -84,7 +84,8 @@ static struct reply_pipe *pipe_open(void)
         close(fd[1]);
         return NULL;
     }
-    *p = (struct reply_pipe){.rd = fd[0], .wr = fd[1],
+    *p = (struct reply_pipe){.rd = fd[0],
+                             .wr = fd[1],
                              .pages = (size_t)got / (size_t)sysconf(_SC_PAGESIZE)};
     return p;
 }
@@ -101,7 +102,7 @@ size_t fe_splice_room(void)
     struct reply_pipe *p = pipe_open();
     if (!p)
         return 0;
-    size_t room = (p->pages - 1) * (size_t)sysconf(_SC_PAGESIZE);   /* a header's page */
+    size_t room = (p->pages - 1) * (size_t)sysconf(_SC_PAGESIZE); /* a header's page */
     pipe_close(p);
     return room;
 }
@@ -120,7 +121,7 @@ static int splice_reply(int fd, const struct iovec *iov, int n, size_t len)
     if (!tpipe) {
         pthread_once(&pipe_once, pipe_key_make);
         if (!(tpipe = pipe_open())) {
-            splice_for = NULL;          /* none now: none later (no fds, or no pipes) */
+            splice_for = NULL; /* none now: none later (no fds, or no pipes) */
             return 0;
         }
         pthread_setspecific(pipe_key, tpipe);
@@ -134,11 +135,11 @@ static int splice_reply(int fd, const struct iovec *iov, int n, size_t len)
         return 0;
     ssize_t v = vmsplice(tpipe->wr, iov, (unsigned long)n, SPLICE_F_NONBLOCK);
     if (v != (ssize_t)len) {
-        pipe_drop();                    /* part of it may be in the pipe */
+        pipe_drop(); /* part of it may be in the pipe */
         return 0;
     }
     ssize_t s;
-    do                                  /* EINTR: nothing was taken from the pipe */
+    do /* EINTR: nothing was taken from the pipe */
         s = splice(tpipe->rd, NULL, fd, NULL, len, 0);
     while (s < 0 && errno == EINTR);
     if (s == (ssize_t)len) {
@@ -166,7 +167,7 @@ int reply_iov(int fd, uint64_t unique, struct iovec *iov, int n)
     int spliced = splice_reply(fd, iov, n, len);
     if (spliced > 0 || spliced == -ENOENT)
         return spliced > 0 ? 0 : spliced;
-    return write_reply(fd, iov, n);     /* not spliced, or the splice failed */
+    return write_reply(fd, iov, n); /* not spliced, or the splice failed */
 }
 
 int reply_buf(int fd, uint64_t unique, const void *buf, size_t len)
@@ -208,7 +209,9 @@ int fe_reply_xattr_size(int fd, uint64_t unique, uint32_t size)
 int fe_notify_store(int fd, uint64_t nodeid, uint64_t offset, const void *buf, size_t len)
 {
     struct fuse_out_header h = {.error = FUSE_NOTIFY_STORE, .unique = 0};
-    struct fuse_notify_store_out o = {.nodeid = nodeid, .offset = offset, .size = (uint32_t)len};
+    struct fuse_notify_store_out o = {.nodeid = nodeid,
+                                      .offset = offset,
+                                      .size = (uint32_t)len};
     struct iovec iov[3] = {{&h, sizeof h}, {&o, sizeof o}, {(void *)buf, len}};
     h.len = (uint32_t)(sizeof h + sizeof o + len);
     return write_reply(fd, iov, 3);

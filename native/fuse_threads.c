@@ -32,7 +32,7 @@
  * wait here while, for FE_SOLO_NS, every request was a READ of FE_SOLO_READ or more
  * from one task (readahead); any other request, or another task's, opens the gate. */
 #define FE_SOLO_NS 20000000ull
-#define FE_SOLO_READ (256u << 10)   /* a READ this large is readahead, answered ahead of need */
+#define FE_SOLO_READ (256u << 10) /* a READ this large is readahead, answered ahead of need */
 
 /* The crowd rule.  More tasks than CPUs, each sending short requests in turn (8 workers
  * opening and reading ImageNet-like files on 2 CPUs): no CPU is idle for a second
@@ -58,10 +58,12 @@ void crowd_note(struct fe_worker *w, uint32_t pid, uint64_t t0)
     if (e->nworkers < 2)
         return;
     uint64_t now = fe_now_ns();
-    atomic_store_explicit(&w->busy_ns, atomic_load_explicit(&w->busy_ns, memory_order_relaxed)
-                          + (now - t0), memory_order_relaxed);
-    atomic_store_explicit(&w->requests, atomic_load_explicit(&w->requests,
-                          memory_order_relaxed) + 1, memory_order_relaxed);
+    atomic_store_explicit(&w->busy_ns,
+                          atomic_load_explicit(&w->busy_ns, memory_order_relaxed) + (now - t0),
+                          memory_order_relaxed);
+    atomic_store_explicit(&w->requests,
+                          atomic_load_explicit(&w->requests, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
     uint64_t bit = 1ull << (pid % 64);
     if (pid && !(atomic_load_explicit(&e->crowd_tasks, memory_order_relaxed) & bit))
         atomic_fetch_or_explicit(&e->crowd_tasks, bit, memory_order_relaxed);
@@ -89,14 +91,13 @@ void crowd_note(struct fe_worker *w, uint32_t pid, uint64_t t0)
 /* The solo gate's bookkeeping (solo_gate, below), on every /dev/fuse request, at its
  * arrival ``now``: while the gate was opened within the last quarter of FE_SOLO_NS it
  * touches nothing shared (fio's random 4 KiB j4 is ~0.5 us per READ). */
-void solo_note(struct fe_worker *w, const struct fuse_in_header *h, size_t n,
-               uint64_t now)
+void solo_note(struct fe_worker *w, const struct fuse_in_header *h, size_t n, uint64_t now)
 {
     struct fe_engine *e = w->e;
     if (e->nworkers < 2 || !h->pid)
-        return;                     /* (the kernel's own requests carry no task) */
+        return; /* (the kernel's own requests carry no task) */
     if (atomic_load_explicit(&e->crowded, memory_order_relaxed))
-        return;                     /* the crowd rule: the gate stays as it is */
+        return; /* the crowd rule: the gate stays as it is */
     if (atomic_load_explicit(&e->multi_until, memory_order_relaxed) > now + FE_SOLO_NS / 4 * 3)
         return;
     uint32_t prev = atomic_load_explicit(&e->last_pid, memory_order_relaxed);
@@ -105,7 +106,7 @@ void solo_note(struct fe_worker *w, const struct fuse_in_header *h, size_t n,
     const struct fuse_read_in *in = (const void *)(h + 1);
     if (prev == h->pid && h->opcode == FUSE_READ && n >= sizeof *h + sizeof *in &&
         in->size >= FE_SOLO_READ)
-        return;                     /* readahead of the one task reading */
+        return; /* readahead of the one task reading */
     if (atomic_exchange(&e->multi_until, now + FE_SOLO_NS) <= now) {
         if (prev != h->pid)
             w->c.gate_opened_tasks++;
@@ -143,12 +144,13 @@ static void solo_gate(struct fe_engine *e, struct fe_worker *w)
         return;
     pthread_mutex_lock(&e->slock);
     for (int waited = 0; !atomic_load(&e->stopping) && !atomic_load(&e->gate_open) &&
-         fe_now_ns() >= atomic_load(&e->multi_until); waited = 1) {
+                         fe_now_ns() >= atomic_load(&e->multi_until);
+         waited = 1) {
         if (!waited)
             w->c.gate_waits++;
         struct timespec t;
         clock_gettime(CLOCK_REALTIME, &t);
-        t.tv_nsec += 100000000;     /* (stopping and gate_open also broadcast) */
+        t.tv_nsec += 100000000; /* (stopping and gate_open also broadcast) */
         if (t.tv_nsec >= 1000000000) {
             t.tv_sec++;
             t.tv_nsec -= 1000000000;
@@ -170,37 +172,37 @@ static void *worker_main(void *arg)
 {
     struct fe_worker *w = arg;
     struct fe_engine *e = w->e;
-    pthread_setname_np(pthread_self(), "ks-fuse");        /* top -H, bench: by role */
+    pthread_setname_np(pthread_self(), "ks-fuse"); /* top -H, bench: by role */
     fe_reply_thread(e);
     for (;;) {
         solo_gate(e, w);
         if (atomic_load(&e->stopping))
-            break;                  /* fe_stop: a successor reads the connection now */
+            break; /* fe_stop: a successor reads the connection now */
         ssize_t n = read(w->fd, w->in, FE_REQ_BUF);
         if (n == 0)
-            break;                  /* not /dev/fuse (the fuzzer's socket): its end */
+            break; /* not /dev/fuse (the fuzzer's socket): its end */
         if (n < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == ENOENT)
-                continue;           /* ENOENT: a request interrupted before we read it */
-            break;                  /* ENODEV: unmounted or aborted */
+                continue; /* ENOENT: a request interrupted before we read it */
+            break;        /* ENODEV: unmounted or aborted */
         }
         dispatch(w, w->in, (size_t)n);
     }
-    solo_release(e);                /* the others read on, and find the same end */
+    solo_release(e); /* the others read on, and find the same end */
     atomic_store(&w->done, 1);
     if (atomic_fetch_sub(&e->dev_live, 1) == 1 && e->nqueues)
-        ring_signal_stop(e);        /* the connection is gone (or handed over): so are the rings */
+        ring_signal_stop(e); /* the connection is gone (or handed over): so are the rings */
     if (atomic_fetch_sub(&e->live, 1) == 1)
-        wake(e);                    /* the last one out tells Python */
+        wake(e); /* the last one out tells Python */
     return NULL;
 }
 
-static void on_stop_signal(int sig) { (void)sig; }   /* only to interrupt read(2) */
+static void on_stop_signal(int sig) { (void)sig; } /* only to interrupt read(2) */
 
 static void install_stop_signal(void)
 {
     struct sigaction sa = {0};
-    sa.sa_handler = on_stop_signal;         /* no SA_RESTART: read returns EINTR */
+    sa.sa_handler = on_stop_signal; /* no SA_RESTART: read returns EINTR */
     sigemptyset(&sa.sa_mask);
     sigaction(SIGUSR2, &sa, NULL);
 }
@@ -208,7 +210,7 @@ static void install_stop_signal(void)
 int fe_stop(struct fe_engine *e)
 {
     if (e->transport)
-        return -EBUSY;              /* ring entries cannot change hands (fe_transport) */
+        return -EBUSY; /* ring entries cannot change hands (fe_transport) */
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, install_stop_signal);
     atomic_store(&e->stopping, 1);
@@ -258,7 +260,7 @@ int fe_fds(const struct fe_engine *e, int *out, int max)
 int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen)
 {
     if (nthreads < e->ngiven)
-        nthreads = e->ngiven;           /* every handed-in fd is read (its requests too) */
+        nthreads = e->ngiven; /* every handed-in fd is read (its requests too) */
     if (nthreads < 1)
         nthreads = 1;
     if (nthreads > FE_MAX_THREADS)
@@ -266,14 +268,17 @@ int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen)
     e->workers = calloc((size_t)nthreads, sizeof *e->workers);
     if (!e->workers)
         return -ENOMEM;
-    cpu_set_t cpus;                     /* the crowd rule's CPUs */
+    cpu_set_t cpus; /* the crowd rule's CPUs */
     e->ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
     for (int i = 0; i < nthreads; i++) {
         struct fe_worker *w = &e->workers[i];
-        int bufs = worker_buffers(w, e, i == 0 ? e->fd : i < e->ngiven ? e->given[i]
-                                                            : clone_fd(e->fd));
+        int bufs = worker_buffers(w, e,
+                                  i == 0          ? e->fd
+                                  : i < e->ngiven ? e->given[i]
+                                                  : clone_fd(e->fd));
         if (w->fd < 0 || bufs < 0) {
-            set_err(err, errlen, "thread %d: %s", i, w->fd < 0 ? strerror(errno) : "out of memory");
+            set_err(err, errlen, "thread %d: %s", i,
+                    w->fd < 0 ? strerror(errno) : "out of memory");
             if (i && w->fd >= 0)
                 close(w->fd);
             free(w->in);
@@ -301,9 +306,9 @@ int fe_start(struct fe_engine *e, int nthreads, char *err, size_t errlen)
      * a refused REGISTER. */
     if (e->uring) {
         e->transport = ring_start(e, e->ring_why, sizeof e->ring_why) == 1;
-        if (!e->transport) {        /* not fatal: /dev/fuse serves (fe_transport says why) */
+        if (!e->transport) { /* not fatal: /dev/fuse serves (fe_transport says why) */
             ring_refuse(e);
-            e->flags &= ~FE_FUSE_OVER_IO_URING;     /* the kernel turned it off: a successor
+            e->flags &= ~FE_FUSE_OVER_IO_URING; /* the kernel turned it off: a successor
                                                      * adopts a /dev/fuse connection */
         }
     }
@@ -317,5 +322,5 @@ void fe_join(struct fe_engine *e)
             pthread_join(e->workers[i].thread, NULL);
             e->workers[i].started = 0;
         }
-    ring_join(e);                   /* the last /dev/fuse reader out stopped them */
+    ring_join(e); /* the last /dev/fuse reader out stopped them */
 }

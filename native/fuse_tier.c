@@ -57,7 +57,7 @@ void tier_free(struct fe_tier *t)
 static uint64_t key_hash(const uint8_t *key, size_t keylen)
 {
     uint64_t h;
-    memcpy(&h, key, 8);                 /* the key is a digest: already uniform */
+    memcpy(&h, key, 8); /* the key is a digest: already uniform */
     if (keylen > 16) {
         uint32_t b;
         memcpy(&b, key + 16, 4);
@@ -128,7 +128,7 @@ static int put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void 
     struct fe_slot **link, *old = find(t, b, key, keylen, &link);
     if (old && (only_new || (!old->owner && old->data == data && old->len == len))) {
         if (!only_new)
-            old->owner = owner;         /* adopted: the native fetch's slot, same bytes */
+            old->owner = owner; /* adopted: the native fetch's slot, same bytes */
         pthread_mutex_unlock(m);
         free(s);
         return only_new ? -EEXIST : 0;
@@ -139,7 +139,7 @@ static int put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void 
     t->buckets[b] = s;
     pthread_mutex_unlock(m);
     if (old)
-        unref(t, old, 0);               /* its owner comes back through fe_tier_reap */
+        unref(t, old, 0); /* its owner comes back through fe_tier_reap */
     else
         atomic_fetch_add(&t->slots, 1);
     return 0;

@@ -19,9 +19,9 @@
 #define FE_KEY_MAX 20
 
 struct fe_slot {
-    struct fe_slot *next;           /* bucket chain, then the dead list */
-    atomic_int refs;                /* 1 for the table + 1 per reply writing from it */
-    atomic_int touched;             /* FE_TOUCHED | FE_SERVED bits */
+    struct fe_slot *next; /* bucket chain, then the dead list */
+    atomic_int refs;      /* 1 for the table + 1 per reply writing from it */
+    atomic_int touched;   /* FE_TOUCHED | FE_SERVED bits */
     uint8_t keylen;
     uint8_t key[FE_KEY_MAX];
     const uint8_t *data;
@@ -32,7 +32,7 @@ struct fe_slot {
 struct fe_tier;
 
 struct fe_tier *tier_new(void);
-void tier_free(struct fe_tier *t);                /* slots left are freed, owners not */
+void tier_free(struct fe_tier *t); /* slots left are freed, owners not */
 /* ``key`` -> ``data`` owned by ``owner``; replaces what was there (its owner comes back
  * through tier_reap), except a slot the native fetch put with no owner over the same
  * bytes: that one is adopted (it keeps its references and FE_* bits, ``owner`` is set). */

@@ -22,9 +22,9 @@
  * (1 MiB), mapped lazily: 32 MiB of address space per CPU, resident as far as replies
  * touched it. */
 #define FE_URING_DEPTH 32
-#define FE_URING_MAX_Q 256          /* qids are CPU numbers */
+#define FE_URING_MAX_Q 256 /* qids are CPU numbers */
 #define FE_URING_MAX_ENTS 256
-#define FE_URING_SLOTS 64           /* engines with rings per process (ring tokens) */
+#define FE_URING_SLOTS 64 /* engines with rings per process (ring tokens) */
 
 /* liburing, not raw io_uring_setup/enter: the ring's memory barriers, the SQE128 layout
  * and submit-and-wait are its code, tested against many kernels, and Debian 12 ships it
@@ -41,7 +41,7 @@
  * hits never touch the lock. */
 
 static pthread_mutex_t ring_engines_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct fe_engine *ring_engines[FE_URING_SLOTS];   /* protected by ring_engines_lock */
+static struct fe_engine *ring_engines[FE_URING_SLOTS]; /* protected by ring_engines_lock */
 
 int ring_token(const struct fe_uent *ent)
 {
@@ -65,7 +65,7 @@ static void ring_fill(struct fe_uent *ent, uint64_t unique, int err, const struc
     if (err) {
         len = 0;
     } else if (len) {
-        uint64_t t0 = c ? fe_now_ns() : 0;     /* what the copy costs (a writev has none) */
+        uint64_t t0 = c ? fe_now_ns() : 0; /* what the copy costs (a writev has none) */
         size_t at = 0;
         for (int i = 1; i < n; i++) {
             memcpy(ent->payload + at, iov[i].iov_base, iov[i].iov_len);
@@ -76,7 +76,8 @@ static void ring_fill(struct fe_uent *ent, uint64_t unique, int err, const struc
             c->ring_copy_bytes += len;
         }
     }
-    struct fuse_out_header oh = {.len = (uint32_t)(sizeof oh + len), .error = -err,
+    struct fuse_out_header oh = {.len = (uint32_t)(sizeof oh + len),
+                                 .error = -err,
                                  .unique = unique};
     memcpy(ent->hdr->in_out, &oh, sizeof oh);
     ent->hdr->ring_ent_in_out.payload_sz = (uint32_t)len;
@@ -97,7 +98,7 @@ static struct io_uring_sqe *ring_sqe(struct fe_uqueue *q)
 static void ring_cmd(struct fe_uqueue *q, struct fe_uent *ent, uint32_t op)
 {
     struct io_uring_sqe *sqe = ring_sqe(q);
-    memset(sqe, 0, 128);                    /* an SQE128: the 80-byte command area too */
+    memset(sqe, 0, 128); /* an SQE128: the 80-byte command area too */
     sqe->opcode = IORING_OP_URING_CMD;
     sqe->fd = q->e->fd;
     sqe->cmd_op = op;
@@ -106,7 +107,8 @@ static void ring_cmd(struct fe_uqueue *q, struct fe_uent *ent, uint32_t op)
         sqe->len = 2;
     }
     struct fe_uring_cmd_req req = {.qid = (uint16_t)q->qid,
-                                   .commit_id = op == FE_IO_URING_CMD_REGISTER ? 0 : ent->unique};
+                                   .commit_id = op == FE_IO_URING_CMD_REGISTER ? 0
+                                                                               : ent->unique};
     memcpy(sqe->cmd, &req, sizeof req);
     io_uring_sqe_set_data(sqe, ent);
     atomic_store(&ent->state, ENT_KERNEL);
@@ -118,7 +120,7 @@ int ring_answer(struct fe_worker *w, uint64_t unique, int err, struct iovec *iov
     struct fe_uent *ent = w->ent;
     ring_fill(ent, unique, err, iov, n, &w->c);
     ring_cmd(ent->q, ent, FE_IO_URING_CMD_COMMIT_AND_FETCH);
-    w->ent = NULL;                          /* answered: nothing more goes into it */
+    w->ent = NULL; /* answered: nothing more goes into it */
     return 0;
 }
 
@@ -126,7 +128,8 @@ int ring_answer(struct fe_worker *w, uint64_t unique, int err, struct iovec *iov
 int ring_reply(int token, uint64_t unique, int err, struct iovec *iov, int n)
 {
     long t = -(long)token - 1;
-    int idx = (int)(t % FE_URING_MAX_ENTS), qid = (int)(t / FE_URING_MAX_ENTS % FE_URING_MAX_Q);
+    int idx = (int)(t % FE_URING_MAX_ENTS),
+        qid = (int)(t / FE_URING_MAX_ENTS % FE_URING_MAX_Q);
     long slot = t / FE_URING_MAX_ENTS / FE_URING_MAX_Q;
     int rc = -ENOENT;
     pthread_mutex_lock(&ring_engines_lock);
@@ -138,10 +141,10 @@ int ring_reply(int token, uint64_t unique, int err, struct iovec *iov, int n)
         if (!q->closed && atomic_load(&ent->state) == ENT_PY && ent->unique == unique) {
             ring_fill(ent, unique, err, iov, n, NULL);
             atomic_store(&ent->state, ENT_COMMIT);
-            q->mail[q->nmail++] = (uint16_t)idx;    /* at most once per entry: fits */
+            q->mail[q->nmail++] = (uint16_t)idx; /* at most once per entry: fits */
             uint64_t one = 1;
             ssize_t wr = write(q->efd, &one, sizeof one);
-            (void)wr;                               /* EAGAIN: already signalled */
+            (void)wr; /* EAGAIN: already signalled */
             rc = 0;
         }
         pthread_mutex_unlock(&q->mlock);
@@ -226,16 +229,16 @@ static void *queue_main(void *arg)
 {
     struct fe_uqueue *q = arg;
     struct fe_engine *e = q->e;
-    pthread_setname_np(pthread_self(), "ks-fuse-uring");   /* top -H, bench: by role */
+    pthread_setname_np(pthread_self(), "ks-fuse-uring"); /* top -H, bench: by role */
     cpu_set_t cpus;
     CPU_ZERO(&cpus);
     CPU_SET(q->qid, &cpus);
-    pthread_setaffinity_np(pthread_self(), sizeof cpus, &cpus);   /* offline CPU: unpinned */
+    pthread_setaffinity_np(pthread_self(), sizeof cpus, &cpus); /* offline CPU: unpinned */
     struct io_uring_params p = {.flags = IORING_SETUP_SQE128 | IORING_SETUP_SINGLE_ISSUER |
                                          IORING_SETUP_DEFER_TASKRUN};
     unsigned depth = (unsigned)e->nents * 2 + 2;
     int rc = io_uring_queue_init_params(depth, &q->ring, &p);
-    if (rc == -EINVAL) {                    /* a kernel without DEFER_TASKRUN */
+    if (rc == -EINVAL) { /* a kernel without DEFER_TASKRUN */
         struct io_uring_params plain = {.flags = IORING_SETUP_SQE128};
         rc = io_uring_queue_init_params(depth, &q->ring, &plain);
     }
@@ -260,7 +263,7 @@ static void *queue_main(void *arg)
             registered = cqe->res;
             seen++;
         } else {
-            break;                          /* a request already: handled below */
+            break; /* a request already: handled below */
         }
     }
     io_uring_cq_advance(&q->ring, seen);
@@ -277,7 +280,7 @@ static void *queue_main(void *arg)
             struct fe_uent *ent = io_uring_cqe_get_data(cqe);
             int res = cqe->res;
             seen++;
-            if (!ent) {                     /* the eventfd: Python's commits, or stop */
+            if (!ent) { /* the eventfd: Python's commits, or stop */
                 ring_drain_mail(q);
                 if (atomic_load(&e->ring_stop))
                     stop = 1;
@@ -285,12 +288,12 @@ static void *queue_main(void *arg)
                     ring_arm_eventfd(q);
             } else if (res == 0) {
                 ring_request(q, ent);
-            } else {                        /* ENOTCONN/ECONNABORTED: the connection is gone */
+            } else { /* ENOTCONN/ECONNABORTED: the connection is gone */
                 atomic_store(&ent->state, ENT_DEAD);
                 if (res == -ENOTCONN || res == -ECONNABORTED || res == -ECANCELED)
                     gone = 1;
                 else
-                    q->w.c.ring_lost++;     /* a refused commit: that entry serves no more */
+                    q->w.c.ring_lost++; /* a refused commit: that entry serves no more */
             }
         }
         io_uring_cq_advance(&q->ring, seen);
@@ -299,7 +302,7 @@ static void *queue_main(void *arg)
     }
 out:
     pthread_mutex_lock(&q->mlock);
-    q->closed = 1;                          /* Python's late replies: -ENOENT from now */
+    q->closed = 1; /* Python's late replies: -ENOENT from now */
     pthread_mutex_unlock(&q->mlock);
     if (atomic_fetch_sub(&e->live, 1) == 1)
         wake(e);
@@ -424,8 +427,9 @@ int ring_start(struct fe_engine *e, char *err, size_t errlen)
     for (int i = 0; i < e->nqueues; i++)
         if (e->queues[i].registered != 1) {
             if (ok)
-                set_err(err, errlen, "io_uring queue %d: %s", i, e->queues[i].registered < 0
-                        ? strerror(-e->queues[i].registered) : "no report in 5 s");
+                set_err(err, errlen, "io_uring queue %d: %s", i,
+                        e->queues[i].registered < 0 ? strerror(-e->queues[i].registered)
+                                                    : "no report in 5 s");
             ok = 0;
         }
     pthread_mutex_unlock(&e->rlock);
@@ -503,7 +507,7 @@ void ring_refuse(struct fe_engine *e)
     struct fe_uring_req_header hdr;
     struct iovec iov[2] = {{&hdr, sizeof hdr}, {&hdr, sizeof hdr}};
     struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
-    if (!sqe) {                             /* a new ring of 4 has room: never */
+    if (!sqe) { /* a new ring of 4 has room: never */
         io_uring_queue_exit(&ring);
         return;
     }

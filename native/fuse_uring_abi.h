@@ -30,7 +30,7 @@
  * with its reply (payload_sz: bytes valid in the payload buffer, either way). */
 struct fe_uring_ent_in_out {
     uint64_t flags;
-    uint64_t commit_id;             /* the request's unique: echo it in the commit */
+    uint64_t commit_id; /* the request's unique: echo it in the commit */
     uint32_t payload_sz;
     uint32_t padding;
     uint64_t reserved;
@@ -47,8 +47,8 @@ struct fe_uring_req_header {
 
 /* io_uring_sqe.cmd_op */
 enum {
-    FE_IO_URING_CMD_REGISTER = 1,           /* register an entry's buffers, wait for a request */
-    FE_IO_URING_CMD_COMMIT_AND_FETCH = 2,   /* reply to commit_id, wait for the next */
+    FE_IO_URING_CMD_REGISTER = 1,         /* register an entry's buffers, wait for a request */
+    FE_IO_URING_CMD_COMMIT_AND_FETCH = 2, /* reply to commit_id, wait for the next */
 };
 
 /* In the SQE's 80-byte command area. */
@@ -60,7 +60,8 @@ struct fe_uring_cmd_req {
 };
 
 _Static_assert(sizeof(struct fe_uring_ent_in_out) == 32, "fuse_uring_ent_in_out is 32 bytes");
-_Static_assert(sizeof(struct fe_uring_req_header) == 288, "fuse_uring_req_header is 288 bytes");
+_Static_assert(sizeof(struct fe_uring_req_header) == 288,
+               "fuse_uring_req_header is 288 bytes");
 _Static_assert(sizeof(struct fe_uring_cmd_req) == 24, "fuse_uring_cmd_req is 24 bytes");
 
 #endif

@@ -1,7 +1,7 @@
 /* fuse_xxh.c — xxh3-128 for the native fetch: the portable copy and the dispatch; and
  * xxh3-64, a block's digest (128 KiB: the portable copy). */
 #define XXH_INLINE_ALL
-#define XXH_PREFETCH_DIST 2048   /* fuse_xxh.h: a chunk another core just wrote */
+#define XXH_PREFETCH_DIST 2048 /* fuse_xxh.h: a chunk another core just wrote */
 #include <stdatomic.h>
 #include <string.h>
 #include <xxhash.h>
@@ -17,7 +17,7 @@ static void xxh128_plain(const void *buf, size_t len, uint8_t out[16])
 
 void fe_xxh128(const void *buf, size_t len, uint8_t out[16])
 {
-    static atomic_int avx2 = -1;    /* first use: every thread finds the same answer */
+    static atomic_int avx2 = -1; /* first use: every thread finds the same answer */
     int have = atomic_load_explicit(&avx2, memory_order_relaxed);
     if (have < 0) {
         __builtin_cpu_init();

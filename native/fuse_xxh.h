@@ -18,7 +18,7 @@
 /* The canonical (big-endian) xxh3-128 of buf[0..len), as xxhash.xxh3_128_digest. */
 void fe_xxh128(const void *buf, size_t len, uint8_t out[16]);
 
-void fe_xxh128_avx2(const void *buf, size_t len, uint8_t out[16]);     /* fuse_xxh_avx2.c */
+void fe_xxh128_avx2(const void *buf, size_t len, uint8_t out[16]); /* fuse_xxh_avx2.c */
 
 /* The canonical (big-endian) xxh3-64 of buf[0..len), as xxhash.xxh3_64_digest. */
 void fe_xxh64(const void *buf, size_t len, uint8_t out[8]);

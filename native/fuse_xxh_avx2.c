@@ -1,7 +1,7 @@
 /* fuse_xxh_avx2.c — the same xxh3-128 compiled for AVX2 (fuse_xxh.h says why). */
 #pragma GCC target("avx2")
 #define XXH_INLINE_ALL
-#define XXH_PREFETCH_DIST 2048   /* fuse_xxh.h: a chunk another core just wrote */
+#define XXH_PREFETCH_DIST 2048 /* fuse_xxh.h: a chunk another core just wrote */
 #include <xxhash.h>
 #include <string.h>
 

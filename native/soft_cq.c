@@ -33,12 +33,13 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
     int signal = 0;
     if (!cq->signaled) {
         if (cq->mod_count <= 1 || cq->count >= cq->mod_count) {
-            signal = 1;         /* written below, after cq->lock: see poll_cq */
+            signal = 1; /* written below, after cq->lock: see poll_cq */
             cq->signaled = 1;
         } else if (!cq->first_unsignaled) {
-            cq->first_unsignaled = now_ns();  /* run_timers signals it after the period */
+            cq->first_unsignaled = now_ns(); /* run_timers signals it after the period */
             if (!pthread_equal(pthread_self(), cq->engine_thread)) {
-                efd_post(cq->kickfd);  /* an app thread pushed (a flush): engine may be asleep */
+                efd_post(
+                    cq->kickfd); /* an app thread pushed (a flush): engine may be asleep */
             }
         }
     }
@@ -52,7 +53,7 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
             *cq->defer = cq;
             if (!prev || prev == cq)
                 return;
-            cq = prev;           /* one slot: the older CQ is woken now */
+            cq = prev; /* one slot: the older CQ is woken now */
         }
         efd_post(cq->efd);
     }
@@ -69,11 +70,15 @@ void signal_flush(ks_engine *e)
     }
 }
 
-void push_wc(ks_cq *cq, uint64_t wr_id, uint32_t status, uint32_t opcode,
-             uint32_t byte_len, uint32_t qpn)
+void push_wc(ks_cq *cq, uint64_t wr_id, uint32_t status, uint32_t opcode, uint32_t byte_len,
+             uint32_t qpn)
 {
-    ks_wc wc = {.wr_id = wr_id, .status = status, .opcode = opcode, .byte_len = byte_len,
-                .qp_num = qpn, .vendor_err = 0};
+    ks_wc wc = {.wr_id = wr_id,
+                .status = status,
+                .opcode = opcode,
+                .byte_len = byte_len,
+                .qp_num = qpn,
+                .vendor_err = 0};
     cq_push(cq, &wc);
 }
 
@@ -162,7 +167,7 @@ int ks_cq_remove(ks_engine *e, ks_cq *cq, const char **why)
         return -EBUSY;
     }
     if (e->defer_sig == cq)
-        e->defer_sig = NULL;   /* nobody may wait on a CQ being destroyed */
+        e->defer_sig = NULL; /* nobody may wait on a CQ being destroyed */
     pthread_mutex_lock(&e->cq_tab_lock);
     e->cqs[cq->id] = NULL;
     pthread_mutex_unlock(&e->cq_tab_lock);
@@ -182,8 +187,7 @@ void ks_cq_free(ks_cq *cq)
 /* Moderation and polling touch only the CQ table and the ring: they take e->cq_tab_lock
  * (so the CQ cannot be destroyed meanwhile) and cq->lock, never e->lock, so they never
  * wait for the engine's socket I/O. */
-int ks_cq_moderate(ks_engine *e, int id, uint32_t count, uint32_t period_us,
-                   const char **why)
+int ks_cq_moderate(ks_engine *e, int id, uint32_t count, uint32_t period_us, const char **why)
 {
     if (count > 1 && period_us == 0) {
         *why = "modify_cq: cq_count > 1 needs a cq_period (or WCs could wait forever)";
@@ -199,7 +203,7 @@ int ks_cq_moderate(ks_engine *e, int id, uint32_t count, uint32_t period_us,
         pthread_mutex_lock(&cq->lock);
         cq->mod_count = count;
         cq->mod_period_ns = (uint64_t)period_us * 1000ull;
-        if (!cq->signaled && cq->count) {  /* signal what already waits */
+        if (!cq->signaled && cq->count) { /* signal what already waits */
             efd_post(cq->efd);
             cq->signaled = 1;
         }
@@ -207,7 +211,7 @@ int ks_cq_moderate(ks_engine *e, int id, uint32_t count, uint32_t period_us,
     }
     pthread_mutex_unlock(&e->cq_tab_lock);
     if (rc == 0)
-        efd_post(e->kickfd);   /* the engine plans its sleep around CQ periods too */
+        efd_post(e->kickfd); /* the engine plans its sleep around CQ periods too */
     return rc;
 }
 
@@ -223,7 +227,7 @@ static int cq_take(ks_cq *cq, ks_wc *wc, int num)
     }
     if (cq->count == 0) {
         cq->first_unsignaled = 0;
-        drain = cq->signaled;  /* only a signalled CQ has an eventfd count to drain */
+        drain = cq->signaled; /* only a signalled CQ has an eventfd count to drain */
     }
     pthread_mutex_unlock(&cq->lock);
     /* Re-arm: the fd is unreadable while the ring is empty.  The read happens outside

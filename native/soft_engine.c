@@ -169,7 +169,7 @@ static int run_timers(ks_engine *e)
         if (dl < next)
             next = dl;
     }
-    for (int i = 0; i < KS_MAX_CQ; i++) {   /* moderated CQs whose period ran out */
+    for (int i = 0; i < KS_MAX_CQ; i++) { /* moderated CQs whose period ran out */
         ks_cq *cq = e->cqs[i];
         if (!cq || cq->mod_count <= 1)
             continue;
@@ -231,7 +231,7 @@ static void doorbell_answer(ks_engine *e)
 static void *engine_main(void *arg)
 {
     ks_engine *e = arg;
-    pthread_setname_np(pthread_self(), "ks-soft-nic");    /* top -H, bench: by role */
+    pthread_setname_np(pthread_self(), "ks-soft-nic"); /* top -H, bench: by role */
     struct epoll_event evs[64];
     int timeout = 100;
     for (;;) {
@@ -267,7 +267,7 @@ static void *engine_main(void *arg)
             timeout = run_timers(e);
             e->last_timer = now;
         } else {
-            timeout = 1;  /* timers were skipped (busy): look again within 1 ms */
+            timeout = 1; /* timers were skipped (busy): look again within 1 ms */
         }
         graveyard_free(e);
         signal_flush(e);
@@ -294,7 +294,8 @@ int ks_engine_open(uint32_t ip, int port, ks_engine **out, const char **why)
     mutex_init_adaptive(&e->lock);
     mutex_init_adaptive(&e->cq_tab_lock);
     pthread_cond_init(&e->rx_cond, NULL);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port),
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons(port),
                              .sin_addr.s_addr = ip};
     e->ip = ip;
     e->epfd = epoll_create1(EPOLL_CLOEXEC);

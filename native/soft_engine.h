@@ -63,24 +63,24 @@
 #define KS_MAGIC 0x4452534Bu /* "KSRD" little-endian */
 #define KS_VERSION 1
 #define KS_HDR_LEN 32
-#define KS_MAX_MSG (1u << 30)          /* largest READ payload */
-#define KS_MAX_SEND (16u << 20)        /* largest SEND payload (control messages) */
+#define KS_MAX_MSG (1u << 30)   /* largest READ payload */
+#define KS_MAX_SEND (16u << 20) /* largest SEND payload (control messages) */
 #define KS_MAX_PDATA 256
-#define KS_HELLO_FIXED 12              /* dest_qpn, src_qpn, reserved */
+#define KS_HELLO_FIXED 12 /* dest_qpn, src_qpn, reserved */
 #define KS_MAX_SGE 16
 #define KS_MAX_WR 16384
-#define KS_MAX_PENDING (4u << 20)      /* buffered SEND bytes with no RECV posted */
-#define KS_HELLO_TIMEOUT_MS 2000       /* HELLO must arrive within this after accept */
-#define KS_MAX_QP 4096                 /* per engine; qpn: 24 random bits, see qpn_tab */
-#define KS_MAX_MR 4096                 /* per engine; key = random << 12 | slot */
+#define KS_MAX_PENDING (4u << 20) /* buffered SEND bytes with no RECV posted */
+#define KS_HELLO_TIMEOUT_MS 2000  /* HELLO must arrive within this after accept */
+#define KS_MAX_QP 4096            /* per engine; qpn: 24 random bits, see qpn_tab */
+#define KS_MAX_MR 4096            /* per engine; key = random << 12 | slot */
 #define KS_MAX_CQ 1024
-#define KS_MAX_HELLO_CONNS 256         /* accepted, no valid HELLO yet (all sources) */
-#define KS_MAX_HELLO_PER_SRC 64        /* the same, per source IPv4 address */
-#define KS_QP_CANDIDATES 4             /* HELLO'd connections a QP holds before RTR */
+#define KS_MAX_HELLO_CONNS 256  /* accepted, no valid HELLO yet (all sources) */
+#define KS_MAX_HELLO_PER_SRC 64 /* the same, per source IPv4 address */
+#define KS_QP_CANDIDATES 4      /* HELLO'd connections a QP holds before RTR */
 #define KS_HELLO_BUF (KS_HDR_LEN + KS_HELLO_FIXED + KS_MAX_PDATA) /* largest HELLO */
-#define KS_RESP_JOBS 1024              /* queued READ responses / SEND acks per connection */
-#define KS_STAGE 16384                 /* rx staging buffer (headers, small payloads) */
-#define KS_SMALL 4096                  /* responses up to this are read via the stage */
+#define KS_RESP_JOBS 1024 /* queued READ responses / SEND acks per connection */
+#define KS_STAGE 16384    /* rx staging buffer (headers, small payloads) */
+#define KS_SMALL 4096     /* responses up to this are read via the stage */
 
 enum ks_opcode {
     KS_OP_HELLO = 1,
@@ -95,9 +95,16 @@ enum { KS_QPS_RESET = 0, KS_QPS_INIT = 1, KS_QPS_RTR = 2, KS_QPS_RTS = 3, KS_QPS
 enum { KS_WR_SEND = 2, KS_WR_RDMA_READ = 4 };
 enum { KS_WC_SEND = 0, KS_WC_RDMA_READ = 2, KS_WC_RECV = 128 };
 enum {
-    KS_WC_SUCCESS = 0, KS_WC_LOC_LEN_ERR = 1, KS_WC_LOC_QP_OP_ERR = 2, KS_WC_LOC_PROT_ERR = 4,
-    KS_WC_WR_FLUSH_ERR = 5, KS_WC_BAD_RESP_ERR = 7, KS_WC_REM_INV_REQ_ERR = 9,
-    KS_WC_REM_ACCESS_ERR = 10, KS_WC_REM_OP_ERR = 11, KS_WC_RETRY_EXC_ERR = 12,
+    KS_WC_SUCCESS = 0,
+    KS_WC_LOC_LEN_ERR = 1,
+    KS_WC_LOC_QP_OP_ERR = 2,
+    KS_WC_LOC_PROT_ERR = 4,
+    KS_WC_WR_FLUSH_ERR = 5,
+    KS_WC_BAD_RESP_ERR = 7,
+    KS_WC_REM_INV_REQ_ERR = 9,
+    KS_WC_REM_ACCESS_ERR = 10,
+    KS_WC_REM_OP_ERR = 11,
+    KS_WC_RETRY_EXC_ERR = 12,
     KS_WC_RNR_RETRY_EXC_ERR = 13,
 };
 enum { KS_ACCESS_LOCAL_WRITE = 1, KS_ACCESS_REMOTE_WRITE = 2, KS_ACCESS_REMOTE_READ = 4 };
@@ -193,7 +200,7 @@ typedef struct ks_pending ks_pending;
 struct ks_stats {
     uint64_t dropped_conns, rx_bytes, tx_bytes;
     uint64_t hello_evicted, hello_timeouts, hello_refused;
-    uint64_t doorbell_posts;    /* posts whose requests the engine thread sent */
+    uint64_t doorbell_posts; /* posts whose requests the engine thread sent */
     int conns, qps, pending_hello;
 };
 
@@ -204,65 +211,65 @@ struct ks_qp_attr {
 
 /* Engine: a listener on ip:port (network order; port 0: ephemeral) and its thread. */
 int ks_engine_open(uint32_t ip, int port, ks_engine **out, const char **why);
-void ks_engine_close(ks_engine *e);               /* no lock; stops the thread, frees all */
-int ks_engine_port(const ks_engine *e);           /* no lock: fixed at open */
-int ks_engine_trylock(ks_engine *e);              /* e->lock: 0 when taken */
+void ks_engine_close(ks_engine *e);     /* no lock; stops the thread, frees all */
+int ks_engine_port(const ks_engine *e); /* no lock: fixed at open */
+int ks_engine_trylock(ks_engine *e);    /* e->lock: 0 when taken */
 void ks_engine_lock(ks_engine *e);
 void ks_engine_unlock(ks_engine *e);
-void ks_engine_kick(ks_engine *e);                /* no lock: re-plan the engine's sleep */
-void ks_engine_stats(ks_engine *e, struct ks_stats *st);            /* e->lock */
+void ks_engine_kick(ks_engine *e); /* no lock: re-plan the engine's sleep */
+void ks_engine_stats(ks_engine *e, struct ks_stats *st); /* e->lock */
 
 /* MRs.  ks_mr_new: not yet visible to the engine (no lock); ks_mr_add returns its key,
  * 0 when all KS_MAX_MR slots are taken; after ks_mr_dereg nothing touches the memory,
  * and ks_mr_free may follow once e->lock is dropped. */
 int ks_mr_new(int pd, uint64_t addr, uint64_t length, int access, ks_mr **out,
               const char **why);
-uint32_t ks_mr_add(ks_engine *e, ks_mr *mr);                        /* e->lock */
-ks_mr *ks_mr_get(ks_engine *e, uint32_t key);                       /* e->lock */
-void ks_mr_dereg(ks_engine *e, ks_mr *mr);                          /* e->lock */
+uint32_t ks_mr_add(ks_engine *e, ks_mr *mr);  /* e->lock */
+ks_mr *ks_mr_get(ks_engine *e, uint32_t key); /* e->lock */
+void ks_mr_dereg(ks_engine *e, ks_mr *mr);    /* e->lock */
 void ks_mr_free(ks_mr *mr);
 
 /* CQs.  ks_cq_add returns the id or -ENOMEM (KS_MAX_CQ in use); ids passed in are in
  * [0, KS_MAX_CQ).  Moderation and polling take e->cq_tab_lock themselves, never e->lock,
  * so they never wait for the engine's socket I/O; both fail -EBADF on a destroyed CQ. */
 int ks_cq_new(int cqe, ks_cq **out, const char **why);
-int ks_cq_add(ks_engine *e, ks_cq *cq);                             /* e->lock */
+int ks_cq_add(ks_engine *e, ks_cq *cq); /* e->lock */
 int ks_cq_efd(const ks_cq *cq);
-ks_cq *ks_cq_get(ks_engine *e, int id);                             /* e->lock */
-int ks_cq_remove(ks_engine *e, ks_cq *cq, const char **why);        /* e->lock; -EBUSY */
+ks_cq *ks_cq_get(ks_engine *e, int id);                      /* e->lock */
+int ks_cq_remove(ks_engine *e, ks_cq *cq, const char **why); /* e->lock; -EBUSY */
 void ks_cq_free(ks_cq *cq);
 int ks_cq_moderate(ks_engine *e, int id, uint32_t count, uint32_t period_us,
-                   const char **why);                               /* no lock */
+                   const char **why); /* no lock */
 int ks_cq_poll(ks_engine *e, int id, ks_wc *wc, int num,
-               const char **why);                       /* no lock; returns the count */
+               const char **why); /* no lock; returns the count */
 
 /* QPs.  ks_qp_add returns the QPN (24 random bits) or a negative errno; the modify calls
  * are the verbs transitions (ks_qp_init: RESET -> INIT). */
 int ks_qp_new(const struct ks_qp_attr *a, ks_qp **out, const char **why);
 int ks_qp_add(ks_engine *e, ks_qp *qp, const struct ks_qp_attr *a, const char **why);
-ks_qp *ks_qp_get(ks_engine *e, uint32_t qpn);                       /* e->lock */
-void ks_qp_remove(ks_engine *e, ks_qp *qp);                         /* e->lock */
+ks_qp *ks_qp_get(ks_engine *e, uint32_t qpn); /* e->lock */
+void ks_qp_remove(ks_engine *e, ks_qp *qp);   /* e->lock */
 void ks_qp_free(ks_qp *qp);
-int ks_qp_state(const ks_qp *qp);                                   /* e->lock */
+int ks_qp_state(const ks_qp *qp); /* e->lock */
 /* ns since a byte of a response last arrived on the QP (-1: never): the peer and the
  * path are alive however long the READ it belongs to takes (vRDMA liveness) */
-int64_t ks_qp_rx_age(const ks_qp *qp);                              /* e->lock */
+int64_t ks_qp_rx_age(const ks_qp *qp); /* e->lock */
 /* the HELLO's private data into buf[KS_MAX_PDATA]: its length, -1 for none */
-int ks_qp_private_data(const ks_qp *qp, uint8_t *buf);              /* e->lock */
-void ks_qp_init(ks_qp *qp, int access);                             /* e->lock */
-void ks_qp_set_access(ks_qp *qp, int access);                       /* e->lock */
+int ks_qp_private_data(const ks_qp *qp, uint8_t *buf); /* e->lock */
+void ks_qp_init(ks_qp *qp, int access);                /* e->lock */
+void ks_qp_set_access(ks_qp *qp, int access);          /* e->lock */
 /* INIT -> RTR: adopt the connected (HELLO-acknowledged) requester socket fd */
 int ks_qp_to_rtr(ks_engine *e, ks_qp *qp, int fd, uint32_t dest_qpn, uint32_t rq_psn,
-                 const char **why);                                 /* e->lock */
+                 const char **why); /* e->lock */
 /* RESET/INIT only: from now on only a HELLO from src_qpn at ip (0: any address) carrying
  * exactly pdata (pdata_len -1: any) may connect; candidates that do not match are
  * closed.  Cleared by RESET. */
-int ks_qp_expect(ks_engine *e, ks_qp *qp, uint32_t src_qpn, uint32_t ip,
-                 const uint8_t *pdata, int pdata_len, const char **why); /* e->lock */
+int ks_qp_expect(ks_engine *e, ks_qp *qp, uint32_t src_qpn, uint32_t ip, const uint8_t *pdata,
+                 int pdata_len, const char **why); /* e->lock */
 int ks_qp_to_rts(ks_qp *qp, uint32_t sq_psn, uint64_t timeout_ns, int set_psn,
-                 const char **why);                                 /* e->lock */
-void ks_qp_to_reset(ks_engine *e, ks_qp *qp);                       /* e->lock */
-void ks_qp_to_err(ks_engine *e, ks_qp *qp);                         /* e->lock */
+                 const char **why);           /* e->lock */
+void ks_qp_to_reset(ks_engine *e, ks_qp *qp); /* e->lock */
+void ks_qp_to_err(ks_engine *e, ks_qp *qp);   /* e->lock */
 
 /* Posting takes e->lock itself (the binding calls it without the GIL).  A WR that fails a check on
  * its memory completes with an error WC (the post succeeds); the errors returned are
@@ -289,8 +296,8 @@ int ks_post_recv(ks_engine *e, uint32_t qpn, const ks_rwqe *wrs, size_t n, const
 #define KS_CAPI_ABI 1
 
 struct ks_capi {
-    int abi;                                          /* KS_CAPI_ABI */
-    ks_engine *(*hold)(void *obj);                    /* obj: PyObject * */
+    int abi;                       /* KS_CAPI_ABI */
+    ks_engine *(*hold)(void *obj); /* obj: PyObject * */
     void (*release)(void *obj);
     int (*post_send)(ks_engine *e, uint32_t qpn, const ks_wqe *wrs, size_t n,
                      const char **why);

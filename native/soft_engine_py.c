@@ -31,8 +31,8 @@
 
 typedef struct {
     PyObject_HEAD
-    ks_engine *e;           /* NULL once closed; the GIL guards the pointer */
-    int holds;              /* C API users (capi_hold); close refuses while any; GIL */
+    ks_engine *e; /* NULL once closed; the GIL guards the pointer */
+    int holds;    /* C API users (capi_hold); close refuses while any; GIL */
 } EngineObject;
 
 /* ------------------------------------------------------------------------ replies */
@@ -187,15 +187,15 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *unused)
         return NULL;
     ks_engine_stats(e, &st);
     ks_engine_unlock(e);
-    return Py_BuildValue("{s:K,s:K,s:K,s:i,s:i,s:i,s:K,s:K,s:K,s:K}",
-                         "dropped_conns", (unsigned long long)st.dropped_conns,
-                         "rx_bytes", (unsigned long long)st.rx_bytes,
-                         "tx_bytes", (unsigned long long)st.tx_bytes, "conns", st.conns,
-                         "qps", st.qps, "pending_hello", st.pending_hello,
-                         "hello_evicted", (unsigned long long)st.hello_evicted,
-                         "hello_timeouts", (unsigned long long)st.hello_timeouts,
-                         "hello_refused", (unsigned long long)st.hello_refused,
-                         "doorbell_posts", (unsigned long long)st.doorbell_posts);
+    return Py_BuildValue("{s:K,s:K,s:K,s:i,s:i,s:i,s:K,s:K,s:K,s:K}", "dropped_conns",
+                         (unsigned long long)st.dropped_conns, "rx_bytes",
+                         (unsigned long long)st.rx_bytes, "tx_bytes",
+                         (unsigned long long)st.tx_bytes, "conns", st.conns, "qps", st.qps,
+                         "pending_hello", st.pending_hello, "hello_evicted",
+                         (unsigned long long)st.hello_evicted, "hello_timeouts",
+                         (unsigned long long)st.hello_timeouts, "hello_refused",
+                         (unsigned long long)st.hello_refused, "doorbell_posts",
+                         (unsigned long long)st.doorbell_posts);
 }
 
 /* ---------------------------------------------------------------------------- MRs */
@@ -454,9 +454,9 @@ static PyObject *Engine_qp_expect(EngineObject *self, PyObject *args)
         return NULL;
     if (pd_obj != Py_None && PyObject_GetBuffer(pd_obj, &pd, PyBUF_SIMPLE) < 0)
         return NULL;
-    int pd_len = pd_obj == Py_None ? -1                   /* None: any private data */
+    int pd_len = pd_obj == Py_None       ? -1               /* None: any private data */
                  : pd.len > KS_MAX_PDATA ? KS_MAX_PDATA + 1 /* too long: ks_qp_expect says */
-                 : (int)pd.len;
+                                         : (int)pd.len;
     ks_qp *qp = qp_locked(self, qpn, "qp_expect");
     if (qp) {
         int rc = ks_qp_expect(self->e, qp, src, ip, pd.buf, pd_len, &why);
@@ -497,7 +497,7 @@ static PyObject *Engine_qp_rts(EngineObject *self, PyObject *args)
     int rc = ks_qp_to_rts(qp, sq_psn, timeout_ns, set_psn, &why);
     ks_engine_unlock(self->e);
     if (rc == 0)
-        ks_engine_kick(self->e);   /* it may sleep up to 1 s with no timer: re-plan */
+        ks_engine_kick(self->e); /* it may sleep up to 1 s with no timer: re-plan */
     return reply_none(rc, why);
 }
 
@@ -545,7 +545,8 @@ static int parse_sges(PyObject *seq, ks_sge *out, uint32_t max, uint32_t *n, uin
     for (Py_ssize_t i = 0; i < len && rc == 0; i++) {
         unsigned long long addr;
         unsigned int length, lkey;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KII", &addr, &length, &lkey)) {
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KII", &addr, &length,
+                              &lkey)) {
             rc = -1;
             break;
         }
@@ -631,7 +632,7 @@ static PyObject *Engine_post_send(EngineObject *self, PyObject *args)
         return NULL;
     ks_engine *e = engine_of(self);
     if (!e || !(w = parse_wrs(wrs, "post_send needs a sequence of WRs", sizeof one,
-                                parse_send_wr, &one, &n)))
+                              parse_send_wr, &one, &n)))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     rc = ks_post_send(e, qpn, w, (size_t)n, &why);
@@ -654,7 +655,7 @@ static PyObject *Engine_post_recv(EngineObject *self, PyObject *args)
         return NULL;
     ks_engine *e = engine_of(self);
     if (!e || !(r = parse_wrs(wrs, "post_recv needs a sequence of WRs", sizeof one,
-                                parse_recv_wr, &one, &n)))
+                              parse_recv_wr, &one, &n)))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     rc = ks_post_recv(e, qpn, r, (size_t)n, &why);
@@ -669,9 +670,11 @@ static PyObject *Engine_post_recv(EngineObject *self, PyObject *args)
 static PyMethodDef Engine_methods[] = {
     {"close", (PyCFunction)Engine_close, METH_NOARGS, "Stop the engine thread, free all."},
     {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "Counters (dict)."},
-    {"reg_mr", (PyCFunction)Engine_reg_mr, METH_VARARGS, "reg_mr(pd, addr, length, access) -> key"},
+    {"reg_mr", (PyCFunction)Engine_reg_mr, METH_VARARGS,
+     "reg_mr(pd, addr, length, access) -> key"},
     {"dereg_mr", (PyCFunction)Engine_dereg_mr, METH_VARARGS, "dereg_mr(key)"},
-    {"create_cq", (PyCFunction)Engine_create_cq, METH_VARARGS, "create_cq(cqe) -> (id, eventfd)"},
+    {"create_cq", (PyCFunction)Engine_create_cq, METH_VARARGS,
+     "create_cq(cqe) -> (id, eventfd)"},
     {"destroy_cq", (PyCFunction)Engine_destroy_cq, METH_VARARGS, "destroy_cq(id)"},
     {"poll_cq", (PyCFunction)Engine_poll_cq, METH_VARARGS, "poll_cq(id, n) -> [wc tuples]"},
     {"modify_cq", (PyCFunction)Engine_modify_cq, METH_VARARGS,
@@ -684,11 +687,13 @@ static PyMethodDef Engine_methods[] = {
      "qp_rx_age(qpn) -> seconds since a response byte arrived, or None (never)"},
     {"qp_private_data", (PyCFunction)Engine_qp_private_data, METH_VARARGS, "bytes or None"},
     {"qp_init", (PyCFunction)Engine_qp_init, METH_VARARGS, "qp_init(qpn, access)"},
-    {"qp_set_access", (PyCFunction)Engine_qp_set_access, METH_VARARGS, "qp_set_access(qpn, access)"},
+    {"qp_set_access", (PyCFunction)Engine_qp_set_access, METH_VARARGS,
+     "qp_set_access(qpn, access)"},
     {"qp_expect", (PyCFunction)Engine_qp_expect, METH_VARARGS,
      "qp_expect(qpn, src_qpn, ip_be32, private_data or None)"},
     {"qp_rtr", (PyCFunction)Engine_qp_rtr, METH_VARARGS, "qp_rtr(qpn, fd, dest_qpn, rq_psn)"},
-    {"qp_rts", (PyCFunction)Engine_qp_rts, METH_VARARGS, "qp_rts(qpn, sq_psn, timeout_ns, set_psn)"},
+    {"qp_rts", (PyCFunction)Engine_qp_rts, METH_VARARGS,
+     "qp_rts(qpn, sq_psn, timeout_ns, set_psn)"},
     {"qp_reset", (PyCFunction)Engine_qp_reset, METH_VARARGS, "qp_reset(qpn)"},
     {"qp_err", (PyCFunction)Engine_qp_err, METH_VARARGS, "qp_err(qpn)"},
     {"post_send", (PyCFunction)Engine_post_send, METH_VARARGS, "post_send(qpn, wrs)"},
@@ -702,8 +707,11 @@ static PyGetSetDef Engine_getset[] = {
 };
 
 static PyTypeObject EngineType = {
+    /* the macro ends in a comma that clang-format cannot see */
+    /* clang-format off */
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "rdma._soft_engine.Engine",
+    /* clang-format on */
     .tp_basicsize = sizeof(EngineObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Native soft-RDMA engine for one device (listener + epoll thread).",
@@ -726,7 +734,7 @@ static ks_engine *capi_hold(void *obj)
     ks_engine *e = engine_of(self);
     if (e) {
         self->holds++;
-        Py_INCREF(obj);       /* nor may it be deallocated (which closes it) */
+        Py_INCREF(obj); /* nor may it be deallocated (which closes it) */
     }
     return e;
 }
@@ -813,9 +821,9 @@ static PyObject *mod_parse_header(PyObject *m, PyObject *args)
     PyBuffer_Release(&b);
     if (rc < 0)
         return raise_errno(-rc, truncated ? "truncated header" : "bad header");
-    return Py_BuildValue("{s:i,s:i,s:I,s:I,s:I,s:I,s:K}", "opcode", h.opcode, "status", h.status,
-                         "psn", h.psn, "length", h.length, "rkey", h.rkey, "rlen", h.rlen,
-                         "raddr", (unsigned long long)h.raddr);
+    return Py_BuildValue("{s:i,s:i,s:I,s:I,s:I,s:I,s:K}", "opcode", h.opcode, "status",
+                         h.status, "psn", h.psn, "length", h.length, "rkey", h.rkey, "rlen",
+                         h.rlen, "raddr", (unsigned long long)h.raddr);
 }
 
 static PyMethodDef mod_methods[] = {
@@ -826,9 +834,15 @@ static PyMethodDef mod_methods[] = {
 };
 
 static struct PyModuleDef moddef = {
-    PyModuleDef_HEAD_INIT, "rdma._soft_engine",
-    "Native data path of the soft RDMA provider (see native/soft_engine.h).", -1, mod_methods,
-    NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT,
+    "rdma._soft_engine",
+    "Native data path of the soft RDMA provider (see native/soft_engine.h).",
+    -1,
+    mod_methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
 };
 
 PyMODINIT_FUNC PyInit__soft_engine(void)

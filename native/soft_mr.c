@@ -34,7 +34,7 @@ int ks_mr_new(int pd, uint64_t addr, uint64_t length, int access, ks_mr **out,
 
 uint32_t ks_mr_add(ks_engine *e, ks_mr *mr)
 {
-    for (uint32_t i = 1; i < KS_MAX_MR; i++) {  /* slot 0 unused: key 0 is never valid */
+    for (uint32_t i = 1; i < KS_MAX_MR; i++) { /* slot 0 unused: key 0 is never valid */
         if (!e->mrs[i]) {
             mr->key |= i;
             e->mrs[i] = mr;

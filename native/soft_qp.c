@@ -15,10 +15,7 @@
 
 /* QPNs are random, so the table is keyed by QPN (linear probing, at most half full:
  * KS_MAX_QP live QPs in 2 * KS_MAX_QP entries, so a probe always ends on an empty one). */
-static uint32_t qpn_home(uint32_t qpn)
-{
-    return (qpn * 2654435761u) % KS_QPN_TAB;
-}
+static uint32_t qpn_home(uint32_t qpn) { return (qpn * 2654435761u) % KS_QPN_TAB; }
 
 ks_qp *ks_qp_get(ks_engine *e, uint32_t qpn)
 {
@@ -114,7 +111,7 @@ void qp_fatal_at(ks_engine *e, ks_qp *qp, uint32_t culprit, uint32_t status)
 /* The oldest outstanding send WR takes `status`. */
 void qp_fatal(ks_engine *e, ks_qp *qp, uint32_t status)
 {
-    quiesce(e);  /* before reading sq_head: the engine may be completing it */
+    quiesce(e); /* before reading sq_head: the engine may be completing it */
     qp_fatal_at(e, qp, qp->sq_head, status);
 }
 
@@ -196,7 +193,7 @@ int ks_qp_add(ks_engine *e, ks_qp *qp, const struct ks_qp_attr *a, const char **
     if (slot < 0)
         return -ENOMEM;
     if (!qp->qpn)
-        return -EAGAIN;   /* 8 draws all taken, p < (4096 / 2^24)^8: never */
+        return -EAGAIN; /* 8 draws all taken, p < (4096 / 2^24)^8: never */
     qp->slot = (uint32_t)slot;
     qp->scq->refs++;
     qp->rcq->refs++;
@@ -239,7 +236,7 @@ int ks_qp_private_data(const ks_qp *qp, uint8_t *buf)
 {
     int n = qp->pdata_len;
     const uint8_t *src = qp->pdata;
-    if (n < 0 && qp->ncand) {   /* before RTR: the oldest candidate's (see expect_peer) */
+    if (n < 0 && qp->ncand) { /* before RTR: the oldest candidate's (see expect_peer) */
         n = qp->cand[0]->pdata_len;
         src = qp->cand[0]->pdata;
     }
@@ -295,12 +292,12 @@ int ks_qp_to_rtr(ks_engine *e, ks_qp *qp, int fd, uint32_t dest_qpn, uint32_t rq
         if (qp->cand[i] != peer)
             conn_kill(e, qp->cand[i]);
     if (peer && conn_attach(e, qp, peer) < 0)
-        conn_kill(e, peer);   /* ENOMEM: the peer sees EOF, its QP goes to ERR */
+        conn_kill(e, peer); /* ENOMEM: the peer sees EOF, its QP goes to ERR */
     return 0;
 }
 
-int ks_qp_expect(ks_engine *e, ks_qp *qp, uint32_t src_qpn, uint32_t ip,
-                 const uint8_t *pdata, int pdata_len, const char **why)
+int ks_qp_expect(ks_engine *e, ks_qp *qp, uint32_t src_qpn, uint32_t ip, const uint8_t *pdata,
+                 int pdata_len, const char **why)
 {
     if (pdata_len > KS_MAX_PDATA || src_qpn > 0xFFFFFF) {
         *why = "qp_expect: QPN over 24 bits or private data over 256 B";
@@ -352,7 +349,7 @@ void ks_qp_to_err(ks_engine *e, ks_qp *qp)
 static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
 {
     int was_idle = qp->sq_head == qp->sq_tail;
-    uint64_t reads = 0;             /* response bytes the batch asks for */
+    uint64_t reads = 0; /* response bytes the batch asks for */
     size_t i = 0;
     for (; i < n && qp->state == KS_QPS_RTS; i++) {
         ks_wqe *w = &qp->sq[qp->sq_tail % qp->max_send_wr];
@@ -380,7 +377,7 @@ static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
         if (!ok)
             qp_fatal_at(e, qp, at, KS_WC_LOC_PROT_ERR);
     }
-    for (; i < n; i++)      /* after a WR that sent the QP to ERR: never queued */
+    for (; i < n; i++) /* after a WR that sent the QP to ERR: never queued */
         if (wrs[i].cq)
             push_wc(wrs[i].cq, wrs[i].wr_id, KS_WC_WR_FLUSH_ERR, wc_opcode_of(wrs[i].opcode),
                     0, qp->qpn);
@@ -391,7 +388,7 @@ static void sq_append(ks_engine *e, ks_qp *qp, const ks_wqe *wrs, size_t n)
     if (was_idle && reads < KS_DOORBELL_READ)
         req_send(e, qp);
     else if (qp->req && !qp->req->dead) {
-        e->doorbell = 1;    /* the engine thread sends: doorbell_answer */
+        e->doorbell = 1; /* the engine thread sends: doorbell_answer */
         e->n_doorbell_posts++;
     }
 }

@@ -96,7 +96,8 @@ int req_tx(ks_engine *e, ks_qp *qp)
                 skip -= KS_HDR_LEN;
             }
             if (w->opcode == KS_WR_SEND && w->total > skip)
-                cnt += sge_iov(w->sge, w->nsge, skip, w->total - skip, iov + cnt, KS_IOV - cnt);
+                cnt += sge_iov(w->sge, w->nsge, skip, w->total - skip, iov + cnt,
+                               KS_IOV - cnt);
             skip = 0;
         }
         struct msghdr mh = {.msg_iov = iov, .msg_iovlen = cnt};
@@ -145,10 +146,10 @@ static int req_consume(ks_engine *e, ks_qp *qp, ks_conn *c)
                 return rc;
             c->spos += KS_HDR_LEN;
             if (qp->sq_head == qp->sq_sent)
-                return -EPROTO;             /* response to nothing */
+                return -EPROTO; /* response to nothing */
             ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
             if (h.psn != w->psn)
-                return -EPROTO;             /* out of order */
+                return -EPROTO; /* out of order */
             if ((w->opcode == KS_WR_RDMA_READ) != (h.opcode == KS_OP_READ_RESP))
                 return -EPROTO;
             if (h.status != 0) {
@@ -245,7 +246,7 @@ static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c)
         ssize_t n;
         if (c->in_payload) {
             if (e->quiescing)
-                return 0;       /* a quiesce() waits: it goes first (level-triggered: the
+                return 0; /* a quiesce() waits: it goes first (level-triggered: the
                                  * bytes wait in the socket for the next epoll round) */
             /* the bulk: straight from the socket into registered memory */
             ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
@@ -293,7 +294,7 @@ static int req_rx_loop(ks_engine *e, ks_qp *qp, ks_conn *c)
             if (qp->sq_head != qp->sq_sent) {
                 ks_wqe *w = &qp->sq[qp->sq_head % qp->max_send_wr];
                 if (w->opcode == KS_WR_RDMA_READ && w->total > KS_SMALL)
-                    want = KS_HDR_LEN - c->slen;  /* header only; payload goes direct */
+                    want = KS_HDR_LEN - c->slen; /* header only; payload goes direct */
             }
             n = recv(c->fd, c->stage + c->slen, want, 0);
             if (n > 0)

@@ -15,7 +15,7 @@ int resp_rx_enabled(ks_conn *c)
 {
     ks_qp *qp = c->qp;
     if (!qp || c->dead || c->fatal_after || qp->resp != c)
-        return 0;                         /* (a candidate is read only once chosen) */
+        return 0; /* (a candidate is read only once chosen) */
     if (qp->state != KS_QPS_RTR && qp->state != KS_QPS_RTS)
         return 0;
     if (c->jcount >= KS_RESP_JOBS)
@@ -38,13 +38,14 @@ static void job_push(ks_conn *c, uint8_t op, uint32_t psn, uint32_t status,
 }
 
 /* Check a READ request against the responder QP and the MR table. */
-static uint32_t read_check(ks_engine *e, ks_qp *qp, const struct ks_hdr *h, const uint8_t **data)
+static uint32_t read_check(ks_engine *e, ks_qp *qp, const struct ks_hdr *h,
+                           const uint8_t **data)
 {
     *data = NULL;
     if (!(qp->access & KS_ACCESS_REMOTE_READ))
-        return KS_WC_REM_INV_REQ_ERR;     /* QP does not allow READ: invalid request */
+        return KS_WC_REM_INV_REQ_ERR; /* QP does not allow READ: invalid request */
     if (h->rlen == 0)
-        return KS_WC_SUCCESS;             /* zero-length READ checks no key (IB) */
+        return KS_WC_SUCCESS; /* zero-length READ checks no key (IB) */
     ks_mr *mr = ks_mr_get(e, h->rkey);
     if (!mr || mr->pd != qp->pd || !(mr->access & KS_ACCESS_REMOTE_READ))
         return KS_WC_REM_ACCESS_ERR;
@@ -146,7 +147,7 @@ int resp_consume(ks_engine *e, ks_qp *qp, ks_conn *c)
         if (rc < 0)
             return rc;
         if (h.psn != qp->rq_psn)
-            return -EPROTO;               /* out of order / replayed */
+            return -EPROTO; /* out of order / replayed */
         c->spos += KS_HDR_LEN;
         qp->rq_psn = (qp->rq_psn + 1) & 0xFFFFFF;
         if (h.opcode == KS_OP_READ_REQ) {
@@ -156,10 +157,10 @@ int resp_consume(ks_engine *e, ks_qp *qp, ks_conn *c)
                 job_push(c, KS_OP_READ_RESP, h.psn, 0, data, h.rlen, h.rlen ? h.rkey : 0);
             } else {
                 job_push(c, KS_OP_READ_RESP, h.psn, st, NULL, 0, 0);
-                c->fatal_after = 1;       /* NAK, then this QP goes to ERR (IB class C) */
+                c->fatal_after = 1; /* NAK, then this QP goes to ERR (IB class C) */
                 return 0;
             }
-        } else {                          /* SEND */
+        } else { /* SEND */
             c->sendbuf = malloc(h.length ? h.length : 1);
             if (!c->sendbuf)
                 return -ENOMEM;
@@ -270,7 +271,7 @@ int resp_tx(ks_engine *e, ks_conn *c)
         for (int i = 0; i < cnt; i++)
             asked += iov[i].iov_len;
         if ((uint64_t)r < asked)
-            budget = 0;  /* send buffer full: wait for EPOLLOUT, not for EAGAIN */
+            budget = 0; /* send buffer full: wait for EPOLLOUT, not for EAGAIN */
         uint64_t done = c->tx_off + (uint64_t)r;
         while (c->jcount) {
             ks_job *j = &c->jobs[c->jhead];

@@ -178,7 +178,7 @@ int hello_is_peer(const ks_qp *qp, const ks_conn *c)
         if (qp->expect_pdata_len >= 0) {
             if (c->pdata_len != qp->expect_pdata_len)
                 return 0;
-            uint8_t diff = 0;             /* constant time: it may be a secret token */
+            uint8_t diff = 0; /* constant time: it may be a secret token */
             for (int i = 0; i < c->pdata_len; i++)
                 diff |= c->pdata[i] ^ qp->expect_pdata[i];
             if (diff)
@@ -226,7 +226,7 @@ static int hello_route(ks_engine *e, ks_conn *c, const struct ks_hello *hl)
     int ok = qp && qp->state != KS_QPS_ERR && !qp->resp && hello_is_peer(qp, c);
     int early = ok && qp->state != KS_QPS_RTR && qp->state != KS_QPS_RTS;
     if (early && qp->ncand >= KS_QP_CANDIDATES)
-        ok = 0;                           /* first come first served: see soft_engine.h */
+        ok = 0; /* first come first served: see soft_engine.h */
     if (!ok) {
         e->n_hello_refused++;
         hello_reply(c->fd, KS_WC_REM_INV_REQ_ERR);
@@ -236,7 +236,7 @@ static int hello_route(ks_engine *e, ks_conn *c, const struct ks_hello *hl)
     c->role = CONN_RESP;
     if (early) {
         c->qp = qp;
-        qp->cand[qp->ncand++] = c;        /* no EPOLLIN until chosen (resp_rx_enabled) */
+        qp->cand[qp->ncand++] = c; /* no EPOLLIN until chosen (resp_rx_enabled) */
         conn_update_events(e, c);
     } else {
         int rc = conn_attach(e, qp, c);
@@ -309,9 +309,8 @@ void conn_drop(ks_engine *e, ks_conn *c, int err, uint32_t status)
          * cause (REM_ACCESS_ERR...), so read it before blaming the transport.  Without
          * this test_soft_conformance's rkey/bounds checks saw RETRY_EXC_ERR ~1 run in 6
          * on a loaded 2-core machine. */
-        if (c->role == CONN_RESP && qp->req && !qp->req->dead &&
-            req_rx(e, qp, qp->req) == 1)
-            return;                       /* the NAK moved the QP to ERR */
+        if (c->role == CONN_RESP && qp->req && !qp->req->dead && req_rx(e, qp, qp->req) == 1)
+            return; /* the NAK moved the QP to ERR */
         if (qp->state == KS_QPS_RTR || qp->state == KS_QPS_RTS)
             qp_fatal(e, qp, status);
         else
@@ -426,7 +425,7 @@ void accept_all(ks_engine *e)
             }
             if (errno == EAGAIN || errno == EWOULDBLOCK)
                 return;
-            continue;   /* EINTR, ECONNABORTED, a network error on that one connection */
+            continue; /* EINTR, ECONNABORTED, a network error on that one connection */
         }
         uint32_t ip = sa.sin_addr.s_addr;
         hello_make_room(e, ip);
@@ -439,7 +438,7 @@ void accept_all(ks_engine *e)
         }
         c->peer_ip = ip;
         c->hello_deadline = now_ns() + (uint64_t)KS_HELLO_TIMEOUT_MS * 1000000ull;
-        int rc = hello_rx(e, c);          /* the HELLO often came with the handshake */
+        int rc = hello_rx(e, c); /* the HELLO often came with the handshake */
         if (rc < 0)
             conn_drop(e, c, rc, KS_WC_WR_FLUSH_ERR);
     }

@@ -7,10 +7,23 @@
 
 /* --------------------------------------------------------------------------- wire */
 
-static uint32_t rd32(const uint8_t *p) { return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24; }
+static uint32_t rd32(const uint8_t *p)
+{
+    return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24;
+}
 static uint64_t rd64(const uint8_t *p) { return rd32(p) | (uint64_t)rd32(p + 4) << 32; }
-static void wr32(uint8_t *p, uint32_t v) { p[0] = v; p[1] = v >> 8; p[2] = v >> 16; p[3] = v >> 24; }
-static void wr64(uint8_t *p, uint64_t v) { wr32(p, (uint32_t)v); wr32(p + 4, (uint32_t)(v >> 32)); }
+static void wr32(uint8_t *p, uint32_t v)
+{
+    p[0] = v;
+    p[1] = v >> 8;
+    p[2] = v >> 16;
+    p[3] = v >> 24;
+}
+static void wr64(uint8_t *p, uint64_t v)
+{
+    wr32(p, (uint32_t)v);
+    wr32(p + 4, (uint32_t)(v >> 32));
+}
 
 void ks_hdr_build(uint8_t *buf, const struct ks_hdr *h)
 {
@@ -47,7 +60,7 @@ int ks_hdr_parse(const uint8_t *buf, struct ks_hdr *h, int role)
         if (h->psn != 0 || h->rkey != 0 || h->rlen != 0 || h->raddr != 0)
             return -EPROTO;
         if (role == KS_ROLE_HELLO && h->status != 0)
-            return -EPROTO;               /* an incoming HELLO is a request */
+            return -EPROTO; /* an incoming HELLO is a request */
         if (h->length > KS_HELLO_FIXED + KS_MAX_PDATA)
             return -EMSGSIZE;
         return 0;
@@ -97,7 +110,7 @@ int ks_hello_parse(const uint8_t *buf, uint32_t len, struct ks_hello *out, uint3
         return rc;
     if (h.length < KS_HELLO_FIXED)
         return -EPROTO;
-    *need = KS_HDR_LEN + h.length;         /* <= KS_HELLO_BUF: ks_hdr_parse checked */
+    *need = KS_HDR_LEN + h.length; /* <= KS_HELLO_BUF: ks_hdr_parse checked */
     if (len < *need)
         return -EAGAIN;
     if (len > *need)

@@ -8,9 +8,19 @@ Importing this package imports neither provider (and never pyverbs), nor :mod:`r
 until one of its names is used.  The public names are re-exported here; see
 :mod:`rdma.api` for the contract.
 """
-from .errors import (ConnectError, NoDeviceError, NotSupportedError, PostError, QPAttrError,
-                     QPStateError, RdmaError, RdmaUserError, ResourceBusyError,
-                     ResourceClosedError, WCError)
+from .errors import (
+    ConnectError,
+    NoDeviceError,
+    NotSupportedError,
+    PostError,
+    QPAttrError,
+    QPStateError,
+    RdmaError,
+    RdmaUserError,
+    ResourceBusyError,
+    ResourceClosedError,
+    WCError,
+)
 
 _API = ("AHAttr", "ConnInfo", "Context", "CQ", "Device", "DeviceAttr", "MR", "PD", "PortAttr",
         "QP", "QPAttr", "QPCap", "QPInitAttr", "RecvWR", "RemoteMR", "SGE", "SendWR", "WC",

@@ -83,17 +83,31 @@ import os
 import random
 import select
 import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from . import qp_state as _qps
-from .enums import (IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ, IBV_MTU_1024,
-                    IBV_QPS_ERR, IBV_QPS_INIT, IBV_QPS_RESET, IBV_QPS_RTR, IBV_QPS_RTS,
-                    IBV_QPT_RC, IBV_SEND_SIGNALED, IBV_WC_SUCCESS, IBV_WR_RDMA_READ,
-                    IBV_WR_SEND, ibv_qp_state, ibv_wc_opcode, ibv_wc_status)
-from .errors import (NoDeviceError, QPStateError, RdmaUserError, ResourceClosedError,
-                     WCError)
+from .enums import (
+    IBV_ACCESS_LOCAL_WRITE,
+    IBV_ACCESS_REMOTE_READ,
+    IBV_MTU_1024,
+    IBV_QPS_ERR,
+    IBV_QPS_INIT,
+    IBV_QPS_RESET,
+    IBV_QPS_RTR,
+    IBV_QPS_RTS,
+    IBV_QPT_RC,
+    IBV_SEND_SIGNALED,
+    IBV_WC_SUCCESS,
+    IBV_WR_RDMA_READ,
+    IBV_WR_SEND,
+    ibv_qp_state,
+    ibv_wc_opcode,
+    ibv_wc_status,
+)
+from .errors import NoDeviceError, QPStateError, RdmaUserError, ResourceClosedError, WCError
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +191,7 @@ class WC:
     def ok(self) -> bool:
         return self.status == IBV_WC_SUCCESS
 
-    def raise_for_status(self) -> "WC":
+    def raise_for_status(self) -> WC:
         if self.status != IBV_WC_SUCCESS:
             raise WCError(self)
         return self
@@ -194,8 +208,8 @@ class QPCap:
 
 @dataclass
 class QPInitAttr:
-    send_cq: "CQ"
-    recv_cq: "CQ | None" = None        # None: same as send_cq
+    send_cq: CQ
+    recv_cq: CQ | None = None        # None: same as send_cq
     cap: QPCap = field(default_factory=QPCap)
     qp_type: int = IBV_QPT_RC
     sq_sig_all: bool = False
@@ -273,7 +287,7 @@ class ConnInfo:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ConnInfo":
+    def from_dict(cls, d: dict[str, Any]) -> ConnInfo:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
@@ -324,7 +338,7 @@ class Resource:
 
     _close_rank = 0
 
-    def __init__(self, parent: "Resource | None" = None) -> None:
+    def __init__(self, parent: Resource | None = None) -> None:
         self._closed = False
         self._children: list[weakref.ref[Resource]] = []
         self._parent = weakref.ref(parent) if parent is not None else None
@@ -358,7 +372,7 @@ class Resource:
     def _close_impl(self) -> None:
         """Release the provider resource.  Called once, after the children are closed."""
 
-    def __enter__(self) -> "Resource":
+    def __enter__(self) -> Resource:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -378,7 +392,7 @@ class Context(Resource, abc.ABC):
 
     _close_rank = 0
 
-    def __init__(self, device: "Device") -> None:
+    def __init__(self, device: Device) -> None:
         super().__init__(None)
         self.device = device
 
@@ -396,10 +410,10 @@ class Context(Resource, abc.ABC):
     def query_gid(self, port_num: int = 1, index: int = 0) -> str: ...
 
     @abc.abstractmethod
-    def alloc_pd(self) -> "PD": ...
+    def alloc_pd(self) -> PD: ...
 
     @abc.abstractmethod
-    def create_cq(self, cqe: int = 256) -> "CQ": ...
+    def create_cq(self, cqe: int = 256) -> CQ: ...
 
 
 class PD(Resource, abc.ABC):
@@ -410,11 +424,11 @@ class PD(Resource, abc.ABC):
         self.ctx = ctx
 
     @abc.abstractmethod
-    def reg_mr(self, buf: Any, access: int) -> "MR":
+    def reg_mr(self, buf: Any, access: int) -> MR:
         """Register ``buf`` (a writable buffer, or an int: allocate that many zero bytes)."""
 
     @abc.abstractmethod
-    def create_qp(self, init_attr: QPInitAttr) -> "QP": ...
+    def create_qp(self, init_attr: QPInitAttr) -> QP: ...
 
 
 class MR(Resource, abc.ABC):
@@ -660,7 +674,8 @@ class Device:
     node_guid: int = 0
 
     def open(self) -> Context:
-        return load_provider(self.provider).open_device(self)
+        ctx: Context = load_provider(self.provider).open_device(self)
+        return ctx
 
 
 def sysfs_devices(path: str = SYSFS_INFINIBAND) -> list[str]:

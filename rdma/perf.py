@@ -1,7 +1,7 @@
 """READ bandwidth / message rate / latency, with a plain-TCP baseline in the same run.
 
 Why a tool of our own (and not ib_read_bw): the soft provider has no kernel device, and the
-number that matters (issue 5) is the *ratio* soft READ ÷ plain TCP between the same two
+number that matters is the *ratio* soft READ ÷ plain TCP between the same two
 addresses, measured back to back so both see the same machine load::
 
     python -m rdma.perf server --provider soft --addr 198.18.7.2            # prints its port
@@ -203,7 +203,8 @@ def local_addr_for(remote: str) -> str:
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         s.connect((remote, 9))
-        return s.getsockname()[0]
+        addr: str = s.getsockname()[0]
+        return addr
     finally:
         s.close()
 

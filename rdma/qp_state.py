@@ -119,7 +119,7 @@ def check_transition(current: int, requested: int, names: set[str] | frozenset[s
     try:
         key = (S(current), S(requested))
     except ValueError:
-        raise QPStateError(current, requested, f"unknown QP state {current} -> {requested}")
+        raise QPStateError(current, requested, f"unknown QP state {current} -> {requested}") from None
     tr = TRANSITIONS.get(key)
     if tr is None:
         raise QPStateError(key[0], key[1])

@@ -18,15 +18,28 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
-from .api import (CQ, MR, PD, QP, WC, ConnInfo, Context, QPCap, QPInitAttr, RecvWR, SendWR,
-                  open_device)
-from .enums import (IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ, IBV_QPS_ERR,
-                    IBV_QPS_INIT, IBV_QPS_RESET, IBV_QPS_RTS, IBV_SEND_SIGNALED,
-                    IBV_WC_RDMA_READ, IBV_WC_RECV, IBV_WC_REM_ACCESS_ERR, IBV_WC_SEND,
-                    IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, IBV_WR_RDMA_READ, IBV_WR_SEND)
+from .api import CQ, MR, PD, QP, WC, ConnInfo, Context, QPCap, QPInitAttr, RecvWR, SendWR, open_device
+from .enums import (
+    IBV_ACCESS_LOCAL_WRITE,
+    IBV_ACCESS_REMOTE_READ,
+    IBV_QPS_ERR,
+    IBV_QPS_INIT,
+    IBV_QPS_RESET,
+    IBV_QPS_RTS,
+    IBV_SEND_SIGNALED,
+    IBV_WC_RDMA_READ,
+    IBV_WC_RECV,
+    IBV_WC_REM_ACCESS_ERR,
+    IBV_WC_SEND,
+    IBV_WC_SUCCESS,
+    IBV_WC_WR_FLUSH_ERR,
+    IBV_WR_RDMA_READ,
+    IBV_WR_SEND,
+)
 from .errors import NoDeviceError, NotSupportedError, PostError, QPStateError
 
 DEFAULT_ACCESS = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ
@@ -96,7 +109,7 @@ class Pair:
         self.client.close()
         self.server.close()
 
-    def __enter__(self) -> "Pair":
+    def __enter__(self) -> Pair:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -154,7 +167,7 @@ def pair_factory(provider: str, device: str | None = None,
                 raise
         return pair
 
-    return make  # type: ignore[return-value]
+    return make
 
 
 def read_wr(wr_id: int, local: MR, remote: MR, length: int, local_off: int = 0,

@@ -6,7 +6,8 @@ import os
 # before anything imports grpc: its fork handlers abort a test process that spawns a
 # server (fork) while gRPC threads run (seen once in CI-like runs: etcd restart test)
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -22,7 +23,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 # The folders are the cost layers, cheapest first; the suite runs them in this order so
 # that the first failure names the lowest broken layer (tests/README.md).
-LAYERS = ("unit", "etcd", "rdma", "mount", "cluster", "vm")
+LAYERS = ("unit", "etcd", "rdma", "mount", "csi", "s3", "cluster", "vm")
 
 
 def _layer(item: pytest.Item) -> str | None:

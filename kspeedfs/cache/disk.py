@@ -76,7 +76,7 @@ class DiskCache:
             return None
         return buf[:got].toreadonly()       # shorter if it shrank meanwhile: fails the check
 
-    def put(self, key: bytes, data: bytes) -> None:
+    def put(self, key: bytes, data: bytes | memoryview) -> None:
         if len(data) > self.capacity:
             return
         with self._lock:

@@ -1,5 +1,5 @@
 """The memory tier: verified, immutable chunks (and blocks, and small files' extents),
-bounded in bytes. Used only from the trio thread: no lock.
+bounded in bytes. Used only from the trio thread (but for ``resident``): no lock.
 
 Two parts, because training reads a dataset in epochs:
 
@@ -96,9 +96,9 @@ class MemoryCache:
         self.transient_capacity = min(capacity, max(int(capacity * transient_fraction),
                                                     transient_min))
         self.resident_capacity = capacity - self.transient_capacity
-        self._resident: dict[bytes, bytes] = {}
+        self._resident: dict[bytes, bytes | memoryview] = {}
         self._resident_used = 0
-        self._transient: OrderedDict[bytes, bytes] = OrderedDict()
+        self._transient: OrderedDict[bytes, bytes | memoryview] = OrderedDict()
         self._transient_used = 0
         self._put_at: dict[bytes, int] = {}     # transient key -> _put_bytes after its put
         self._put_bytes = 0                     # bytes ever put into the transient part
@@ -137,7 +137,13 @@ class MemoryCache:
         key not held (the mirror holds exactly what this tier holds)."""
         return self._mirror is not None and self._mirror.served(key)
 
-    def get(self, key: bytes) -> bytes | None:
+    def resident(self, key: bytes) -> bytes | memoryview | None:
+        """``key``'s buffer if the resident part holds it; safe from any thread (the
+        library's callers): that part is never reordered, and an entry enters or leaves
+        it whole, in one dict operation under the GIL."""
+        return self._resident.get(key)
+
+    def get(self, key: bytes) -> bytes | memoryview | None:
         data = self._resident.get(key)
         if data is not None:
             return data
@@ -146,7 +152,7 @@ class MemoryCache:
             self._transient.move_to_end(key)
         return data
 
-    def put(self, key: bytes, data: bytes) -> None:
+    def put(self, key: bytes, data: bytes | memoryview) -> None:
         self.discard(key)
         n = len(data)
         if self._resident_used + n <= self.resident_capacity:
@@ -202,7 +208,7 @@ class MemoryCache:
         elif (old := self._transient.pop(key, None)) is not None:
             self._gone(key, old)
 
-    def _gone(self, key: bytes, data: bytes) -> None:
+    def _gone(self, key: bytes, data: bytes | memoryview) -> None:
         """``key``'s buffer ``data``, taken out of the transient LRU, is gone: its bytes,
         its put age and the mirror's entry with it (eviction and ``discard`` alike)."""
         self._transient_used -= len(data)

@@ -7,7 +7,8 @@ exception, is handed to every waiter, then forgotten: caching is the caller's jo
 """
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Generic, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
 
 import trio
 

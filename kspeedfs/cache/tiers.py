@@ -25,8 +25,9 @@ that wants it (``start_extent``, ``start_block``), and C answers that READ.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import trio
 
@@ -68,7 +69,7 @@ class MemoryTier(Protocol):
 
     def get(self, key: bytes) -> Data | None: ...
 
-    def put(self, key: bytes, data: Data) -> None: ...
+    def put(self, key: bytes, data: Data) -> object: ...     # (Arena's: whether it stored)
 
 
 class TierChain:
@@ -109,7 +110,7 @@ class TierChain:
 
     def __init__(self, *, index: ManifestIndex, origin: Origin, memory: MemoryTier,
                  flights: SingleFlight[Loaded], limiter: trio.CapacityLimiter,
-                 disk: DiskCache | None = None, peers: "Peers | None" = None,
+                 disk: DiskCache | None = None, peers: Peers | None = None,
                  dataset: tuple[str, int] = ("", 0), counters: Counters | None = None,
                  node: str | None = None,
                  landed: Callable[[int, bytes, Loaded], None] | None = None) -> None:
@@ -125,7 +126,7 @@ class TierChain:
         self.node = node
         self.landed = landed
         #: the native engine's chunk fetch (cluster/native_fetch.py), set by the mount
-        self.native: "NativeFetch | None" = None
+        self.native: NativeFetch | None = None
 
     # -- the memory tier and the single-flight -------------------------------------------
 
@@ -181,7 +182,7 @@ class TierChain:
         if key not in self.memory and self._native(key, start):
             await self.native.wait(key)
 
-    def start_extent(self, k: int, ext: Extent, read: tuple) -> bool:
+    def start_extent(self, k: int, ext: Extent, read: tuple[Any, ...]) -> bool:
         """Hand small file ``ext.entry``'s extent and ``read``, a READ of it the native
         engine queued, to the native fetch, which answers the READ (``NativeFetch.
         start_extent``); False: nothing was handed (in the memory tier, loading, or no
@@ -190,14 +191,14 @@ class TierChain:
         return native is not None and self._hand(
             ext.digest, lambda: native.start_extent(k, ext, read))
 
-    def start_block(self, k: int, b: int, key: bytes, entry: int, read: tuple) -> bool:
+    def start_block(self, k: int, b: int, key: bytes, entry: int, read: tuple[Any, ...]) -> bool:
         """The same for block ``b`` of chunk ``k`` (tier key ``key``) and ``read``, a
         random READ of ``entry`` inside it (``NativeFetch.start_block``)."""
         native = self.native
         return native is not None and self._hand(
             key, lambda: native.start_block(k, b, key, entry, read))
 
-    def hand_chunks(self, ks: Sequence[int], entry: int, read: tuple) -> bool:
+    def hand_chunks(self, ks: Sequence[int], entry: int, read: tuple[Any, ...]) -> bool:
         """Hand ``read``, a sequential READ of ``entry`` over chunks ``ks`` that the native
         engine queued, to the native fetch: each chunk not in the memory tier started
         there (or in flight there already), the READ parked in C on them
@@ -263,14 +264,14 @@ class TierChain:
 
     async def _farther(self, k: int, key: bytes) -> Loaded:
         if self.disk is not None:
-            data = await trio.to_thread.run_sync(self.from_disk, key, limiter=self.limiter)
-            if data is not None:
+            cached = await trio.to_thread.run_sync(self.from_disk, key, limiter=self.limiter)
+            if cached is not None:
                 self.counters.add("disk_hits")
-                self.counters.add("disk_hit_bytes", len(data))
-                return Loaded(data, "disk")
-        data = await self.from_peers(k, key)
-        if data is not None:
-            return Loaded(data, "peer")
+                self.counters.add("disk_hit_bytes", len(cached))
+                return Loaded(cached, "disk")
+        from_peer = await self.from_peers(k, key)
+        if from_peer is not None:
+            return Loaded(from_peer, "peer")
         data, mismatches = await self.from_source(k, self.origin.load, k)
         if mismatches:
             self.counters.add("source_mismatches", mismatches)

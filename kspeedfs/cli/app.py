@@ -6,8 +6,9 @@ Each command lives in its own module, imported only when that command runs, so
 exception → exit status wrapper: user errors (either exception tree, i.e. any
 :class:`~rdma.errors.ErrnoError`, and ``OSError``; also inside a trio
 ``ExceptionGroup``) print one line and exit 1; a usage error prints one line and exits
-2; anything else is a bug and prints one line ("internal error") and exits 70. The traceback goes to the debug log only
-(``--verbose``); nothing prints a Python traceback by default.
+2; anything else is a bug and prints one line ("internal error") and exits 70. The
+traceback goes to the debug log only (``--verbose``); nothing prints a Python traceback
+by default.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import NoReturn, Sequence
+from collections.abc import Sequence
+from typing import NoReturn
 
 from ..errors import ErrnoError
 
@@ -35,6 +37,7 @@ COMMANDS = {
     "gc": ("gc", "remove old dataset versions by the keep rule (store.keep_versions)"),
     "secret": ("secret", "cluster secret: generate writes a new random one (mode 0600)"),
     "arena": ("arena", "this host's node arena files (RAM they hold); drop NODE removes one"),
+    "csi": ("csi", "run the Kubernetes CSI node plugin (stages and publishes kspeedfs volumes)"),
 }
 EX_SOFTWARE = 70     # sysexits.h: an internal error (a bug)
 

@@ -1,7 +1,8 @@
 """``kspeedfs gc [DATASET...]``: remove old dataset versions by the version rule.
 
 Keeps the newest ``store.keep_versions`` (``--keep``) of each dataset and every
-version a live mount holds or a preload names (``cluster/lifecycle.py``); removes the
+version a live mount holds (this machine's mounts with either store, every host's with
+etcd) or a preload names (``cluster/lifecycle.py`` ``pinned_versions``); removes the
 rest from the store. ``kspeedfs import`` runs the same rule for the dataset it imported.
 """
 from __future__ import annotations

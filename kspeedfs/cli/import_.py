@@ -1,23 +1,31 @@
 """``kspeedfs import SOURCE --name NAME``: a new dataset version, with a progress bar
-(``cli/terminal.py``: one line every few seconds when stderr is not a terminal)."""
+(``cli/terminal.py``: one line every few seconds when stderr is not a terminal).
+
+SOURCE is a directory (or ``file://PATH``) or a bucket prefix, ``s3://BUCKET/PREFIX``
+(``kspeedfs/s3/``: its endpoint and credentials from ``[source]`` and the AWS settings)."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from ..errors import ConfigError
 from .options import cli_logging, dataset_name, load_config
 from .terminal import ProgressBar, progress_bar
 
-
 if TYPE_CHECKING:
-    from ..manifest.importer import ImportProgress
+    from ..config import Config
+    from ..manifest.importer import ImportProgress, ImportSource
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="directory to import (NFS, Lustre, a local disk, ...)")
+    p.add_argument("source", help="directory to import (NFS, Lustre, a local disk, ...; "
+                   "file://PATH), or a bucket prefix s3://BUCKET/PREFIX")
     p.add_argument("--name", required=True, type=dataset_name, help="dataset name")
     p.add_argument("--chunk-size", metavar="SIZE", help="chunk size, e.g. 4MiB (import.chunk_size)")
     p.add_argument("--block-size", metavar="SIZE",
@@ -35,7 +43,8 @@ def _progress(bar: ProgressBar) -> Callable[[ImportProgress], None]:
         el = max(p.elapsed, 1e-6)
         if p.phase == "scan":
             bar.update("scanning", p.files_done, None,
-                       f"{p.files_done:,} entries, {p.bytes_done / 1e6:,.0f} MB")
+                       f"{p.files_done:,} entries, {p.bytes_done / 1e6:,.0f} MB  "
+                       f"{p.files_done / el:,.0f}/s")
         elif p.phase == "publish":
             bar.update("publishing", p.bytes_total, p.bytes_total,
                        f"the manifest of {p.files_total:,} files")
@@ -49,6 +58,20 @@ def _progress(bar: ProgressBar) -> Callable[[ImportProgress], None]:
     return show
 
 
+def open_source(source: str, cfg: Config) -> str | ImportSource:
+    """A directory path as it is; ``s3://`` as an :class:`~kspeedfs.s3.source.S3Source`."""
+    if source.startswith("file://"):
+        return source[len("file://"):]
+    if source.startswith("s3://"):
+        from ..s3.client import connect
+        from ..s3.source import S3Source
+
+        return S3Source(source, connect(cfg.source), cfg.import_.threads or cfg.source.max_inflight)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", source) and not os.path.exists(source):
+        raise ConfigError(f"{source}: unknown source scheme (a directory, file:// or s3://)")
+    return source
+
+
 def run(args: argparse.Namespace) -> int:
     from ..cluster import lifecycle
     from ..manifest.importer import import_tree
@@ -60,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
                                  "import.threads": args.threads})
     t0 = time.monotonic()
     quiet = args.quiet or args.json
+    source = open_source(args.source, cfg)
     with open_configured(cfg) as store, progress_bar() as bar:
-        info = import_tree(args.source, args.name, store, cfg.import_.chunk_size, cfg.import_.threads,
+        info = import_tree(source, args.name, store, cfg.import_.chunk_size, cfg.import_.threads,
                            progress=None if quiet else _progress(bar),
                            block_size=cfg.import_.block_size)
         dt = time.monotonic() - t0

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import ConfigError, KspeedfsError
 from .options import cli_logging, dataset_name, load_config, priority, version
@@ -33,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mem", metavar="SIZE", help="memory cache size (cache.memory)")
     p.add_argument("--cache-dir", metavar="DIR", help="disk cache tier directory (cache.disk_dir)")
     p.add_argument("--cache-disk", metavar="SIZE", help="disk cache tier size (cache.disk)")
-    p.add_argument("--allow-other", action="store_true", default=None, help="let other users access the mount")
+    p.add_argument("--allow-other", action="store_true", default=None,
+                   help="let other users access the mount")
     p.add_argument("--nonempty", action="store_true", help="allow mounting over a non-empty directory")
     p.add_argument("--upgrade", action="store_true",
                    help="take the live mount at MOUNTPOINT over from the daemon serving it, "
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.store.backend == "etcd" and cfg.cluster.peers:
         cfg.cluster.check_host(node=False)
         cfg.cluster.secret()
-    from ..daemon import MountRequest             # after the checks: a bad flag fails fast
+    from ..daemon import MountRequest  # after the checks: a bad flag fails fast
 
     preload = (args.preload or args.unload_on_exit) and not (args.upgrade or args.resume)
     if preload and (cfg.store.backend != "etcd" or not cfg.cluster.peers):
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                           "cluster.peers on)")
     logfile = logsetup.log_path(cfg.log.dir, args.dataset, os.path.abspath(args.mountpoint))
 
-    def request(note: Callable[[str], None]) -> MountRequest:
+    def request(note: Callable[[str], object]) -> MountRequest:
         """What to mount; with a preload, requested first (in the process that serves:
         ``_daemonize`` says why)."""
         if preload:
@@ -130,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     return _daemonize(cfg, request, logfile)
 
 
-def _preload(cfg: Any, args: argparse.Namespace, note: Callable[[str], None]) -> None:
+def _preload(cfg: Any, args: argparse.Namespace, note: Callable[[str], object]) -> None:
     """``--preload``/``--unload-on-exit``: request the preload before mounting, so a
     dataset that does not fit fails, in one line, with nothing mounted; ``note`` tells the
     user what was unloaded to make room."""
@@ -151,18 +153,47 @@ def _preload(cfg: Any, args: argparse.Namespace, note: Callable[[str], None]) ->
 
 
 def _remount_argv(argv: list[str]) -> tuple[str, ...]:
-    """These arguments without --upgrade/--resume/--manifest-fd: what the supervisor runs
-    to mount again (in this process's working directory, which it inherits)."""
+    """These arguments without --upgrade/--resume/--manifest-fd and without any secret
+    key's value (``--set``/``-o store.etcd_password=...``): what the supervisor runs to
+    mount again (in this process's working directory, which it inherits). The secrets go
+    to the supervisor in its environment instead (``config.secret_environment``)."""
+    from ..config import secret_keys
+
+    secret = tuple(f"{key}=" for key in secret_keys())
     out: list[str] = []
-    skip = False
+    pending = ""                            # the option whose value is the next argument
     for a in argv:
-        if skip:
-            skip = False
-        elif a in ("--resume", "--manifest-fd"):
-            skip = True
+        if pending in ("--resume", "--manifest-fd"):
+            pending = ""
+        elif pending == "--set":
+            pending = ""
+            if not a.strip().startswith(secret):
+                out += ["--set", a]
+        elif pending == "-o":
+            pending = ""
+            if kept := _without_secrets(a, secret):
+                out += ["-o", kept]
+        elif a in ("--resume", "--manifest-fd", "-o") or _is_set(a):
+            pending = "-o" if a == "-o" else "--set" if _is_set(a) else a
+        elif a.startswith("--") and "=" in a and _is_set(a.partition("=")[0]):
+            if not a.partition("=")[2].strip().startswith(secret):
+                out.append(a)
+        elif a.startswith("-o") and not a.startswith("--"):
+            if kept := _without_secrets(a[2:], secret):
+                out.append("-o" + kept)
         elif a != "--upgrade" and not a.startswith(("--resume=", "--manifest-fd=")):
             out.append(a)
     return tuple(out)
+
+
+def _is_set(option: str) -> bool:
+    """``--set`` or an abbreviation argparse takes for it (``--se``)."""
+    return len(option) >= 4 and "--set".startswith(option)
+
+
+def _without_secrets(options: str, secret: tuple[str, ...]) -> str:
+    """A ``-o`` value without its secret ``KEY=VALUE`` items."""
+    return ",".join(o for o in options.split(",") if not o.strip().startswith(secret))
 
 
 def _serve(cfg: Any, req: Any, ready: Any) -> int:
@@ -191,7 +222,7 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
-def _daemonize(cfg: Any, request: Callable[[Callable[[str], None]], Any], logfile: str) -> int:
+def _daemonize(cfg: Any, request: Callable[[Callable[[str], object]], Any], logfile: str) -> int:
     """Fork; the child makes the mount (``request``, then serve) and says "ready" or why
     not on a pipe, with the notes for the user before it; the parent prints those and
     exits. No etcd request is made before the fork: a child that used gRPC after its

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     cfg.cache.check_host()
     cfg.cluster.secret()
 
-    import trio                                   # after the checks: a bad flag fails fast
+    import trio  # after the checks: a bad flag fails fast
 
     from .. import log as logsetup
     from ..cluster.membership import default_node_name

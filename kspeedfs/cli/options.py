@@ -112,7 +112,7 @@ def cli_logging(args: argparse.Namespace) -> None:
     log.setup(level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "WARNING")
 
 
-def cluster_store(cfg: Config, command: str) -> "EtcdStore":
+def cluster_store(cfg: Config, command: str) -> EtcdStore:
     """The etcd store the cluster commands (preload, status) work on; a clear error
     when the configuration points at the embedded store instead."""
     from ..errors import KspeedfsError

@@ -13,9 +13,16 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from .options import cli_logging, cluster_store, dataset_name, load_config, priority, seconds, version
 from .terminal import Table, is_terminal, print_table, progress_bar
+
+if TYPE_CHECKING:
+    from ..cluster.membership import NodeRecord
+    from ..config import Config
+    from ..manifest.store.base import DatasetInfo
+    from ..manifest.store.etcd import EtcdStore
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one JSON document on stdout (progress and messages on stderr)")
 
 
-def _progress(store, tag: str) -> tuple[dict, dict]:
+def _progress(store: EtcdStore, tag: str) -> tuple[dict[str, NodeRecord], dict[str, Any]]:
     from ..cluster.membership import NodeRecord, list_json
 
     return NodeRecord.list_verified(store), list_json(store, f"progress/{tag}/")
@@ -72,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     return _wait(store, tag, args.timeout, as_json=args.json)
 
 
-def _wait(store, tag: str, timeout: float, as_json: bool = False) -> int:
+def _wait(store: EtcdStore, tag: str, timeout: float, as_json: bool = False) -> int:
     """Watch the nodes' ``progress/<tag>/`` records until every live node holds its share
     (0) or ``timeout`` s pass (1; the preload goes on). A progress bar on stderr (plain
     lines when it is not a terminal; none with ``as_json``, which prints one JSON
@@ -117,11 +124,12 @@ def _wait(store, tag: str, timeout: float, as_json: bool = False) -> int:
     return 0 if done else 1
 
 
-def _check(cfg, store, info, as_json: bool = False) -> int:
+def _check(cfg: Config, store: EtcdStore, info: DatasetInfo, as_json: bool = False) -> int:
     """Ask every live node which chunks it holds: a table of cached % per node and the
     replica health of every chunk (``as_json``: the same as one JSON document). 0 when
     every chunk has R verified copies, else 1."""
     import trio
+
     from rdma.errors import RdmaError
 
     from ..cluster.membership import NodeRecord
@@ -163,7 +171,7 @@ def _check(cfg, store, info, as_json: bool = False) -> int:
         who = owners(ix.chunk_digest(k), members, R)
         for w in who:
             own[w].append(k)
-        held = sum(1 for w in who if have.get(w) and k in have[w])
+        held = sum(1 for w in who if k in (have.get(w) or ()))
         copies[min(held, R)] += 1
     ok = copies[R] == ix.chunks
     rows = []

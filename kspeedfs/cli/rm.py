@@ -1,11 +1,12 @@
 """``kspeedfs rm DATASET[@VERSION]``: remove a dataset version (or every version) from
 the store and the pooled cache.
 
-Refused, naming the mounts, while a live mount holds a version it removes
-(``mounts/`` records, ``cluster/lifecycle.py``) unless ``--force``: a mount keeps its
-manifest in memory and keeps reading, but could not be mounted again. A preloaded
-version removed is unloaded first, so the nodes drop its chunks. With the embedded
-store (no cluster) there is no registry of mounts: nothing is refused.
+Refused, naming the mounts, while a live mount holds a version it removes unless
+``--force`` (``cluster/lifecycle.py`` ``pinned_versions``: the mounts this machine
+serves, ``fuse/registry.py``, with either store, and every host's ``mounts/`` records
+with etcd): a mount keeps its manifest in memory and keeps reading, but could not be
+mounted again. A preloaded version removed is unloaded first, so the nodes drop its
+chunks.
 """
 from __future__ import annotations
 

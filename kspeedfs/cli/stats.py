@@ -2,9 +2,11 @@
 
 Where the numbers come from (this command keeps no counters of its own):
 
-    MOUNTPOINT   the mount's ``user.kspeedfs.stats`` xattr (``fuse/operations.py``
-                 ``xattr_values``: ReadStatistics + PeerStatistics + per-op counts),
-                 read every ``--interval`` s; the mount needs ``fuse.xattrs=true``
+    MOUNTPOINT   the mount's counters (``fuse/operations.py`` ``stats_record``:
+                 ReadStatistics + PeerStatistics + per-op counts), read every
+                 ``--interval`` s over the daemon's control socket (root-only:
+                 ``fuse/registry.py`` ``ask``), or, where that cannot be reached (not
+                 root), as the ``user.kspeedfs.stats`` xattr of a ``fuse.xattrs=true`` mount
     --cluster    the ``stats/<node>`` records the live nodes publish to etcd every 2 s
                  (``cluster/node.py`` NodeStatistics: arena, counters, reads, endpoint)
 
@@ -28,7 +30,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from ..errors import MountError
 from .options import cli_logging, cluster_store, load_config, seconds
@@ -62,7 +65,8 @@ def _count(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("mountpoint", nargs="?", help="a kspeedfs mount (mounted with fuse.xattrs)")
+    what.add_argument("mountpoint", nargs="?",
+                      help="a kspeedfs mount (as root; else one mounted with fuse.xattrs)")
     what.add_argument("--cluster", action="store_true",
                       help="every live node: load rates, cache use, peer paths (from etcd)")
     p.add_argument("--interval", type=_interval, default=1.0, metavar="S",
@@ -139,9 +143,10 @@ def _r(x: float | None, digits: int = 1) -> float | None:
 # -- a mount -----------------------------------------------------------------------------
 
 class MountReader:
-    """The counters of the kspeedfs mount at ``path``: one ``stats`` xattr per call.
+    """The counters of the kspeedfs mount at ``path``, one reading per call: over its
+    daemon's control socket, else (that socket is root-only) as its ``stats`` xattr.
     Refuses, with a one-line :class:`MountError`, a path that is not a kspeedfs
-    mountpoint, a mount without ``fuse.xattrs`` and a mount whose daemon is gone."""
+    mountpoint, a mount neither way reaches and a mount whose daemon is gone."""
 
     def __init__(self, path: str) -> None:
         from .. import mountpoint
@@ -155,21 +160,37 @@ class MountReader:
         if fstype != "fuse.kspeedfs":
             raise MountError(f"{path} is not a kspeedfs mount"
                              + (f" (it is a {fstype} mount)" if fstype else ""))
-        dataset = self._xattr("user.kspeedfs.dataset").decode(errors="replace")
+        self.socket_why = ""              # why the control socket did not answer
+        served = self._ask({"query": True})
+        dataset = (f"{served['dataset']}@{served['version']}" if served
+                   else self._xattr("user.kspeedfs.dataset").decode(errors="replace"))
         self.title = f"{dataset} at {self.path}"
 
     def __call__(self) -> dict[str, Any]:
-        record = json.loads(self._xattr(STATS_XATTR))
+        reply = self._ask({"stats": True})
+        stats = reply.get("stats") if reply else None
+        record = stats if isinstance(stats, dict) else json.loads(self._xattr(STATS_XATTR))
         record["time"] = time.time()
         return record
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        """The control socket's reply; None (and why, for the error) when it gives none."""
+        from ..fuse import registry
+
+        try:
+            return registry.ask(self.path, request)
+        except MountError as e:
+            self.socket_why = str(e)
+            return None
 
     def _xattr(self, name: str) -> bytes:
         try:
             return os.getxattr(self.path, name)
         except OSError as e:
             if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.ENODATA):
-                raise MountError(f"{self.path} was mounted without fuse.xattrs, so its counters "
-                                 "cannot be read: remount it with --set fuse.xattrs=true") from e
+                raise MountError(f"{self.path}: its counters cannot be read: {self.socket_why}, "
+                                 "and it was mounted without fuse.xattrs (run as root, or "
+                                 "remount it with --set fuse.xattrs=true)") from e
             if e.errno == errno.ENOTCONN:
                 raise MountError(f"{self.path}: its daemon is gone (transport endpoint is not "
                                  "connected); `kspeedfs umount` it") from e
@@ -198,12 +219,14 @@ def mount_sample(prev: dict[str, Any], cur: dict[str, Any], dt: float) -> dict[s
     """The rates between two stats records ``dt`` s apart. ``hit_ratio``: the share of
     chunk requests a cache tier (memory, disk, peer) answered rather than the source
     (whole chunks, blocks or small files read alone); None when there were none."""
-    rate = lambda key: _per_s(cur, prev, key, dt)   # noqa: E731
+    def rate(key: str | None) -> float | None:
+        return _per_s(cur, prev, key, dt)
+
     ops_now, ops_before = sum(cur.get("ops", {}).values()), sum(prev.get("ops", {}).values())
-    tiers = {t: {"chunks_per_s": _r(rate(c)), "mb_per_s": _r(None if b is None else rate(b) / 1e6, 2)}
+    # mb_per_s None, like chunks_per_s, when the record lacks the counter
+    tiers = {t: {"chunks_per_s": _r(rate(c)),
+                 "mb_per_s": _r(None if (mb := rate(b)) is None else mb / 1e6, 2)}
              for t, (c, b) in TIER_COUNTERS.items()}
-    hits = sum(rate(TIER_COUNTERS[t][0]) or 0 for t in ("memory", "disk", "peer"))
-    misses = sum(rate(k) or 0 for k in ("source_loads", "source_blocks", "source_extents"))
     out: dict[str, Any] = {
         "time": round(cur["time"], 3), "interval": round(dt, 3),
         "transport": cur.get("transport"),   # "native io_uring", "native /dev/fuse", "pyfuse3"
@@ -211,7 +234,7 @@ def mount_sample(prev: dict[str, Any], cur: dict[str, Any], dt: float) -> dict[s
         "reads_per_s": _r(rate("reads")), "read_mb_per_s": _r((rate("read_bytes") or 0) / 1e6, 2),
         # (of them answered by the Python thread: on the native engine, its slow path)
         "python_reads_per_s": _r(rate("python_reads")),
-        "hit_ratio": round(hits / (hits + misses), 4) if hits + misses else None,
+        "hit_ratio": hit_ratio(cur, prev),
         "tiers": tiers,
         "memory_bytes": cur.get("memory_bytes", 0), "disk_bytes": cur.get("disk_bytes", 0),
         "errors_per_s": _r(sum(rate(k) or 0 for k in ("corrupt_discarded", "source_mismatches"))),
@@ -233,6 +256,19 @@ def mount_sample(prev: dict[str, Any], cur: dict[str, Any], dt: float) -> dict[s
     return out
 
 
+def hit_ratio(cur: dict[str, Any], prev: dict[str, Any] | None = None) -> float | None:
+    """The share of chunk requests a cache tier (memory, disk, peer) answered rather than
+    the source, between two stats records (no ``prev``: since the mount began); None
+    when there were none."""
+    prev = prev or {}
+    def delta(key: str) -> int:
+        return max(0, int(cur.get(key, 0)) - int(prev.get(key, 0)))
+
+    hits = sum(delta(TIER_COUNTERS[t][0]) for t in ("memory", "disk", "peer"))
+    misses = sum(delta(k) for k in ("source_loads", "source_blocks", "source_extents"))
+    return round(hits / (hits + misses), 4) if hits + misses else None
+
+
 MOUNT_COLUMNS = ["TIME", "OPS/S", "READS/S", "MB/S", "HIT%", "MEM/S", "DISK/S", "PEER/S", "SRC/S",
                  "PEER_MB/S", "SRC_MB/S", "HEDGES/S", "MEM_USED"]
 
@@ -245,7 +281,7 @@ def _pct(ratio: float | None) -> str:
     return "-" if ratio is None else f"{100 * ratio:.1f}"
 
 
-def _bytes(n: float) -> str:
+def size_word(n: float) -> str:
     """``8.0MiB``: one word, so every plain line splits into its columns (awk, cut)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
@@ -261,7 +297,8 @@ def _mount_row(s: dict[str, Any]) -> list[str]:
             _num(t["memory"]["chunks_per_s"]), _num(t["disk"]["chunks_per_s"]),
             _num(t["peer"]["chunks_per_s"]), _num(t["source"]["chunks_per_s"]),
             _num(t["peer"]["mb_per_s"]), _num(t["source"]["mb_per_s"]),
-            _num(s["peer"]["hedges_per_s"]) if "peer" in s else "-", _bytes(s["memory_bytes"])]
+            _num(s["peer"]["hedges_per_s"]) if "peer" in s else "-",
+            size_word(s["memory_bytes"])]
 
 
 MOUNT_WIDTHS = [max(len(h), 8) for h in MOUNT_COLUMNS]
@@ -271,7 +308,7 @@ def mount_lines(sample: dict[str, Any], first: bool) -> list[str]:
     """The plain form: one line per sample, under a header line before the first."""
     table = Table(MOUNT_COLUMNS, right=range(1, len(MOUNT_COLUMNS)))
     table.add(*_mount_row(sample))
-    widths = [max(w, len(c)) for w, c in zip(MOUNT_WIDTHS, table.rows[0])]
+    widths = [max(w, len(c)) for w, c in zip(MOUNT_WIDTHS, table.rows[0], strict=False)]
     return table.lines(header=first, widths=widths)
 
 
@@ -285,7 +322,8 @@ def _mount_view(s: dict[str, Any], title: str, interval: float,
     tiers = Table(["TIER", "CHUNKS/S", "MB/S", "HOLDS"], right=(1, 2, 3))
     for name in TIERS:
         t = s["tiers"][name]
-        holds = {"memory": _bytes(s["memory_bytes"]), "disk": _bytes(s["disk_bytes"])}.get(name, "")
+        holds = {"memory": size_word(s["memory_bytes"]),
+                 "disk": size_word(s["disk_bytes"])}.get(name, "")
         tiers.add(name, _num(t["chunks_per_s"]), _num(t["mb_per_s"], 2), holds)
     over = f" over {s['transport']}" if s.get("transport") else ""
     parts: list[Any] = [f"kspeedfs stats: {title}{over}, every {interval:g} s "
@@ -361,9 +399,13 @@ def node_rates(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any]:
     dt = cur.get("time", 0) - prev.get("time", 0)
     c, pc = cur.get("counters", {}), prev.get("counters", {})
     a, pa = cur.get("arena", {}), prev.get("arena", {})
-    rate = lambda new, old, key: _per_s(new, old, key, dt) or 0.0   # noqa: E731
-    failed = lambda rec: sum(p.get("reads_failed_over", 0)         # noqa: E731
-                             for p in rec.get("endpoint", {}).get("peers", {}).values())
+    def rate(new: dict[str, Any], old: dict[str, Any], key: str) -> float:
+        return _per_s(new, old, key, dt) or 0.0
+
+    def failed(rec: dict[str, Any]) -> int:
+        return sum(p.get("reads_failed_over", 0)
+                   for p in rec.get("endpoint", {}).get("peers", {}).values())
+
     return {
         "source_loads_per_s": _r(rate(c, pc, "source_loads")),
         "peer_loads_per_s": _r(rate(c, pc, "peer_loads")),
@@ -377,8 +419,9 @@ def node_rates(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any]:
 def node_state(rec: dict[str, Any], capacity: int) -> dict[str, Any]:
     """A node's cache use and its vQPs' paths, from its last record."""
     a = rec.get("arena", {})
-    links = {peer: {"state": str(p.get("state", "?")), "paths": dict(p.get("paths", {}))}
-             for peer, p in sorted(rec.get("endpoint", {}).get("peers", {}).items())}
+    links: dict[str, dict[str, Any]] = {
+        peer: {"state": str(p.get("state", "?")), "paths": dict(p.get("paths", {}))}
+        for peer, p in sorted(rec.get("endpoint", {}).get("peers", {}).items())}
     paths = [s for link in links.values() for s in link["paths"].values()]
     return {"used_bytes": a.get("used_bytes", 0), "capacity": a.get("capacity", capacity),
             "used_slots": a.get("used_slots", 0), "nics": rec.get("endpoint", {}).get("nics", []),
@@ -394,12 +437,12 @@ def cluster_table(sample: dict[str, Any]) -> Table:
     table = Table(CLUSTER_COLUMNS, right=range(1, len(CLUSTER_COLUMNS)))
     for name, n in sample["nodes"].items():
         if not n["published"]:
-            table.add(name, *["-"] * 5, f"-/{_bytes(n['capacity'])}", "-", "-", "-")
+            table.add(name, *["-"] * 5, f"-/{size_word(n['capacity'])}", "-", "-", "-")
             continue
         table.add(name, _num(n["source_loads_per_s"]), _num(n["peer_loads_per_s"]),
                   _num(n["demand_loads_per_s"]), _num(n["load_mb_per_s"], 2),
                   _num(n["evictions_per_s"]),
-                  f"{_bytes(n['used_bytes'])}/{_bytes(n['capacity'])}",
+                  f"{size_word(n['used_bytes'])}/{size_word(n['capacity'])}",
                   _pct(n["used_bytes"] / n["capacity"] if n["capacity"] else None),
                   f"{n['paths_up']}/{n['paths']}", _num(n["failovers_per_s"]))
     return table

@@ -1,13 +1,20 @@
-"""``kspeedfs status``: the cluster at a glance, from etcd only (nodes publish every 2 s)."""
+"""``kspeedfs status``: the cluster at a glance, from etcd only (nodes publish every 2 s);
+on a single machine (the embedded store), this machine's live mounts of the store
+(``fuse/registry.py``) with their tier use, each asked over its control socket."""
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING, Any
 
 from ..errors import KspeedfsError
 from .options import cli_logging, cluster_store, load_config
 from .terminal import Table, print_table
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..manifest.store.etcd import EtcdStore
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,10 +25,13 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from ..cluster import lifecycle
-    from ..cluster.membership import NodeRecord, list_json as _prefix
+    from ..cluster.membership import NodeRecord
+    from ..cluster.membership import list_json as _prefix
 
     cli_logging(args)
     cfg = load_config(args)
+    if cfg.store.backend != "etcd":
+        return _single_machine(cfg, args.json)
     store = cluster_store(cfg, "status")
     # only nodes whose record is signed with the cluster secret (others: one warning each)
     nodes = {n: asdict(r) for n, r in NodeRecord.list_verified(store).items()}
@@ -51,7 +61,60 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def node_lines(name: str, rec: dict, s: dict, now: float) -> list[str]:
+def local_mounts(cfg: Config) -> list[dict[str, Any]]:
+    """This machine's live mounts of the configured store (``fuse/registry.py``), each
+    with its tier use and hit ratio since it began, asked over its control socket
+    (``unreachable``: why it did not answer; its numbers are then None)."""
+    from dataclasses import asdict
+
+    from ..errors import MountError
+    from ..fuse import registry
+    from ..manifest.store import identity
+    from .stats import hit_ratio
+
+    out = []
+    for m in registry.live(identity(cfg.store)):
+        try:
+            stats, why = registry.ask(m.mountpoint, {"stats": True}).get("stats"), None
+        except MountError as e:
+            stats, why = None, str(e)
+        s = stats if isinstance(stats, dict) else {}
+        use = {k: s.get(k) for k in ("memory_bytes", "disk_bytes", "reads", "read_bytes")}
+        out.append({**asdict(m), "tag": m.tag, **use,
+                    "hit_ratio": hit_ratio(s) if s else None, "unreachable": why})
+    return out
+
+
+def _single_machine(cfg: Config, as_json: bool) -> int:
+    """``status`` without a cluster: the live mounts of this store, one row each."""
+    from .stats import size_word
+
+    mounts = local_mounts(cfg)
+    if as_json:
+        print(json.dumps({"store": cfg.store.path, "mounts": mounts}, indent=2))
+        return 0
+    print(f"single machine (embedded store {cfg.store.path}; a cluster's status needs "
+          f"--etcd): {len(mounts)} live mount(s)")
+    table = Table(["MOUNTPOINT", "DATASET", "ENGINE", "MEMORY", "DISK", "HIT", "READ", "UP"],
+                  right=(3, 4, 5, 6, 7))
+    now = time.time()
+    def size(m: dict[str, Any], key: str) -> str:
+        return "-" if m[key] is None else size_word(m[key])
+
+    for m in mounts:
+        table.add(m["mountpoint"], m["tag"], m["engine"], size(m, "memory_bytes"),
+                  size(m, "disk_bytes"),
+                  "-" if m["hit_ratio"] is None else f"{100 * m['hit_ratio']:.1f}%",
+                  size(m, "read_bytes"), f"{now - m['since']:.0f}s")
+    if mounts:
+        print_table(table)
+    for m in mounts:
+        if m["unreachable"]:
+            print(f"  {m['mountpoint']}: no counters: {m['unreachable']}")
+    return 0
+
+
+def node_lines(name: str, rec: dict[str, Any], s: dict[str, Any], now: float) -> list[str]:
     """What ``status`` prints of one live node: ``rec`` its (verified) node record, ``s``
     its stats record as ``lifecycle.node_stats`` gives it."""
     a, c, d = s["arena"], s["counters"], s["disk"]
@@ -60,6 +123,9 @@ def node_lines(name: str, rec: dict, s: dict, now: float) -> list[str]:
     out = [f"  {name}: NICs {', '.join(rec['nics'])}; cache {a.get('used_bytes', 0) / 2**30:.2f}/"
            f"{rec['capacity'] / 2**30:.2f} GiB ({a.get('used_slots', 0)} chunks){ssd}; "
            f"up {now - rec['started']:.0f}s"]
+    if s["files"]:
+        out.append("    arena files: " + ", ".join(f"{path} ({ram / 2**30:.2f} GiB RAM)"
+                                                  for path, ram in sorted(s["files"].items())))
     refused = a.get("refused", 0)
     out.append(f"    loads: {c.get('source_loads', 0)} from source, {c.get('peer_loads', 0)} from "
                f"peers, {c.get('demand_loads', 0)} on demand, {c.get('rereplicated', 0)} re-replicated"
@@ -75,8 +141,9 @@ def node_lines(name: str, rec: dict, s: dict, now: float) -> list[str]:
     return out
 
 
-def _datasets(store, replicas: int, nodes: dict, preload: dict, progress: dict,
-              held: dict[str, list[dict]]) -> list[dict]:
+def _datasets(store: EtcdStore, replicas: int, nodes: dict[str, Any], preload: dict[str, Any],
+              progress: dict[str, Any],
+              held: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per preloaded dataset: chunk replicas cached (of those the live nodes own), bytes
     per tier (chunks in memory / on SSD × the mean chunk size), R achieved (replicas
     cached per chunk, on average), the hit ratio of its mounts (reads served by memory
@@ -118,9 +185,6 @@ def _p99(counts: list[int], buckets: list[float]) -> str:
     total, seen = sum(counts), 0
     for i, n in enumerate(counts):
         seen += n
-    if s["files"]:
-        out.append("    arena files: " + ", ".join(f"{path} ({ram / 2**30:.2f} GiB RAM)"
-                                                  for path, ram in sorted(s["files"].items())))
         if seen >= 0.99 * total:
             if i < len(buckets):
                 return f"{buckets[i]:g} ms"
@@ -128,8 +192,8 @@ def _p99(counts: list[int], buckets: list[float]) -> str:
     return "-"
 
 
-def _latency(reads: dict) -> str:
-    """One line of a node's READs from its peers: hedges (issue 19) and p99 per peer."""
+def _latency(reads: dict[str, Any]) -> str:
+    """One line of a node's READs from its peers: hedges and p99 per peer."""
     per = ", ".join(
         f"{peer} p99 ≤ {_p99(p['counts'], reads['peer_latency_buckets_ms'])}"
         + (" (suspected)" if p.get("suspected") else "")

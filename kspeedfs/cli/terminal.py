@@ -28,8 +28,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType

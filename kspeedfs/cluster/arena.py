@@ -61,8 +61,9 @@ from __future__ import annotations
 import logging
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def buckets_of(key: bytes, nbuckets: int) -> tuple[int, ...]:
     return (b1,) if b1 == b2 else (b1, b2)
 
 
-def find_in_bucket(bucket: bytes, key: bytes) -> tuple[int, int] | None:
+def find_in_bucket(bucket: bytes | memoryview, key: bytes) -> tuple[int, int] | None:
     """(slot, length) of ``key`` in one bucket's bytes as READ from a peer, or None."""
     for i in range(WAYS):
         k, slot, length, _ = ENTRY.unpack_from(bucket, i * ENTRY.size)
@@ -115,7 +116,7 @@ class Geometry:
     nbuckets: int
 
     @classmethod
-    def for_memory(cls, memory: int, slot_size: int) -> "Geometry":
+    def for_memory(cls, memory: int, slot_size: int) -> Geometry:
         nslots = memory // slot_size
         # half the index ways in use on average at a full arena; with two buckets a key
         # (module docstring), none full

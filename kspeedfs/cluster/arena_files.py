@@ -32,6 +32,7 @@ import logging
 import mmap
 import os
 import stat
+import time
 from dataclasses import dataclass
 
 from ..errors import DatasetInUse, UnsafePath
@@ -39,6 +40,22 @@ from ..errors import DatasetInUse, UnsafePath
 log = logging.getLogger(__name__)
 
 SUFFIXES = (".arena", ".index")
+#: how long a starting node waits for its predecessor's lock: a node killed and started
+#: again at once (a supervisor's restart) finds the dying process still holding it
+LOCK_WAIT = 10.0
+
+
+def _lock(fd: int, wait: float) -> bool:
+    """An exclusive flock on ``fd`` within ``wait`` seconds (polled: flock has no timeout)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 def cluster_tag(secret: bytes, etcd_prefix: str) -> str:
@@ -171,10 +188,12 @@ class ArenaFiles:
     def paths(self) -> list[str]:
         return [os.path.join(self.directory, self.stem + s) for s in SUFFIXES]
 
-    def open(self, arena_bytes: int, index_bytes: int) -> tuple[mmap.mmap, mmap.mmap, bool]:
+    def open(self, arena_bytes: int, index_bytes: int,
+             wait: float = LOCK_WAIT) -> tuple[mmap.mmap, mmap.mmap, bool]:
         """The arena's and the index's memory, and whether both kept their content (an
         arena without its index is fresh). :class:`UnsafePath` if a check fails,
-        :class:`DatasetInUse` if another node of this name and cluster runs here."""
+        :class:`DatasetInUse` if another node of this name and cluster still holds them
+        after ``wait`` seconds."""
         dir_fd = private_directory(self.directory)
         try:
             arena_fd = _open_private(dir_fd, self.directory, self.stem + ".arena", create=True)
@@ -183,12 +202,10 @@ class ArenaFiles:
             self._fds.append(index_fd)
         finally:
             os.close(dir_fd)
-        try:
-            fcntl.flock(index_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _lock(index_fd, wait):
             self.close()
             raise DatasetInUse(f"node {self.node} of this cluster already runs on this host "
-                               f"(it holds {self.paths[1]})") from None
+                               f"(it holds {self.paths[1]})")
         arena, arena_kept = _map(arena_fd, arena_bytes)
         index, index_kept = _map(index_fd, index_bytes)
         return arena, index, arena_kept and index_kept
@@ -196,7 +213,7 @@ class ArenaFiles:
     def usage(self) -> dict[str, int]:
         """Each file's path → the bytes of RAM it holds now."""
         return {os.path.join(self.directory, self.stem + s): os.fstat(fd).st_blocks * 512
-                for s, fd in zip(SUFFIXES, self._fds)}
+                for s, fd in zip(SUFFIXES, self._fds, strict=False)}
 
     def close(self) -> None:
         """Close the files; the lock goes with the last of them and of the mappings

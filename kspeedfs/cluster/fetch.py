@@ -18,10 +18,14 @@ Failure handling is layered: a NIC or link dying is invisible here (vRDMA re-pos
 READ on another path); a whole peer dying surfaces as ``PeerUnreachable`` after
 ``cluster.peer_timeout`` with all paths dead, and we move to the next replica. A node
 that was unreachable is skipped for ``SKIP`` seconds, then tried again (it may be back,
-or its lease has expired and placement no longer names it).
+or its lease has expired and placement no longer names it). A node back as a new
+incarnation (restarted: its record's ``started`` changed) is tried last until its new
+vQP is up, connected in the background: a node that has just started answers a connect
+only as fast as its start-up lets it, and readers waited for it (docs/design.md, "A node
+coming back").
 
 A misbehaving peer is a failed replica, never an error for the reader while another copy
-(or the source) exists (issue 13): a listener that answers garbage, deep or oversized
+(or the source) exists: a listener that answers garbage, deep or oversized
 JSON, or does not know the secret fails its handshake (``HandshakeError``, or
 ``PeerUnreachable``/``RpcUnavailable`` around it); an authenticated node whose ``info``
 or RPC reply does not parse is the same; and as a last net, a ``LookupError``,
@@ -45,9 +49,9 @@ until then): without hedging ``VQP.read`` waits for it, shielded; with hedging i
 detached (the attempt returns at once, its staging and landing slots come back from the
 completion, ``_Attempt.on_free``), so a reader never waits on a hung peer's READ.
 
-Hedging (issue 19, ``cluster.hedge``; the rule and its numbers: :mod:`.hedge`). Without
-it a replica that stops answering (SIGSTOP, SIGKILL, a stall) costs every read waiting
-on it ``cluster.peer_timeout`` before the next replica is asked (531–614 ms measured).
+Hedging (``cluster.hedge``; the rule: :mod:`.hedge`). Without it a replica that stops
+answering (SIGSTOP, SIGKILL, a stall) costs every read waiting on it
+``cluster.peer_timeout`` before the next replica is asked.
 With it, the first replica is still READ in the reader's own task, each READ (and a
 connect) with a deadline of ``Hedger.threshold`` on its wait; when one passes, the same
 bytes are READ from the next replica in a task of ``nursery``, at most once per read and
@@ -70,8 +74,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 import trio
 
@@ -132,6 +137,7 @@ class PeerCounters:
     unreachable: int = 0             # PeerUnreachable / RpcUnavailable seen
     longest_stall: float = 0.0       # longest time one chunk spent on failed replicas, s
     longest_wait: float = 0.0        # longest read_chunk that returned bytes, s
+    connect_waits: int = 0           # reads (not hedges) that waited for a connect
     per_peer: Counter[str] = field(default_factory=Counter)   # node → bytes served
 
 
@@ -160,6 +166,7 @@ class PeerStatistics:
     vqps: dict[str, str]             # node → its vQP's state
     peer_heartbeats: int             # heartbeats answered, over every path of every vQP
     peer_longest_wait_ms: float      # PeerCounters.longest_wait, in ms to 0.1
+    peer_connect_waits: int          # PeerCounters.connect_waits
     peer_hedges: int                 # Hedger: second-replica READs issued
     peer_hedges_won: int             # ... that verified first
     peer_hedges_refused: int         # overruns the byte budget did not allow a hedge for
@@ -225,15 +232,42 @@ class Peers:
     async def _vqp(self, rec: NodeRecord) -> VQP:
         """The vQP to this incarnation of ``rec.node``, connecting once if there is none.
         A joined connect may have been to another incarnation: then look again."""
-        while (have := self._vqps.get(rec.node)) is None or have[0] != rec.started:
+        while not self._connected(rec):
             await self._connects.run(rec.node, self._connect, rec)
-        return have[1]
+        return self._vqps[rec.node][1]
+
+    def _connected(self, rec: NodeRecord) -> bool:
+        """Whether a vQP to this incarnation of ``rec.node`` is set up (its paths may have
+        died since: that is a fault, which hedging covers, not a connect)."""
+        have = self._vqps.get(rec.node)
+        return have is not None and have[0] == rec.started
+
+    def _back(self, rec: NodeRecord) -> bool:
+        """Whether ``rec.node`` is back as a new incarnation that has no vQP yet (the
+        vQP kept is to the one before)."""
+        have = self._vqps.get(rec.node)
+        return have is not None and have[0] != rec.started
+
+    def _back_last(self, recs: list[NodeRecord]) -> list[NodeRecord]:
+        """``recs`` with the nodes back as a new incarnation moved last, and their
+        connects started in the background (single-flight; module docstring)."""
+        back = [r for r in recs if self._back(r)]
+        if not back:
+            return recs
+        for r in back:
+            if not self._connects.in_flight(r.node):
+                self._connects.start(r.node, self._connect, r)
+        return [r for r in recs if not self._back(r)] + back
 
     async def _connect(self, rec: NodeRecord) -> VQP:
         have = self._vqps.get(rec.node)
         if have is not None:                           # the node restarted: new incarnation
             await have[1].aclose()
-        vqp = await self.ep.connect(rec.nics, rec.port, timeout=max(1.0, 2 * self._grace()))
+        try:
+            vqp = await self.ep.connect(rec.nics, rec.port, timeout=max(1.0, 2 * self._grace()))
+        except _FAILED:
+            self._skip_until[rec.node] = time.monotonic() + SKIP   # (nobody may wait on it)
+            raise
         self._vqps[rec.node] = (rec.started, vqp)
         return vqp
 
@@ -306,7 +340,8 @@ class Peers:
         if length > self.slot_size:
             return None
         t0 = time.monotonic()
-        recs = [r for r in self.order(key, exclude) if self._skip_until.get(r.node, 0.0) <= t0]
+        recs = self._back_last([r for r in self.order(key, exclude)
+                                if self._skip_until.get(r.node, 0.0) <= t0])
         race = _Race(recs, (dataset, version, chunk, key, length, part, ask_owner),
                      BUCKET_BYTES + (part[1] if part is not None else length), self._overran,
                      budgeted)
@@ -339,7 +374,7 @@ class Peers:
             self.counters.longest_stall = max(self.counters.longest_stall, took)
         return win.data
 
-    def _overran(self, att: "_Attempt") -> None:
+    def _overran(self, att: _Attempt) -> None:
         """``att``'s READ (or connect) passed its threshold: note it against the peer and,
         once per read and within the budget, start the next replica as a hedge."""
         now = time.monotonic()
@@ -355,7 +390,7 @@ class Peers:
                   hedge.rec.node)
         self.nursery.start_soon(self._hedge, hedge)
 
-    async def _hedge(self, att: "_Attempt") -> None:
+    async def _hedge(self, att: _Attempt) -> None:
         assert att.ended is not None
         try:
             with att.scope:
@@ -363,7 +398,7 @@ class Peers:
         finally:
             att.ended.set()
 
-    async def _attempt(self, att: "_Attempt") -> None:
+    async def _attempt(self, att: _Attempt) -> None:
         """One replica: READ, else ask its owner to load it and READ again. Sets
         ``att.data`` and makes it the race's winner (cancelling the other attempt), or
         sets ``att.failed``; an unexpected exception is the race's ``error``."""
@@ -404,7 +439,7 @@ class Peers:
             att.failed = True           # the hedge's task: the reader raises it
             att.race.error = e
 
-    async def _read(self, att: "_Attempt", vqp: VQP, rec: NodeRecord, dst: VMR, at: int,
+    async def _read(self, att: _Attempt, vqp: VQP, rec: NodeRecord, dst: VMR, at: int,
                     remote: str, nbytes: int, remote_off: int) -> None:
         """One timed vqp.read: its latency goes to the hedger (a sample only if it came
         within its threshold); hedging, it calls ``_overran`` when it passes the threshold
@@ -452,19 +487,22 @@ class Peers:
 
     async def _read_from(self, rec: NodeRecord, key: bytes, length: int,
                          part: tuple[int, int, bytes] | None = None,
-                         att: "_Attempt | None" = None) -> bytes | memoryview | None:
+                         att: _Attempt | None = None) -> bytes | memoryview | None:
         """Index bucket READ (its second bucket's too, for a key not in its first), then
         slot READ, then verify; None if the node lacks the chunk (or, in a race, another
         attempt has won: nothing is kept or copied then)."""
         off, want, digest = part if part is not None else (0, length, key)
         if att is None:
             att = _Attempt(rec, _Race([], (), 0, self._overran))
-        connecting = self.hedge is not None and rec.node not in self._vqps
+        hedge = att.is_hedge or att.race.budgeted   # bounded by the budget, not by nbuf
+        connecting = not self._connected(rec)
+        if connecting and not hedge:
+            self.counters.connect_waits += 1
+        connecting &= self.hedge is not None
         if connecting:                  # a connect is hedged like a READ (a cancelled
             att.read_since = time.monotonic()   # joiner: it goes on in its single-flight)
         vqp = await wait_noting_overrun(lambda: self._vqp(rec),
                                         (self.hedger.cap, att.overran) if connecting else None)
-        hedge = att.is_hedge or att.race.budgeted   # bounded by the budget, not by nbuf
         token = not hedge
         if token:
             await _take(self._slot_free)
@@ -476,7 +514,7 @@ class Peers:
             rslot = self.hints.get(rec.node, rec.started, key)
             for _ in range(2 + (rslot is not None)):   # a stale hint, then twice the bucket
                 hinted = rslot is not None
-                if hinted:
+                if rslot is not None:
                     self.counters.hinted += 1
                 else:
                     found = None
@@ -539,8 +577,11 @@ class Peers:
         for rec in self.order(key):
             if self._skip_until.get(rec.node, 0.0) > now:
                 continue
+            if self._back(rec):
+                self._back_last([rec])     # (C READs from it once it is connected)
+                continue
             have = self._vqps.get(rec.node)
-            if have is None or have[0] != rec.started:
+            if have is None:
                 return None
             rslot = self.hints.get(rec.node, rec.started, key)
             if rslot is None:
@@ -609,6 +650,7 @@ class Peers:
             vqps={n: st.state for n, st in vqps.items()},
             peer_heartbeats=sum(p.heartbeats_ok for st in vqps.values() for p in st.paths),
             peer_longest_wait_ms=round(c.longest_wait * 1e3, 1),
+            peer_connect_waits=c.connect_waits,
             peer_hedges=h.hedges, peer_hedges_won=h.won, peer_hedges_refused=h.refused,
             peer_hedge_bytes=h.hedge_bytes, peer_read_bytes=h.read_bytes,
             peer_latency_buckets_ms=BUCKETS_MS,
@@ -628,8 +670,8 @@ class _Race:
     __slots__ = ("queue", "args", "nbytes", "on_overrun", "budgeted", "first", "hedge",
                  "winner", "error")
 
-    def __init__(self, queue: list[NodeRecord], args: tuple, nbytes: int,
-                 on_overrun: Callable[["_Attempt"], None], budgeted: bool = False) -> None:
+    def __init__(self, queue: list[NodeRecord], args: tuple[Any, ...], nbytes: int,
+                 on_overrun: Callable[[_Attempt], None], budgeted: bool = False) -> None:
         self.queue, self.args, self.nbytes = queue, args, nbytes
         self.on_overrun = on_overrun            # Peers._overran
         self.budgeted = budgeted                # read_chunk(budgeted=True): a hedge itself
@@ -638,7 +680,7 @@ class _Race:
         self.winner: _Attempt | None = None
         self.error: Exception | None = None     # the hedge's unexpected exception
 
-    def won(self, att: "_Attempt") -> None:
+    def won(self, att: _Attempt) -> None:
         """``att``'s bytes verified first: it wins, the other attempt is cancelled (its
         READ, if one is out, gives its buffers back when it completes)."""
         self.winner = att

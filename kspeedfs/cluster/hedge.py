@@ -18,35 +18,13 @@ same class over every peer is used, else ``cap``. A READ that lost a hedge is no
 sample (its fault-inflated latency would raise the threshold exactly when a peer hangs);
 it still counts in the histogram and the longest wait.
 
-Measured (``tests/cluster/test_cluster_tail.py``, 3 nodes + a mount on this 2-core VM,
-soft provider, 8 verifying readers of random 64 KiB ranges, 256 KiB chunks, two runs):
-
-* thresholds settle at 2.0–2.2 ms for 128 KiB READs: their p99 is ~1 ms, so the 2 ms
-  floor binds. The floor is there because a sub-millisecond threshold would hedge on
-  scheduler noise alone (read p99.9 end to end is 8–12 ms with no fault here).
-* no fault: 15–17 hedges in ~18k reads over 5 s, 0.17–0.23 % of the bytes READ. The
-  budget (5 %, a 16 MiB burst) is 25× that, so it only bounds a pathological case
-  (every peer slow at once); the burst covers the first hedges of every reader when a
-  peer hangs (7–17 hedges of ≤ 256 KiB each here).
-* node SIGSTOPped 1.5 s: slowest read 563–566 ms without hedging, 8–11 ms with it;
-  SIGKILLed: 514–537 ms without, 30–43 ms with; 0 errors either way.
-* factor 2 was not swept; cap 100 ms (< ``peer_timeout`` 0.5 s) is what a READ gets
-  with no history yet in its class, and the budget of a connect to a peer.
-* A known limit (stop 24, docs/bench/results-0cf4efb-tail-latency.txt): a sample is
-  taken when the reading task resumes, so it carries the trio thread's scheduling
-  delay. On this machine loaded with 8 readers, 3 nodes and the mount, thresholds were
-  14–31 ms, and a SIGSTOPped peer's slowest read 33–91 ms (the issue's target: < 50 ms).
-  Factor 1 (thresholds 4–9 ms) gave 41–88 ms for 0.6–1.4 % hedged bytes with no fault
-  (factor 2: 0.00 %): not a clear win.
-* Stop 25 (docs/bench/results-e40d83c-tail-latency.txt, a quiet and ~3× faster machine:
-  no-fault p99 5 ms): thresholds 4–8 ms; slowest read SIGSTOP 15–54 ms (9 of 10 windows
-  < 50 ms), SIGKILL 13–30 ms. A sample taken when the WC is polled instead (thresholds
-  3–5 ms) was no better (SIGKILL: 10 of 26 windows ≥ 45 ms, 0 of 12 before): not kept.
-  The remaining 40–60 ms reads were READs of the *live* replica, none left to hedge to
-  (R = 2), whose responses stalled mid-payload on TCP's delayed ACKs; since the soft
-  engine ACKs at once (stop 26, native/soft_engine.c; results-d363e1d-tail-latency.txt)
-  the slowest read is SIGSTOP 17–46 ms, SIGKILL 15–27 ms (8 windows each; 17–51 and
-  15–61 without the change, same machine).
+Why these defaults: the 2 ms floor keeps scheduler noise alone from hedging (a READ's
+p99 here is ~1 ms, its p99.9 end to end several ms); the budget (5 %, a 16 MiB burst) is
+far above what hedging spends with no fault, so it only bounds the case of every peer
+slow at once, while the burst covers every reader's first hedges when a peer hangs; the
+100 ms cap (< ``peer_timeout``) is what a READ gets with no history in its class. The
+measurements, and the limits found (a sample carries the trio thread's scheduling
+delay): docs/design.md, "Hedging: the measurements".
 
 Suspicion: ``SUSPECT_AFTER`` overruns of a peer with no in-time READ from it in between
 make it suspected for ``suspect_time``: ``order`` tries it last (placement and membership
@@ -59,6 +37,10 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import ClusterConfig
 
 #: histogram bucket upper bounds, ms (the last bucket is everything above)
 BUCKETS_MS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
@@ -228,12 +210,12 @@ class Hedger:
                            hedged=h.hedged, won=h.won, suspected=self.suspected(peer, now))
 
 
-def from_config(cluster: object) -> Hedger | None:
+def from_config(cluster: ClusterConfig) -> Hedger | None:
     """A Hedger from a :class:`~kspeedfs.config.ClusterConfig` (``cluster.hedge_*``), or
     None when ``cluster.hedge`` is off."""
     c = cluster
-    if not getattr(c, "hedge"):
+    if not c.hedge:
         return None
-    return Hedger(factor=getattr(c, "hedge_factor"), floor=getattr(c, "hedge_floor"),
-                  cap=getattr(c, "hedge_cap"), budget=getattr(c, "hedge_budget"),
-                  suspect_time=getattr(c, "hedge_suspect_time"))
+    return Hedger(factor=c.hedge_factor, floor=c.hedge_floor,
+                  cap=c.hedge_cap, budget=c.hedge_budget,
+                  suspect_time=c.hedge_suspect_time)

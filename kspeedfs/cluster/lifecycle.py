@@ -28,7 +28,9 @@ priority are never evicted by a plan.
 Version rule (:func:`collectable`): of a dataset's versions, keep the newest
 ``store.keep_versions`` and every version a live mount holds or a preload names;
 ``kspeedfs gc`` (and ``kspeedfs import``, for the dataset it imported) removes the rest
-from the store; nodes drop the chunks of versions no longer preloaded.
+from the store; nodes drop the chunks of versions no longer preloaded. A live mount is
+one with a ``mounts/`` record, or, with either store, one this machine serves
+(``fuse/registry.py``: a single machine has no etcd to hold its mounts in).
 
 Release on last mount (``kspeedfs mount --preload --unload-on-exit``): the mount holds
 its version through ``mounts/``, on its lease; the preload says ``release:
@@ -47,9 +49,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import CapacityExceeded, StoreError
 from ..manifest.store.signature import canonical_json
@@ -116,7 +119,7 @@ def _text(x: object) -> str:
     return x if isinstance(x, str) else "?"
 
 
-def _is_count(v: object) -> bool:
+def _is_count(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
@@ -182,7 +185,7 @@ class PreloadRequest:
         return canonical_json(asdict(self))
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "PreloadRequest":
+    def from_json(cls, raw: bytes) -> PreloadRequest:
         """Parse untrusted JSON (records of older versions had only version/requested)."""
         d = _json_object(raw, "preload request")
         release = d.get("release", "manual")
@@ -218,7 +221,7 @@ class MountRecord:
         return canonical_json(asdict(self))
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "MountRecord":
+    def from_json(cls, raw: bytes) -> MountRecord:
         what = "mount record"
         d = _json_object(raw, what)
         unload = d.get("unload_on_exit", False)
@@ -468,14 +471,22 @@ def collectable(versions: list[int], keep: int, pinned: set[int]) -> list[int]:
 
 
 def pinned_versions(store: Any, name: str) -> dict[int, str]:
-    """Version → why it must stay (mounted where, or preloaded); etcd stores only."""
-    why: dict[int, str] = {}
-    if not hasattr(store, "call"):
-        return why                   # the embedded store: no cluster, no registry of mounts
-    for tag, recs in mounts(store, name).items():
+    """Version → why it must stay: mounted where (this machine's mounts of ``store``,
+    ``fuse/registry.py``, with any store; every host's ``mounts/`` records with etcd),
+    or preloaded (etcd)."""
+    from ..fuse import registry
+
+    where: dict[int, list[str]] = {}
+    host = os.uname().nodename
+    for m in registry.live(store.identity):
+        if m.dataset == name:
+            where.setdefault(m.version, []).append(f"{host}:{m.mountpoint}")
+    cluster = hasattr(store, "call")     # etcd: every host's holds, and the preloads
+    for tag, recs in (mounts(store, name) if cluster else {}).items():
         v = int(tag.rsplit("@", 1)[1])
-        why[v] = "mounted at " + ", ".join(f"{r.host}:{r.mountpoint}" for r in recs)
-    req = preloads(store).get(name)
+        where.setdefault(v, []).extend(f"{r.host}:{r.mountpoint}" for r in recs)
+    why = {v: "mounted at " + ", ".join(dict.fromkeys(w)) for v, w in sorted(where.items())}
+    req = preloads(store).get(name) if cluster else None
     if req is not None:
         why.setdefault(req.version, "preloaded")
     return why

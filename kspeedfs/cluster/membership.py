@@ -28,15 +28,21 @@ share. The cost: a node that really died keeps R-1 live copies of its chunks for
 meanwhile on their own (a refused or silent peer is a failed replica).
 
 Views (:class:`PrefixView`) watch a prefix: list it (remembering the revision), then
-block on a watch from the next revision; any event, or every ``resync`` seconds, lists
-again. Readers consult the view's in-memory copy; nothing on the read path talks to
-etcd. If etcd is unreachable the view keeps the last membership it saw and says so in
-the log once; it catches up when etcd is back. A mount's view also keeps the last values
-it saw in a file (``keep``, under /run/kspeedfs/mounts, root only), and the daemon that
-takes the mount over (a resume after a crash, an upgrade) starts from that file when etcd
-does not list the prefix in time (``seed``): during an etcd outage its reads go to the
-peers its predecessor knew, not to the source. The file's values pass the same record
-checks as etcd's (``NodeRecord.verifying``: signed with the cluster secret).
+block on a watch from the next revision; any event lists again. Every ``resync`` seconds
+the watch is renewed, from the same revision: a quiet watch missed nothing (etcd sends
+every event after it, or says it was compacted, and a compaction lists again), so a
+quiet period costs a one-key read (etcd's revision: a restored etcd going back in time
+lists again), not a listing of the whole prefix. Listing on every resync was the
+cluster's largest etcd load: N views × N records every 10 s, 3 × with every member an
+endpoint (``bench.cluster_sim``; docs/design.md, "1,000 nodes, simulated"). Readers
+consult the view's in-memory copy; nothing on the read path talks to etcd. If etcd is
+unreachable the view keeps the last membership it saw and says so in the log once; it
+catches up when etcd is back. A mount's view also keeps the last values it saw in a file
+(``keep``, under /run/kspeedfs/mounts, root only), and the daemon that takes the mount
+over (a resume after a crash, an upgrade) starts from that file when etcd does not list
+the prefix in time (``seed``): during an etcd outage its reads go to the peers its
+predecessor knew, not to the source. The file's values pass the same record checks as
+etcd's (``NodeRecord.verifying``: signed with the cluster secret).
 """
 from __future__ import annotations
 
@@ -50,8 +56,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import trio
 
@@ -105,7 +112,7 @@ class NodeRecord:
         return f"{store.prefix}nodes/{node}"
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "NodeRecord":
+    def from_json(cls, raw: bytes) -> NodeRecord:
         """Parse and type-check untrusted JSON; ``ValueError`` for anything invalid."""
         try:
             d = json.loads(raw)
@@ -169,7 +176,7 @@ class NodeRecord:
         return lambda values: decode(cls.verified(store, values))
 
     @classmethod
-    def list_verified(cls, store: EtcdStore) -> dict[str, "NodeRecord"]:
+    def list_verified(cls, store: EtcdStore) -> dict[str, NodeRecord]:
         """Blocking, for the CLI: every live node whose record verifies, by name."""
         pre = store.prefix + "nodes/"
         resp = store.call(lambda c: c.get_prefix_response(pre))
@@ -206,6 +213,9 @@ class Registration:
         self.lease_id: int | None = None
         self._keys: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        # held across a grant: the first put and the keep-alive task (daemon._hold starts
+        # both at once) each found no lease and each granted one; the second lapsed
+        self._granting = threading.Lock()
 
     @property
     def period(self) -> float:
@@ -219,18 +229,21 @@ class Registration:
         with self._lock:
             keys = dict(self._keys)
         for k, v in keys.items():
-            self.store.race(lambda c, k=k, v=v: c.put(k, v, lease=lease.id))
+            def put(c: Any, k: str = k, v: bytes = v) -> Any:
+                return c.put(k, v, lease=lease.id)
+            self.store.race(put)
         log.info("etcd lease %x granted (ttl %ds); %d keys attached", self.lease_id, self.ttl, len(keys))
 
     def put(self, key: str, value: bytes) -> None:
         """Blocking: put ``key`` on the lease (and remember it for a re-grant)."""
         with self._lock:
             self._keys[key] = value
-        if self.lease_id is None:
-            self._grant()
-        else:
-            lease_id = self.lease_id
-            self.store.race(lambda c: c.put(key, value, lease=lease_id))
+        with self._granting:
+            if self.lease_id is None:
+                self._grant()                # puts every remembered key, this one too
+                return
+        lease_id = self.lease_id             # granted by whoever got here first
+        self.store.race(lambda c: c.put(key, value, lease=lease_id))
 
     def forget(self, key: str) -> None:
         """Stop re-attaching ``key`` after a re-grant (no etcd request: whoever removed
@@ -240,7 +253,9 @@ class Registration:
 
     def _refresh(self) -> None:
         if self.lease_id is None:
-            self._grant()
+            with self._granting:
+                if self.lease_id is None:
+                    self._grant()
             return
         lease_id = self.lease_id
         # every rail at once; a refresh that no rail answers within a period is retried
@@ -248,7 +263,9 @@ class Registration:
         responses = self.store.race(lambda c: list(c.refresh_lease(lease_id)), budget=self.period)
         if not responses or responses[0].TTL <= 0:
             log.warning("etcd lease %x expired; registering again", lease_id)
-            self._grant()
+            with self._granting:
+                if self.lease_id == lease_id:
+                    self._grant()
 
     async def run(self) -> None:
         """Refresh every ttl/3; etcd outages are logged and ridden out."""
@@ -394,7 +411,12 @@ class PrefixView:
                 down = False
                 assert self._token is not None
                 trio.from_thread.run_sync(self._publish, values, trio_token=self._token)
-                self.store.watch_prefix(self.prefix, rev + 1, self.resync)
+                # a quiet watch from rev + 1 missed nothing: watch again without listing,
+                # unless etcd went back in time (restored from a snapshot: list again)
+                while (not self._stop.is_set()
+                       and not self.store.watch_prefix(self.prefix, rev + 1, self.resync)
+                       and self.store.revision() >= rev):
+                    pass
             except trio.RunFinishedError:
                 return
             except Exception as e:          # StoreError, or an etcd3 client bug

@@ -1,4 +1,4 @@
-"""⑤′ The native chunk fetch: a chunk READ from a replica's arena that C posts, verifies
+"""⑤ The native chunk fetch: a chunk READ from a replica's arena that C posts, verifies
 and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
 
     TierChain.start(k) / chunk(k)         a chunk to load from the cluster
@@ -63,28 +63,19 @@ A fetch past it is noted against its peer (tried last once suspected) and, withi
 byte budget, READ again through ``read_chunk`` from another replica; when that lands,
 the READs parked in C on the chunk are answered from the tier (``fetch_unpark``) and the
 C READ, whenever it completes, finds the chunk there (FETCH_EXISTS). Without it, a
-SIGSTOPped replica held READs parked in C for the vQP's 0.5 s peer timeout
-(tests/cluster/test_cluster_tail.py: 553 ms against 34 ms hedged). While a fetch from a
-node is past its deadline, no new one goes to that node through C (``read_chunk`` takes
-those, hedging each): with up to 32 in flight, a stopped replica otherwise caught more
-fetches than the hedge budget covers, and their READs waited out the peer timeout (one
-517 ms read in that test, once its routes came from the index copies).
+SIGSTOPped replica held READs parked in C for the vQP's peer timeout
+(tests/cluster/test_cluster_tail.py). While a fetch from a node is past its deadline, no
+new one goes to that node through C (``read_chunk`` takes those, hedging each): with many
+in flight, a stopped replica would otherwise catch more fetches than the hedge budget
+covers.
 
-Why C starts routed chunks: per chunk, the hint's wake-up and Python's start (route,
-target, record) were about half of the trio thread's ~250 µs; with routes, one chunk in
-~13 of a steady sequential loop comes back to Python (docs/design.md, stop 37). Why it
-starts small files' extents: per ImageNet-like file from peers the trio thread spent
-~78 µs, ~55 % of it handing the READ to C (the extent, route, target, post, deadline);
-now only the first file read of each chunk comes to Python (docs/design.md, stop 40).
-
-Why (docs/design.md, "The plan for that step"): the Python around each chunk READ from a
-peer (single-flight, race, vQP dispatch, CQ consumer, xxh3 on the trio thread, the
-answers to READs waiting for it) was most of the trio thread's 0.3 s per GB; and around
-each small file from a peer (that, the READ's task, the copy out of the staging slot
-into new memory, the reply) the trio thread's ~245 µs per file, busy ~90 % of the
-pass: with the hand-off 108-110 µs, and 4.05-4.53k files/s against 3.40-3.54k; a
-random 4 KiB READ's block 87 against 169 µs, 6.8-7.2k IOPS against 5.1-5.2k
-(docs/design.md).
+Why C posts, verifies and answers at all: the Python around each chunk READ from a peer
+(single-flight, the vQP dispatch, the CQ consumer, xxh3, the answers to READs waiting for
+it) and around each small file (the READ's task, a copy out of the staging slot, the
+reply) was most of the trio thread's time. Why C also *starts* routed chunks and small
+files' extents: handing each one to C from Python (the hint's wake-up, route, target,
+post, deadline) was then about half of what remained. The measurements behind both:
+docs/design.md, "The native chunk fetch".
 """
 from __future__ import annotations
 
@@ -94,8 +85,9 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -132,7 +124,8 @@ C_SLOTS = 16
 C_STAGING = 16
 
 try:
-    from ..fuse import _engine as _fe      # FETCHED statuses (native/fuse_fetch.h)
+    # FETCHED statuses (native/fuse_fetch.h); the C extension has no stubs
+    from ..fuse import _engine as _fe  # type: ignore[attr-defined]
 except ImportError:                        # a checkout whose native code was not built
     _fe = None
 
@@ -190,8 +183,8 @@ class NativeFetch:
     its hedges count in the hedger's.
     """
 
-    def __init__(self, engine: Any, peers: Peers, tiers: "TierChain", memory: "MemoryCache",
-                 index: "ManifestIndex", small_file_limit: int = 0) -> None:
+    def __init__(self, engine: Any, peers: Peers, tiers: TierChain, memory: MemoryCache,
+                 index: ManifestIndex, small_file_limit: int = 0) -> None:
         """``small_file_limit``: ReadPolicy.small_file_limit, the largest small file read
         alone (0: none), the size of the staging slots C holds for those it starts."""
         capi = soft_capi()
@@ -221,7 +214,7 @@ class NativeFetch:
         docstring); False: load it the usual way."""
         return self._start(k, key, key, self.index.chunk_len[k], 0, None)
 
-    def start_extent(self, k: int, ext: Extent, read: tuple | None = None) -> bool:
+    def start_extent(self, k: int, ext: Extent, read: tuple[Any, ...] | None = None) -> bool:
         """Post small file ``ext.entry``'s one extent (in chunk ``k``) to C, as ``start``
         a chunk: READ into a staging slot, verified and copied into a buffer of its own,
         which the memory tier keeps under ``ext.digest``; with ``read`` (fd, unique,
@@ -232,7 +225,7 @@ class NativeFetch:
         return self._start(k, ext.digest, self.index.chunk_digest(k), ext.length,
                            ext.chunk_offset, ext.entry, read)
 
-    def start_block(self, k: int, b: int, key: bytes, entry: int, read: tuple) -> bool:
+    def start_block(self, k: int, b: int, key: bytes, entry: int, read: tuple[Any, ...]) -> bool:
         """Post block ``b`` of chunk ``k`` (tier key ``key``) to C with ``read``, a random
         READ of ``entry`` inside it, as ``start_extent`` an extent (verified against the
         block's xxh3-64)."""
@@ -241,7 +234,7 @@ class NativeFetch:
                            entry, read, b, ix.block_digest(k, b))
 
     def _start(self, k: int, key: bytes, chunk_key: bytes, length: int, offset: int,
-               entry: int | None, read: tuple | None = None, block: int | None = None,
+               entry: int | None, read: tuple[Any, ...] | None = None, block: int | None = None,
                want: bytes = b"") -> bool:
         if self._closed or key in self.inflight:
             return False
@@ -419,7 +412,7 @@ class NativeFetch:
         FAILED_FOR seconds: a READ of it is not handed to C again meanwhile."""
         return time.monotonic() - self._failed.get(key, -FAILED_FOR) < FAILED_FOR
 
-    def read_or_park(self, entry: int, read: tuple) -> bool:
+    def read_or_park(self, entry: int, read: tuple[Any, ...]) -> bool:
         """``read`` (a queued READ of ``entry``: fd, unique, offset, size, random, since)
         answered from the tier or parked in C on its chunks in flight here; False: it
         stays the caller's."""
@@ -472,9 +465,11 @@ class NativeFetch:
         if block is not None or (status == _fe.FETCH_OK and not f.extent):
             f.landed = True
             if f.extent:                   # C's buffer, in the tier already: adopted
+                assert block is not None
                 data = memoryview(block)
                 self._give(f.slot, True)
             else:
+                assert f.slot is not None
                 data = self.peers.landing.keep(f.slot, f.length)
             self.peers.landed_native(f.node, f.length)
             if self.peers.hedge is not None:
@@ -535,8 +530,8 @@ class Routes:
     good, from one vMR of their own. Not thread-safe: the trio thread's.
     """
 
-    def __init__(self, engine: Any, peers: Peers, memory: "MemoryCache",
-                 index: "ManifestIndex", handle: Callable[[Any], int],
+    def __init__(self, engine: Any, peers: Peers, memory: MemoryCache,
+                 index: ManifestIndex, handle: Callable[[Any], int],
                  late: Counter[str], small_file_limit: int = 0) -> None:
         self.engine = engine
         self.peers = peers

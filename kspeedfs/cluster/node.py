@@ -31,8 +31,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import trio
 
@@ -42,21 +43,26 @@ from .. import checksum
 from ..cache.disk import DiskCache
 from ..cache.singleflight import SingleFlight
 from ..cache.tiers import Loaded, TierChain
-from ..config import Config
-from ..errors import ConfigError, KspeedfsError, StoreUnavailable
+from ..config import Config, SourceConfig
+from ..errors import (
+    ChunkUnavailable,
+    ConfigError,
+    KspeedfsError,
+    SourceChanged,
+    StoreUnavailable,
+)
 from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from ..manifest.store.etcd import EtcdStore
-from ..origin import Origin
+from ..origin import open_origin
+from . import lifecycle, rpc
 from .arena import Arena, ArenaStatistics, Geometry
 from .arena_files import ArenaFiles, cluster_tag
 from .fetch import Peers, PeerStatistics
 from .hedge import from_config as hedge_from_config
-from . import lifecycle
 from .lifecycle import PreloadRequest
 from .membership import Membership, NodeRecord, PrefixView, Registration
 from .placement import Member, owners
-from . import rpc
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +70,11 @@ log = logging.getLogger(__name__)
 class Dataset:
     """One dataset version as a node needs it: manifest index and source."""
 
-    def __init__(self, info: DatasetInfo, index: ManifestIndex, source: str) -> None:
+    def __init__(self, info: DatasetInfo, index: ManifestIndex, source: str,
+                 source_config: SourceConfig | None = None) -> None:
         self.info = info
         self.index = index
-        self.origin = Origin(source, index, info.name)
+        self.origin = open_origin(source, index, info.name, config=source_config)
 
 
 @dataclass
@@ -204,7 +211,7 @@ class Node:
             if index.chunk_size > self.arena.g.slot_size:
                 raise ConfigError(f"dataset {name} has {index.chunk_size}-byte chunks; this "
                                   f"node's cluster.slot_size is {self.arena.g.slot_size}")
-            return Dataset(info, index, self.source_override or info.source)
+            return Dataset(info, index, self.source_override or info.source, self.cfg.source)
 
         ds = self.datasets[(name, version)] = await trio.to_thread.run_sync(fetch)
         log.info("dataset %s v%d: %d chunks, %d bytes", name, version, ds.index.chunks, ds.info.bytes)
@@ -451,11 +458,18 @@ class Node:
         t0 = time.monotonic()
         todo = iter(missing)
         last_pub = 0.0
+        failed: list[KspeedfsError] = []
 
         async def worker() -> None:
             nonlocal last_pub
             for k in todo:
-                where = await self.load_chunk(ds, k)
+                # a chunk the source cannot give now (an object store timing out) is one
+                # failure, not the node's: the pass goes on, and reconcile retries the rest
+                try:
+                    where = await self.load_chunk(ds, k)
+                except (ChunkUnavailable, SourceChanged) as e:
+                    failed.append(e)
+                    continue
                 if not self.has(ix.chunk_digest(k)):
                     prog["refused"] += 1             # Arena.put refused it (``_room``)
                     continue
@@ -474,6 +488,9 @@ class Node:
             for _ in range(self.cfg.cluster.preload_workers):
                 n.start_soon(worker)
         await self._publish_progress(tag, [ix.chunk_digest(k) for k in mine])
+        if failed:
+            raise ChunkUnavailable(f"{tag}: {len(failed)} of my {len(missing)} missing chunks "
+                                   f"could not be loaded; the first: {failed[0]}")
         dt = time.monotonic() - t0
         if prog["refused"]:
             log.warning("%s: %d of my %d chunks are not held here: room for them would evict "

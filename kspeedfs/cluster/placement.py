@@ -31,8 +31,8 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import xxhash
 

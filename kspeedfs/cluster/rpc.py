@@ -17,7 +17,7 @@ A client keeps up to ``POOL`` idle channels per node and opens more under load (
 per source address); a channel that fails is dropped, and the request fails with
 :class:`RpcUnavailable` so the reader moves to the next replica.
 
-Hostile input (issue 13).  Before authentication the server holds every connection to
+Hostile input.  Before authentication the server holds every connection to
 the limits of :class:`~rdma.vrdma.handshake.PreAuthGate` (frames ≤ 4 KiB and flat, the
 whole handshake in 2 s, 32 unauthenticated connections per source address and 128 in
 all); whatever a client sends, only its own connection is closed.  After it, a request
@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 

@@ -30,6 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from .single import generate
 
@@ -74,7 +75,7 @@ class ReadRun:
                 self.max_gap = max(self.max_gap, now - self._last)
                 self._last = now
 
-    def start(self) -> "ReadRun":
+    def start(self) -> ReadRun:
         self.t0 = time.monotonic()
         for i in range(self.workers):
             self._pool.submit(self._worker, i)
@@ -141,12 +142,12 @@ def main(args: argparse.Namespace) -> int:
                 break
             time.sleep(0.5)
         t_rerep = time.monotonic() - t_kill
-        check = c.ks(["preload", "imagenet", "--check"], check=False)
+        recheck = c.ks(["preload", "imagenet", "--check"], check=False)
         _say(f"5. n2's lease expired; the survivors re-replicated its chunks: R copies again "
-             f"{t_rerep:.1f}s after the kill\n" + _indent(check.stdout))
+             f"{t_rerep:.1f}s after the kill\n" + _indent(recheck.stdout))
         _summary(stats, run)
         c.node_host(1).nic_up(1)
-        return 0 if not run.errors and check.returncode == 0 else 1
+        return 0 if not run.errors and recheck.returncode == 0 else 1
     finally:
         c.close()
         if not args.keep:
@@ -158,14 +159,14 @@ def _indent(text: str) -> str:
     return "\n".join("   " + line for line in text.strip().splitlines())
 
 
-def _summary(s: dict, run: ReadRun) -> None:
+def _summary(s: dict[str, Any], run: ReadRun) -> None:
     mem = s["memory_hits"] + s["waited_in_flight"]
     chunks = (mem + s["peer_hits"] + s["source_loads"]) or 1
     _say("== summary")
-    _say(f"   bytes to readers: {s['read_bytes'] / 1e6:,.0f} MB, every one verified (xxh3 of its chunk, file or block); "
-         f"errors seen by readers: {len(run.errors)}")
-    _say(f"   chunk and small-file requests served by: the mount's memory tier {mem / chunks:.0%}, peers over "
-         f"vRDMA {s['peer_hits'] / chunks:.0%} ({s['peer_bytes'] / 1e6:,.0f} MB), the source "
+    _say(f"   bytes to readers: {s['read_bytes'] / 1e6:,.0f} MB, every one verified "
+         f"(xxh3 of its chunk, file or block); errors seen by readers: {len(run.errors)}")
+    _say(f"   chunk and small-file requests served by: the mount's memory tier {mem / chunks:.0%}, "
+         f"peers over vRDMA {s['peer_hits'] / chunks:.0%} ({s['peer_bytes'] / 1e6:,.0f} MB), the source "
          f"{s['source_loads'] / chunks:.0%}")
     _say("   per peer: " + ", ".join(f"{n} {b / 1e6:,.0f} MB"
                                      for n, b in sorted(s["per_peer_bytes"].items())))

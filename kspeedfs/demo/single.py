@@ -12,11 +12,17 @@
 5. print what happened (counters from the mount's ``user.kspeedfs.stats``), unmount and
    clean up, also on Ctrl-C.
 
+With ``--s3`` (``./run demo --s3``) the source is a bucket instead: a local S3 server
+(moto, from the test extra ``./run setup`` installs) on 127.0.0.1, the files uploaded to
+it, ``kspeedfs import s3://kspeedfs-demo/`` and every miss a ranged GET pinned to the
+object's ETag; the local copies are only what the read-back is compared with.
+
 The cluster demo (``cluster.py``) is the default ``./run demo``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -28,6 +34,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 
 def _say(msg: str) -> None:
@@ -77,6 +84,16 @@ def _drop_page_cache() -> None:
         pass
 
 
+def upload(s3: Any, src: Path, bucket: str) -> None:
+    """Every file below ``src`` as an object of ``bucket``, its path the key."""
+    c = s3.client()
+    c.create_bucket(Bucket=bucket)
+    rels = [p.relative_to(src) for p in src.rglob("*") if p.is_file()]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda rel: c.put_object(Bucket=bucket, Key=str(rel),
+                                               Body=(src / rel).read_bytes()), rels))
+
+
 def main(args: argparse.Namespace) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kspeedfs-demo-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -84,19 +101,34 @@ def main(args: argparse.Namespace) -> int:
     ks = [sys.executable, "-m", "kspeedfs.cli.app"]
     common = ["--store", str(work / "store"), "--set", f"log.dir={work / 'log'}"]
     mounted = False
+    env = None
+    stack = contextlib.ExitStack()          # the S3 server, with --s3
     try:
         _say(f"== kspeedfs single-node demo in {work}")
         t0 = time.perf_counter()
         nbytes = generate(src, args.files)
         _say(f"1. generated {args.files:,} ImageNet-like files + 2 shards: {nbytes / 1e6:,.0f} MB "
              f"in {time.perf_counter() - t0:.1f}s")
-        _say("2. kspeedfs import (chunk, checksum every extent with xxh3-128, publish a manifest):")
-        subprocess.run([*ks, "import", str(src), "--name", "demo", *common], check=True)
+        source = str(src)
+        if getattr(args, "s3", False):
+            sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the checkout
+            from tests.fixtures.s3 import S3Server
+
+            s3 = stack.enter_context(S3Server())
+            t0 = time.perf_counter()
+            upload(s3, src, "kspeedfs-demo")
+            env = {**os.environ, **s3.env()}           # its endpoint, dummy credentials
+            source = "s3://kspeedfs-demo/"
+            _say(f"   uploaded them to {source} on a local S3 server ({s3.endpoint}) in "
+                 f"{time.perf_counter() - t0:.1f}s")
+        _say(f"2. kspeedfs import {source} (chunk, checksum every extent with xxh3-128, "
+             "publish a manifest):")
+        subprocess.run([*ks, "import", source, "--name", "demo", *common], check=True, env=env)
         subprocess.run([*ks, "ls", *common], check=True)
         mnt.mkdir(exist_ok=True)
         t0 = time.perf_counter()
         subprocess.run([*ks, "mount", "demo", str(mnt), "--set", "fuse.xattrs=true", *common],
-                       check=True)
+                       check=True, env=env)
         mounted = True
         _say(f"3. kspeedfs mount demo {mnt}: live after {time.perf_counter() - t0:.2f}s")
         rels = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
@@ -127,6 +159,7 @@ def main(args: argparse.Namespace) -> int:
                     break
                 time.sleep(0.05)
             _say("6. unmounted")
+        stack.close()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -23,7 +23,8 @@ import errno
 import functools
 import logging
 import time
-from typing import Any, Awaitable, Callable, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import pyfuse3
 

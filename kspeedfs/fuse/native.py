@@ -49,6 +49,7 @@ from .upgrade import MAX_FDS, HandoverServer
 
 if TYPE_CHECKING:
     from ..cluster.native_fetch import NativeFetch
+    from .registry import LocalMount
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 try:
-    from . import _engine
+    from . import _engine  # type: ignore[attr-defined]  # the C extension: no stubs
 except ImportError as e:            # a checkout whose native code was not built
     _engine = None
     _IMPORT_ERROR = str(e)
@@ -136,10 +137,13 @@ class NativeSession:
         memory: the memory tier mirrored into the engine.
         engine: the C engine (``kspeedfs.fuse._engine.Engine``), after ``mount()``.
         slow_op, op_stats: what ``fuse_op`` needs (Python-side reads and xattrs).
+        record: this mount in the registry of local mounts, published by its control
+            socket's server (``fuse/upgrade.py``, ``fuse/registry.py``).
     """
 
     def __init__(self, path: str, ops: Operations, memory: MemoryCache, index: ManifestIndex,
-                 info: DatasetInfo, cfg: FuseConfig, *, nonempty: bool = False) -> None:
+                 info: DatasetInfo, cfg: FuseConfig, *, nonempty: bool = False,
+                 record: LocalMount | None = None) -> None:
         self.path = path
         self.ops = ops
         self.memory = memory
@@ -147,6 +151,7 @@ class NativeSession:
         self.info = info
         self.cfg = cfg
         self.nonempty = nonempty
+        self.record = record
         self.slow_op = ops.slow_op
         self.op_stats = OpStats()
         ops.op_rows = self.op_rows           # the stats xattr counts what C answered too
@@ -159,7 +164,7 @@ class NativeSession:
         self.resumed = False
         self.transport = "/dev/fuse"        # or "io_uring", once the threads run
         #: the chunk fetch in C (cluster/native_fetch.py), when the mount reads from peers
-        self.fetch: "NativeFetch | None" = None
+        self.fetch: NativeFetch | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -314,7 +319,8 @@ class NativeSession:
         efd = self.engine.eventfd
         async with trio.open_nursery() as nursery:
             self.handover = HandoverServer(self.path, self.info.name, self.info.version,
-                                           self.fd, self.state, self._hand_over)
+                                           self.fd, self.state, self._hand_over,
+                                           stats=self.ops.stats_record, record=self.record)
             await nursery.start(self.handover.run)
             if self.resumed:
                 nursery.start_soon(self._report_resent)
@@ -364,13 +370,16 @@ class NativeSession:
             nursery.start_soon(self._answer_listxattr, ev.fd, ev.unique, ev.entry, ev.size,
                                ev.since)
 
+    # the handlers' since= is @fuse_op's (boundary.py), not in their signatures: hence the
+    # call-arg ignores below
+
     async def _answer_read(self, fd: int, unique: int, entry: int, offset: int, size: int,
                            random: int, since: float) -> None:
         # the C thread did the sequential-read bookkeeping; this stream only carries
         # its verdict (``read_policy.is_random``) and starts no prefetch of its own
         stream = Stream(next_offset=-1 if random else offset)
         try:
-            data = await self.read(entry, offset, size, stream, since=since)
+            data = await self.read(entry, offset, size, stream, since=since)  # type: ignore[call-arg]
         except pyfuse3.FUSEError as e:
             _engine.reply_error(fd, unique, e.errno)
             return
@@ -379,7 +388,7 @@ class NativeSession:
     async def _answer_getxattr(self, fd: int, unique: int, entry: int, name: bytes,
                                size: int, since: float) -> None:
         try:
-            value = await self.getxattr(entry, name, since=since)
+            value = await self.getxattr(entry, name, since=since)  # type: ignore[call-arg]
         except pyfuse3.FUSEError as e:
             _engine.reply_error(fd, unique, e.errno)
             return
@@ -388,7 +397,7 @@ class NativeSession:
     async def _answer_listxattr(self, fd: int, unique: int, entry: int, size: int,
                                 since: float) -> None:
         try:
-            names = await self.listxattr(entry, since=since)
+            names = await self.listxattr(entry, since=since)  # type: ignore[call-arg]
         except pyfuse3.FUSEError as e:
             _engine.reply_error(fd, unique, e.errno)
             return

@@ -16,8 +16,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import pyfuse3
 
@@ -33,7 +34,7 @@ XATTR_PREFIX = b"user.kspeedfs."
 _ACCMODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
 
 
-def read_only(name: str) -> Callable[..., Awaitable[Any]]:
+def read_only(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
     """The handler of write-type request ``name``: EROFS, through ``@fuse_op`` (named
     before it is wrapped, so the access log says ``write``, not ``op``)."""
     async def op(self: Operations, *request: object) -> None:
@@ -118,7 +119,8 @@ class Operations(pyfuse3.Operations):
         return entry
 
     @fuse_op
-    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def lookup(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         parent = self._entry(parent_inode)
         if not self.index.is_dir(parent):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
@@ -140,7 +142,9 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return self.index.readlink(entry)
 
-    def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+    # a plain function: pyfuse3 awaits forget's result only when it is not None (its
+    # stub says async), so no coroutine is made per FORGET
+    def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:  # type: ignore[override]
         pass
 
     # -- directories -------------------------------------------------------------------
@@ -183,7 +187,8 @@ class Operations(pyfuse3.Operations):
     @fuse_op
     async def read(self, fh: int, off: int, size: int) -> bytes:
         entry, stream = self._streams[fh]
-        return await self.reader.read(entry, off, size, stream)
+        # pyfuse3 replies with any buffer (a memoryview of a cached chunk); its stub says bytes
+        return await self.reader.read(entry, off, size, stream)  # type: ignore[return-value]
 
     @fuse_op
     async def release(self, fh: int) -> None:
@@ -219,13 +224,19 @@ class Operations(pyfuse3.Operations):
             out[b"checksum"] = ("xxh3-128:" + ",".join(e.digest.hex() for e in exts)).encode()
             out[b"chunks"] = ",".join(str(e.chunk) for e in exts).encode()
         if entry == 0:
-            stats = asdict(self.reader.statistics())
-            if self.reader.peers is not None:          # a cluster mount: its peer reads too
-                stats.update(asdict(self.reader.peers.statistics()))
-            stats["ops"] = {op: row[0] for op, row in self.op_rows().items() if row[0]}
-            stats.update(self.transport_stats())
-            out[b"stats"] = json.dumps(stats).encode()
+            out[b"stats"] = json.dumps(self.stats_record()).encode()
         return out
+
+    def stats_record(self) -> dict[str, Any]:
+        """The mount's counters (``kspeedfs stats``, over the control socket or as the
+        ``stats`` xattr): ReadStatistics, PeerStatistics on a cluster mount, per-op counts
+        and how requests reach the daemon."""
+        stats = asdict(self.reader.statistics())
+        if self.reader.peers is not None:          # a cluster mount: its peer reads too
+            stats.update(asdict(self.reader.peers.statistics()))
+        stats["ops"] = {op: row[0] for op, row in self.op_rows().items() if row[0]}
+        stats.update(self.transport_stats())
+        return stats
 
     @fuse_op
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
@@ -57,7 +58,9 @@ class PageCache:
     """Pushes chunks of open files into the kernel page cache (one instance per mount)."""
 
     def __init__(self, index: ManifestIndex, threads: int = 2,
-                 store: Callable[[int, int, memoryview], None] = pyfuse3.notify_store) -> None:
+                 store: Callable[[int, int, Any], object] = pyfuse3.notify_store) -> None:
+        # store: pyfuse3.notify_store (typed for bytes, takes any buffer) or the native
+        # engine's; given memoryviews of cached chunks
         self.index = index
         self.store = store          # the engine's FUSE_NOTIFY_STORE (pyfuse3's, or native's)
         self._limiter = trio.CapacityLimiter(threads)
@@ -65,7 +68,7 @@ class PageCache:
         self._idle = threading.Condition()
         self._closed = False
 
-    async def push(self, entry: int, chunk: int, data: "Data") -> int | None:
+    async def push(self, entry: int, chunk: int, data: Data) -> int | None:
         """Store the part of verified chunk ``chunk`` that belongs to file ``entry``; the
         bytes stored (0: no whole page to store), or None if the kernel refused."""
         lo, hi = page_span(self.index, entry, chunk)

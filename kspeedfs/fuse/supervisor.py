@@ -13,6 +13,9 @@
            sends FUSE_NOTIFY_RESEND (kernel 6.9+): the kernel queues again every request
            read but not answered, and the new daemon answers them. Readers see a pause.
     daemon says "bye" (unmounted, or handed over to an upgraded daemon) ─► exit 0
+    supervisor dies (SIGKILL, OOM): the daemon sees its control socket close
+        ─► spawns a new supervisor with the same fds, state and sealed copy (``Supervised``,
+           the daemon's side), so the daemon killed later is resumed as before
 
 Why a process of our own and not systemd's fd store: ``kspeedfs mount`` daemonizes and
 is used from fstab and by hand, outside any unit; a foreground mount under systemd
@@ -26,6 +29,10 @@ instead of waiting for ever. (A resume needs no store: the manifest comes from t
 supervisor's copy, so a crash during an etcd outage, or after the version was removed,
 is resumed too; a cluster mount then reads from the peers its predecessor knew:
 cluster/membership.py ``PrefixView.keep``.)
+
+The argv a supervisor re-spawns daemons with carries no secret key
+(``cli/mount.py`` ``_remount_argv``): a password given on the first command line reaches
+the supervisor and its daemons in their environment (``spawn``, ``secrets``).
 
 Without FUSE_NOTIFY_RESEND (kernels before 6.9) the new daemon still serves every new
 request, but the requests the dead one had read stay unanswered: their readers hang
@@ -41,6 +48,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
 
 from .. import log as logsetup
 from .. import mountpoint as mp
@@ -58,7 +69,7 @@ CALL_TIMEOUT = 60.0
 REAP_WAIT = 5.0
 
 
-def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
+def _recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """One message and the fds that came with it; ({}, []) at EOF."""
     data, anc, _, _ = sock.recvmsg(MAX_MESSAGE, FD_ROOM)
     fds = fds_in(anc)
@@ -71,8 +82,16 @@ def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
     return (msg if isinstance(msg, dict) else {}), fds
 
 
-def _send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:
+def _send(sock: socket.socket, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
     sock.sendmsg([json.dumps(msg).encode()], with_fds(fds))
+
+
+def _one_more(times: list[float]) -> bool:
+    """Record a start now in ``times`` (pruned to the last ``WINDOW`` s); False once
+    that makes more than ``MAX_RESTARTS``."""
+    now = time.monotonic()
+    times[:] = [t for t in times if now - t < WINDOW] + [now]
+    return len(times) <= MAX_RESTARTS
 
 
 class Supervisor:
@@ -89,7 +108,7 @@ class Supervisor:
         self.control = control
         self.argv = argv
         self.fds: list[int] = []
-        self.state: dict = {}
+        self.state: dict[str, Any] = {}
         self.manifest_fd: int | None = None      # a sealed copy (manifest/sealed.py)
         self.restarts: list[float] = []
 
@@ -127,9 +146,7 @@ class Supervisor:
         if not self.fds or not mp.is_mounted(self.mountpoint):
             log.warning("daemon of %s died and nothing is left to resume", self.mountpoint)
             return False
-        now = time.monotonic()
-        self.restarts = [t for t in self.restarts if now - t < WINDOW] + [now]
-        if len(self.restarts) > MAX_RESTARTS:
+        if not _one_more(self.restarts):
             log.error("daemon of %s died %d times in %.0f s: giving up; the mount is dead "
                       "(the next kspeedfs mount cleans it up)", self.mountpoint,
                       len(self.restarts), WINDOW)
@@ -194,7 +211,7 @@ class Supervisor:
         proc.wait()                                   # its CLI parent exits once it serves
         return True
 
-    def _refused(self, conn: socket.socket, proc: subprocess.Popen) -> bool:
+    def _refused(self, conn: socket.socket, proc: subprocess.Popen[bytes]) -> bool:
         """A new daemon that called and did not take the connection: closed, reaped (it
         exits on its own; killed after REAP_WAIT s), so no zombie is left. False."""
         conn.close()
@@ -216,7 +233,7 @@ class Supervisor:
         return [*self.argv, "--version", str(version)] if isinstance(version, int) else \
             list(self.argv)
 
-    def _call_from(self, listener: socket.socket, proc: subprocess.Popen,
+    def _call_from(self, listener: socket.socket, proc: subprocess.Popen[bytes],
                    timeout: float) -> socket.socket | None:
         """The new daemon's call on ``listener``, or None: its CLI exited first (it
         failed: its log says why; the CLI exits only after its daemon served, which needs
@@ -244,23 +261,98 @@ class Supervisor:
                 return None
 
 
-def spawn(mountpoint: str, fds: list[int], state: dict, argv: list[str], logfile: str,
-          patience: float, manifest_fd: int | None = None) -> socket.socket:
+def spawn(mountpoint: str, fds: list[int], state: dict[str, Any], argv: list[str], logfile: str,
+          patience: float, manifest_fd: int | None = None,
+          secrets: dict[str, str] | None = None) -> socket.socket:
     """Start the supervisor of this daemon's mount; returns the daemon's control socket
     (send ``{"bye": true}`` on it before a clean exit). ``manifest_fd``: a sealed copy of
     the manifest (``manifest/sealed.py``) the daemons it starts load instead of the
-    store's."""
+    store's. ``secrets``: environment variables for it and the daemons it starts
+    (``config.secret_environment``: secrets never travel in an argv, which every local
+    user reads, while /proc/PID/environ is readable by the process's owner, root, only)."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    subprocess.Popen([sys.executable, "-m", "kspeedfs.fuse.supervisor", "--mountpoint", mountpoint,
-                      "--control", str(theirs.fileno()), "--log", logfile,
-                      "--patience", str(patience), "--", *argv],
-                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "kspeedfs.fuse.supervisor", "--mountpoint",
+                             mountpoint, "--control", str(theirs.fileno()), "--log", logfile,
+                             "--patience", str(patience), "--", *argv],
+                            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True,
+                            env={**os.environ, **secrets} if secrets else None)
     theirs.close()
-    _send(mine, {"state": state}, fds)
-    if manifest_fd is not None:
-        _send(mine, {"manifest": True}, [manifest_fd])
+    try:
+        _send(mine, {"state": state}, fds)
+        if manifest_fd is not None:
+            _send(mine, {"manifest": True}, [manifest_fd])
+    except OSError:
+        mine.close()
+        raise
+    log.info("supervisor of %s started (pid %d)", mountpoint, proc.pid)
     return mine
+
+
+class Supervised:
+    """The daemon's side: its supervisor's control socket, and a new supervisor when
+    that one dies (``watch``), so a second fault (the daemon killed later) is survived
+    as the first. The supervisor sends nothing on the socket after the handover, so its
+    end of file there means it is gone (SIGKILL, OOM): the daemon, which holds the same
+    /dev/fuse fds, hands them and the sealed manifest copy to a new one exactly as at
+    its mount (``spawn``). Starts are limited as the supervisor limits its daemons
+    (``MAX_RESTARTS`` in ``WINDOW`` s); past that the mount serves on unsupervised.
+
+    ``start()`` spawns a supervisor and returns its control socket (a trio socket)."""
+
+    def __init__(self, mountpoint: str, control: trio.socket.SocketType,
+                 start: Callable[[], trio.socket.SocketType]) -> None:
+        self.mountpoint = mountpoint
+        self.control: trio.socket.SocketType | None = control
+        self.start = start
+        self.starts: list[float] = []
+        self.watching = trio.CancelScope()
+
+    async def watch(self) -> None:
+        """Until cancelled (``bye``): a new supervisor whenever the current one is gone."""
+        with self.watching:
+            while self.control is not None:
+                try:
+                    data = await self.control.recv(MAX_MESSAGE)
+                except (OSError, trio.ClosedResourceError):
+                    data = b""
+                if data:
+                    continue
+                if self.watching.cancel_called:   # ending: ``bye`` closed it
+                    return
+                self.control.close()
+                self.control = None
+                await self._replace()
+
+    async def _replace(self) -> None:
+        pause = RESUME_BACKOFF
+        while self.control is None:
+            if not _one_more(self.starts):
+                log.error("the supervisor of %s died %d times in %.0f s: the mount serves on "
+                          "unsupervised (a crash of this daemon now ends it)", self.mountpoint,
+                          len(self.starts), WINDOW)
+                return
+            log.warning("the supervisor of %s is gone: starting a new one", self.mountpoint)
+            try:
+                self.control = self.start()
+            except Exception as e:          # never worth the mount: it serves on, retried
+                log.error("the supervisor of %s could not start: %s", self.mountpoint, e)
+                await trio.sleep(pause)
+                pause = min(pause * 2, RESUME_BACKOFF_MOST)
+
+    async def bye(self, why: str) -> None:
+        """A clean end (unmounted, or handed over): the supervisor may go; none is
+        started again after it."""
+        self.watching.cancel()
+        if self.control is None:
+            return
+        try:
+            await self.control.send(json.dumps({"bye": True, "why": why}).encode())
+        except OSError:
+            pass
+        self.control.close()
+        self.control = None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,7 @@
-"""Handing a live FUSE connection to a new mount daemon (``kspeedfs mount --upgrade``).
+"""Handing a live FUSE connection to a new mount daemon (``kspeedfs mount --upgrade``),
+over the control socket every mount daemon listens at (root-only), which also answers
+what it serves (``{"query": true}``) and its counters (``{"stats": true}``, read by
+``kspeedfs stats`` and ``status``: ``fuse/registry.py``).
 
     new daemon                                   old daemon (native engine)
     connect  /run/kspeedfs/mounts/<slug>.sock ─► listening since its mount
@@ -37,12 +40,16 @@ import json
 import logging
 import os
 import socket
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ..errors import MountError
 from ..mountpoint import name_for, shared_name_for
+
+if TYPE_CHECKING:
+    from .registry import LocalMount
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +107,7 @@ def fds_in(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
-def with_fds(fds: list[int]) -> list[tuple[int, int, array.array]]:
+def with_fds(fds: Sequence[int]) -> list[tuple[int, int, array.array[int]]]:
     """The ancillary data that passes ``fds`` (none: an empty list)."""
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
 
@@ -116,7 +123,7 @@ async def _recv(sock: trio.socket.SocketType, timeout: float) -> tuple[dict[str,
     return _message(data), fds
 
 
-async def _send(sock: trio.socket.SocketType, msg: dict[str, Any], fds: list[int] = ()) -> None:
+async def _send(sock: trio.socket.SocketType, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
     await sock.sendmsg([json.dumps(msg).encode()], with_fds(fds))
 
 
@@ -211,10 +218,15 @@ class HandoverServer:
     """The serving daemon's side: listens on ``socket_path(mountpoint)`` and hands the
     connection over once (``state()`` and ``fd`` describe it; ``stop()`` ends this
     daemon's reading, blocking, run in a thread). ``handed_over`` is set when the
-    successor took it; the caller then exits without unmounting."""
+    successor took it; the caller then exits without unmounting. ``stats()``: the
+    counters a ``stats`` request gets; ``record``: this mount's entry in the registry
+    of local mounts (``fuse/registry.py``), kept beside the socket while it listens. A
+    ``state()`` whose ``transport`` is ``pyfuse3`` refuses every handover."""
 
     def __init__(self, mountpoint: str, dataset: str, version: int, fd: int,
-                 state: Callable[[], dict[str, Any]], stop: Callable[[], Awaitable[None]]) -> None:
+                 state: Callable[[], dict[str, Any]], stop: Callable[[], Awaitable[None]], *,
+                 stats: Callable[[], dict[str, Any]] | None = None,
+                 record: LocalMount | None = None) -> None:
         self.path = socket_path(mountpoint)
         self.mountpoint = os.path.abspath(mountpoint)
         self.dataset = dataset
@@ -222,6 +234,8 @@ class HandoverServer:
         self.fd = fd
         self.state = state
         self.stop = stop
+        self.stats = stats
+        self.record = record
         self.handed_over = trio.Event()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -238,9 +252,11 @@ class HandoverServer:
                 listener.listen(4)
             except OSError as e:          # the mount serves on; only its upgrades are lost
                 log.warning("upgrade: no handover socket at %s (%s): this mount cannot be "
-                            "upgraded in place", self.path, e)
+                            "upgraded in place, nor seen by `kspeedfs rm`, `status` and "
+                            "`stats` (without fuse.xattrs)", self.path, e)
                 task_status.started()
                 return
+            self._publish()
             task_status.started()
             try:
                 while not self.handed_over.is_set():
@@ -257,6 +273,20 @@ class HandoverServer:
                             os.unlink(self.path)
                         except OSError:
                             pass
+                        if self.record is not None:
+                            from . import registry
+                            registry.withdraw(self.record, registry.record_path(self.path))
+
+    def _publish(self) -> None:
+        """This mount's record beside its socket (a failure costs only its listing)."""
+        if self.record is None:
+            return
+        from . import registry
+        try:
+            registry.publish(self.record, registry.record_path(self.path))
+        except OSError as e:
+            log.warning("no mount record beside %s (%s): `kspeedfs rm` and `status` do not "
+                        "see this mount", self.path, e)
 
     async def _serve_one(self, conn: trio.socket.SocketType) -> None:
         ask, fds = await _recv(conn, 10.0)
@@ -275,11 +305,20 @@ class HandoverServer:
             await _send(conn, {"format": FORMAT, "dataset": self.dataset,
                                "version": self.version})
             return
+        if ask.get("stats"):                        # ``kspeedfs stats``: the counters
+            await _send(conn, {"format": FORMAT, "stats": self.stats()} if self.stats
+                        else {"error": "this daemon keeps no counters"})
+            return
         if (ask.get("dataset"), ask.get("version")) != (self.dataset, self.version):
             await _send(conn, {"error": f"this mount serves {self.dataset}@{self.version}, not "
                                         f"{ask.get('dataset')}@{ask.get('version')}"})
             return
         state = self.state()
+        if state.get("transport") == "pyfuse3":
+            await _send(conn, {"error": "this mount is served by the pyfuse3 engine, which "
+                                        "cannot hand its connection over; unmount and mount "
+                                        "again (fuse.engine=native to make it upgradable)"})
+            return
         if state.get("transport") == "io_uring":     # fuse/native.py RING_LIFECYCLE
             await _send(conn, {"error": "this mount is served over io_uring queues, which the "
                                         "kernel cannot hand to another process; unmount and "

@@ -22,15 +22,28 @@ content (tests/unit/test_signature.py fuzzes both).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import ManifestCorrupt
 from .model import (
-    BLOCK_DIGEST_SIZE, CHUNK_ARRAYS, DIGEST_SIZE, ENTRY_ARRAYS, FORMATS, HEADER, MAGIC, Extent,
-    align8, blocks_per_chunk, check_header, is_dir, is_file, is_symlink,
+    BLOCK_DIGEST_SIZE,
+    CHUNK_ARRAYS,
+    DIGEST_SIZE,
+    ENTRY_ARRAYS,
+    FORMATS,
+    HEADER,
+    MAGIC,
+    Extent,
+    align8,
+    blocks_per_chunk,
+    check_header,
+    is_dir,
+    is_file,
+    is_symlink,
 )
 
 
@@ -56,7 +69,8 @@ class ManifestIndex:
                 raise ManifestCorrupt("manifest truncated")
             view = mv[pos:pos + nbytes]
             pos += align8(nbytes)
-            return view.cast(code) if code else view
+            # typeshed types cast() for literal formats only; these come from ENTRY_ARRAYS
+            return view.cast(code) if code else view  # type: ignore[call-overload]
 
         for name, code, width in ENTRY_ARRAYS:
             setattr(self, name, take(width * self.entries, code))
@@ -70,6 +84,18 @@ class ManifestIndex:
         self.block_size: int = block_size if fmt >= 2 else 0
         self._block_stride = blocks_per_chunk(self.chunk_size, self.block_size) * BLOCK_DIGEST_SIZE
         self.block_digests = take(self._block_stride * self.chunks, None)
+        #: the object-store source of a format 3 manifest (model.py, "Objects"); None for
+        #: a directory source
+        self.source_record: dict[str, str] | None = None
+        self._obj_off: memoryview | None = None
+        self._obj_data = b""
+        if fmt >= 3:
+            record_len = take(8, "Q")[0]
+            self.source_record = _source_record(bytes(take(record_len, None)))
+            self._obj_off = take(8 * (self.entries + 1), "Q")
+            if self._obj_off[0] != 0:
+                raise ManifestCorrupt("manifest object offsets do not start at 0")
+            self._obj_data = bytes(take(self._obj_off[self.entries], None))
         # typed aliases for the attributes set above (for readers and type checkers)
         self.parent: memoryview
         self.mode: memoryview
@@ -85,7 +111,7 @@ class ManifestIndex:
         self.chunk_first_file: memoryview
 
     @classmethod
-    def from_blob(cls, blob: bytes, inflated_size: int = 0) -> "ManifestIndex":
+    def from_blob(cls, blob: bytes, inflated_size: int = 0) -> ManifestIndex:
         """Inflate and index a store blob; at most ``inflated_size`` bytes are inflated
         when it is declared (> 0), and the result must be exactly that long."""
         return cls(inflate(blob, inflated_size))
@@ -214,9 +240,36 @@ class ManifestIndex:
         B = self.block_size
         return min(B, self.chunk_len[chunk] - block * B)
 
+    def object_identity(self, entry: int) -> tuple[str, str]:
+        """(ETag, version id) of the object behind file ``entry`` at import (format 3;
+        the version id is "" unless the bucket was versioned)."""
+        if self._obj_off is None:
+            raise ManifestCorrupt("manifest has no object section (not an object-store source)")
+        lo, hi = self._obj_off[entry], self._obj_off[entry + 1]
+        if not lo <= hi <= len(self._obj_data):
+            raise ManifestCorrupt(f"manifest object record of entry {entry} is out of range")
+        etag, _, version = self._obj_data[lo:hi].partition(b"\0")
+        try:
+            return etag.decode(), version.decode()
+        except UnicodeDecodeError:
+            raise ManifestCorrupt(f"manifest object record of entry {entry} is not UTF-8") from None
+
     def file_offset_in_chunk(self, entry: int, chunk: int) -> int:
         """Where file ``entry``'s byte 0 sits relative to the start of ``chunk`` (may be < 0)."""
-        return self.data[entry] - chunk * self.chunk_size
+        offset: int = self.data[entry] - chunk * self.chunk_size
+        return offset
+
+
+def _source_record(raw: bytes) -> dict[str, str]:
+    """The object section's JSON record: an object of strings with a ``url``."""
+    try:
+        record = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ManifestCorrupt(f"manifest source record is not JSON: {e}") from None
+    if (not isinstance(record, dict) or not isinstance(record.get("url"), str)
+            or not all(isinstance(v, str) for v in record.values())):
+        raise ManifestCorrupt("manifest source record is not an object of strings with a url")
+    return record
 
 
 def fsdecode(path: bytes) -> str:

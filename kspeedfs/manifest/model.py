@@ -54,6 +54,17 @@ Blocks (format 2)
     the cache key), an undetected corruption needs a 2^-64 accident, and the array costs
     8 bytes per block (64 MB per TB of data at 128 KiB, held by every mount).
     Format 1 manifests (no blocks) still load; their random reads load whole chunks.
+
+Objects (format 3)
+    A dataset imported from an object store (``s3://``) is format 2 plus one section after
+    the block digests: the source record, a JSON object (``url``, ``endpoint``,
+    ``region``; never a credential), then per entry the object's identity at import,
+    ``etag`` NUL ``version_id`` (the version id empty when the bucket is not versioned;
+    nothing for directories), as ``entries + 1`` offsets into one bytes blob. Size and
+    last-modified are the entry's ``size`` and ``mtime_ns``. The origin pins every
+    ranged GET to the recorded ETag (or version), so an object overwritten after import
+    is a ``SourceChanged``, never a wrong byte. Directory imports stay format 2, so a
+    mount from before format 3 still reads them.
 """
 from __future__ import annotations
 
@@ -63,7 +74,8 @@ from dataclasses import dataclass
 
 MAGIC = b"KSPM"
 FORMAT_VERSION = 2
-FORMATS = (1, 2)         # formats a mount can read (1: no block digests)
+FORMAT_OBJECTS = 3       # format 2 + the object section (an object-store source)
+FORMATS = (1, 2, 3)      # formats a mount can read (1: no block digests)
 DIGEST_SIZE = 16
 BLOCK_DIGEST_SIZE = 8    # xxh3-64 per block
 NAME_MAX = 255

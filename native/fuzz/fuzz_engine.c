@@ -39,15 +39,15 @@
 #define QPN_RESP 0x123456u
 #define QPN_PEER 0x654321u
 #define QPN_REQ 0x0abcdeu
-#define PEER_IP 0x0100007fu   /* 127.0.0.1, network order */
+#define PEER_IP 0x0100007fu /* 127.0.0.1, network order */
 #define MR_LEN 8192
 #define MAX_INPUT 65536
 
 static ks_engine *E;
 static ks_cq *CQ;
 static ks_qp *QP_RESP, *QP_REQ;
-static uint8_t *REMOTE_BUF;   /* MR the responder serves (remote read) */
-static uint8_t *LOCAL_BUF;    /* MR the requester / RECVs land in (local write) */
+static uint8_t *REMOTE_BUF; /* MR the responder serves (remote read) */
+static uint8_t *LOCAL_BUF;  /* MR the requester / RECVs land in (local write) */
 static uint32_t KEY_REMOTE, KEY_LOCAL;
 
 static ks_qp *make_qp(uint32_t qpn, uint32_t slot)
@@ -83,7 +83,7 @@ static void setup(void)
     CQ->ring = calloc(CQ->cap, sizeof(ks_wc));
     CQ->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     CQ->kickfd = E->kickfd;
-    CQ->engine_thread = pthread_self();   /* we play the engine thread */
+    CQ->engine_thread = pthread_self(); /* we play the engine thread */
     CQ->defer = &E->defer_sig;
     pthread_mutex_init(&CQ->lock, NULL);
     E->cqs[0] = CQ;
@@ -94,9 +94,15 @@ static void setup(void)
     KEY_REMOTE = 0xA5A5A000u | 1;
     KEY_LOCAL = 0x5A5A5000u | 2;
     ks_mr *r = calloc(1, sizeof *r), *l = calloc(1, sizeof *l);
-    *r = (ks_mr){.key = KEY_REMOTE, .pd = 1, .addr = (uintptr_t)REMOTE_BUF, .length = MR_LEN,
+    *r = (ks_mr){.key = KEY_REMOTE,
+                 .pd = 1,
+                 .addr = (uintptr_t)REMOTE_BUF,
+                 .length = MR_LEN,
                  .access = KS_ACCESS_REMOTE_READ};
-    *l = (ks_mr){.key = KEY_LOCAL, .pd = 1, .addr = (uintptr_t)LOCAL_BUF, .length = MR_LEN,
+    *l = (ks_mr){.key = KEY_LOCAL,
+                 .pd = 1,
+                 .addr = (uintptr_t)LOCAL_BUF,
+                 .length = MR_LEN,
                  .access = KS_ACCESS_LOCAL_WRITE};
     E->mrs[1] = r;
     E->mrs[2] = l;
@@ -118,11 +124,12 @@ static void reset_state(void)
     QP_RESP->dest_qpn = QPN_PEER;
     QP_RESP->peer_ip = PEER_IP;
     QP_RESP->rq_psn = 100;
-    for (int i = 0; i < 2; i++) {        /* two RECVs: 64 B and 4 KiB */
+    for (int i = 0; i < 2; i++) { /* two RECVs: 64 B and 4 KiB */
         ks_rwqe *r = &QP_RESP->rq[QP_RESP->rq_tail++ % QP_RESP->max_recv_wr];
         r->wr_id = i;
         r->nsge = 1;
-        r->sge[0] = (ks_sge){.addr = (uintptr_t)LOCAL_BUF + 4096 * i, .length = i ? 4096 : 64,
+        r->sge[0] = (ks_sge){.addr = (uintptr_t)LOCAL_BUF + 4096 * i,
+                             .length = i ? 4096 : 64,
                              .lkey = KEY_LOCAL};
         r->total = r->sge[0].length;
     }
@@ -137,15 +144,17 @@ static void reset_state(void)
         w->opcode = ops[i];
         w->flags = KS_SEND_SIGNALED;
         w->psn = 7 + i;
-        w->nsge = 2;                      /* the payload split over two SGEs */
-        w->sge[0] = (ks_sge){.addr = (uintptr_t)LOCAL_BUF, .length = lens[i] / 2,
+        w->nsge = 2; /* the payload split over two SGEs */
+        w->sge[0] = (ks_sge){.addr = (uintptr_t)LOCAL_BUF,
+                             .length = lens[i] / 2,
                              .lkey = KEY_LOCAL};
         w->sge[1] = (ks_sge){.addr = (uintptr_t)LOCAL_BUF + 3000,
-                             .length = lens[i] - lens[i] / 2, .lkey = KEY_LOCAL};
+                             .length = lens[i] - lens[i] / 2,
+                             .lkey = KEY_LOCAL};
         w->total = lens[i];
         QP_REQ->sq_tail++;
     }
-    QP_REQ->sq_sent = QP_REQ->sq_tail;   /* all on the wire: responses are due */
+    QP_REQ->sq_sent = QP_REQ->sq_tail; /* all on the wire: responses are due */
 }
 
 /* Run the handler on `c` until it dies or stops making progress; drain what it sends
@@ -154,7 +163,7 @@ static void pump(ks_conn *c, int peer_fd)
 {
     uint8_t sink[65536];
     for (int round = 0; round < 64 && !c->dead; round++) {
-        pthread_mutex_lock(&E->lock);    /* as the engine thread: req_rx drops it */
+        pthread_mutex_lock(&E->lock); /* as the engine thread: req_rx drops it */
         handle_conn(E, c, EPOLLIN | EPOLLOUT);
         signal_flush(E);
         pthread_mutex_unlock(&E->lock);
@@ -198,7 +207,8 @@ static int feed(const uint8_t *data, size_t len, int role)
 
 static void check_hdr(const uint8_t *buf)
 {
-    static const int roles[] = {KS_ROLE_ANY, KS_ROLE_REQUESTS, KS_ROLE_RESPONSES, KS_ROLE_HELLO};
+    static const int roles[] = {KS_ROLE_ANY, KS_ROLE_REQUESTS, KS_ROLE_RESPONSES,
+                                KS_ROLE_HELLO};
     for (int i = 0; i < 4; i++) {
         struct ks_hdr h;
         int rc = ks_hdr_parse(buf, &h, roles[i]);
@@ -213,7 +223,7 @@ static void check_hdr(const uint8_t *buf)
             assert(h.length <= KS_MAX_SEND);
         if (h.opcode == KS_OP_READ_REQ)
             assert(h.length == 0 && h.rlen <= KS_MAX_MSG);
-        uint8_t again[KS_HDR_LEN];         /* what parses, rebuilds to the same bytes */
+        uint8_t again[KS_HDR_LEN]; /* what parses, rebuilds to the same bytes */
         ks_hdr_build(again, &h);
         assert(memcmp(again, buf, KS_HDR_LEN) == 0);
     }
@@ -233,7 +243,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len)
         return 0;
     }
     if (target == 1) {
-        uint8_t *copy = malloc(len ? len : 1);   /* exact size: ASan sees any overread */
+        uint8_t *copy = malloc(len ? len : 1); /* exact size: ASan sees any overread */
         memcpy(copy, data, len);
         struct ks_hello hl;
         uint32_t need;
@@ -251,11 +261,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len)
         setup();
     reset_state();
     feed(data, len, target == 2 ? CONN_HELLO : CONN_REQ);
-    for (int i = 0; i < 2; i++) {         /* whatever happened, no QP points at garbage */
+    for (int i = 0; i < 2; i++) { /* whatever happened, no QP points at garbage */
         ks_qp *qp = i ? QP_REQ : QP_RESP;
         assert(!qp->resp || !qp->resp->dead);
         assert(!qp->req || !qp->req->dead);
-        assert(qp->ncand == 0);           /* an RTS QP never keeps candidates */
+        assert(qp->ncand == 0); /* an RTS QP never keeps candidates */
     }
     return 0;
 }
@@ -267,7 +277,7 @@ static uint64_t rng_state;
 
 static uint64_t rnd(void)
 {
-    uint64_t x = rng_state;                /* xorshift64*: reproducible from -seed */
+    uint64_t x = rng_state; /* xorshift64*: reproducible from -seed */
     x ^= x >> 12;
     x ^= x << 25;
     x ^= x >> 27;
@@ -278,7 +288,11 @@ static uint64_t rnd(void)
 static size_t put_hdr(uint8_t *p, uint8_t op, uint32_t psn, uint32_t length, uint32_t rkey,
                       uint32_t rlen, uint64_t raddr)
 {
-    struct ks_hdr h = {.opcode = op, .psn = psn, .length = length, .rkey = rkey, .rlen = rlen,
+    struct ks_hdr h = {.opcode = op,
+                       .psn = psn,
+                       .length = length,
+                       .rkey = rkey,
+                       .rlen = rlen,
                        .raddr = raddr};
     ks_hdr_build(p, &h);
     return KS_HDR_LEN;
@@ -337,11 +351,28 @@ static size_t seed(uint8_t *p, int target)
     }
 }
 
-static const uint32_t INTERESTING[] = {0, 1, 0x7F, 0x80, 0xFF, 0xFFFF, 0xFFFFFF, 0x1000000,
-                                       0x7FFFFFFF, 0x80000000u, 0xFFFFFFFFu, KS_MAX_SEND,
-                                       KS_MAX_SEND + 1, KS_MAX_MSG, KS_MAX_MSG + 1,
-                                       KS_HELLO_FIXED + KS_MAX_PDATA, QPN_RESP, QPN_PEER, 4096,
-                                       4097, MR_LEN, MR_LEN + 1};
+static const uint32_t INTERESTING[] = {0,
+                                       1,
+                                       0x7F,
+                                       0x80,
+                                       0xFF,
+                                       0xFFFF,
+                                       0xFFFFFF,
+                                       0x1000000,
+                                       0x7FFFFFFF,
+                                       0x80000000u,
+                                       0xFFFFFFFFu,
+                                       KS_MAX_SEND,
+                                       KS_MAX_SEND + 1,
+                                       KS_MAX_MSG,
+                                       KS_MAX_MSG + 1,
+                                       KS_HELLO_FIXED + KS_MAX_PDATA,
+                                       QPN_RESP,
+                                       QPN_PEER,
+                                       4096,
+                                       4097,
+                                       MR_LEN,
+                                       MR_LEN + 1};
 
 static size_t mutate(uint8_t *p, size_t n, size_t cap)
 {
@@ -355,16 +386,16 @@ static size_t mutate(uint8_t *p, size_t n, size_t cap)
         case 1:
             p[at] = (uint8_t)rnd();
             break;
-        case 2: {                         /* a 32-bit field of some header */
+        case 2: { /* a 32-bit field of some header */
             size_t f = 1 + ((at - 1) & ~(size_t)3);
             if (f + 4 <= n)
                 wr32(p + f, INTERESTING[rnd() % (sizeof INTERESTING / sizeof *INTERESTING)]);
             break;
         }
         case 3:
-            n = at;                       /* truncate */
+            n = at; /* truncate */
             break;
-        case 4: {                         /* duplicate a slice (replayed / reordered) */
+        case 4: { /* duplicate a slice (replayed / reordered) */
             size_t len = rnd() % (n - at + 1);
             if (n + len <= cap) {
                 memmove(p + at + len, p + at, n - at);
@@ -372,7 +403,7 @@ static size_t mutate(uint8_t *p, size_t n, size_t cap)
             }
             break;
         }
-        case 5: {                         /* insert random bytes */
+        case 5: { /* insert random bytes */
             size_t len = 1 + rnd() % 16;
             if (n + len <= cap) {
                 memmove(p + at + len, p + at, n - at);
@@ -382,7 +413,7 @@ static size_t mutate(uint8_t *p, size_t n, size_t cap)
             }
             break;
         }
-        default:                          /* delete a slice */
+        default: /* delete a slice */
             if (n - at > 1) {
                 size_t len = 1 + rnd() % (n - at - 1);
                 memmove(p + at, p + at + len, n - at - len);
@@ -415,7 +446,7 @@ int main(int argc, char **argv)
     while ((runs < 0 || n < runs) && (runs >= 0 || now_ns() < end)) {
         int target = (int)(rnd() % 4);
         size_t len = seed(buf, target);
-        if (rnd() % 8)                    /* 1 in 8 stays valid: the positive path too */
+        if (rnd() % 8) /* 1 in 8 stays valid: the positive path too */
             len = mutate(buf, len, sizeof buf);
         LLVMFuzzerTestOneInput(buf, len);
         per_target[target]++;
@@ -424,8 +455,9 @@ int main(int argc, char **argv)
     reset_state();
     printf("fuzz_engine: seed %llu, %ld inputs (hdr %ld, hello %ld, responder %ld, "
            "requester %ld), %llu connections dropped, %llu B served, no failure\n",
-           (unsigned long long)s, n, per_target[0], per_target[1], per_target[2], per_target[3],
-           (unsigned long long)E->n_dropped_conns, (unsigned long long)E->n_tx_bytes);
+           (unsigned long long)s, n, per_target[0], per_target[1], per_target[2],
+           per_target[3], (unsigned long long)E->n_dropped_conns,
+           (unsigned long long)E->n_tx_bytes);
     return 0;
 }
 #endif

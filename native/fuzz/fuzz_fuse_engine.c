@@ -43,7 +43,12 @@ static uint64_t rnd(void)
 }
 static uint64_t below(uint64_t n) { return n ? rnd() % n : 0; }
 
-#define FAIL(...) do { fprintf(stderr, "FAIL: " __VA_ARGS__); fputc('\n', stderr); exit(1); } while (0)
+#define FAIL(...)                                                                             \
+    do {                                                                                      \
+        fprintf(stderr, "FAIL: " __VA_ARGS__);                                                \
+        fputc('\n', stderr);                                                                  \
+        exit(1);                                                                              \
+    } while (0)
 
 struct arrays {
     uint32_t parent[64], mode[64], uid[64], gid[64], ext[64], chunk_len[8];
@@ -64,7 +69,7 @@ static void make_index(struct arrays *a, struct fe_index *ix)
     uint64_t names_len = 0, nfiles = 0, cursor = 0, ext = 0;
     for (uint64_t i = 0; i < entries; i++) {
         a->parent[i] = i ? (uint32_t)below(i) : 0;
-        int kind = i == 0 ? 0 : (int)below(4);           /* 0 dir, 3 symlink, else file */
+        int kind = i == 0 ? 0 : (int)below(4); /* 0 dir, 3 symlink, else file */
         a->mode[i] = kind == 0 ? S_IFDIR | 0755 : kind == 3 ? S_IFLNK | 0777 : S_IFREG | 0644;
         a->mtime[i] = (int64_t)rnd();
         uint16_t n = (uint16_t)(1 + below(12));
@@ -89,36 +94,62 @@ static void make_index(struct arrays *a, struct fe_index *ix)
     for (uint64_t k = 0; k < chunks; k++)
         a->chunk_len[k] = (uint32_t)(1 + below(cs));
     for (size_t j = 0; j < sizeof a->ext_digests; j++)
-        a->ext_digests[j] = (uint8_t)below(4);             /* few keys: collisions and hits */
+        a->ext_digests[j] = (uint8_t)below(4); /* few keys: collisions and hits */
     for (size_t j = 0; j < sizeof a->chunk_digests; j++)
         a->chunk_digests[j] = (uint8_t)below(4);
     /* corrupt a few fields: what a broken (but signed) manifest could hold */
     for (int c = (int)below(4); c > 0; c--) {
         uint64_t i = below(entries);
         switch (below(6)) {
-        case 0: a->data[i] = rnd(); break;
-        case 1: a->size[i] = rnd(); break;
-        case 2: a->name_off[i] = rnd(); break;
-        case 3: a->ext[i] = (uint32_t)rnd(); break;
-        case 4: a->parent[i] = (uint32_t)rnd(); break;
-        default: a->mode[i] = (uint32_t)rnd(); break;
+        case 0:
+            a->data[i] = rnd();
+            break;
+        case 1:
+            a->size[i] = rnd();
+            break;
+        case 2:
+            a->name_off[i] = rnd();
+            break;
+        case 3:
+            a->ext[i] = (uint32_t)rnd();
+            break;
+        case 4:
+            a->parent[i] = (uint32_t)rnd();
+            break;
+        default:
+            a->mode[i] = (uint32_t)rnd();
+            break;
         }
     }
-    *ix = (struct fe_index){
-        .entries = entries, .chunks = chunks, .extents = ext < 64 ? ext : 64,
-        .names_len = names_len, .nfiles = nfiles, .chunk_size = cs, .block_size = bs,
-        .block_stride = bs ? (cs + bs - 1) / bs : 0,
-        .parent = a->parent, .mode = a->mode, .uid = a->uid, .gid = a->gid, .size = a->size,
-        .mtime_ns = a->mtime, .name_off = a->name_off, .name_len = a->name_len,
-        .data = a->data, .ext = a->ext, .chunk_len = a->chunk_len, .names = a->names,
-        .ext_digests = a->ext_digests, .chunk_digests = a->chunk_digests};
+    *ix = (struct fe_index){.entries = entries,
+                            .chunks = chunks,
+                            .extents = ext < 64 ? ext : 64,
+                            .names_len = names_len,
+                            .nfiles = nfiles,
+                            .chunk_size = cs,
+                            .block_size = bs,
+                            .block_stride = bs ? (cs + bs - 1) / bs : 0,
+                            .parent = a->parent,
+                            .mode = a->mode,
+                            .uid = a->uid,
+                            .gid = a->gid,
+                            .size = a->size,
+                            .mtime_ns = a->mtime,
+                            .name_off = a->name_off,
+                            .name_len = a->name_len,
+                            .data = a->data,
+                            .ext = a->ext,
+                            .chunk_len = a->chunk_len,
+                            .names = a->names,
+                            .ext_digests = a->ext_digests,
+                            .chunk_digests = a->chunk_digests};
 }
 
 /* ---------------------------------------------------------------- the "kernel" side */
 
 static uint64_t sent, replies;
 
-#define OPEN_UNIQUE (1ULL << 62)    /* OPENs carry this bit: their replies give handles */
+#define OPEN_UNIQUE (1ULL << 62) /* OPENs carry this bit: their replies give handles */
 static uint64_t handles[16];
 static int nhandles;
 
@@ -161,11 +192,14 @@ static void send_msg(int fd, const void *msg, size_t len)
     }
 }
 
-static const uint32_t OPCODES[] = {
-    FUSE_LOOKUP, FUSE_GETATTR, FUSE_READLINK, FUSE_OPEN, FUSE_RELEASE, FUSE_READ, FUSE_READ, FUSE_READ,
-    FUSE_OPENDIR, FUSE_READDIR, FUSE_READDIRPLUS, FUSE_RELEASEDIR, FUSE_STATFS,
-    FUSE_GETXATTR, FUSE_LISTXATTR, FUSE_FORGET, FUSE_BATCH_FORGET, FUSE_INTERRUPT,
-    FUSE_WRITE, FUSE_MKDIR, FUSE_FLUSH, FUSE_IOCTL, FUSE_LSEEK, 999};
+static const uint32_t OPCODES[] = {FUSE_LOOKUP,  FUSE_GETATTR,      FUSE_READLINK,
+                                   FUSE_OPEN,    FUSE_RELEASE,      FUSE_READ,
+                                   FUSE_READ,    FUSE_READ,         FUSE_OPENDIR,
+                                   FUSE_READDIR, FUSE_READDIRPLUS,  FUSE_RELEASEDIR,
+                                   FUSE_STATFS,  FUSE_GETXATTR,     FUSE_LISTXATTR,
+                                   FUSE_FORGET,  FUSE_BATCH_FORGET, FUSE_INTERRUPT,
+                                   FUSE_WRITE,   FUSE_MKDIR,        FUSE_FLUSH,
+                                   FUSE_IOCTL,   FUSE_LSEEK,        999};
 
 
 static void random_request(int fd, const struct fe_index *ix, uint64_t unique)
@@ -179,7 +213,8 @@ static void random_request(int fd, const struct fe_index *ix, uint64_t unique)
     h->unique = unique;
     h->nodeid = below(4) ? 1 + below(ix->entries) : rnd();
     switch (h->opcode) {
-    case FUSE_LOOKUP: case FUSE_GETXATTR: {
+    case FUSE_LOOKUP:
+    case FUSE_GETXATTR: {
         if (h->opcode == FUSE_GETXATTR) {
             ((struct fuse_getxattr_in *)arg)->size = (uint32_t)below(300);
             alen = sizeof(struct fuse_getxattr_in);
@@ -187,12 +222,12 @@ static void random_request(int fd, const struct fe_index *ix, uint64_t unique)
         size_t n = below(300);
         for (size_t j = 0; j < n; j++)
             arg[alen + j] = (uint8_t)('a' + below(26));
-        alen += n + (below(8) ? 1 : 0);                  /* sometimes no terminating NUL */
+        alen += n + (below(8) ? 1 : 0); /* sometimes no terminating NUL */
         break;
     }
     case FUSE_OPEN:
         if (nhandles >= 8)
-            return;                                      /* room for the replies in flight */
+            return; /* room for the replies in flight */
         ((struct fuse_open_in *)arg)->flags = below(4) ? O_RDONLY : (uint32_t)rnd();
         alen = sizeof(struct fuse_open_in);
         h->unique |= OPEN_UNIQUE;
@@ -203,7 +238,9 @@ static void random_request(int fd, const struct fe_index *ix, uint64_t unique)
         ((struct fuse_release_in *)arg)->fh = handles[--nhandles];
         alen = sizeof(struct fuse_release_in);
         break;
-    case FUSE_READ: case FUSE_READDIR: case FUSE_READDIRPLUS: {
+    case FUSE_READ:
+    case FUSE_READDIR:
+    case FUSE_READDIRPLUS: {
         struct fuse_read_in *r = (void *)arg;
         r->fh = h->opcode == FUSE_READ && nhandles ? handles[below(nhandles)] : rnd();
         r->offset = below(2) ? below(3 * ix->chunk_size) : rnd() >> 1;
@@ -221,19 +258,21 @@ static void random_request(int fd, const struct fe_index *ix, uint64_t unique)
             arg[j] = (uint8_t)rnd();
     }
     if (below(16) == 0)
-        alen = below(alen + 1);                          /* truncated arguments */
+        alen = below(alen + 1); /* truncated arguments */
     h->len = (uint32_t)(sizeof *h + alen);
     send_msg(fd, msg, h->len);
 }
 
 /* ---------------------------------------------------------------- the "Python" side */
 
-struct owner { uint8_t *data; };
+struct owner {
+    uint8_t *data;
+};
 
 static void release(void *o)
 {
     struct owner *ow = o;
-    memset(ow->data, 0xdd, 1);   /* touch: a use-after-free is reported at the reader */
+    memset(ow->data, 0xdd, 1); /* touch: a use-after-free is reported at the reader */
     free(ow->data);
     free(ow);
 }
@@ -291,7 +330,8 @@ static void answer_queue(struct fe_engine *e)
         if (q[i].kind == FE_PREFETCH)
             continue;
         if (q[i].kind == FE_READ && below(2))
-            fe_reply_data(q[i].fd, q[i].unique, zeros, q[i].size < sizeof zeros ? q[i].size : sizeof zeros);
+            fe_reply_data(q[i].fd, q[i].unique, zeros,
+                          q[i].size < sizeof zeros ? q[i].size : sizeof zeros);
         else if (q[i].kind != FE_READ && below(2))
             fe_reply_xattr_size(q[i].fd, q[i].unique, 7);
         else
@@ -310,17 +350,27 @@ static void one_case(void)
     int bufsz = 4 << 20;
     setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &bufsz, sizeof bufsz);
     setsockopt(sv[1], SOL_SOCKET, SO_RCVBUF, &bufsz, sizeof bufsz);
-    struct fe_options opt = {.generation = 1, .dataset_bytes = rnd() >> 8, .entry_timeout = 1.5,
-                             .attr_timeout = 86400, .xattrs = (int)below(2), .max_pages = 256,
-                             .prefetch_depth = (uint32_t)below(5), .prefetch_trigger = 2};
+    struct fe_options opt = {.generation = 1,
+                             .dataset_bytes = rnd() >> 8,
+                             .entry_timeout = 1.5,
+                             .attr_timeout = 86400,
+                             .xattrs = (int)below(2),
+                             .max_pages = 256,
+                             .prefetch_depth = (uint32_t)below(5),
+                             .prefetch_trigger = 2};
     char err[256];
     struct fe_engine *e = fe_create(sv[0], &ix, &opt, err, sizeof err);
     if (!e)
         FAIL("fe_create: %s", err);
-    struct { struct fuse_in_header h; struct fuse_init_in in; } init = {
-        .h = {.len = sizeof init, .opcode = FUSE_INIT, .unique = 1},
-        .in = {.major = 7, .minor = 31 + (uint32_t)below(10), .max_readahead = 131072,
-               .flags = (uint32_t)rnd(), .flags2 = (uint32_t)rnd()}};
+    struct {
+        struct fuse_in_header h;
+        struct fuse_init_in in;
+    } init = {.h = {.len = sizeof init, .opcode = FUSE_INIT, .unique = 1},
+              .in = {.major = 7,
+                     .minor = 31 + (uint32_t)below(10),
+                     .max_readahead = 131072,
+                     .flags = (uint32_t)rnd(),
+                     .flags2 = (uint32_t)rnd()}};
     send_msg(sv[1], &init, sizeof init);
     if (fe_init(e, err, sizeof err) < 0)
         FAIL("fe_init: %s", err);
@@ -329,14 +379,18 @@ static void one_case(void)
         FAIL("fe_start: %s", err);
     int requests = 50 + (int)below(200);
     for (int i = 0; i < requests; i++) {
-        if (below(8) == 0) {                               /* a burst of 4 KiB reads */
+        if (below(8) == 0) { /* a burst of 4 KiB reads */
             for (int j = 0; j < 8; j++) {
-                struct { struct fuse_in_header h; struct fuse_read_in r; } m = {
-                    .h = {.len = sizeof m, .opcode = FUSE_READ, .unique = 1000 + (uint64_t)j,
-                          .nodeid = 1 + below(ix.entries)},
-                    .r = {.fh = nhandles ? handles[below(nhandles)] : 0,
-                          .offset = j ? 4096u * (uint64_t)j : below(2 * ix.chunk_size),
-                          .size = 4096}};
+                struct {
+                    struct fuse_in_header h;
+                    struct fuse_read_in r;
+                } m = {.h = {.len = sizeof m,
+                             .opcode = FUSE_READ,
+                             .unique = 1000 + (uint64_t)j,
+                             .nodeid = 1 + below(ix.entries)},
+                       .r = {.fh = nhandles ? handles[below(nhandles)] : 0,
+                             .offset = j ? 4096u * (uint64_t)j : below(2 * ix.chunk_size),
+                             .size = 4096}};
                 send_msg(sv[1], &m, sizeof m);
             }
         }
@@ -347,9 +401,9 @@ static void one_case(void)
         drain(sv[1], 0);
     }
     if (below(2))
-        fe_stop(e);                    /* a handover: threads interrupted in read, joined */
+        fe_stop(e); /* a handover: threads interrupted in read, joined */
     else
-        shutdown(sv[1], SHUT_WR);      /* the worker reads 0 and ends */
+        shutdown(sv[1], SHUT_WR); /* the worker reads 0 and ends */
     for (int spins = 0; fe_running(e); spins++) {
         answer_queue(e);
         drain(sv[1], 1);
@@ -368,7 +422,7 @@ static void one_case(void)
         FAIL("tier not empty after clear: %zu", fe_tier_count(e));
     struct fe_counters c;
     fe_counters(e, &c);
-    fe_destroy(e);                     /* closes sv[0], frees handles never released */
+    fe_destroy(e); /* closes sv[0], frees handles never released */
     close(sv[1]);
     nhandles = 0;
 }
@@ -387,8 +441,9 @@ static void ring_layout_case(void)
     size_t pcap = below(3) ? below(4096) : below(70000), cap = 40 + below(8192);
     struct fuse_in_header ih;
     memcpy(&ih, hdr->in_out, sizeof ih);
-    if (below(2)) {                 /* mostly-sane sizes, then one field off by a little */
-        uint32_t psz = (uint32_t)below(pcap + 2), op = (uint32_t)below(FE_URING_OP_IN_OUT_SZ + 2);
+    if (below(2)) { /* mostly-sane sizes, then one field off by a little */
+        uint32_t psz = (uint32_t)below(pcap + 2),
+                 op = (uint32_t)below(FE_URING_OP_IN_OUT_SZ + 2);
         ih.len = (uint32_t)(sizeof ih + op + psz + (below(4) ? 0 : below(3) - 1));
         memcpy(hdr->in_out, &ih, sizeof ih);
         hdr->ring_ent_in_out.payload_sz = psz;
@@ -401,8 +456,8 @@ static void ring_layout_case(void)
     long n = fe_ring_layout(hdr, payload, pcap, out, cap);
     memcpy(&ih, hdr->in_out, sizeof ih);
     size_t psz = hdr->ring_ent_in_out.payload_sz;
-    int fits = ih.len >= sizeof ih && ih.len <= cap && psz <= pcap && psz <= ih.len - sizeof ih
-               && ih.len - sizeof ih - psz <= FE_URING_OP_IN_OUT_SZ;
+    int fits = ih.len >= sizeof ih && ih.len <= cap && psz <= pcap &&
+               psz <= ih.len - sizeof ih && ih.len - sizeof ih - psz <= FE_URING_OP_IN_OUT_SZ;
     if (fits != (n >= 0) || (n >= 0 && (size_t)n != ih.len))
         FAIL("fe_ring_layout: len %u payload %zu caps %zu/%zu gave %ld", ih.len, psz, pcap,
              cap, n);
@@ -437,7 +492,8 @@ int main(int argc, char **argv)
             ring_layout_case();
         cases++;
         clock_gettime(CLOCK_MONOTONIC, &t);
-    } while ((double)(t.tv_sec - t0.tv_sec) + (double)(t.tv_nsec - t0.tv_nsec) / 1e9 < seconds);
+    } while ((double)(t.tv_sec - t0.tv_sec) + (double)(t.tv_nsec - t0.tv_nsec) / 1e9 <
+             seconds);
     printf("%llu cases, %llu requests, %llu replies, %llu ring layouts: no failure\n",
            (unsigned long long)cases, (unsigned long long)sent, (unsigned long long)replies,
            (unsigned long long)ring_layouts);

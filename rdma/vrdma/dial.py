@@ -13,7 +13,8 @@ at once (the peer answered, and refused us).
 """
 from __future__ import annotations
 
-from typing import Awaitable, Callable, Sequence, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import trio
 

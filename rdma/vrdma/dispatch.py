@@ -40,14 +40,21 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import trio
 
 from ..api import SendWR
-from ..enums import (IBV_SEND_SIGNALED, IBV_WC_LOC_LEN_ERR, IBV_WC_LOC_PROT_ERR,
-                     IBV_WC_REM_ACCESS_ERR, IBV_WC_REM_INV_REQ_ERR, IBV_WC_SUCCESS,
-                     IBV_WR_RDMA_READ)
+from ..enums import (
+    IBV_SEND_SIGNALED,
+    IBV_WC_LOC_LEN_ERR,
+    IBV_WC_LOC_PROT_ERR,
+    IBV_WC_REM_ACCESS_ERR,
+    IBV_WC_REM_INV_REQ_ERR,
+    IBV_WC_SUCCESS,
+    IBV_WR_RDMA_READ,
+)
 from ..errors import PathClosed, PeerUnreachable, PostError, WCError
 from .heartbeat import HeartbeatConfig
 from .path import SQ_DEPTH, Path, choose_path
@@ -121,7 +128,7 @@ class ReadDispatcher:
     """
 
     def __init__(self, paths: PathSet, cfg: HeartbeatConfig, clock: Callable[[], float],
-                 now: float, wr_ids: itertools.count) -> None:
+                 now: float, wr_ids: itertools.count[int]) -> None:
         self.paths = paths
         self.cfg = cfg
         self.clock = clock

@@ -49,27 +49,25 @@ keepalive (a few seconds) reaps leases of clients that vanished without a FIN.
 """
 from __future__ import annotations
 
-import mmap
-
 import hmac
 import itertools
 import logging
 import math
+import mmap
 import os
 import socket
 import uuid
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import trio
 
-from ..api import (ConnInfo, Context, Device, PD, QPAttr, QPCap, QPInitAttr,
-                   get_device_list)
+from ..api import PD, ConnInfo, Context, Device, QPAttr, QPCap, QPInitAttr, get_device_list
 from ..enums import IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ, IBV_QPS_RESET
-from ..errors import (HandshakeError, PathClosed, PeerUnreachable,
-                      RdmaError, RdmaUserError)
+from ..errors import HandshakeError, PathClosed, PeerUnreachable, RdmaError, RdmaUserError
 from .dial import DialFailed, dial
 from .handshake import Channel, PreAuthGate, aclose_quietly, client_handshake, qp_token
 from .heartbeat import HEARTBEAT_BYTES, HeartbeatConfig
@@ -196,15 +194,17 @@ class Endpoint:
         self._vmrs: list[VMR] = []
 
     # ------------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> "Endpoint":
-        self._lifetime = self._running()
-        return await self._lifetime.__aenter__()
+    async def __aenter__(self) -> Endpoint:
+        lifetime = self._running()
+        self._lifetime = lifetime
+        return await lifetime.__aenter__()
 
     async def __aexit__(self, *exc: Any) -> bool | None:
-        return await self._lifetime.__aexit__(*exc)
+        suppress: bool | None = await self._lifetime.__aexit__(*exc)
+        return suppress
 
     @asynccontextmanager
-    async def _running(self) -> AsyncIterator["Endpoint"]:
+    async def _running(self) -> AsyncIterator[Endpoint]:
         """The endpoint's lifetime: NICs open, its nursery (listener, vQP tasks, lease
         closes) running.  On the way out: every vQP closed, then the nursery cancelled,
         then the NICs and vMRs released."""
@@ -266,7 +266,7 @@ class Endpoint:
 
     # ------------------------------------------------------------------ memory
     def alloc(self, length: int, name: str = "", *, remote_read: bool = False,
-              memory: "mmap.mmap | None" = None) -> VMR:
+              memory: mmap.mmap | None = None) -> VMR:
         """A buffer registered on every local NIC (``memory``: this mapping, else fresh
         anonymous memory).  Landing buffers stay local (``LOCAL_WRITE`` only): nobody can
         READ them, whatever QP they reach.  Memory to :meth:`export` needs
@@ -314,7 +314,8 @@ class Endpoint:
         client sends ends the accept loop: a failure closes this connection only."""
         _keepalive(stream)
         try:
-            peer = "%s:%d" % stream.socket.getpeername()[:2]
+            host, port = stream.socket.getpeername()[:2]
+            peer = f"{host}:{port}"
         except OSError:
             peer = "?"
         ch = await self.gate.accept(stream, self.secret, self.node, self.handshake_timeout)
@@ -436,7 +437,7 @@ class Endpoint:
         assert self._nursery is not None, "use `async with Endpoint(...)`"
         timeout = self.cfg.connect_timeout * 2 if timeout is None else timeout
 
-        async def ask(addr: str) -> dict:
+        async def ask(addr: str) -> dict[str, Any]:
             with trio.fail_after(self.cfg.connect_timeout):
                 ch = await self._open_channel(addr, port, None)
                 try:
@@ -580,4 +581,5 @@ def _checked_info(info: Any) -> dict[str, Any]:
         Peer.check(info)
     except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
         raise HandshakeError(f"malformed info reply: {type(e).__name__}: {e}"[:300]) from None
-    return info
+    checked: dict[str, Any] = info
+    return checked

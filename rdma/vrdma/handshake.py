@@ -39,7 +39,7 @@ to this handshake, the per-direction sequence number stops replay and reordering
   raises :class:`~rdma.errors.AuthenticationError`).
 * Not provided: confidentiality.  The data path is RDMA, which is cleartext anyway.
 
-Limits on what arrives from the network (issue 13: one 1.1 KB frame of ~1,100 ``[`` made
+Limits on what arrives from the network (one 1.1 KB frame of ~1,100 ``[`` made
 ``json.loads`` raise ``RecursionError``, which escaped and took a node down; 900
 connections sending 1 MiB − 1 frames took a node from 93 MB to 1.6 GB RSS).  Every byte
 is parsed by :func:`decode` and one schema per handshake message; any failure is a
@@ -67,7 +67,7 @@ is parsed by :func:`decode` and one schema per handshake message; any failure is
   all (the oldest pending handshake is then dropped for the new one: a real client is
   through in about a millisecond, an idle attacker's connection is what gets old).
   Each is one fd: a node has two listeners (vRDMA and RPC), so at most 256 of its 1,024
-  fds are ever held by unauthenticated peers (issue 13: 10,000 idle connections had
+  fds are ever held by unauthenticated peers (10,000 idle connections had
   taken all 1,024).  32 from one address is above what one host's processes open at
   once (one mount: a path per NIC pair (≤ 16) plus its dials and ``rpc.OPENING`` = 8
   RPC handshakes).  Refusals are logged at most once per ``LOG_EVERY`` = 10 s, with a

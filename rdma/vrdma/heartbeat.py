@@ -56,11 +56,12 @@ moved to ERR, its WRs flush, each flush re-posts), so the caller-visible stall i
 ``(M+1)·I`` ≈ 60 ms + one READ -- inside the ~100 ms the issue asks for, with ~40 ms of
 headroom for scheduling jitter of a Python event loop.  Measured on the netns testbed
 (soft provider, 8 READs of 4–64 KiB in flight): NIC down → path DOWN in 58–82 ms, the
-slowest READ caught by the failure completes after 57–127 ms, no READ fails.  Why not smaller: a trio loop busy
-with checksum work can be late by a few ms; ``M·I`` = 50 ms is ~10× that, so a healthy
-path is not declared dead by a late tick (a false DOWN costs a rebuild, not data, but it
-costs it on every path at once).  Cost: 100 probes/s per path of 8 bytes -- negligible for
-a handful of peers; for hundreds of peers raise ``I`` (detection scales linearly).
+slowest READ caught by the failure completes after 57–127 ms, no READ fails.  Why not
+smaller: a trio loop busy with checksum work can be late by a few ms; ``M·I`` = 50 ms
+is ~10× that, so a healthy path is not declared dead by a late tick (a false DOWN costs
+a rebuild, not data, but it costs it on every path at once).  Cost: 100 probes/s per
+path of 8 bytes -- negligible for a handful of peers; for hundreds of peers raise ``I``
+(detection scales linearly).
 
 Idle virtual QPs probe slowly.  A vQP with no data READ for ``idle_after`` (and none in
 flight or waiting) ticks and probes every ``idle_interval`` (default 100 ms) instead of
@@ -81,7 +82,7 @@ READs, so they stay at ``idle_interval``.  Once no READ of either kind has been 
 or completed for ``idle_after``, the vQP is quiet: it ticks and probes every
 ``quiet_interval`` (default 1 s), and the next READ of either kind posted from Python
 wakes it (C starts READs only on routes Python gave after posting one itself).
-Measured (stop 39): a mount idle beside 3 nodes (2 rails, 6 paths) spends 0.003 CPU-s
+Measured: a mount idle beside 3 nodes (2 rails, 6 paths) spends 0.003 CPU-s
 a second of its Python thread, against 0.017 at 100 ms (~0.2–0.26 ms a probe); beside
 64 nodes that is ~0.06 of a core against ~0.36.
 

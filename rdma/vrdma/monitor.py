@@ -21,7 +21,8 @@ defaults and their measurements are in :mod:`.heartbeat`.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -52,7 +53,7 @@ class HeartbeatMonitor:
 
     def __init__(self, name: str, paths: PathSet, peer: Peer, scratch: VMR,
                  reads: ReadDispatcher, rebuilder: Rebuilder, cfg: HeartbeatConfig,
-                 clock: Callable[[], float], wr_ids: itertools.count) -> None:
+                 clock: Callable[[], float], wr_ids: itertools.count[int]) -> None:
         self.name = name
         self.paths = paths
         self.peer = peer

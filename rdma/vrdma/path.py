@@ -221,7 +221,7 @@ class PathMachine:
 
     def backoff(self, attempts: int, rng: random.Random | None = None) -> float:
         cap = self.cfg.rebuild_backoff_max if self.ever_up else self.cfg.never_up_backoff_max
-        base = min(cap, self.cfg.rebuild_backoff * (2 ** max(0, attempts - 1)))
+        base: float = min(cap, self.cfg.rebuild_backoff * (2 ** max(0, attempts - 1)))
         return base * (0.75 + 0.5 * (rng or random).random())
 
     def close(self, now: float) -> Transition | None:

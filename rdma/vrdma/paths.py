@@ -15,11 +15,15 @@ import logging
 import os
 import sys
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import trio
 
 from ..api import get_device_list, select_provider
 from ..errors import PeerUnreachable, RdmaError
+
+if TYPE_CHECKING:
+    from .vqp import VQPStats
 
 
 def _secret(args: argparse.Namespace) -> bytes:
@@ -32,7 +36,7 @@ def _secret(args: argparse.Namespace) -> bytes:
     return bytes.fromhex(env)
 
 
-def format_paths(stats) -> str:  # noqa: ANN001 - VQPStats
+def format_paths(stats: VQPStats) -> str:
     lines = [f"peer {stats.peer}: {stats.state}  reads_ok={stats.reads_ok} "
              f"failed_over={stats.reads_failed_over} unreachable={stats.reads_unreachable}",
              f"  {'id':>2}  {'path':<33} {'state':<10} {'reads':>8} {'hb':>6} "

@@ -33,7 +33,8 @@ it, moves the peer-dead clock, hands waiting READs to a path that came UP
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 

@@ -32,7 +32,7 @@ leftovers are taken back by the reset (which discards WRs) and re-posted.
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 

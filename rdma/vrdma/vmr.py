@@ -50,7 +50,7 @@ class RemoteVMR:
                 "keys": {nic: [a, k] for nic, (a, k) in self.keys.items()}}
 
     @classmethod
-    def from_dict(cls, name: str, d: dict[str, Any]) -> "RemoteVMR":
+    def from_dict(cls, name: str, d: dict[str, Any]) -> RemoteVMR:
         keys = {str(nic): (int(v[0]), int(v[1])) for nic, v in d["keys"].items()}
         if not keys or int(d["length"]) < 0:
             raise ValueError(f"bad remote vMR {name!r}")
@@ -60,9 +60,9 @@ class RemoteVMR:
 class VMR:
     """``length`` bytes registered on each PD in ``pds`` (``{nic_addr: PD}``)."""
 
-    def __init__(self, pds: "dict[str, PD]", length: int,
+    def __init__(self, pds: dict[str, PD], length: int,
                  access: int = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ,
-                 name: str = "", memory: "mmap.mmap | None" = None) -> None:
+                 name: str = "", memory: mmap.mmap | None = None) -> None:
         if length <= 0:
             raise RdmaUserError(f"vMR length {length}: must be > 0")
         if memory is not None and len(memory) != length:
@@ -71,7 +71,7 @@ class VMR:
         self.length = length
         self.access = access
         # private anonymous (huge pages when large), or the caller's mapping (a file that
-        # outlives the process: rdma/buffer.py shared_file)
+        # outlives the process, as a node's arena does)
         self._map = memory if memory is not None else anonymous(length)
         self.view = memoryview(self._map)
         self.mrs: dict[str, MR] = {}
@@ -88,7 +88,7 @@ class VMR:
         return self._closed
 
     @property
-    def memory(self) -> "mmap.mmap":
+    def memory(self) -> mmap.mmap:
         """The registered memory itself, for zero-copy consumers that must own a part of
         it beyond :meth:`close` (``ctypes.c_char.from_buffer``); ``view`` is for access."""
         return self._map
@@ -136,7 +136,7 @@ class VMR:
         except BufferError:  # a provider still holds an export; the GC frees it later
             pass
 
-    def __enter__(self) -> "VMR":
+    def __enter__(self) -> VMR:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -53,8 +53,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import trio
 
@@ -126,9 +127,9 @@ class VQP:
     """
 
     def __init__(self, vqp_id: int, peer: Peer, pairs: list[tuple[str, str]],
-                 cfg: HeartbeatConfig, *, scratch: VMR, create_cq: Callable[[str], "CQ"],
+                 cfg: HeartbeatConfig, *, scratch: VMR, create_cq: Callable[[str], CQ],
                  connect_path: ConnectPath, close_channel: Callable[[Any], None],
-                 on_closed: Callable[["VQP"], None],
+                 on_closed: Callable[[VQP], None],
                  clock: Callable[[], float] = trio.current_time,
                  on_transition: Callable[[Transition], None] | None = None) -> None:
         self.id = vqp_id

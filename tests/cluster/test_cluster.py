@@ -73,7 +73,7 @@ class Reading:
             last = now
             self.reads += 1
 
-    def __enter__(self) -> "Reading":
+    def __enter__(self) -> Reading:
         self._t.start()
         return self
 
@@ -410,7 +410,7 @@ def _rss(pid: int) -> int:
 
 
 def test_hostile_frames_and_floods_leave_a_node_serving(world) -> None:
-    """Issue 13, end to end on a real ``kspeedfs node``: from the client host, the nested
+    """Hostile input, end to end on a real ``kspeedfs node``: from the client host, the nested
     JSON frame, half-sent 1 MiB frames and 200 idle connections against the node's vRDMA
     and RPC ports, without the secret. The node keeps serving (reads through the mount,
     ``status``), and its fd count and RSS return to where they were."""
@@ -471,7 +471,7 @@ def _cut_costs_nothing(c, mnt: Path, files: dict[str, bytes], cut, heal, what: s
 
 
 def test_a_cut_nic_or_rail_never_drops_a_healthy_node(world) -> None:
-    """Issue 14: the NIC that carries a node's etcd session (rail 1: the first etcd
+    """The NIC that carries a node's etcd session (rail 1: the first etcd
     address, every node's preferred one) silently dropping everything on two nodes, and
     the other rail's NIC on the third, for 2 x TTL; then a whole rail's switch down.
     Before the fix the lease lapsed 4.5 s into such a cut and the survivors re-copied
@@ -534,7 +534,7 @@ def test_node_killed_reads_fail_over_and_rereplicate(world) -> None:
         time.sleep(1)
     assert "re-replication" in c.log_text()
     # the survivors read n2's share from the remaining replicas: their READ latencies
-    # (and hedges) show in `kspeedfs status` (issue 19), published every 2 s
+    # (and hedges) show in `kspeedfs status`, published every 2 s
     deadline = time.monotonic() + 15
     while "peer READs: hedged" not in (out := c.ks(["status"]).stdout):
         assert time.monotonic() < deadline, out

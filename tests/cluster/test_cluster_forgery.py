@@ -1,4 +1,4 @@
-"""A node started with the wrong cluster secret, on real test hosts (issue 13).
+"""A node started with the wrong cluster secret, on real test hosts.
 
 Before record signing, such a node joined: ``kspeedfs status`` listed it, placement
 gave it chunks, it loaded them from the source and served nobody (every handshake with

@@ -1,4 +1,4 @@
-"""Tail latency with a hung or dead replica (issue 19): hedged peer READs.
+"""Tail latency with a hung or dead replica: hedged peer READs.
 
 Its own cluster (etcd + 3 nodes, R = 2, 256 KiB chunks, ~47 MiB preloaded) and two mounts
 with an 8 MiB memory tier (so almost every read goes to a peer): one with
@@ -67,7 +67,11 @@ class Readers:
             t0 = time.monotonic()
             if (err := verified_read(self.mnt, self.files, rel, off)) is not None:
                 self.errors.append(err)
-            self.latencies.append(time.monotonic() - t0)
+            self.done(t0, time.monotonic())
+
+    def done(self, start: float, end: float) -> None:
+        """A read that started and ended then (monotonic seconds)."""
+        self.latencies.append(end - start)
 
     def quantile(self, q: float) -> float:
         lat = sorted(self.latencies)
@@ -78,7 +82,7 @@ class Readers:
                 f"p99 {self.quantile(0.99) * 1e3:.1f} ms, p99.9 {self.quantile(0.999) * 1e3:.1f} ms, "
                 f"longest {max(self.latencies, default=0) * 1e3:.0f} ms")
 
-    def __enter__(self) -> "Readers":
+    def __enter__(self) -> Readers:
         for t in self._threads:
             t.start()
         return self
@@ -141,7 +145,7 @@ class Stutter:
             self.proc.cont()
             time.sleep(self.period - self.pause)
 
-    def __enter__(self) -> "Stutter":
+    def __enter__(self) -> Stutter:
         self._t.start()
         return self
 

@@ -1,6 +1,6 @@
 """An attacker with write access to etcd but without the cluster secret, on a real etcd.
 
-The attacks of issue 13 ("Hardening"), each against the real store and membership code:
+The hostile-input attacks, each against the real store and membership code:
 a forged next version of a dataset (the attacker's own source directory, a real
 manifest of it with matching checksums, ``current`` pointed at it) without a
 signature, with another cluster's signature, or as a copy of a genuine signed record
@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import trio

@@ -12,8 +12,8 @@ import json
 import logging
 import random
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import trio
@@ -58,7 +58,7 @@ async def test_a_daemon_taking_over_starts_from_the_kept_node_list_while_etcd_is
     for name in ("n1", "n2"):
         key = store.prefix + "nodes/" + name
         value = _record(name).signed(store)
-        await trio.to_thread.run_sync(lambda: store.call(lambda c: c.put(key, value)))
+        await trio.to_thread.run_sync(lambda key=key, value=value: store.call(lambda c: c.put(key, value)))
     assert await _nodes(Membership(store, keep=kept)) == {"n1", "n2"}
 
     # somebody adds a record of their own to the file: not signed, refused on the way in

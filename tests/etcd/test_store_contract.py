@@ -19,9 +19,9 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -88,7 +88,7 @@ class Etcd(Backend):
     def open(self) -> MetadataStore:
         return open_store(self.cfg)
 
-    def raw(self) -> "etcd3.Etcd3Client":  # noqa: F821 - imported lazily
+    def raw(self) -> etcd3.Etcd3Client:  # noqa: F821 - imported lazily
         import etcd3
 
         return etcd3.client("127.0.0.1", self.server.client_port, timeout=5)
@@ -412,6 +412,25 @@ def test_etcd_user_password_auth() -> None:
                 with pytest.raises(StoreError) as exc:
                     store.datasets()
                 assert not isinstance(exc.value, StoreUnavailable), exc.value
+
+
+def test_etcd_auth_with_a_password_file(tmp_path: Path) -> None:
+    """``store.etcd_password_file``: the password from a 0600 file authenticates; a file
+    others may read is refused when the store opens, in one line naming it."""
+    with EtcdServer(name="kst-authfile") as server:
+        _etcdctl(server, "user", "add", "root:s3cret-in-a-file")
+        _etcdctl(server, "auth", "enable")
+        secret = tmp_path / "etcd-password"
+        secret.write_text("s3cret-in-a-file\n")
+        secret.chmod(0o600)
+        cfg = replace(_etcd_cfg([server.endpoint]), etcd_user="root",
+                      etcd_password_file=str(secret))
+        with open_store(cfg) as store:
+            store.publish(make_info(), b"authenticated")
+            assert store.manifest("imagenet", 1) == b"authenticated"
+        secret.chmod(0o644)
+        with pytest.raises(ConfigError, match=f"store.etcd_password_file {secret}: mode 0644"):
+            open_store(cfg)
 
 
 def test_etcd_mutual_tls(tmp_path: Path) -> None:

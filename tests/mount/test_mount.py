@@ -137,9 +137,9 @@ def test_mmap_sendfile_and_splice_read_the_same_bytes(node, how: str) -> None:
             if how == "mmap":
                 got = _via_mmap(fd, len(want))
             elif how == "sendfile":
-                got = _via_pipe(lambda w, off: os.sendfile(w, fd, off, 65536))
+                got = _via_pipe(lambda w, off, fd=fd: os.sendfile(w, fd, off, 65536))
             else:
-                got = _via_pipe(lambda w, off: os.splice(fd, w, 65536, offset_src=off))
+                got = _via_pipe(lambda w, off, fd=fd: os.splice(fd, w, 65536, offset_src=off))
         finally:
             os.close(fd)
         assert got == want, (how, rel, len(got), len(want))

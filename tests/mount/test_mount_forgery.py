@@ -1,5 +1,5 @@
 """A real mount against a real etcd in which an attacker without the secret forged the
-next version of the dataset (issue 13): the mount refuses it, ``kspeedfs ls`` does not
+next version of the dataset: the mount refuses it, ``kspeedfs ls`` does not
 list it, and the genuine version, mounted by number, serves the genuine bytes.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 from bench.system import daemon_pid, is_mounted, unmount
 from kspeedfs.config import StoreConfig
 from kspeedfs.manifest.store.etcd import EtcdStore
+from tests.etcd.test_etcd_forgery import forge_version
 from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.mounts import CHUNK, assert_same_tree, kspeedfs, make_tree
-from tests.etcd.test_etcd_forgery import forge_version
 
 
 def test_mount_refuses_forged_version(etcd_server: EtcdServer, tmp_path: Path) -> None:

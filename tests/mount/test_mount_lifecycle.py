@@ -89,11 +89,12 @@ def test_crashed_daemon_is_cleaned_by_next_mount(node) -> None:
     the mount is dead, and the next mount cleans it up."""
     c, src = node
     mnt = c.mount("ds")
-    pid = daemon_pid(mnt)
-    sup = supervisor_pid(mnt)
-    if sup is not None:                           # the native engine leaves one behind
-        os.kill(sup, signal.SIGKILL)
-    os.kill(pid, signal.SIGKILL)
+    pids = [p for p in (daemon_pid(mnt), supervisor_pid(mnt)) if p is not None]
+    # stopped first, then killed: each restarts the other (supervisor.py), so one killed
+    # a moment before the other could be replaced in between
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for p in pids:
+            os.kill(p, sig)
     _wait(lambda: daemon_pid(mnt) is None)
     with pytest.raises(OSError):
         os.listdir(mnt)                           # ENOTCONN: the dead mount

@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures.mounts import CHUNK, KSPEEDFS, Cluster1, kspeedfs
+from bench.system import unmount
+from tests.fixtures.mounts import CHUNK, KSPEEDFS, Cluster1, daemon_pid, kspeedfs
 
 FILES = 64
 
@@ -101,9 +104,36 @@ def test_a_path_that_is_not_a_mount_is_one_line_of_error(mounted, tmp_path: Path
     assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and "no such directory" in r.stderr
 
 
-def test_a_mount_without_xattrs_says_how_to_remount(mounted) -> None:
+def test_a_default_mount_without_xattrs_shows_its_counters(mounted) -> None:
+    """Read over the daemon's control socket (root-only), as README's ``kspeedfs stats``
+    after a plain ``kspeedfs mount``."""
     c, _, _ = mounted
     mnt = c.mount("st", None, "--set", "fuse.xattrs=false")
-    r = kspeedfs(["stats", str(mnt), "--count", "1"], check=False)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert len(r.stderr.splitlines()) == 1 and "--set fuse.xattrs=true" in r.stderr, r.stderr
+    with pytest.raises(OSError):
+        os.getxattr(mnt, "user.kspeedfs.stats")
+    r, nbytes = watch(mnt, "--count", "2", "--json")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    samples = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(samples) == 2 and nbytes > 0
+    assert samples[1]["totals"]["read_bytes"] > 0 and sum(s["reads_per_s"] for s in samples) > 0
+    assert samples[1]["memory_bytes"] > 0 and samples[1]["transport"]
+
+
+def test_a_mount_neither_the_socket_nor_xattrs_reach_is_one_line_of_error(mounted) -> None:
+    """Not root (the control socket is root-only) and no fuse.xattrs: one line that says
+    both ways in."""
+    c, _, _ = mounted
+    base = Path(tempfile.mkdtemp(prefix="kspeedfs-stats-"))     # pytest's tmp is root-only
+    try:
+        os.chmod(base, 0o755)
+        mnt = c.mount("st", base / "m", "--set", "fuse.xattrs=false",
+                      "--set", "fuse.allow_other=true")
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            *KSPEEDFS, "stats", str(mnt), "--count", "1"],
+                           capture_output=True, text=True, timeout=60, cwd="/")
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert len(r.stderr.splitlines()) == 1 and "root-only" in r.stderr, r.stderr
+        assert "--set fuse.xattrs=true" in r.stderr and "run as root" in r.stderr, r.stderr
+    finally:
+        unmount(base / "m", daemon_pid(base / "m"))
+        shutil.rmtree(base, ignore_errors=True)

@@ -3,16 +3,16 @@
 and connect a local QP to it through its control connection.  Not a test module."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
-
-import contextlib
+from typing import Any
 
 from rdma.api import CQ, MR, PD, QP, ConnInfo, Context, QPCap, QPInitAttr, open_device
 from rdma.testing import DEFAULT_ACCESS

@@ -9,9 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rdma.api import QPAttr, SendWR, SGE
-from rdma.enums import (IBV_QP_STATE, IBV_QPS_RTS, IBV_WC_LOC_PROT_ERR, IBV_WC_SUCCESS,
-                        IBV_WR_RDMA_READ, IBV_QPS_ERR)
+from rdma.api import SGE, QPAttr, SendWR
+from rdma.enums import (
+    IBV_QP_STATE,
+    IBV_QPS_ERR,
+    IBV_QPS_RTS,
+    IBV_WC_LOC_PROT_ERR,
+    IBV_WC_SUCCESS,
+    IBV_WR_RDMA_READ,
+)
 from rdma.errors import PostError, QPStateError
 from rdma.testing import CHECKS, pair_factory, read_wr, soft_pair
 

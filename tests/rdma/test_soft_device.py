@@ -2,17 +2,23 @@
 from __future__ import annotations
 
 import errno
-import os
 import gc
+import os
 
 import pytest
 import trio
 
 import rdma
 from rdma.api import QPCap, QPInitAttr, RecvWR, find_device, get_device_list, open_device
-from rdma.enums import (IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ, IBV_PORT_ACTIVE,
-                        IBV_QPS_RESET, IBV_WC_RECV, IBV_WC_WR_FLUSH_ERR)
-from rdma.errors import NoDeviceError, ResourceBusyError, ResourceClosedError, RdmaUserError
+from rdma.enums import (
+    IBV_ACCESS_LOCAL_WRITE,
+    IBV_ACCESS_REMOTE_READ,
+    IBV_PORT_ACTIVE,
+    IBV_QPS_RESET,
+    IBV_WC_RECV,
+    IBV_WC_WR_FLUSH_ERR,
+)
+from rdma.errors import NoDeviceError, RdmaUserError, ResourceBusyError, ResourceClosedError
 from rdma.testing import read_wr, soft_pair
 
 ACCESS = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ

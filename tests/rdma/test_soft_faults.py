@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
+from soft_peer import PeerProcess, RemoteSession, connect_qp, remote_session
 
 from rdma.api import QPAttr, QPCap, QPInitAttr, SendWR, open_device
-from rdma.enums import (IBV_QPS_ERR, IBV_SEND_SIGNALED, IBV_WC_RETRY_EXC_ERR,
-                        IBV_WC_WR_FLUSH_ERR, IBV_WR_RDMA_READ)
+from rdma.enums import (
+    IBV_QPS_ERR,
+    IBV_SEND_SIGNALED,
+    IBV_WC_RETRY_EXC_ERR,
+    IBV_WC_WR_FLUSH_ERR,
+    IBV_WR_RDMA_READ,
+)
 from rdma.errors import PostError
-
 from rdma.testing import DEFAULT_ACCESS
-
-from soft_peer import PeerProcess, RemoteSession, connect_qp, remote_session
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Unauthenticated peers against the soft engine's listener (issue 13): idle-connection
+"""Unauthenticated peers against the soft engine's listener: idle-connection
 floods, HELLO deadlines, HELLOs racing a legitimate QP setup, random frames.  Each test
 ends with a legitimate QP pair moving data through the same engine, and the process's
 fds and RSS back where they started once the attack is over.  Loopback only."""
@@ -10,7 +10,7 @@ import resource
 import socket
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -80,7 +80,7 @@ def _closed_by_engine(s: socket.socket, timeout: float) -> bool:
         return s.recv(64) == b""
     except ConnectionError:
         return True
-    except (socket.timeout, BlockingIOError, OSError):
+    except (TimeoutError, BlockingIOError, OSError):
         return False
 
 

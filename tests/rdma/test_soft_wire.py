@@ -8,8 +8,8 @@ import contextlib
 import errno
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -37,8 +37,8 @@ def _eof_or_reset(sock: socket.socket, timeout: float = EOF_WAIT_S) -> bytes:
             got += chunk
     except ConnectionResetError:
         return got
-    except socket.timeout:
-        raise AssertionError(f"engine kept the connection open (got {got[:64]!r})")
+    except TimeoutError:
+        raise AssertionError(f"engine kept the connection open (got {got[:64]!r})") from None
 
 
 def _assert_still_serves(p: Pair) -> None:

@@ -10,16 +10,24 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 import trio
 
-from rdma.api import ConnInfo, QPCap, QPInitAttr, SGE, gid_from_ipv4, open_device
+from rdma.api import SGE, ConnInfo, QPCap, QPInitAttr, gid_from_ipv4, open_device
 from rdma.enums import IBV_WC_REM_ACCESS_ERR, IBV_WC_SUCCESS
-from rdma.errors import (AuthenticationError, ConnectError, PathClosed, PeerUnreachable,
-                         RdmaError, RdmaUserError, WCError)
+from rdma.errors import (
+    AuthenticationError,
+    ConnectError,
+    PathClosed,
+    PeerUnreachable,
+    RdmaError,
+    RdmaUserError,
+    WCError,
+)
 from rdma.vrdma import Endpoint, HeartbeatConfig, RemoteVMR
 
 SECRET = b"t3-vrdma-secret"
@@ -181,7 +189,7 @@ async def test_detached_read_returns_at_once_and_frees_its_buffer_at_its_wc(
     for _ in range(5):
         freed: list[int] = []
         with trio.move_on_after(0.0005) as cs:
-            await vqp.read(buf, 0, rm, SIZE, detach=lambda: freed.append(p.data_inflight))
+            await vqp.read(buf, 0, rm, SIZE, detach=lambda freed=freed: freed.append(p.data_inflight))
         if not cs.cancelled_caught:
             continue                             # it beat the timer: nothing to detach
         detached += 1
@@ -396,7 +404,7 @@ async def test_hostile_connection_racing_the_client_reads_nothing(
             try:
                 while chunk := s.recv(65536):
                     out += chunk
-            except (socket.timeout, ConnectionError):
+            except (TimeoutError, ConnectionError):
                 pass
             return out
         finally:
@@ -436,7 +444,7 @@ def _attack(port: int, dest_qpn: int, src_qpn: int, psn: int, addr: int, rkey: i
         s.sendall(wire.read_req(psn, addr, rkey, n))
         while chunk := s.recv(65536):
             out += chunk
-    except (socket.timeout, ConnectionError):
+    except (TimeoutError, ConnectionError):
         pass
     finally:
         s.close()

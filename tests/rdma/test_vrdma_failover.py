@@ -22,8 +22,10 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -151,9 +153,9 @@ def gap_stats(done_t: list[float], lat: list[float], t_fail: float, before: floa
     stall), and the latency of each READ completing in the window (the failed-over READs
     carry the detection time)."""
     hi = (t_fail if t_applied is None else t_applied) + after
-    win = sorted((t, lt) for t, lt in zip(done_t, lat) if t_fail - before <= t <= hi)
+    win = sorted((t, lt) for t, lt in zip(done_t, lat, strict=False) if t_fail - before <= t <= hi)
     ts = [t for t, _ in win]
-    gaps = [b - a for a, b in zip(ts, ts[1:])]
+    gaps = [b - a for a, b in pairwise(ts)]
     if not gaps:
         return {"n": 0}
     g50, g99, gmax = _pcts(gaps)

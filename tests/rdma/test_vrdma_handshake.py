@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import trio

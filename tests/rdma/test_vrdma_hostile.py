@@ -1,5 +1,5 @@
 """Hostile bytes against the vRDMA control channel and a running Endpoint listener
-(issue 13): nothing from the network, before or after authentication, may crash the
+nothing from the network, before or after authentication, may crash the
 listener; every parser answers a documented :class:`HandshakeError` or a valid value.
 
 Fuzzed (Hypothesis, bounded budgets so the default lane stays fast): the frame decoder
@@ -23,9 +23,23 @@ from hypothesis import strategies as st
 from rdma.errors import AuthenticationError, HandshakeError
 from rdma.vrdma import Endpoint
 from rdma.vrdma import handshake as hs
-from tests.fixtures.hostile import (LO, close_all, closed_by_peer, connect_many, deep,
-                                    fd_count, frame, json_values, nested, rss_bytes, run,
-                                    send_quietly, settle, tcp_pair, wire_bytes)
+from tests.fixtures.hostile import (
+    LO,
+    close_all,
+    closed_by_peer,
+    connect_many,
+    deep,
+    fd_count,
+    frame,
+    json_values,
+    nested,
+    rss_bytes,
+    run,
+    send_quietly,
+    settle,
+    tcp_pair,
+    wire_bytes,
+)
 
 SECRET = b"t2-hostile-secret-0123"
 FUZZ = settings(max_examples=150, deadline=None,

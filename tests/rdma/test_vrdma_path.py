@@ -165,7 +165,7 @@ def test_never_up_paths_retry_slowly() -> None:
 
 def _paths(states: list[PathState], loads: list[int]) -> list[Path]:
     out = []
-    for i, (s, n) in enumerate(zip(states, loads)):
+    for i, (s, n) in enumerate(zip(states, loads, strict=True)):
         p = Path(i, f"10.0.{i}.1", f"10.0.{i}.2", CFG, 0.0)
         p.m.state = s
         p.data_inflight = n

@@ -9,8 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kspeedfs.cluster.arena import (BUCKET_BYTES, ENTRY, SPILL, WAYS, Arena, Geometry,
-                                    buckets_of, find_in_bucket)
+from kspeedfs.cluster.arena import (
+    BUCKET_BYTES,
+    ENTRY,
+    SPILL,
+    WAYS,
+    Arena,
+    Geometry,
+    buckets_of,
+    find_in_bucket,
+)
 
 
 class Mem:

@@ -12,8 +12,8 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -37,7 +37,7 @@ def sysctls_off() -> Iterator[None]:
     try:
         yield
     finally:
-        for k, v in zip(keys, before):
+        for k, v in zip(keys, before, strict=False):
             k.write_text(v)
 
 
@@ -147,7 +147,7 @@ def test_two_clusters_on_one_host_keep_apart(shm: Path) -> None:
     assert not kept and arena_b[:5] == bytes(5)
     assert set(a.paths).isdisjoint(b.paths)
     with pytest.raises(DatasetInUse, match="already runs"):
-        _files(d, b"a" * 32).open(ARENA, INDEX)
+        _files(d, b"a" * 32).open(ARENA, INDEX, wait=0.2)
     a.close()
     arena_a.close()
     index_a.close()
@@ -203,3 +203,29 @@ def test_cli_lists_and_drops(shm: Path, tmp_path: Path) -> None:
     out = ks(arena_dir=Path("/dev/shm"))
     assert out.returncode == 1 and "group or others may enter" in out.stderr, out.stderr
     assert out.stderr.count("\n") == 1
+
+
+def test_a_restarted_node_waits_for_its_predecessor(shm: Path) -> None:
+    """A node started while its killed predecessor still exits gets the files once the
+    predecessor is gone, not an error."""
+    d = shm / "kspeedfs"
+    proc = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from kspeedfs.cluster.arena_files import ArenaFiles, cluster_tag
+f = ArenaFiles({str(d)!r}, cluster_tag(b"s" * 32, "/kspeedfs/"), "n1")
+f.open({ARENA}, {INDEX})
+print("held", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+        import threading
+        threading.Timer(0.5, proc.kill).start()
+        arena, index, kept = _files(d).open(ARENA, INDEX, wait=10)
+        assert kept
+        arena.close()
+        index.close()
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()

@@ -1,4 +1,4 @@
-"""The suite's summaries: per-rep ratios, and issue 16's CPU figure without NIC threads."""
+"""The suite's summaries: per-rep ratios, and the peer-read CPU figure without NIC threads."""
 from __future__ import annotations
 
 import pytest

@@ -138,7 +138,7 @@ def test_hostile_arguments(tmp_path: Path) -> None:
     with ThreadPoolExecutor(max_workers=8) as pool:
         results = list(pool.map(lambda c: _run(c[1], tmp_path), CASES))
     problems = []
-    for (case_id, argv, must_fail), r in zip(CASES, results):
+    for (case_id, _argv, must_fail), r in zip(CASES, results, strict=True):
         out = r.stdout + r.stderr
         lines = r.stderr.strip().splitlines()
         if "Traceback" in out:

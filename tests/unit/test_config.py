@@ -77,7 +77,7 @@ def test_unset_flags_do_not_hide_set_overrides() -> None:
     assert cfg.cache.disk == 64 << 20 and cfg.cache.memory == 2 << 30
 
 
-# -- range checks (issue 13): every key against a real range, naming key, value and source --
+# -- range checks: every key against a real range, naming key, value and source --
 
 @pytest.mark.parametrize("key, value, needle", [
     ("cache.memory", "1PiB", "physical memory"),

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import AsyncIterator
 
 import trio
 import xxhash
@@ -115,7 +115,7 @@ async def test_a_chunk_in_its_second_bucket_is_found_there() -> None:
 
 
 async def test_a_silent_replica_is_hedged_then_tried_last_and_its_attempt_cleans_up() -> None:
-    """Hedging (issue 19) on real loopback endpoints: the first replica accepts TCP and
+    """Hedging on real loopback endpoints: the first replica accepts TCP and
     never answers (its connect hangs until the 1 s connect timeout); reads are hedged to
     the second after the cap (50 ms here), the hedge's bytes win, two overruns make the
     silent node suspect (tried last: no third hedge), and the losers, cancelled by the
@@ -125,7 +125,10 @@ async def test_a_silent_replica_is_hedged_then_tried_last_and_its_attempt_cleans
     from types import SimpleNamespace
 
     from kspeedfs.cluster.hedge import Hedger
-    from tests.unit.test_rpc_hostile import SECRET as S, SLOT as SL, _chunk as chunk, _node
+    from tests.unit.test_rpc_hostile import SECRET as S
+    from tests.unit.test_rpc_hostile import SLOT as SL
+    from tests.unit.test_rpc_hostile import _chunk as chunk
+    from tests.unit.test_rpc_hostile import _node
 
     with socket.socket() as silent:
         silent.bind((LO, 0))
@@ -172,6 +175,54 @@ async def test_a_silent_replica_is_hedged_then_tried_last_and_its_attempt_cleans
             nursery.cancel_scope.cancel()
 
 
+async def test_a_node_back_as_a_new_incarnation_is_read_last_until_it_is_connected() -> None:
+    """A node that restarted publishes a record with a new ``started``: the vQP kept is
+    to the incarnation before. Its connect goes on in the background while reads go to
+    the other replica, none waiting for it (readers joined that connect, unhedged, and
+    waited as long as the starting node took to answer). Here the new incarnation's
+    listener accepts nothing, so its connect hangs until its timeout."""
+    import socket
+    from types import SimpleNamespace
+
+    from kspeedfs.cluster.hedge import Hedger
+    from tests.unit.test_rpc_hostile import SECRET as S
+    from tests.unit.test_rpc_hostile import SLOT as SL
+    from tests.unit.test_rpc_hostile import _chunk as chunk
+    from tests.unit.test_rpc_hostile import _node
+
+    with socket.socket() as silent:
+        silent.bind((LO, 0))
+        silent.listen(16)                           # never accepted: a node starting up
+        async with _node("back") as (_, back_arena, back), _node("good") as (_, arena, good), \
+                Endpoint(S, node="mount", addrs=[LO], provider="soft") as mount, \
+                trio.open_nursery() as nursery:
+            members = SimpleNamespace(nodes={"back": back, "good": good},
+                                      members=[back.member(), good.member()])
+            peers = Peers(mount, members, S, replicas=2, slot_size=SL,  # type: ignore[arg-type]
+                          nursery=nursery, nbuf=2, local_node="back", hedge=Hedger())
+            key, data = chunk()
+            back_arena.put(key, data)
+            arena.put(key, data)
+            got = await peers.read_chunk("ds", 1, 0, key, len(data), exclude="good")
+            assert got is not None and peers.counters.per_peer["back"] == len(data)
+            assert await peers.read_chunk("ds", 1, 0, key, len(data), exclude="back")
+            waits = peers.statistics().peer_connect_waits      # (both connected once)
+            again = replace(back, port=silent.getsockname()[1], started=back.started + 1)
+            members.nodes = {**members.nodes, "back": again}
+            assert [r.node for r in peers.order(key)] == ["back", "good"]    # placement
+            for _ in range(3):
+                with trio.fail_after(0.5):                  # not the 1 s connect timeout
+                    got = await peers.read_chunk("ds", 1, 0, key, len(data))
+                assert got is not None and bytes(got) == data
+            assert peers.counters.per_peer["good"] == 4 * len(data)
+            assert peers.statistics().peer_connect_waits == waits
+            assert peers._connects.in_flight("back")       # while its connect goes on
+            assert peers.native_route(key, len(data)) is None or \
+                peers.native_route(key, len(data))[0].node == "good"
+            await peers.aclose()
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_hedge_waits_for_no_token_or_staging_slot_that_hung_reads_hold() -> None:
     """A stopped peer's READs keep their read-in-progress tokens and staging slots until
     its timeout. A hedge must not wait for them, or the READs it is to overtake hold it
@@ -182,7 +233,10 @@ async def test_a_hedge_waits_for_no_token_or_staging_slot_that_hung_reads_hold()
     from types import SimpleNamespace
 
     from kspeedfs.cluster.hedge import Hedger
-    from tests.unit.test_rpc_hostile import SECRET as S, SLOT as SL, _chunk as chunk, _node
+    from tests.unit.test_rpc_hostile import SECRET as S
+    from tests.unit.test_rpc_hostile import SLOT as SL
+    from tests.unit.test_rpc_hostile import _chunk as chunk
+    from tests.unit.test_rpc_hostile import _node
 
     async with _node("good") as (_, arena, good), \
             Endpoint(S, node="mount", addrs=[LO], provider="soft") as mount, \

@@ -1,7 +1,8 @@
 """The handover socket's messages from a broken or hostile asker (fuse/upgrade.py). The
 socket is local and root-only, but what arrives on it is parsed like any wire input: an
 object or one ``MountError``, and a serving daemon answers every ask but the right one
-with a refusal and goes on serving (``HandoverServer._serve_one`` over a real socket)."""
+with a refusal and goes on serving (``HandoverServer._serve_one`` over a real socket);
+a ``stats`` ask gets the counters, and a pyfuse3 mount refuses every handover."""
 from __future__ import annotations
 
 import json
@@ -47,7 +48,13 @@ def test_every_ask_but_the_right_one_is_refused_and_nothing_stops(ask: dict) -> 
 
     server = upgrade.HandoverServer("/mnt/x", "ds", 1, -1, lambda: {"transport": "/dev/fuse"},
                                     stop)
+    reply = _ask(server, ask)
+    assert isinstance(reply.get("error"), str) and reply["error"]
+    assert stopped == [] and not server.handed_over.is_set()
 
+
+def _ask(server: upgrade.HandoverServer, ask: dict) -> dict:
+    """``server``'s reply to ``ask``, over a real socket pair (no fds come with it)."""
     async def one() -> dict:
         a, b = trio.socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with a, b:
@@ -57,6 +64,19 @@ def test_every_ask_but_the_right_one_is_refused_and_nothing_stops(ask: dict) -> 
         assert fds == []
         return reply
 
-    reply = run(one)
-    assert isinstance(reply.get("error"), str) and reply["error"]
-    assert stopped == [] and not server.handed_over.is_set()
+    return run(one)
+
+
+def test_the_control_socket_answers_stats_and_a_pyfuse3_mount_hands_nothing_over() -> None:
+    async def stop() -> None:
+        raise AssertionError("a pyfuse3 mount is never stopped by a handover")
+
+    server = upgrade.HandoverServer("/mnt/x", "ds", 1, -1, lambda: {"transport": "pyfuse3"},
+                                    stop, stats=lambda: {"reads": 7})
+    assert _ask(server, {"format": upgrade.FORMAT, "stats": True}) == \
+        {"format": upgrade.FORMAT, "stats": {"reads": 7}}
+    reply = _ask(server, {"format": upgrade.FORMAT, "dataset": "ds", "version": 1,
+                          "mountpoint": "/mnt/x"})
+    assert "pyfuse3 engine" in reply["error"] and not server.handed_over.is_set()
+    bare = upgrade.HandoverServer("/mnt/x", "ds", 1, -1, dict, stop)
+    assert "no counters" in _ask(bare, {"format": upgrade.FORMAT, "stats": True})["error"]

@@ -11,8 +11,15 @@ from hypothesis import strategies as st
 
 from kspeedfs.cli import stats as stats_cli
 from kspeedfs.cli import status
-from kspeedfs.cluster.lifecycle import (Holding, MountRecord, PreloadRequest, collectable,
-                                        count, node_stats, plan)
+from kspeedfs.cluster.lifecycle import (
+    Holding,
+    MountRecord,
+    PreloadRequest,
+    collectable,
+    count,
+    node_stats,
+    plan,
+)
 
 SLOT = 256 << 10
 

@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 from kspeedfs.cache.prefetch import Stream
-from kspeedfs.read_policy import (MAX_READ_BLOCKS, PROMOTE_AFTER, PROMOTE_TRACKED,
-                                  SMALL_FILE_DIVISOR, ReadPolicy, is_random)
+from kspeedfs.read_policy import (
+    MAX_READ_BLOCKS,
+    PROMOTE_AFTER,
+    PROMOTE_TRACKED,
+    SMALL_FILE_DIVISOR,
+    ReadPolicy,
+    is_random,
+)
 
 C = 4 << 20          # chunk
 B = 128 << 10        # block

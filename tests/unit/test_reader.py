@@ -261,7 +261,8 @@ async def test_whole_chunks_when_the_dataset_fits(dataset) -> None:
         r = _reader(ix, src, n, prefetch=0)
         assert r.policy.chunks_fit
         for i in range(30):
-            assert await r.read(ix.lookup(0, f"s{i:02d}".encode()), 0, 1 << 20) == (src / f"s{i:02d}").read_bytes()
+            want = (src / f"s{i:02d}").read_bytes()
+            assert await r.read(ix.lookup(0, f"s{i:02d}".encode()), 0, 1 << 20) == want
         s = r.statistics()
         assert s.source_extents == 0 and s.source_loads <= 3
 

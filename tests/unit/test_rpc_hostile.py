@@ -1,5 +1,5 @@
 """Hostile peers around the node RPC (kspeedfs/cluster/rpc.py) and a mount's replica
-reads (kspeedfs/cluster/fetch.py), issue 13: a node keeps serving whatever a client
+reads (kspeedfs/cluster/fetch.py), a node keeps serving whatever a client
 sends, and a mount treats a peer that answers nonsense as a failed replica — the next
 replica serves the read, never an error.
 
@@ -10,11 +10,12 @@ the reply parsing of ``RpcClient`` with a bounded budget.
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 import trio
@@ -29,9 +30,19 @@ from kspeedfs.cluster.membership import NodeRecord
 from kspeedfs.errors import KspeedfsError
 from rdma.vrdma import Endpoint
 from rdma.vrdma import handshake as hs
-from tests.fixtures.hostile import (LO, close_all, closed_by_peer, connect_many, fd_count,
-                                    json_values, nested, run, send_quietly, settle,
-                                    wire_bytes)
+from tests.fixtures.hostile import (
+    LO,
+    close_all,
+    closed_by_peer,
+    connect_many,
+    fd_count,
+    json_values,
+    nested,
+    run,
+    send_quietly,
+    settle,
+    wire_bytes,
+)
 
 SECRET = b"t3-rpc-hostile-secret"
 SLOT = 64 << 10

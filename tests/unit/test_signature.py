@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from kspeedfs.cluster.membership import NodeRecord
 from kspeedfs.config import StoreConfig
 from kspeedfs.errors import ConfigError, ManifestCorrupt, RecordUnverified, StoreError
-from kspeedfs.manifest.index import ManifestIndex, inflate
 from kspeedfs.manifest.importer import import_tree
+from kspeedfs.manifest.index import ManifestIndex, inflate
 from kspeedfs.manifest.store import open_store
 from kspeedfs.manifest.store.base import DatasetInfo
 from kspeedfs.manifest.store.etcd import PART_SIZE, EtcdStore

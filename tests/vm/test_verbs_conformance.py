@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.vm.guest.guest_verbs_conformance import CASES
 from tests.vm import qemu
+from tests.vm.guest.guest_verbs_conformance import CASES
 from tests.vm.results import junit_outcomes, result_lines
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]

@@ -8,10 +8,24 @@ directory guarded by file permissions and stays unsigned (no secret needed).
 """
 from __future__ import annotations
 
+import os
+
 from ...config import Config, StoreConfig
 from .base import DatasetInfo, MetadataStore, check_name
 
-__all__ = ["DatasetInfo", "MetadataStore", "check_name", "open_configured", "open_store"]
+__all__ = ["DatasetInfo", "MetadataStore", "check_name", "identity", "open_configured",
+           "open_store"]
+
+
+def identity(cfg: StoreConfig) -> str:
+    """The one name of the store ``cfg`` selects, the same in every process that opens
+    it, found without opening it: what a local mount's record names (``fuse/registry.py``),
+    so ``rm`` weighs only the mounts of its own store. Embedded: the directory's real
+    path; etcd: the key prefix (each host may list the endpoints, one per rail, its own
+    way)."""
+    if cfg.backend == "etcd":
+        return f"etcd:{cfg.etcd_prefix}"
+    return f"embedded:{os.path.realpath(cfg.path)}"
 
 
 def open_store(cfg: StoreConfig, secret: bytes | None = None) -> MetadataStore:

@@ -33,6 +33,7 @@ or ``KeyError``; the stores turn that into ``StoreError``.
 from __future__ import annotations
 
 import abc
+import builtins
 import hashlib
 import math
 import re
@@ -77,7 +78,7 @@ def _want_int(d: dict[str, Any], key: str) -> int:
     return v
 
 
-def _want_str(d: dict[str, Any], key: str, pattern: "re.Pattern[str] | None" = None,
+def _want_str(d: dict[str, Any], key: str, pattern: re.Pattern[str] | None = None,
               max_len: int = 1 << 16) -> str:
     v = d[key]
     if not isinstance(v, str) or len(v) > max_len or (pattern is not None and not pattern.fullmatch(v)):
@@ -107,7 +108,7 @@ class DatasetInfo:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: Any) -> "DatasetInfo":
+    def from_json(cls, d: Any) -> DatasetInfo:
         """Parse untrusted JSON; ``ValueError`` unless every field has its type and range.
         Keys that are not fields (``parts``, ...) are ignored; ``digest``, ``sha256``,
         ``manifest_size`` and ``inflated_size`` may be missing (older records)."""
@@ -134,7 +135,8 @@ class DatasetInfo:
         _want_str(d, "sha256", _HEX, 64)
         return cls(**d)
 
-    def sealed(self, version: int, blob: bytes, imported_at: float) -> "DatasetInfo":
+    # builtins.bytes: in this class body ``bytes`` is the field above
+    def sealed(self, version: int, blob: builtins.bytes, imported_at: float) -> DatasetInfo:
         return replace(
             self, version=version, digest=blob_digest(blob), manifest_size=len(blob),
             imported_at=imported_at, sha256=blob_sha256(blob),
@@ -182,10 +184,16 @@ class MetadataStore(abc.ABC):
         """Delete one version, or the whole dataset when ``version`` is None. Removing
         the current version makes the newest remaining one current."""
 
+    @property
+    def identity(self) -> str:
+        """This store's name in local mount records (``manifest.store.identity``); a
+        backend without one matches no mount."""
+        return repr(self)
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections. Idempotent."""
 
-    def __enter__(self) -> "MetadataStore":
+    def __enter__(self) -> MetadataStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -19,9 +19,9 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from ...errors import DatasetNotFound, StoreError, StoreUnavailable
 from .base import DatasetInfo, MetadataStore, check_name, verify_blob
@@ -42,14 +42,28 @@ class EmbeddedStore(MetadataStore):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             (self.root / "LOCK").touch(exist_ok=True)
+        except PermissionError as e:
+            # readers take no lock: a user who may read the store but not write it (the
+            # library as non-root) opens it; a write by that user fails at the lock
+            if not os.access(self.root, os.R_OK | os.X_OK):
+                raise StoreUnavailable(f"embedded store {self.root}: {e.strerror}") from e
         except OSError as e:
             raise StoreUnavailable(f"embedded store {self.root}: {e.strerror}") from e
 
     def __repr__(self) -> str:
         return f"EmbeddedStore({str(self.root)!r})"
 
+    @property
+    def identity(self) -> str:
+        from ...config import StoreConfig
+        from . import identity
+
+        return identity(StoreConfig(backend="embedded", path=str(self.root)))
+
     @contextmanager
     def _locked(self) -> Iterator[None]:
+        if not os.access(self.root, os.W_OK):
+            raise StoreUnavailable(f"embedded store {self.root}: Permission denied (readable only)")
         with open(self.root / "LOCK", "rb") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:

@@ -50,15 +50,15 @@ import logging
 import random
 import re
 import time
-from typing import Any, Callable, TypeVar
-
-from .etcd_client import EtcdClient, watch_once  # first: it sets gRPC's fork option before grpc loads
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import etcd3.transactions as tx  # noqa: E402
 
 from ...config import StoreConfig  # noqa: E402
 from ...errors import ConfigError, DatasetNotFound, RecordUnverified, StoreError, VersionConflict  # noqa: E402
 from .base import DatasetInfo, MetadataStore, check_name, verify_blob  # noqa: E402
+from .etcd_client import EtcdClient, watch_once  # first: it sets gRPC's fork option before grpc loads
 from .signature import RecordSigner  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,12 @@ class EtcdStore(MetadataStore):
     def __repr__(self) -> str:
         return f"EtcdStore({self.client.urls!r}, prefix={self.prefix!r})"
 
+    @property
+    def identity(self) -> str:
+        from . import identity
+
+        return identity(self.cfg)
+
     # -- keys -----------------------------------------------------------------------------
 
     def _ds(self, name: str, *rest: str) -> str:
@@ -115,12 +121,17 @@ class EtcdStore(MetadataStore):
         """An idempotent ``op(client)`` on every endpoint at once (:meth:`EtcdClient.race`)."""
         return self.client.race(op, budget)
 
-    def watch_prefix(self, prefix: str, start_revision: int, timeout: float) -> None:
+    def watch_prefix(self, prefix: str, start_revision: int, timeout: float) -> bool:
         """Block until a key under ``prefix`` (a full key) changes at or after
-        ``start_revision``, or ``timeout`` s pass; a bounded watch (:func:`watch_once`)
-        sent like any :meth:`call`, so a cut rail costs one attempt timeout."""
-        self.client.call(lambda c: watch_once(c, prefix, start_revision, timeout,
-                                              self.client.attempt_timeout))
+        ``start_revision`` (True), or ``timeout`` s pass with no change (False); a bounded
+        watch (:func:`watch_once`) sent like any :meth:`call`, so a cut rail costs one
+        attempt timeout."""
+        return self.client.call(lambda c: watch_once(c, prefix, start_revision, timeout,
+                                                     self.client.attempt_timeout))
+
+    def revision(self) -> int:
+        """etcd's current revision (a one-key read: its response header)."""
+        return int(self.client.call(lambda c: c.get_response(self.prefix)).header.revision)
 
     @property
     def authenticated(self) -> bool:
@@ -132,11 +143,14 @@ class EtcdStore(MetadataStore):
         return self.client.reachable
 
     def _get(self, key: str) -> tuple[bytes | None, Any]:
-        return self.client.call(lambda c: c.get(key))
+        got: tuple[bytes | None, Any] = self.client.call(lambda c: c.get(key))
+        return got
 
     def _txn(self, compare: list[Any], success: list[Any],
              failure: list[Any]) -> tuple[bool, list[Any]]:
-        return self.client.call(lambda c: c.transaction(compare=compare, success=success, failure=failure))
+        done: tuple[bool, list[Any]] = self.client.call(
+            lambda c: c.transaction(compare=compare, success=success, failure=failure))
+        return done
 
     # -- publish --------------------------------------------------------------------------
 
@@ -148,7 +162,8 @@ class EtcdStore(MetadataStore):
         parts = range(0, len(blob), PART_SIZE)
         for i, off in enumerate(parts):
             key, chunk = self.part_key(name, version, i), blob[off:off + PART_SIZE]
-            self.client.call(lambda c: c.put(key, chunk))
+            # call() runs op before returning: the loop variables are this part's
+            self.client.call(lambda c: c.put(key, chunk))  # noqa: B023
         record = {**sealed.to_json(), "parts": len(parts), "part_size": PART_SIZE}
         info_key = self._ds(name, f"v{version}", "info")
         self._seal(name, version, self._need_signer().seal_json(info_key, record))
@@ -219,7 +234,7 @@ class EtcdStore(MetadataStore):
         exactly this key (``RecordUnverified`` otherwise), a valid :class:`DatasetInfo`
         of ``name`` v``version`` with a SHA-256 and a consistent part count
         (``StoreError`` otherwise)."""
-        record = self._need_signer().open_json(key, raw)
+        record: dict[str, Any] = self._need_signer().open_json(key, raw)
         try:
             info = DatasetInfo.from_json(record)
             parts, part_size = record.get("parts"), record.get("part_size")

@@ -16,7 +16,7 @@ and a healthy node left the cluster. The arithmetic is in docs/design.md ("etcd
 across rails"). A TLS failure on every endpoint is reported as a TLS error at once.
 The retry loop also rides out an etcd restart: gRPC's reconnect backoff is capped at
 1 s here (its default grows to 120 s, which would keep a channel failing long after
-the server is back). ``store.etcd_user``/``etcd_password`` enable etcd auth, over
+the server is back). ``store.etcd_user``/``etcd_password`` (or ``_file``) enable etcd auth, over
 http too (the token then travels as gRPC metadata only: see ``_connect``), and the
 client re-authenticates when etcd says the token expired (simple tokens last 5 min),
 watches included; ``https://`` endpoints use TLS with ``store.etcd_ca_cert`` (default:
@@ -64,9 +64,10 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 # gRPC's fork handlers (pthread_atfork) abort a process that forks while gRPC threads
@@ -129,7 +130,7 @@ class _Endpoint:
         self._retired: dict[int, etcd3.Etcd3Client] = {}  # failed, closed by the last user
 
     @contextmanager
-    def using(self, connect: Callable[["_Endpoint"], etcd3.Etcd3Client]) -> Iterator[etcd3.Etcd3Client]:
+    def using(self, connect: Callable[[_Endpoint], etcd3.Etcd3Client]) -> Iterator[etcd3.Etcd3Client]:
         """The current client (made by ``connect`` if there is none), held for the call."""
         with self.lock:
             if self.client is None:
@@ -147,7 +148,7 @@ class _Endpoint:
             if done is not None:
                 _close(done)
 
-    def _dial(self, connect: Callable[["_Endpoint"], etcd3.Etcd3Client]) -> etcd3.Etcd3Client:
+    def _dial(self, connect: Callable[[_Endpoint], etcd3.Etcd3Client]) -> etcd3.Etcd3Client:
         """``connect``, unless the last dial failed less than a backoff ago (0.25 s,
         doubling to 4 s, jittered): then ``_Unreachable`` at once. Why: with auth, a dial
         is an Authenticate, a bcrypt on the server; after an etcd restart a dozen
@@ -202,17 +203,18 @@ def _close(client: etcd3.Etcd3Client) -> None:
 
 
 def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, timeout: float,
-               create_timeout: float) -> None:
-    """Block until a key under ``prefix`` changes at or after ``start_revision``, or for
-    ``timeout`` seconds; meant to run as ``EtcdClient.call(lambda c: watch_once(c, ...))``.
+               create_timeout: float) -> bool:
+    """Block until a key under ``prefix`` changes at or after ``start_revision`` (True),
+    or for ``timeout`` seconds (False: nothing changed); meant to run as
+    ``EtcdClient.call(lambda c: watch_once(c, ...))``.
 
     One bounded gRPC stream per call, held like any unary request: the request side is
     one create request, then closed (etcd keeps a watch stream open after the client's
     half-close), so gRPC's request-iterator thread ends at once; the stream's deadline is
     ``timeout``; it is cancelled before this returns. A watch not created within
     ``create_timeout`` (a cut rail) raises ``ConnectionTimeoutError``: the client tries
-    the next endpoint. A compacted start revision returns (the caller lists again); a
-    failed stream raises its gRPC error for :meth:`EtcdClient._classify`."""
+    the next endpoint. A compacted start revision returns True (the caller lists again);
+    a failed stream raises its gRPC error for :meth:`EtcdClient._classify`."""
     key = prefix.encode()
     create = etcdrpc.WatchCreateRequest(key=key, range_end=etcd3.utils.increment_last_byte(key),
                                         start_revision=start_revision)
@@ -232,7 +234,7 @@ def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, time
         for rs in stream:
             created.set()
             if rs.compact_revision or rs.events:
-                return                       # compacted: list again; or a change
+                return True                  # compacted: list again; or a change
             if rs.canceled:
                 raise StoreError(f"etcd refused a watch of {prefix!r}: {rs.cancel_reason}")
     except grpc.RpcError as e:
@@ -242,12 +244,13 @@ def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, time
         # first (then it answers UNKNOWN "context deadline exceeded"; seen in CI)
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
                 e.code() == grpc.StatusCode.UNKNOWN and "deadline exceeded" in (e.details() or "")):
-            return
+            return False
         raise
     finally:
         timer.cancel()
         timer.join()                         # its cancel() has returned, if it ran
         stream.cancel()
+    return True                              # the stream ended early: list again to be sure
 
 
 class _Unreachable(Exception):
@@ -288,6 +291,9 @@ class EtcdClient:
         if bool(cfg.etcd_cert) != bool(cfg.etcd_key):
             raise ConfigError("store.etcd_cert and store.etcd_key must be set together (mutual TLS)")
         self.cfg = cfg
+        # read once, here: a bad password file fails the command at its start in one line,
+        # not a reconnect in the middle of a mount's life
+        self._password = cfg.password() if cfg.etcd_user else None
         self.timeout = float(cfg.etcd_timeout)
         self.attempt_timeout = min(float(cfg.etcd_attempt_timeout), self.timeout)
         self._endpoints = [_Endpoint(url) for url in cfg.etcd]
@@ -336,7 +342,7 @@ class EtcdClient:
         user = self.cfg.etcd_user or None
         if user and self._auth_off:
             user = None                      # etcd said auth is not enabled (warned once)
-        password = self.cfg.etcd_password if user else None
+        password = self._password if user else None
         try:
             # With a user, the constructor calls Authenticate: the one raw gRPC call.
             client = etcd3.client(
@@ -489,7 +495,8 @@ class EtcdClient:
                 if ok:
                     self._prefer(ep, failover=preferred in errors)
                     self.reachable = True
-                    return value
+                    result: T = value
+                    return result
                 if not isinstance(value, _Unreachable):
                     raise value                  # etcd answered: the same from every endpoint
                 errors[ep.url] = value
@@ -498,7 +505,7 @@ class EtcdClient:
             time.sleep(min(random.uniform(0.05, 0.15), max(0.0, budget - (time.monotonic() - start))))
 
     def _attempt(self, ep: _Endpoint, op: Callable[[etcd3.Etcd3Client], T],
-                 answers: "queue.SimpleQueue[tuple[_Endpoint, bool, Any]]") -> None:
+                 answers: queue.SimpleQueue[tuple[_Endpoint, bool, Any]]) -> None:
         try:
             answers.put((ep, True, self._call_one(ep, op)))
         except Exception as e:                              # noqa: BLE001 - handed to the racer

@@ -9,8 +9,9 @@ ACKs held READ responses 30–60 ms; native/soft_engine.c, design notes).
 Python only posts WRs and polls WCs.  One module per verbs object, as pyverbs:
 ``device`` (Context), ``pd``, ``mr``, ``cq``, ``qp``; ``engine`` owns the native thread and
 ``wire`` packs the HELLO.  CQs support moderation (``CQ.modify(cq_count, cq_period)``), as
-perftest's ``--cq-mod`` uses it, to cut wake-ups per completion.  What is not implemented: RDMA WRITE, atomics, immediate data,
-inline data, SRQ, UD/UC, SQD; ``post_send`` refuses those opcodes with PostError.
+perftest's ``--cq-mod`` uses it, to cut wake-ups per completion.  What is not
+implemented: RDMA WRITE, atomics, immediate data, inline data, SRQ, UD/UC, SQD;
+``post_send`` refuses those opcodes with PostError.
 """
 from __future__ import annotations
 

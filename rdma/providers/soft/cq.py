@@ -16,7 +16,7 @@ _OPCODE = {int(o): o for o in ibv_wc_opcode}
 
 
 class SoftCQ(CQ):
-    def __init__(self, ctx: "SoftContext", cqe: int) -> None:
+    def __init__(self, ctx: SoftContext, cqe: int) -> None:
         super().__init__(ctx, cqe)
         self.engine = ctx.engine
         self.handle, self._fd = self.engine.call("create_cq", self.engine.raw.create_cq,
@@ -25,7 +25,8 @@ class SoftCQ(CQ):
     @property
     def fd(self) -> int:
         self._check_open()
-        return self._fd
+        fd: int = self._fd
+        return fd
 
     def poll(self, num_entries: int = 1) -> list[WC]:
         self._check_open()

@@ -43,7 +43,7 @@ def _guid(ipv4: str) -> int:
     return (0x0200 << 48) | int(ipaddress.IPv4Address(ipv4))
 
 
-def open_device(dev: Device) -> "SoftContext":
+def open_device(dev: Device) -> SoftContext:
     if dev.provider != PROVIDER or not dev.ipv4:
         raise NoDeviceError(f"{dev.name} is not a soft device")
     return SoftContext(dev)

@@ -16,8 +16,9 @@ import errno
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from ...errors import ConnectError, RdmaError, from_oserror
 from . import wire
@@ -138,7 +139,7 @@ class Engine:
                                    errno.ECONNREFUSED)
             sock.setblocking(False)
             return sock.detach()
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             raise ConnectError(f"connect to {remote_ip}:{remote_port} timed out after "
                                f"{timeout}s", errno.ETIMEDOUT) from exc
         except OSError as exc:

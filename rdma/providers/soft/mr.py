@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class SoftMR(MR):
-    def __init__(self, pd: "SoftPD", buf: Any, access: int) -> None:
+    def __init__(self, pd: SoftPD, buf: Any, access: int) -> None:
         super().__init__(pd, access)
         self.engine = pd.engine
         if isinstance(buf, int):

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 
 class SoftPD(PD):
-    def __init__(self, ctx: "SoftContext", handle: int) -> None:
+    def __init__(self, ctx: SoftContext, handle: int) -> None:
         super().__init__(ctx)
         self.handle = handle
         self.engine = ctx.engine

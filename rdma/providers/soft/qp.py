@@ -26,11 +26,19 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ...api import QP, ConnInfo, QPAttr, QPInitAttr, RecvWR, SendWR
-from ...enums import (IBV_QPS_ERR, IBV_QPS_INIT, IBV_QPS_RESET, IBV_QPS_RTR, IBV_QPS_RTS,
-                      IBV_WR_RDMA_READ, IBV_WR_SEND)
+from ...enums import (
+    IBV_QPS_ERR,
+    IBV_QPS_INIT,
+    IBV_QPS_RESET,
+    IBV_QPS_RTR,
+    IBV_QPS_RTS,
+    IBV_WR_RDMA_READ,
+    IBV_WR_SEND,
+)
 from ...errors import PostError, QPStateError, RdmaUserError
 from ...qp_state import total_timeout_seconds
 from .engine import CONNECT_TIMEOUT_S
@@ -43,12 +51,12 @@ log = logging.getLogger(__name__)
 
 
 class SoftQP(QP):
-    def __init__(self, pd: "SoftPD", init_attr: QPInitAttr) -> None:
+    def __init__(self, pd: SoftPD, init_attr: QPInitAttr) -> None:
         super().__init__(pd, init_attr)
         self.engine = pd.engine
         self._pd = pd
-        scq: "SoftCQ" = init_attr.send_cq  # type: ignore[assignment]
-        rcq: "SoftCQ" = (init_attr.recv_cq or init_attr.send_cq)  # type: ignore[assignment]
+        scq: SoftCQ = init_attr.send_cq  # type: ignore[assignment]
+        rcq: SoftCQ = (init_attr.recv_cq or init_attr.send_cq)  # type: ignore[assignment]
         for cq in (scq, rcq):
             if getattr(cq, "engine", None) is not self.engine:
                 raise RdmaUserError("the QP's CQs must belong to the same soft device")
@@ -82,7 +90,8 @@ class SoftQP(QP):
 
     def rx_age(self) -> float | None:
         self._check_open()
-        return self.engine.call("qp_rx_age", self.engine.raw.qp_rx_age, self.qp_num)
+        age: float | None = self.engine.call("qp_rx_age", self.engine.raw.qp_rx_age, self.qp_num)
+        return age
 
     def _modify(self, attr: QPAttr, names: frozenset[str], current: int,
                 requested: int) -> None:
@@ -150,8 +159,9 @@ class SoftQP(QP):
     @property
     def remote_private_data(self) -> bytes | None:
         self._check_open()
-        return self.engine.call("qp_private_data", self.engine.raw.qp_private_data,
-                                self.qp_num)
+        data: bytes | None = self.engine.call("qp_private_data", self.engine.raw.qp_private_data,
+                                              self.qp_num)
+        return data
 
     # ---- posting
     def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:

@@ -47,7 +47,7 @@ class Header:
                         self.psn, self.length, self.rkey, self.rlen, self.raddr)
 
     @classmethod
-    def unpack(cls, buf: bytes) -> "Header":
+    def unpack(cls, buf: bytes) -> Header:
         (magic, version, opcode, status, flags, psn, length, rkey, rlen,
          raddr) = HDR.unpack(buf[:HDR_LEN])
         return cls(opcode=opcode, status=status, psn=psn, length=length, rkey=rkey,

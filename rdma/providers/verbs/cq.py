@@ -70,18 +70,18 @@ class Poller:
     """The completion thread of one device (started on its first CQ)."""
 
     def __init__(self, name: str) -> None:
-        self._cqs: "weakref.WeakSet[VerbsCQ]" = weakref.WeakSet()
+        self._cqs: weakref.WeakSet[VerbsCQ] = weakref.WeakSet()
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"verbs-cq-{name}",
                                         daemon=True)
         self._thread.start()
 
-    def add(self, cq: "VerbsCQ") -> None:
+    def add(self, cq: VerbsCQ) -> None:
         self._cqs.add(cq)
         self.kick()
 
-    def remove(self, cq: "VerbsCQ") -> None:
+    def remove(self, cq: VerbsCQ) -> None:
         self._cqs.discard(cq)
 
     def kick(self) -> None:
@@ -119,7 +119,7 @@ class Poller:
 
 
 class VerbsCQ(CQ):
-    def __init__(self, ctx: "VerbsContext", cqe: int) -> None:
+    def __init__(self, ctx: VerbsContext, cqe: int) -> None:
         super().__init__(ctx, cqe)
         self._vctx = ctx
         with mapped(f"ibv_create_cq({cqe})"):
@@ -129,9 +129,9 @@ class VerbsCQ(CQ):
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._signalled = False
         #: QPs whose send and/or receive queue completes here (qp_num → QP)
-        self._senders: "weakref.WeakValueDictionary[int, VerbsQP]" = \
+        self._senders: weakref.WeakValueDictionary[int, VerbsQP] = \
             weakref.WeakValueDictionary()
-        self._receivers: "weakref.WeakValueDictionary[int, VerbsQP]" = \
+        self._receivers: weakref.WeakValueDictionary[int, VerbsQP] = \
             weakref.WeakValueDictionary()
         self._poller: Poller = ctx.poller  # type: ignore[assignment]
         self._poller.add(self)
@@ -141,7 +141,7 @@ class VerbsCQ(CQ):
         self._check_open()
         return self._efd
 
-    def attach(self, qp: "VerbsQP", send: bool, recv: bool) -> None:
+    def attach(self, qp: VerbsQP, send: bool, recv: bool) -> None:
         if send:
             self._senders[qp.qp_num] = qp
         if recv:

@@ -153,7 +153,7 @@ def _ibv_name(name: str) -> str:
     return name.rsplit("_", 1)[0]
 
 
-def open_device(dev: Device) -> "VerbsContext":
+def open_device(dev: Device) -> VerbsContext:
     if dev.provider != PROVIDER:
         raise NoDeviceError(f"{dev.name} is not a verbs device")
     return VerbsContext(dev)
@@ -189,7 +189,7 @@ class VerbsContext(Context):
         return self.gid_index
 
     @property
-    def poller(self) -> "object":
+    def poller(self) -> object:
         from .cq import Poller
 
         with self._poller_lock:

@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import contextlib
 import errno as _errno
-from typing import Iterator
+from collections.abc import Iterator
 
 from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
 
-from ...errors import (ConnectError, NoDeviceError, NotSupportedError, RdmaError,
-                       RdmaUserError, ResourceBusyError)
+from ...errors import (
+    ConnectError,
+    NoDeviceError,
+    NotSupportedError,
+    RdmaError,
+    RdmaUserError,
+    ResourceBusyError,
+)
 
 _BY_ERRNO: dict[int, type[RdmaError]] = {
     _errno.EOPNOTSUPP: NotSupportedError, _errno.ENOSYS: NotSupportedError,

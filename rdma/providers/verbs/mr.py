@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class VerbsMR(MR):
-    def __init__(self, pd: "VerbsPD", buf: Any, access: int) -> None:
+    def __init__(self, pd: VerbsPD, buf: Any, access: int) -> None:
         super().__init__(pd, access)
         self._pin: Any = None
         self._view: memoryview | None = None

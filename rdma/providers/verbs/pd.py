@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 class VerbsPD(PD):
-    def __init__(self, ctx: "VerbsContext") -> None:
+    def __init__(self, ctx: VerbsContext) -> None:
         super().__init__(ctx)
         with mapped("ibv_alloc_pd"):
             self.raw = _PD(ctx.raw)

@@ -33,7 +33,8 @@ import errno
 import ipaddress
 import logging
 import threading
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pyverbs.addr import GID, AHAttr, GlobalRoute
 from pyverbs.qp import QP as _QP
@@ -45,8 +46,17 @@ from pyverbs.wr import RecvWR as _RecvWR
 from pyverbs.wr import SendWR as _SendWR
 
 from ...api import QP, ConnInfo, QPAttr, QPInitAttr, RecvWR, SendWR, random_psn
-from ...enums import (IBV_QP_STATE, IBV_QPS_ERR, IBV_QPS_RESET, IBV_QPS_RTS, IBV_QPT_RC, IBV_SEND_SIGNALED, ibv_qp_state,
-                      ibv_wc_opcode, ibv_wr_opcode)
+from ...enums import (
+    IBV_QP_STATE,
+    IBV_QPS_ERR,
+    IBV_QPS_RESET,
+    IBV_QPS_RTS,
+    IBV_QPT_RC,
+    IBV_SEND_SIGNALED,
+    ibv_qp_state,
+    ibv_wc_opcode,
+    ibv_wr_opcode,
+)
 from ...errors import NotSupportedError, PostError, RdmaUserError
 from ...qp_state import attr_mask
 from .errors import mapped
@@ -60,9 +70,9 @@ log = logging.getLogger(__name__)
 #: rxe: retry_cnt 7 never gives up (see the module docstring)
 RXE_MAX_RETRY_CNT = 6
 
-_WC_OF_WR = {ibv_wr_opcode.IBV_WR_RDMA_READ: ibv_wc_opcode.IBV_WC_RDMA_READ,
-             ibv_wr_opcode.IBV_WR_SEND: ibv_wc_opcode.IBV_WC_SEND,
-             ibv_wr_opcode.IBV_WR_RDMA_WRITE: ibv_wc_opcode.IBV_WC_RDMA_WRITE}
+_WC_OF_WR: dict[int, ibv_wc_opcode] = {ibv_wr_opcode.IBV_WR_RDMA_READ: ibv_wc_opcode.IBV_WC_RDMA_READ,
+                                        ibv_wr_opcode.IBV_WR_SEND: ibv_wc_opcode.IBV_WC_SEND,
+                                        ibv_wr_opcode.IBV_WR_RDMA_WRITE: ibv_wc_opcode.IBV_WC_RDMA_WRITE}
 
 #: the QPAttr fields copied as plain integers
 _SCALARS = ("qkey", "rq_psn", "sq_psn", "dest_qp_num", "qp_access_flags", "pkey_index",
@@ -77,12 +87,12 @@ def gid_text(gid: str) -> str:
 
 
 class VerbsQP(QP):
-    def __init__(self, pd: "VerbsPD", init_attr: QPInitAttr) -> None:
+    def __init__(self, pd: VerbsPD, init_attr: QPInitAttr) -> None:
         super().__init__(pd, init_attr)
         self._vpd = pd
         ctx = pd.ctx
-        scq: "VerbsCQ" = init_attr.send_cq  # type: ignore[assignment]
-        rcq: "VerbsCQ" = init_attr.recv_cq or init_attr.send_cq  # type: ignore[assignment]
+        scq: VerbsCQ = init_attr.send_cq  # type: ignore[assignment]
+        rcq: VerbsCQ = init_attr.recv_cq or init_attr.send_cq  # type: ignore[assignment]
         for cq in (scq, rcq):
             if getattr(cq, "ctx", None) is not ctx:
                 raise RdmaUserError("the QP's CQs must belong to the same verbs device")
@@ -97,7 +107,7 @@ class VerbsQP(QP):
             self.raw = _QP(pd.raw, ia)
         self.qp_num: int = int(self.raw.qp_num)
         self._scq, self._rcq = scq, rcq
-        self._state = IBV_QPS_RESET          # as last set by us
+        self._state: int = IBV_QPS_RESET     # as last set by us
         self._lock = threading.Lock()
         #: posted send WRs not yet retired: (wr_id, signaled, WC opcode)
         self._sq: collections.deque[tuple[int, bool, int]] = collections.deque()

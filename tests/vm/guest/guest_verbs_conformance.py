@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 
 from rdma.api import open_device
-from rdma.enums import (IBV_QPS_ERR, IBV_WC_LOC_QP_OP_ERR, IBV_WC_RETRY_EXC_ERR,
-                        IBV_WC_SUCCESS)
+from rdma.enums import IBV_QPS_ERR, IBV_WC_LOC_QP_OP_ERR, IBV_WC_RETRY_EXC_ERR, IBV_WC_SUCCESS
 from rdma.qp_state import total_timeout_seconds
 from rdma.testing import CHECKS, pair_factory, read_wr
 

@@ -20,11 +20,12 @@ import fcntl
 import json
 import os
 import socket
-import struct
 import statistics
+import struct
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -160,9 +161,9 @@ def _window(comp: dict[str, list[float]], f: dict[str, Any]) -> tuple[list[float
     """Completion gaps and READ latencies from just before the command that injected the
     fault until 1 s after it returned (the fault lands somewhere inside the command)."""
     t0, t1 = f["t_fail"] - 0.1, f["t_applied"] + 1.0
-    win = sorted((t, lt) for t, lt in zip(comp["done_t"], comp["lat"]) if t0 <= t <= t1)
+    win = sorted((t, lt) for t, lt in zip(comp["done_t"], comp["lat"], strict=False) if t0 <= t <= t1)
     ts = [t for t, _ in win]
-    return [b - a for a, b in zip(ts, ts[1:])], [lt for _, lt in win]
+    return [b - a for a, b in pairwise(ts)], [lt for _, lt in win]
 
 
 REPEAT = int(os.environ.get("KS_FAULT_REPEAT", "3"))

@@ -1,0 +1,124 @@
+"""A bucket prefix as the importer's source (``manifest/importer.py``, ``ImportSource``).
+
+Keys become paths: the key below the prefix, split at ``/`` (``a/b/c.jpg`` is file
+``c.jpg`` in directories ``a/b``). Directories exist because keys are below them; a
+key ending in ``/`` (a "directory marker" some tools write) makes a directory and no
+file. A key that cannot be a path (an empty, ``.`` or ``..`` component, ``a//b``) is
+skipped with a warning, and so is an object whose name is also a directory's
+(``a`` beside ``a/b``): the directory wins. Files are mode 0644 and directories 0755,
+owned by root; a file's mtime is its object's Last-Modified, a directory's the import's
+start.
+
+Each file's ETag (and version id, in a versioned bucket) goes into the manifest (format 3,
+``manifest/model.py``) and every ranged GET, at import and later in the origin, is pinned
+to it with ``If-Match`` (and ``VersionId``): an object overwritten while the import reads
+it fails the import naming it, unless the version read is kept.
+"""
+from __future__ import annotations
+
+import logging
+import stat
+import time
+
+from ..errors import SourceChanged, SourceError
+from ..manifest.importer import ScanProgress, _Tree
+from ..manifest.model import NAME_MAX
+from .client import Connection, get_range
+from .listing import ObjectInfo, list_objects
+from .url import S3Url
+
+log = logging.getLogger(__name__)
+
+FILE_MODE = stat.S_IFREG | 0o644
+DIR_MODE = stat.S_IFDIR | 0o755
+
+
+class _Dir:
+    __slots__ = ("dirs", "files")
+
+    def __init__(self) -> None:
+        self.dirs: dict[bytes, _Dir] = {}
+        self.files: dict[bytes, ObjectInfo] = {}
+
+
+def _parts(url: S3Url, key: str) -> tuple[list[bytes], bool] | None:
+    """(path components, is a directory marker) of ``key``, or None if it is no path."""
+    rel = key[len(url.prefix):]
+    if not rel:
+        return [], True          # the prefix's own marker: the root
+    marker = rel.endswith("/")
+    parts = [p.encode() for p in (rel[:-1] if marker else rel).split("/")]
+    if any(p in (b"", b".", b"..") for p in parts):
+        return None
+    for p in parts:
+        if len(p) > NAME_MAX:
+            raise SourceError(f"s3://{url.bucket}/{key}: a name longer than {NAME_MAX} bytes")
+    return parts, marker
+
+
+def build_tree(url: S3Url, objects: list[ObjectInfo], now_ns: int) -> _Tree:
+    """The entry arrays (breadth-first, each directory's children contiguous and sorted)."""
+    root = _Dir()
+    for o in objects:
+        got = _parts(url, o.key)
+        if got is None:
+            log.warning("skipping s3://%s/%s: not a path (empty, . or .. component)",
+                        url.bucket, o.key)
+            continue
+        parts, marker = got
+        d = root
+        for p in parts if marker else parts[:-1]:
+            d = d.dirs.setdefault(p, _Dir())
+        if not marker:
+            d.files[parts[-1]] = o
+    tree = _Tree()
+    tree.objects = [b""]
+    tree.add_entry(0, b"", DIR_MODE, 0, 0, 0, now_ns, b"")
+    queue: list[tuple[int, _Dir]] = [(0, root)]
+    for idx, d in queue:       # grows as directories are added: breadth-first
+        for name in [n for n in d.files if n in d.dirs]:
+            log.warning("skipping s3://%s/%s: a directory has its name", url.bucket,
+                        d.files.pop(name).key)
+        children = sorted([*d.dirs, *d.files])
+        tree.data[idx] = len(tree.mode)
+        tree.size[idx] = len(children)
+        base = tree.paths[idx]
+        for name in children:
+            path = base + b"/" + name if base else name
+            if name in d.dirs:
+                child = tree.add_entry(idx, name, DIR_MODE, 0, 0, 0, now_ns, path)
+                queue.append((child, d.dirs[name]))
+                tree.objects.append(b"")
+            else:
+                o = d.files[name]
+                tree.add_entry(idx, name, FILE_MODE, 0, 0, o.size, o.mtime_ns, path)
+                tree.objects.append(o.etag.encode() + b"\0" + o.version_id.encode())
+    return tree
+
+
+class S3Source:
+    """``s3://BUCKET/PREFIX`` for ``import_tree``."""
+
+    def __init__(self, url: str, conn: Connection, threads: int) -> None:
+        self.s3 = S3Url.parse(url)
+        self.url = str(self.s3)
+        self.conn = conn
+        self.threads = threads
+
+    def scan(self, progress: ScanProgress | None) -> _Tree:
+        now_ns = time.time_ns()
+        objects = list_objects(self.conn, self.s3, self.threads, progress)
+        if not objects:
+            raise SourceError(f"{self.url}: no objects under this prefix")
+        return build_tree(self.s3, objects, now_ns)
+
+    def read_into(self, tree: _Tree, entry: int, offset: int, out: memoryview) -> None:
+        assert tree.objects is not None
+        etag, _, version = tree.objects[entry].decode().partition("\0")
+        key = self.s3.key(tree.paths[entry])
+        why = get_range(self.conn, self.s3.bucket, key, offset, out, etag, version)
+        if why:
+            raise SourceChanged(f"s3://{self.s3.bucket}/{key} {why}: it changed during import")
+
+    def record(self) -> dict[str, str]:
+        return {"url": self.url, "endpoint": self.conn.endpoint, "region": self.conn.region}

@@ -1,0 +1,69 @@
+"""The Python library on a cluster: ``kspeedfs.open_dataset(..., etcd=[...])`` on the client
+host reads a preloaded dataset from the nodes' memory over vRDMA — the source gone, one
+node killed — every byte verified, as a mount does (the same Reader, compose.py)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.cluster import cluster
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces)")
+
+READER = """
+import hashlib, json, sys
+import kspeedfs
+spec = json.load(open(sys.argv[1]))
+with kspeedfs.open_dataset("libds", etcd=spec["etcd"], config=spec["config"]) as ds:
+    names = sorted(spec["sha"])
+    got = ds.read_many(names[:len(names) // 2])
+    got += [ds.read(n) for n in names[len(names) // 2:]]
+    bad = [n for n, data in zip(names, got) if hashlib.sha256(data).hexdigest() != spec["sha"][n]]
+    with ds.open("large.bin") as f:          # sequential: prefetch from the peers
+        f.seek(12345)
+        tail = f.read()
+    s = ds.statistics()
+    print(json.dumps({"bad": bad, "tail": hashlib.sha256(tail).hexdigest(),
+                      "peer_hits": s.peer_hits, "source_loads": s.source_loads,
+                      "source_extents": s.source_extents, "checksum_failures": s.corrupt_discarded}))
+"""
+
+
+def test_the_library_reads_from_the_peers_with_the_source_gone_and_a_node_dead(
+        tmp_path: Path) -> None:
+    rnd = random.Random(45)
+    files = {f"c{i % 4}/img{i:03d}.jpg": rnd.randbytes(rnd.randint(1, 60_000)) for i in range(80)}
+    files["large.bin"] = rnd.randbytes(3 << 20)
+    src = tmp_path / "src"
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    with cluster(tmp_path / "c", nodes=3) as c:
+        c.ks(["import", str(src), "--name", "libds", "--chunk-size", c.chunk_size, "-q"])
+        c.ks(["preload", "libds", "--timeout", "90"])
+        shutil.rmtree(src)                      # from now on only the nodes hold it
+        c.kill_node(1)
+        common = c.common()
+        config = {common[i + 1].split("=", 1)[0]: common[i + 1].split("=", 1)[1]
+                  for i in range(len(common)) if common[i] == "--set"}
+        spec = tmp_path / "spec.json"
+        spec.write_text(json.dumps({
+            "etcd": c.etcd_urls, "config": config,
+            "sha": {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}}))
+        r = subprocess.run(c.client_argv([sys.executable, "-c", READER, str(spec)]),
+                           capture_output=True, text=True, timeout=180,
+                           cwd=str(Path(__file__).resolve().parents[2]))
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["bad"] == []
+    assert out["tail"] == hashlib.sha256(files["large.bin"][12345:]).hexdigest()
+    assert out["peer_hits"] > 0
+    assert out["source_loads"] == out["source_extents"] == 0
