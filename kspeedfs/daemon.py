@@ -258,7 +258,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
                 if soft_capi() is not None:
                     native = NativeFetch(session.engine, peers, reader.tiers, memory, index,
                                          reader.policy.small_file_limit)
-                    session.fetch = reader.tiers.native = native
+                    session.fetch = native
+                    reader.tiers.attach_native(native)
                     nursery.start_soon(native.run, nursery, name="native-fetch")
             if cfg.metrics.listen:                # off by default: no thread, no socket
                 if req.upgrade and session is not None:

@@ -29,12 +29,9 @@ static int write_reply(int fd, struct iovec *iov, int n)
  * pages per call) and splice(pipe → /dev/fuse) copies them into the page cache from
  * there: still one copy, and nothing waits in the pipe once splice returns, so a tier
  * buffer is never referenced after the reply that pinned it (fe_tier's slot rule holds).
- * Measured, the cluster's 4 sequential readers from peers (1 MiB READs, alternating
- * A/B, 2 rounds of 2): request threads 0.143-0.151 CPU-s/GB against 0.175 with writev,
- * the daemon without NIC threads 0.264-0.273 against 0.303-0.308, 2,350-2,480 MB/s
- * against 2,170-2,233. Below FE_SPLICE_MIN replies are written as before: for the
- * ImageNet-like files (~110 KB replies) splice saved nothing measurable (36 us per file
- * either way, warm; docs/design.md, "Replies by splice").
+ * Below FE_SPLICE_MIN replies are written as before: small replies (an ImageNet-like
+ * file's) gained nothing measurable. The measurements: docs/design.md, "Replies by
+ * splice".
  *
  * A reply goes whole or not at all: its pages (the header's included) must fit the
  * pipe. A 1 MiB READ's reply spans 257 pages; a pipe beyond fs.pipe-max-size (1 MiB =

@@ -22,13 +22,10 @@
  * loader with one worker) sends the kernel's readahead as bursts of four 1 MiB READs;
  * with two threads in read(2) the kernel wakes both, and the second, woken on the
  * reader's CPU, preempted the reader, which then copied its pages only after every READ
- * of the burst was answered, while the other CPU idled (fuse:fuse_request_* and sched
- * tracepoints, dd bs=1M over a 1 GiB file: no READ out for 93-123 ms of ~310, 0.7 ms per
- * drained burst, against 11-13 ms and 0.1 ms for single-threaded ramfs-c; one thread
- * pipelines as ramfs-c does).  But a task waiting on each request in turn (random 4 KiB
- * READs, stat, ls) is served fastest by a thread woken on its own, now idle, CPU: with
- * one thread fio's random 4 KiB j1 fell from 80,543 to 20,474 IOPS, single-threaded
- * ramfs-c's figure (a cross-CPU wake-up per request).  So the threads after the first
+ * of the burst was answered, while the other CPU idled (one thread pipelines as a
+ * single-threaded daemon does).  But a task waiting on each request in turn (random 4 KiB
+ * READs, stat, ls) is served fastest by a thread woken on its own, now idle, CPU: one
+ * thread costs it a cross-CPU wake-up per request.  So the threads after the first
  * wait here while, for FE_SOLO_NS, every request was a READ of FE_SOLO_READ or more
  * from one task (readahead); any other request, or another task's, opens the gate. */
 #define FE_SOLO_NS 20000000ull
@@ -36,16 +33,14 @@
 
 /* The crowd rule.  More tasks than CPUs, each sending short requests in turn (8 workers
  * opening and reading ImageNet-like files on 2 CPUs): no CPU is idle for a second
- * thread, and each request that woke it from read(2) cost a sleep and a wake-up; the
- * threads slept 1.6-1.8 times per file each, and a file cost 65-78 us of their CPU
- * against 43-46 when they happened not to sleep (14-17k against 18-20k files/s, the
- * mode changing from one pass to the next); one thread: 40-42 us, 19-20k files/s every
- * pass (ramfs-c, one thread: 40-42 us).  So while, over the last FE_SOLO_NS, more tasks
- * than CPUs sent requests averaging under FE_CROWD_SHORT_NS that one thread could have
- * answered alone (all threads' time in dispatch under FE_CROWD_BUSY_PCT of the window),
- * the gate stays as it is (closed, once its last opening ran out). Long requests (4
- * sequential readers' 1 MiB READs: one thread 0.88x of two) or a busy thread (a large
- * machine's crowd) leave it to the solo gate's own reasons. */
+ * thread, and each request that woke it from read(2) cost a sleep and a wake-up, more
+ * CPU per file than one thread answering them all.  So while, over the last FE_SOLO_NS,
+ * more tasks than CPUs sent requests averaging under FE_CROWD_SHORT_NS that one thread
+ * could have answered alone (all threads' time in dispatch under FE_CROWD_BUSY_PCT of the window),
+ * the gate stays as it is (closed, once its last opening ran out). Long requests
+ * (sequential readers' 1 MiB READs) or a busy thread (a large machine's crowd) leave it to
+ * the solo gate's own reasons. The measurements behind both rules: docs/design.md, "The
+ * solo gate and the crowd rule". */
 #define FE_CROWD_SHORT_NS 50000ull
 #define FE_CROWD_BUSY_PCT 90u
 

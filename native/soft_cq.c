@@ -38,8 +38,8 @@ static void cq_push(ks_cq *cq, const ks_wc *wc)
         } else if (!cq->first_unsignaled) {
             cq->first_unsignaled = now_ns(); /* run_timers signals it after the period */
             if (!pthread_equal(pthread_self(), cq->engine_thread)) {
-                efd_post(
-                    cq->kickfd); /* an app thread pushed (a flush): engine may be asleep */
+                /* an app thread pushed (a flush): the engine may be asleep */
+                efd_post(cq->kickfd);
             }
         }
     }

@@ -16,14 +16,13 @@
  *   one it rings a doorbell (the kick fd, once until answered) and the engine thread
  *   sends, as a NIC's send engine would: the poster (the FUSE engine's trio thread,
  *   which posts every chunk of a stream) stops paying the sendmsg, and on veth the
- *   receiving side's TCP softirq that runs inside it (issue 16: the trio thread 15-20 %
- *   less CPU per GB read from peers; a random 4 KiB READ keeps its inline send, since a
- *   doorbell for every lone READ cost 12-17 % of the IOPS).  A READ of a whole chunk
- *   (KS_DOORBELL_READ or more) rings the doorbell on an idle QP too: the engine thread's
- *   wake (10-30 us) is ~1 % of a 4 MiB chunk's transfer, and the inline sendmsg was the
- *   trio thread's largest syscall (4 peer readers, 10 s steady: its CPU 0.054-0.059 ->
- *   0.046-0.049 s per GB, the engine thread's +0.01, MB/s unchanged).  Whatever does not
- *   fit the socket is finished by the engine thread on EPOLLOUT.
+ *   receiving side's TCP softirq that runs inside it.  A lone random READ keeps its
+ *   inline send (a doorbell for each would cost IOPS); a READ of a whole chunk
+ *   (KS_DOORBELL_READ or more) rings the doorbell on an idle QP too, since the engine
+ *   thread's wake is small beside a chunk's transfer and the inline sendmsg was the trio
+ *   thread's largest syscall.  The measurements: docs/design.md, "The soft engine's
+ *   doorbell and quick ACKs".  Whatever does not fit the socket is finished by the
+ *   engine thread on EPOLLOUT.
  *   READ responses are read with readv() straight into the WQE's SGEs (registered
  *   memory); only headers and payloads <= KS_SMALL go through a staging buffer.
  * * Responder: the engine thread reads requests from the incoming connection, checks
@@ -32,14 +31,9 @@
  * * ACKs go out at once, as an RC NIC's do: every receive re-arms TCP_QUICKACK on its
  *   connection (ack_now).  Left to itself Linux puts a connection that both sends and
  *   receives into "pingpong" mode and delays its ACKs up to 40 ms, hoping to piggyback
- *   them; a sender whose congestion window is then full waits for them.  Found under
- *   issue 19 (8 verifying readers through a mount, one of 3 peers SIGSTOPped): READ
- *   responses of the *live* peers stalled 30-55 ms mid-payload, several at once (this
- *   engine's timestamps: the header on time, the rest ~40 ms later; nstat: delayed ACKs
- *   and tail-loss probes answered by DSACKs, i.e. nothing lost).  A/B, 24 such windows
- *   each: slowest read 15-46 ms with ack_now (1 window >= 40 ms), 16-60 ms without (10
- *   windows >= 49 ms); reads per second and the mount's CPU per GB read from peers
- *   unchanged.  Cost: one setsockopt per receive handler call.
+ *   them; a sender whose congestion window is then full waits for them, and READ
+ *   responses of live peers stalled tens of ms mid-payload (docs/design.md, "The soft
+ *   engine's doorbell and quick ACKs").  Cost: one setsockopt per receive handler call.
  * * Transport timer: like IB's Local ACK Timeout, a QP with outstanding send WRs must see
  *   progress (bytes moving on its connection) within timeout x (retry_cnt + 1), else the
  *   oldest WR completes RETRY_EXC_ERR and the QP goes to ERR.  TCP alone would hang on a
@@ -51,8 +45,8 @@
  * * Completions: `cq->lock` protects the WC ring; the CQ's eventfd is written when the
  *   ring goes non-empty and drained when poll empties it (level-triggered readability).
  *
- * Hostile network (issue 13)
- * --------------------------
+ * Hostile network
+ * ---------------
  * Anyone who can reach the listener can open connections and send bytes; nothing they
  * send may crash the process, touch another QP, or keep a legitimate QP from connecting.
  * * Parsing is total: ks_hdr_parse checks every header field against its opcode and

@@ -30,7 +30,7 @@
  * Anything malformed, truncated, oversized or out of order drops that connection and moves
  * that QP to ERR; nothing else is affected.
  *
- * Hostile-network limits (issue 13; the reasons are in soft_engine.c's header comment):
+ * Hostile-network limits (the reasons are in soft_engine.c's header comment):
  *
  *   KS_HELLO_TIMEOUT_MS     an accepted connection must deliver a valid HELLO within 2 s
  *   KS_MAX_HELLO_CONNS      at most 256 such pending connections in all, and

@@ -38,9 +38,9 @@
  * QP (design notes, "Requester"): their transfer takes 20-100x the engine thread's wake. */
 #define KS_DOORBELL_READ (1u << 20)
 #define KS_QPN_TAB (2 * KS_MAX_QP) /* open-addressing QPN -> QP table, load <= 1/2 */
-#define KS_ACCEPT_BATCH                                                                       \
-    16                         /* accepts per listener event, so the HELLOs of the
-                                   * connections already accepted are read in between */
+/* accepts per listener event, so the HELLOs of the connections already accepted are read
+ * in between */
+#define KS_ACCEPT_BATCH 16
 #define KS_LISTEN_PAUSE_MS 100 /* out of fds (EMFILE...): stop accepting this long */
 
 /* Every field names its guard.  `e` is the object's engine throughout; "read-only" fields
@@ -91,8 +91,8 @@ struct ks_conn {
     ks_conn *next_dead;   /* graveyard, freed after the engine's batch; protected by e->lock */
     uint32_t events;      /* current epoll mask; protected by e->lock */
     uint64_t hello_deadline; /* protected by e->lock */
-    ks_conn *hnext,
-        *hprev; /* CONN_HELLO: e->hello_head FIFO, oldest first; protected by e->lock */
+    /* CONN_HELLO: e->hello_head FIFO, oldest first; protected by e->lock */
+    ks_conn *hnext, *hprev;
     /* accepted connections: the source IPv4, network order */
     uint32_t peer_ip; /* protected by e->lock */
     /* the HELLO of an accepted connection, kept while it is a candidate of a QP in

@@ -7,7 +7,7 @@
                                           nothing others wait for)
         disk tier, worker thread          chunk digest checked; a mismatch is discarded,
                                           logged ("failed its checksum"), counted
-        peers: vRDMA READ of a replica    cluster/fetch.py verifies what it READs
+        peers: vRDMA READ of a replica    ``PeerReader`` (a cluster's) verifies what it READs
         source, worker thread             origin.py verifies per extent (retried once)
       → memory tier, then ``landed``      and, on a mount, the disk tier in the background
 
@@ -18,14 +18,14 @@ small files' extents skip the disk tier but take the same peers and source steps
 (``from_peers``, ``from_source``) and the same single-flight (``get``), so every source
 read has one error contract. On a native-engine mount without a disk tier a chunk, or a
 small file's extent (``extent``), whose replica's slot is known is READ by C instead
-(``native``, cluster/native_fetch.py): the caller waits for it, then finds it in the
+(``native``, a ``NativeLoader``): the caller waits for it, then finds it in the
 memory tier or loads it as above; an extent or a block can also go to C with the READ
 that wants it (``start_extent``, ``start_block``), and C answers that READ.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Container, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
@@ -40,8 +40,6 @@ from .disk import DiskCache
 from .singleflight import SingleFlight
 
 if TYPE_CHECKING:
-    from ..cluster.fetch import Peers
-    from ..cluster.native_fetch import NativeFetch
     from ..manifest.model import Extent
 
 log = logging.getLogger(__name__)
@@ -62,14 +60,47 @@ class Loaded(NamedTuple):
 
 
 class MemoryTier(Protocol):
-    """The nearest tier: ``cache.memory.MemoryCache`` on a mount, ``cluster.arena.Arena``
-    on a node. ``put`` of a verified chunk; a key is never stale (keys are digests)."""
+    """The nearest tier: ``cache.memory.MemoryCache`` on a mount, the node's arena on a
+    node. ``put`` of a verified chunk; a key is never stale (keys are digests)."""
 
     def __contains__(self, key: bytes) -> bool: ...
 
     def get(self, key: bytes) -> Data | None: ...
 
     def put(self, key: bytes, data: Data) -> object: ...     # (Arena's: whether it stored)
+
+
+class PeerReader(Protocol):
+    """The peers tier: READs a chunk (or a part of it) from a replica and verifies it;
+    None when no replica has it. The cluster's, on a cluster mount or node."""
+
+    async def read_chunk(self, dataset: str, version: int, chunk: int, key: bytes, length: int,
+                         *, ask_owner: bool = True, exclude: str | None = None,
+                         part: tuple[int, int, bytes] | None = None,
+                         budgeted: bool = False) -> Data | None: ...
+
+
+class NativeLoader(Protocol):
+    """Loads the chain hands to C: a chunk, a small file's extent or a block READ from a
+    replica, verified and put into the memory tier there; a READ handed with it is
+    answered there too. The native engine's fetch, on a native-engine cluster mount.
+    Every ``start*`` says whether C took the load (False: the chain's own path takes it)."""
+
+    @property
+    def inflight(self) -> Container[bytes]: ...    # keys whose load C has in flight
+
+    def start(self, k: int, key: bytes) -> bool: ...
+
+    def start_extent(self, k: int, ext: Extent, read: tuple[Any, ...] | None = None) -> bool: ...
+
+    def start_block(self, k: int, b: int, key: bytes, entry: int,
+                    read: tuple[Any, ...]) -> bool: ...
+
+    def failed_lately(self, key: bytes) -> bool: ...
+
+    def read_or_park(self, entry: int, read: tuple[Any, ...]) -> bool: ...
+
+    async def wait(self, key: bytes) -> None: ...
 
 
 class TierChain:
@@ -98,6 +129,7 @@ class TierChain:
         index, origin: the dataset version's manifest and source.
         dataset: ``(name, version)`` as peers know it.
         memory, disk, peers: the tiers (``disk`` and ``peers`` may be None).
+        native: the loads handed to C (``attach_native``), or None.
         flights: the single-flight of chunk (and block, extent) loads.
         limiter: bounds the worker threads doing disk and source I/O and hashing.
         counters: read-path counters (``stats.ReadStatistics`` names) this chain adds to:
@@ -110,7 +142,7 @@ class TierChain:
 
     def __init__(self, *, index: ManifestIndex, origin: Origin, memory: MemoryTier,
                  flights: SingleFlight[Loaded], limiter: trio.CapacityLimiter,
-                 disk: DiskCache | None = None, peers: Peers | None = None,
+                 disk: DiskCache | None = None, peers: PeerReader | None = None,
                  dataset: tuple[str, int] = ("", 0), counters: Counters | None = None,
                  node: str | None = None,
                  landed: Callable[[int, bytes, Loaded], None] | None = None) -> None:
@@ -125,8 +157,13 @@ class TierChain:
         self.counters = counters if counters is not None else Counters()
         self.node = node
         self.landed = landed
-        #: the native engine's chunk fetch (cluster/native_fetch.py), set by the mount
-        self.native: NativeFetch | None = None
+        self.native: NativeLoader | None = None
+
+    def attach_native(self, native: NativeLoader) -> None:
+        """Hand loads to ``native`` from now on. Not a constructor argument: the native
+        fetch needs the mounted engine, which exists only after this chain serves the
+        mount's first requests."""
+        self.native = native
 
     # -- the memory tier and the single-flight -------------------------------------------
 

@@ -254,11 +254,6 @@ class ManifestIndex:
         except UnicodeDecodeError:
             raise ManifestCorrupt(f"manifest object record of entry {entry} is not UTF-8") from None
 
-    def file_offset_in_chunk(self, entry: int, chunk: int) -> int:
-        """Where file ``entry``'s byte 0 sits relative to the start of ``chunk`` (may be < 0)."""
-        offset: int = self.data[entry] - chunk * self.chunk_size
-        return offset
-
 
 def _source_record(raw: bytes) -> dict[str, str]:
     """The object section's JSON record: an object of strings with a ``url``."""

@@ -28,6 +28,7 @@ ERRNO = {
     "KspeedfsError": errno.EIO,
     "ConfigError": errno.EINVAL,
     "MountError": errno.EINVAL,
+    "UnsafePath": errno.EPERM,
     "StoreError": errno.EIO,
     "StoreUnavailable": errno.EHOSTUNREACH,
     "DatasetNotFound": errno.ENOENT,

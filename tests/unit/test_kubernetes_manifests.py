@@ -133,6 +133,7 @@ def test_the_image_installs_what_run_setup_installs() -> None:
     apt = {p for p in apt if re.fullmatch(r"[a-z0-9][a-z0-9.+-]+", p)}
     image = (KUBE / "Containerfile").read_text()
     listed = set(re.search(r'ARG APT_PACKAGES="([^"]*)"', image).group(1).replace("\\\n", " ").split())
-    assert apt - listed == {"qemu-system-x86", "busybox-static"}    # the guest test lane's
+    # the guest test lane's, and the lint's (./run lint)
+    assert apt - listed == {"qemu-system-x86", "busybox-static", "clang-format"}
     assert listed <= apt
     assert "[csi]" in image and "kspeedfs.csi.stubs" in image
