@@ -30,10 +30,11 @@ ext_modules: list[Extension] = [
     # Debian 12's liburing-dev 2.3), metadata and tier hits in C
     # ... and the native chunk fetch (fuse_fetch.c: peers' chunks posted, verified with
     # xxh3 from Debian's libxxhash-dev header, inline, and answered in C)
-    Extension("kspeedfs.fuse._engine", ["native/fuse_engine_py.c", *FUSE_ENGINE_SOURCES],
-              depends=["native/fuse_engine.h", "native/fuse_engine_i.h", "native/fuse_tier.h",
-                       "native/fuse_uring_abi.h", "native/fuse_fetch.h", "native/fuse_xxh.h",
-                       "native/soft_engine.h", "native/py_errno.h"],
+    Extension("kspeedfs.fuse._engine", ["native/fuse_engine_py.c", "native/fuse_events_py.c",
+                                        "native/fuse_fetch_py.c", *FUSE_ENGINE_SOURCES],
+              depends=["native/fuse_engine.h", "native/fuse_engine_i.h", "native/fuse_engine_py.h",
+                       "native/fuse_tier.h", "native/fuse_uring_abi.h", "native/fuse_fetch.h",
+                       "native/fuse_xxh.h", "native/soft_engine.h", "native/py_errno.h"],
               include_dirs=["native"], libraries=["uring"], extra_compile_args=CFLAGS),
 ]
 

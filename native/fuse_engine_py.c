@@ -7,8 +7,11 @@
  *   index            the manifest arrays: one Py_buffer per array, lengths checked, then
  *                    struct fe_index points into them
  *   tier owners      struct owner: the Py_buffer behind one memory-tier buffer
- *   Engine           lifecycle (init, start, join, close), queue (take), tier, counters
+ *   Engine           lifecycle (init, start, join, close), tier, counters
  *   module           mount, unmount, reply*, notify_store, constants
+ * fuse_events_py.c has take() and the named type of each kind it returns;
+ * fuse_fetch_py.c, the native fetch's methods of Engine and the Block type;
+ * fuse_engine_py.h, what crosses the files.
  *
  * The GIL. Released around every call that blocks or writes to /dev/fuse: fe_mount,
  * fe_unmount, fe_init (waits for the kernel's INIT), fe_join (waits for the threads),
@@ -35,7 +38,7 @@
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "fuse_engine_py.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -44,21 +47,15 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "fuse_engine.h"
-#include "fuse_fetch.h"
 #include "py_errno.h"
 
 #define MAX_IOV 64      /* fe_reply_iov's limit; more parts are joined into one */
-#define MAX_TAKE 1024   /* requests per take() */
 #define OWNER_BATCH 256 /* owners per fe_tier_reap / fe_tier_clear call */
 
 /* ------------------------------------------------------------------------ helpers */
 
 /* The engine's message if it wrote one, else strerror(err). */
-static const char *reason(const char *err, int errnum)
-{
-    return err[0] ? err : strerror(errnum);
-}
+const char *reason(const char *err, int errnum) { return err[0] ? err : strerror(errnum); }
 
 /* O& converters: Python ints into u64 / u32, with range checks (no silent wrap). */
 static int conv_u64(PyObject *o, void *out)
@@ -89,24 +86,6 @@ static int conv_u32(PyObject *o, void *out)
 
 /* ---------------------------------------------------------------------------- index */
 
-enum {
-    IX_PARENT,
-    IX_MODE,
-    IX_UID,
-    IX_GID,
-    IX_SIZE,
-    IX_MTIME_NS,
-    IX_NAME_OFF,
-    IX_NAME_LEN,
-    IX_DATA,
-    IX_EXT,
-    IX_CHUNK_LEN,
-    IX_NAMES,
-    IX_EXT_DIGESTS,
-    IX_CHUNK_DIGESTS,
-    IX_N
-};
-
 enum per { PER_ENTRY, PER_CHUNK, PER_EXTENT, PER_ANY };
 
 /* The buffer attributes of ManifestIndex, in enum order: what each counts, bytes per item
@@ -131,22 +110,6 @@ static const struct ix_array {
     [IX_EXT_DIGESTS] = {"ext_digests", PER_EXTENT, 16},
     [IX_CHUNK_DIGESTS] = {"chunk_digests", PER_CHUNK, 16},
 };
-
-typedef struct {
-    PyObject_HEAD
-    struct fe_engine *e;   /* NULL until created and once closed; the GIL guards it */
-    Py_buffer views[IX_N]; /* the index arrays, views[0..nviews) held */
-    int nviews;
-    int initialised; /* fe_init succeeded */
-    int started;     /* fe_start succeeded */
-    int busy;        /* init or join is running without the GIL */
-    /* the native fetch: the soft engines it holds (rdma._soft_engine.Engine objects,
-     * held through the C API until fetch_stop) */
-    const struct ks_capi *capi;
-    PyObject *held[FE_FETCH_ENGINES];
-    ks_engine *held_e[FE_FETCH_ENGINES];
-    int nheld;
-} EngineObject;
 
 static void views_release(EngineObject *self)
 {
@@ -295,7 +258,7 @@ static int check_key(Py_ssize_t keylen, const char *what)
 
 /* ------------------------------------------------------------------------- engine */
 
-static struct fe_engine *engine_of(EngineObject *self, const char *what)
+struct fe_engine *engine_of(EngineObject *self, const char *what)
 {
     if (!self->e)
         raise_errno(EBADF, "%s: engine closed", what);
@@ -316,8 +279,6 @@ static struct fe_engine *engine_idle(EngineObject *self, const char *what)
 /* Threads gone: join them (they may still be returning), release every tier owner,
  * destroy the engine, drop the index arrays. The pointer is cleared first: while the
  * GIL is released nobody else can reach the engine. */
-static int fetch_release(EngineObject *self, struct fe_engine *e, int timeout_ms);
-
 static void engine_teardown(EngineObject *self)
 {
     struct fe_engine *e = self->e;
@@ -599,62 +560,6 @@ static PyObject *Engine_negotiated(EngineObject *self, PyObject *unused)
     return Py_BuildValue("(IKII)", minor, (unsigned long long)flags, max_pages, max_readahead);
 }
 
-/* ----------------------------------------------------------------------- the queue */
-
-/* (kind, fd, unique, entry, offset, size, random, name, since) */
-static PyObject *request_tuple(const struct fe_request *r)
-{
-    Py_ssize_t nlen = r->kind == FE_GETXATTR ? (Py_ssize_t)strnlen(r->name, 255) : 0;
-    return Py_BuildValue("(iiKKKKiy#d)", r->kind, r->fd, (unsigned long long)r->unique,
-                         (unsigned long long)r->entry, (unsigned long long)r->offset,
-                         (unsigned long long)r->size, r->random, r->name, nlen,
-                         (double)r->t0 / 1e9);
-}
-
-static PyObject *request_list(const struct fe_request *reqs, size_t n)
-{
-    PyObject *list = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; list && i < n; i++) {
-        PyObject *t = request_tuple(&reqs[i]);
-        if (!t) {
-            Py_CLEAR(list);
-            break;
-        }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
-    }
-    return list;
-}
-
-/* Taken requests Python will never see (out of memory): answer them EIO rather than
- * leave the kernel waiting. Hints (PREFETCH) need no answer. */
-static void requests_fail(const struct fe_request *reqs, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (reqs[i].kind != FE_PREFETCH && reqs[i].kind != FE_FETCHED)
-            fe_reply_error(reqs[i].fd, reqs[i].unique, EIO);
-}
-
-/* take(max=256) -> [request tuples], oldest first. */
-static PyObject *Engine_take(EngineObject *self, PyObject *args)
-{
-    Py_ssize_t max = 256;
-    if (!PyArg_ParseTuple(args, "|n:take", &max))
-        return NULL;
-    struct fe_engine *e = engine_of(self, "take");
-    if (!e)
-        return NULL;
-    max = max < 1 ? 1 : max > MAX_TAKE ? MAX_TAKE : max;
-    struct fe_request *reqs = PyMem_Malloc(sizeof *reqs * (size_t)max);
-    if (!reqs)
-        return PyErr_NoMemory();
-    size_t n = fe_take(e, reqs, (size_t)max);
-    PyObject *list = request_list(reqs, n);
-    if (!list)
-        requests_fail(reqs, n);
-    PyMem_Free(reqs);
-    return list;
-}
-
 /* ---------------------------------------------------------------------- memory tier */
 
 /* tier_put(key, data): the engine answers READs of ``key`` from ``data`` in place. */
@@ -820,495 +725,6 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
         (unsigned long long)c.fetch_started_parts);
 }
 
-/* --------------------------------------------------------------- the native fetch */
-
-/* fetch_enable(capsule): start the native fetch on the soft engine's C API
- * (rdma._soft_engine._C_API). */
-static PyObject *Engine_fetch_enable(EngineObject *self, PyObject *capsule)
-{
-    struct fe_engine *e = engine_of(self, "fetch_enable");
-    if (!e)
-        return NULL;
-    const struct ks_capi *api = PyCapsule_GetPointer(capsule, KS_CAPI_NAME);
-    if (!api)
-        return NULL;
-    char err[256] = "";
-    int rc = fe_fetch_enable(e, api, err, sizeof err);
-    if (rc < 0)
-        return raise_errno(-rc, "fetch_enable: %s", reason(err, -rc));
-    self->capi = api;
-    Py_RETURN_NONE;
-}
-
-/* The engine's native fetch, or NULL with an exception set (none enabled: EINVAL). */
-static struct fe_fetch *fetch_of(EngineObject *self, const char *what)
-{
-    struct fe_engine *e = engine_of(self, what);
-    struct fe_fetch *f = e ? fe_fetcher(e) : NULL;
-    if (e && !f)
-        raise_errno(EINVAL, "%s: fetch_enable first", what);
-    return f;
-}
-
-/* fetch_engine(soft_engine) -> handle: a fetch CQ on that rdma._soft_engine.Engine,
- * which stays held (its close() refuses) until fetch_stop. */
-static PyObject *Engine_fetch_engine(EngineObject *self, PyObject *obj)
-{
-    struct fe_fetch *f = fetch_of(self, "fetch_engine");
-    if (!f)
-        return NULL;
-    for (int i = 0; i < self->nheld; i++)
-        if (self->held[i] == obj)
-            return PyLong_FromLong(i);
-    if (self->nheld == FE_FETCH_ENGINES)
-        return raise_errno(ENOSPC, "fetch_engine: %d soft engines already", FE_FETCH_ENGINES);
-    ks_engine *ke = self->capi->hold(obj);
-    if (!ke)
-        return NULL;
-    const char *why = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fetch_engine(f, ke, &why);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-        self->capi->release(obj);
-        return raise_errno(-rc, "%s", why);
-    }
-    self->held[self->nheld] = obj;
-    self->held_e[self->nheld] = ke;
-    return PyLong_FromLong(self->nheld++);
-}
-
-/* fetch_post(handle, qpn, chunk, cookie, laddr, lkey, raddr, rkey, length): one READ of
- * chunk ``chunk`` into the landing slot at ``laddr``; OSError EALREADY (in flight),
- * EAGAIN (too many), ESHUTDOWN (stopped), or the post's error. */
-/* The engine's fetch and the soft engine ``handle`` names (fetch_engine's), for the posts;
- * NULL with OSError(EINVAL) raised when either is missing. */
-static struct fe_fetch *fetch_on(EngineObject *self, struct fe_engine *e, int handle,
-                                 const char *what, ks_engine **ke)
-{
-    struct fe_fetch *f = fe_fetcher(e);
-    if (!f || handle < 0 || handle >= self->nheld) {
-        raise_errno(EINVAL, "%s: no such fetch engine", what);
-        return NULL;
-    }
-    *ke = self->held_e[handle];
-    return f;
-}
-
-static PyObject *Engine_fetch_post(EngineObject *self, PyObject *args)
-{
-    int handle;
-    unsigned int qpn, lkey, rkey, len;
-    unsigned long long k, cookie, laddr, raddr;
-    if (!PyArg_ParseTuple(args, "iIKKKIKII:fetch_post", &handle, &qpn, &k, &cookie, &laddr,
-                          &lkey, &raddr, &rkey, &len))
-        return NULL;
-    struct fe_engine *e = engine_of(self, "fetch_post");
-    ks_engine *ke;
-    struct fe_fetch *f = e ? fetch_on(self, e, handle, "fetch_post", &ke) : NULL;
-    if (!f)
-        return NULL;
-    const char *why = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fetch_post(f, ke, qpn, k, cookie, (void *)(uintptr_t)laddr, lkey, raddr, rkey, len,
-                    &why);
-    Py_END_ALLOW_THREADS
-    if (rc < 0)
-        return raise_errno(-rc, "%s", why);
-    Py_RETURN_NONE;
-}
-
-/* A buffer the native fetch filled (an extent, fetch_landed): read-only, freed with the
- * object. The tier entry that points into it is adopted by putting a view of it. */
-typedef struct {
-    PyObject_HEAD
-    void *buf;
-    Py_ssize_t len;
-} BlockObject;
-
-static int Block_getbuffer(BlockObject *self, Py_buffer *view, int flags)
-{
-    return PyBuffer_FillInfo(view, (PyObject *)self, self->buf, self->len, 1, flags);
-}
-
-static void Block_dealloc(BlockObject *self)
-{
-    free(self->buf);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyBufferProcs Block_as_buffer = {(getbufferproc)Block_getbuffer, NULL};
-
-static PyTypeObject BlockType = {
-    /* the macro ends in a comma that clang-format cannot see */
-    /* clang-format off */
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kspeedfs.fuse._engine.Block",
-    /* clang-format on */
-    .tp_basicsize = sizeof(BlockObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Verified bytes the native fetch copied out of a staging slot (read-only).",
-    .tp_dealloc = (destructor)Block_dealloc,
-    .tp_as_buffer = &Block_as_buffer,
-};
-
-/* A READ of ``entry`` taken from the queue, as Python holds it: (fd, unique, offset, size,
- * random, since). 0, or -1 with an exception set. */
-static int read_request(PyObject *read, unsigned long long entry, struct fe_request *q)
-{
-    double since = 0;
-    *q = (struct fe_request){.kind = FE_READ, .entry = entry};
-    if (!PyArg_ParseTuple(read, "iKKKid:READ", &q->fd, &q->unique, &q->offset, &q->size,
-                          &q->random, &since))
-        return -1;
-    q->t0 = since > 0 ? (uint64_t)(since * 1e9) : 0;
-    return 0;
-}
-
-/* read_or_park(entry, read) -> bool: ``read``, a READ of ``entry`` taken from the queue,
- * answered from the tier or parked in C on one of its chunks the native fetch has in
- * flight (answered when it lands, or queued again if it fails): True; False: it stays
- * the caller's. */
-static PyObject *Engine_read_or_park(EngineObject *self, PyObject *args)
-{
-    unsigned long long entry;
-    PyObject *read;
-    if (!PyArg_ParseTuple(args, "KO!:read_or_park", &entry, &PyTuple_Type, &read))
-        return NULL;
-    struct fe_engine *e = engine_of(self, "read_or_park");
-    struct fe_request q;
-    if (!e || read_request(read, entry, &q) < 0)
-        return NULL;
-    int taken;
-    Py_BEGIN_ALLOW_THREADS
-    taken = fe_read_or_park(e, &q);
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(taken);
-}
-
-/* fetch_post_extent and fetch_post_block: ``read`` (None, or a READ of ``entry`` taken from
- * the queue: (fd, unique, offset, size, random, since)) parked on one READ of ``len``
- * bytes into the staging buffer at laddr/lkey, verified against ``want``, copied into a
- * buffer of its own and put in the tier under ``key`` (fuse_fetch.h fetch_post_part).
- * Raised: ``read`` stays the caller's. */
-static PyObject *post_part(EngineObject *self, struct fe_engine *e, int handle,
-                           unsigned int qpn, const uint8_t *key, size_t keylen,
-                           const uint8_t *want, size_t wantlen, uint32_t len,
-                           unsigned long long entry, unsigned long long cookie,
-                           unsigned long long laddr, unsigned int lkey,
-                           unsigned long long raddr, unsigned int rkey, PyObject *read)
-{
-    struct fe_request q;
-    if (read != Py_None && read_request(read, entry, &q) < 0)
-        return NULL;
-    ks_engine *ke;
-    struct fe_fetch *f = fetch_on(self, e, handle, "fetch_post_part", &ke);
-    if (!f)
-        return NULL;
-    const char *why = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fetch_post_part(f, ke, qpn, key, keylen, want, wantlen, read != Py_None ? &q : NULL,
-                         cookie, (void *)(uintptr_t)laddr, lkey, raddr, rkey, len, &why);
-    Py_END_ALLOW_THREADS
-    if (rc < 0)
-        return raise_errno(-rc, "%s", why);
-    Py_RETURN_NONE;
-}
-
-/* fetch_post_extent(handle, qpn, entry, cookie, laddr, lkey, raddr, rkey, read=None): one
- * READ of small file ``entry``'s extent, its digest (the tier key too) and length from the
- * engine's index; taken back with ``fetch_landed(cookie)`` once FETCHED says 0. */
-static PyObject *Engine_fetch_post_extent(EngineObject *self, PyObject *args)
-{
-    int handle;
-    unsigned int qpn, lkey, rkey;
-    unsigned long long entry, cookie, laddr, raddr;
-    PyObject *read = Py_None;
-    if (!PyArg_ParseTuple(args, "iIKKKIKI|O:fetch_post_extent", &handle, &qpn, &entry, &cookie,
-                          &laddr, &lkey, &raddr, &rkey, &read))
-        return NULL;
-    struct fe_engine *e = engine_of(self, "fetch_post_extent");
-    if (!e)
-        return NULL;
-    const uint8_t *key;
-    uint32_t len;
-    if (fe_file_extent(e, entry, &key, &len) < 0)
-        return raise_errno(EINVAL, "fetch_post_extent: not a file in one chunk");
-    return post_part(self, e, handle, qpn, key, 16, key, 16, len, entry, cookie, laddr, lkey,
-                     raddr, rkey, read);
-}
-
-/* fetch_post_block(handle, qpn, entry, chunk, block, digest, cookie, laddr, lkey, raddr,
- * rkey, read=None): the same for block ``block`` of ``chunk`` (its tier key and length
- * from the engine's index), verified against ``digest`` (its xxh3-64, 8 bytes, from the
- * manifest); ``read`` is a READ of ``entry``. */
-static PyObject *Engine_fetch_post_block(EngineObject *self, PyObject *args)
-{
-    int handle;
-    unsigned int qpn, lkey, rkey;
-    unsigned long long entry, chunk, block, cookie, laddr, raddr;
-    const char *digest;
-    Py_ssize_t dlen;
-    PyObject *read = Py_None;
-    if (!PyArg_ParseTuple(args, "iIKKKy#KKIKI|O:fetch_post_block", &handle, &qpn, &entry,
-                          &chunk, &block, &digest, &dlen, &cookie, &laddr, &lkey, &raddr,
-                          &rkey, &read))
-        return NULL;
-    struct fe_engine *e = engine_of(self, "fetch_post_block");
-    if (!e)
-        return NULL;
-    uint8_t key[20];
-    uint32_t len;
-    if (dlen != 8 || fe_chunk_block(e, chunk, block, key, &len) < 0)
-        return raise_errno(EINVAL, "fetch_post_block: no such block, or not an 8-byte digest");
-    return post_part(self, e, handle, qpn, key, 20, (const uint8_t *)digest, 8, len, entry,
-                     cookie, laddr, lkey, raddr, rkey, read);
-}
-
-/* The fetch of ``self`` and the cookie ``arg`` names (fetch_landed, fetch_unpark): 1 with
- * both, 0 when the engine has no fetch (nothing to do), -1 with an exception set. */
-static int fetch_and_cookie(EngineObject *self, PyObject *arg, const char *what,
-                            struct fe_fetch **f, unsigned long long *cookie)
-{
-    *cookie = PyLong_AsUnsignedLongLong(arg);
-    if (*cookie == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
-    struct fe_engine *e = engine_of(self, what);
-    if (!e)
-        return -1;
-    *f = fe_fetcher(e);
-    return *f != NULL;
-}
-
-/* fetch_landed(cookie) -> Block | None: the buffer an extent's fetch put in the tier. */
-static PyObject *Engine_fetch_landed(EngineObject *self, PyObject *arg)
-{
-    struct fe_fetch *f;
-    unsigned long long cookie;
-    int have = fetch_and_cookie(self, arg, "fetch_landed", &f, &cookie);
-    if (have <= 0)
-        return have < 0 ? NULL : Py_NewRef(Py_None);
-    BlockObject *b = PyObject_New(BlockObject, &BlockType); /* first: once taken, the */
-    if (!b)                                                 /* buffer must have an owner */
-        return NULL;
-    uint32_t len = 0;
-    b->buf = fetch_landed(f, cookie, &len);
-    b->len = len;
-    if (!b->buf) {
-        Py_DECREF(b);
-        Py_RETURN_NONE;
-    }
-    return (PyObject *)b;
-}
-
-/* fetch_peer(peer, paths, limit_ns): peer ``peer``'s UP paths, each (handle, qpn, raddr,
- * rkey, nic): the fetch engine, QP, the arena's first byte and rkey through it, and which
- * lkey of a landing slot it takes; [] turns the peer off. */
-static PyObject *Engine_fetch_peer(EngineObject *self, PyObject *args)
-{
-    int peer;
-    PyObject *seq;
-    unsigned long long limit_ns;
-    PyObject *parts = NULL;
-    if (!PyArg_ParseTuple(args, "iOK|O:fetch_peer", &peer, &seq, &limit_ns, &parts))
-        return NULL;
-    struct fe_fetch *f = fetch_of(self, "fetch_peer");
-    if (!f)
-        return NULL;
-    PyObject *fast = PySequence_Fast(seq, "fetch_peer: paths must be a sequence");
-    if (!fast)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    struct fe_path paths[FE_PATHS];
-    if (n > FE_PATHS) {
-        Py_DECREF(fast);
-        return raise_errno(EINVAL, "fetch_peer: more than %d paths", FE_PATHS);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int handle;
-        unsigned int qpn, rkey, nic;
-        unsigned long long raddr;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iIKII:fetch_peer path",
-                              &handle, &qpn, &raddr, &rkey, &nic)) {
-            Py_DECREF(fast);
-            return NULL;
-        }
-        if (handle < 0 || handle >= self->nheld) {
-            Py_DECREF(fast);
-            return raise_errno(EINVAL, "fetch_peer: no such fetch engine");
-        }
-        paths[i] = (struct fe_path){.ke = self->held_e[handle],
-                                    .qpn = qpn,
-                                    .rkey = rkey,
-                                    .nic = nic,
-                                    .raddr = raddr};
-    }
-    Py_DECREF(fast);
-    uint64_t part_limits[FE_SIZE_CLASSES] = {0};
-    if (parts) {
-        PyObject *pf = PySequence_Fast(parts, "fetch_peer: part limits must be a sequence");
-        if (!pf)
-            return NULL;
-        Py_ssize_t np = PySequence_Fast_GET_SIZE(pf);
-        for (Py_ssize_t i = 0; i < np && i < FE_SIZE_CLASSES; i++) {
-            part_limits[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(pf, i));
-            if (PyErr_Occurred()) {
-                Py_DECREF(pf);
-                return NULL;
-            }
-        }
-        Py_DECREF(pf);
-        if (np > FE_SIZE_CLASSES)
-            return raise_errno(EINVAL, "fetch_peer: more than %d part limits",
-                               FE_SIZE_CLASSES);
-    }
-    int rc = fetch_peer(f, peer, paths, (int)n, limit_ns, part_limits);
-    if (rc < 0)
-        return raise_errno(-rc, "fetch_peer: no such peer, NIC or fetch CQ");
-    Py_RETURN_NONE;
-}
-
-/* fetch_route(chunk, peer, offset): the chunk lies at ``offset`` of that peer's arena
- * (peer -1: no route). */
-static PyObject *Engine_fetch_route(EngineObject *self, PyObject *args)
-{
-    unsigned long long k, offset;
-    int peer;
-    if (!PyArg_ParseTuple(args, "KiK:fetch_route", &k, &peer, &offset))
-        return NULL;
-    struct fe_fetch *f = fetch_of(self, "fetch_route");
-    if (!f)
-        return NULL;
-    if (fetch_route(f, k, peer, offset) < 0)
-        return raise_errno(EINVAL, "fetch_route: no such chunk or peer, or offset too large");
-    Py_RETURN_NONE;
-}
-
-/* fetch_unroute(): every route and peer forgotten. */
-static PyObject *Engine_fetch_unroute(EngineObject *self, PyObject *unused)
-{
-    struct fe_engine *e = engine_of(self, "fetch_unroute");
-    struct fe_fetch *f = e ? fe_fetcher(e) : NULL;
-    if (f)
-        fetch_unroute(f);
-    if (!e)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-/* ``seq``, a sequence of lkeys (one per local NIC, at most FE_NICS), into ``lkeys``; their
- * number, or -1 with an exception set. */
-static int lkeys_of(PyObject *seq, uint32_t lkeys[FE_NICS], const char *what)
-{
-    PyObject *fast = PySequence_Fast(seq, "lkeys must be a sequence");
-    if (!fast)
-        return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    if (n > FE_NICS) {
-        Py_DECREF(fast);
-        raise_errno(EINVAL, "%s: more than %d lkeys", what, FE_NICS);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(fast, i));
-        if (v == (unsigned long)-1 && PyErr_Occurred()) {
-            Py_DECREF(fast);
-            return -1;
-        }
-        lkeys[i] = (uint32_t)v;
-    }
-    Py_DECREF(fast);
-    return (int)n;
-}
-
-/* fetch_slot(id, laddr, lkeys) -> bool: a landing slot for C-started fetches (False: C
- * holds FE_SLOTS already). */
-static PyObject *Engine_fetch_slot(EngineObject *self, PyObject *args)
-{
-    unsigned int id;
-    unsigned long long laddr;
-    PyObject *seq;
-    if (!PyArg_ParseTuple(args, "IKO:fetch_slot", &id, &laddr, &seq))
-        return NULL;
-    struct fe_fetch *f = fetch_of(self, "fetch_slot");
-    uint32_t lkeys[FE_NICS];
-    int n = f ? lkeys_of(seq, lkeys, "fetch_slot") : -1;
-    if (n < 0)
-        return NULL;
-    int rc = fetch_slot(f, id, (void *)(uintptr_t)laddr, lkeys, n);
-    if (rc == -EINVAL)
-        return raise_errno(EINVAL, "fetch_slot: bad lkeys");
-    return PyBool_FromLong(rc == 0);
-}
-
-/* fetch_staging(laddr, size, lkeys) -> bool: a staging slot of ``size`` bytes for the small
- * files' extents C starts, C's for good (False: C holds FE_STAGING already). */
-static PyObject *Engine_fetch_staging(EngineObject *self, PyObject *args)
-{
-    unsigned long long laddr;
-    unsigned int size;
-    PyObject *seq;
-    if (!PyArg_ParseTuple(args, "KIO:fetch_staging", &laddr, &size, &seq))
-        return NULL;
-    struct fe_fetch *f = fetch_of(self, "fetch_staging");
-    uint32_t lkeys[FE_NICS];
-    int n = f ? lkeys_of(seq, lkeys, "fetch_staging") : -1;
-    if (n < 0)
-        return NULL;
-    int rc = fetch_staging(f, (void *)(uintptr_t)laddr, size, lkeys, n);
-    if (rc == -EINVAL)
-        return raise_errno(EINVAL, "fetch_staging: bad lkeys or size 0");
-    return PyBool_FromLong(rc == 0);
-}
-
-/* fetch_unpark(cookie) -> int: answer the READs parked on that fetch from the tier now. */
-static PyObject *Engine_fetch_unpark(EngineObject *self, PyObject *arg)
-{
-    struct fe_fetch *f;
-    unsigned long long cookie;
-    int have = fetch_and_cookie(self, arg, "fetch_unpark", &f, &cookie);
-    if (have <= 0)
-        return have < 0 ? NULL : PyLong_FromLong(0);
-    int n;
-    Py_BEGIN_ALLOW_THREADS
-    n = fetch_unpark(f, cookie);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(n);
-}
-
-/* Stop the fetch (waiting up to ``timeout_ms`` for READs out) and release the soft
- * engines it held. Returns the READs abandoned. */
-static int fetch_release(EngineObject *self, struct fe_engine *e, int timeout_ms)
-{
-    struct fe_fetch *f = fe_fetcher(e);
-    int left = 0;
-    if (!f)
-        return 0;
-    Py_BEGIN_ALLOW_THREADS
-    left = fetch_stop(f, timeout_ms);
-    Py_END_ALLOW_THREADS
-    while (self->nheld > 0) {
-        self->nheld--;
-        self->capi->release(self->held[self->nheld]);
-        self->held[self->nheld] = NULL;
-    }
-    return left;
-}
-
-/* fetch_stop(timeout_ms=5000) -> int: no more fetches; the READs still out after the
- * timeout (their landing slots must never be reused: a NIC may yet write them). */
-static PyObject *Engine_fetch_stop(EngineObject *self, PyObject *args)
-{
-    int timeout_ms = 5000;
-    if (!PyArg_ParseTuple(args, "|i:fetch_stop", &timeout_ms))
-        return NULL;
-    struct fe_engine *e = engine_of(self, "fetch_stop");
-    return e ? PyLong_FromLong(fetch_release(self, e, timeout_ms)) : NULL;
-}
-
 /* ------------------------------------------------------------------ the Engine type */
 
 static PyMethodDef Engine_methods[] = {
@@ -1331,8 +747,8 @@ static PyMethodDef Engine_methods[] = {
     {"negotiated", (PyCFunction)Engine_negotiated, METH_NOARGS,
      "negotiated() -> (minor, flags, max_pages, max_readahead)"},
     {"take", (PyCFunction)Engine_take, METH_VARARGS,
-     "take(max=256) -> [(kind, fd, unique, entry, offset, size, random, name, since)]; "
-     "since: when a READ or xattr request arrived (time.monotonic's clock), else 0"},
+     "take(max=256) -> [Read | Getxattr | Listxattr | Prefetch | Fetched], oldest first "
+     "(one named type per kind; ``since``: time.monotonic's clock)"},
     {"tier_put", (PyCFunction)Engine_tier_put, METH_VARARGS,
      "tier_put(key, data): serve READs of key (16 or 20 bytes) from data, in place"},
     {"tier_discard", (PyCFunction)Engine_tier_discard, METH_VARARGS,
@@ -1607,7 +1023,7 @@ PyMODINIT_FUNC PyInit__engine(void)
     PyObject *m = PyModule_Create(&moddef);
     if (!m)
         return NULL;
-    if (PyModule_AddType(m, &EngineType) < 0 ||
+    if (PyModule_AddType(m, &EngineType) < 0 || events_ready(m) < 0 ||
         PyModule_AddIntConstant(m, "READ", FE_READ) < 0 ||
         PyModule_AddIntConstant(m, "GETXATTR", FE_GETXATTR) < 0 ||
         PyModule_AddIntConstant(m, "LISTXATTR", FE_LISTXATTR) < 0 ||

@@ -555,7 +555,7 @@ class Routes:
     def ahead(self, k: int) -> None:
         """Give C the routes of the ``ROUTE_AHEAD`` chunks after ``k`` (their first
         replica's peer and slot, as ``NativeFetch.start`` would READ them): a sequential
-        reader's prefetch window then starts each there as it enters (fuse_engine.c
+        reader's prefetch window then starts each there as it enters (fuse_read.c
         ``do_read``, no hint), and only the chunk after them comes back to Python. A
         route is only a hint: a chunk that moved fails its digest, C drops the route,
         Python's path takes it."""
@@ -580,7 +580,7 @@ class Routes:
 
     def route(self, k: int, route: tuple[Any, int, VQP]) -> None:
         """Give C chunk ``k``'s route (``Peers.native_route``'s record, slot, vQP): a small
-        file's READ that misses in it then starts its extent in C (fuse_engine.c
+        file's READ that misses in it then starts its extent in C (fuse_read.c
         ``start_small``), and a sequential reader's window the chunk."""
         rec, rslot, vqp = route
         peer = self.tell(rec, vqp, parts=True)

@@ -1,6 +1,6 @@
 """① The native engine's side in Python: what the C request threads hand over.
 
-    kernel ─ /dev/fuse ─► C threads (native/fuse_engine.c), one per core
+    kernel ─ /dev/fuse ─► C threads (native/fuse_threads.c), one per core
         LOOKUP GETATTR READDIR(PLUS) OPEN RELEASE STATFS READLINK EROFS …   answered in C
         READ whose bytes the memory tier holds                            answered in C
         READ miss, GETXATTR, LISTXATTR, prefetch hints ─► queue + eventfd ─► NativeSession
@@ -8,7 +8,7 @@
 
 With ``fuse.io_uring = auto`` and a kernel that allows it (``enable_uring`` = Y), INIT
 negotiates FUSE over io_uring and the C engine also serves one io_uring queue per CPU
-(fuse_engine.c, section io_uring): requests then arrive on the queue of the reader's CPU,
+(native/fuse_uring.c): requests then arrive on the queue of the reader's CPU,
 and a queued request's "fd" is a ring token (negative) that the same ``_engine.reply*``
 calls route back to its ring entry. Such a mount cannot be handed over or resumed
 (``RING_LIFECYCLE``): it is not supervised, and ``--upgrade`` is refused.
@@ -345,27 +345,30 @@ class NativeSession:
             else:
                 nursery.cancel_scope.cancel()  # the connection is gone: nobody to answer
 
-    def _dispatch(self, nursery: trio.Nursery, req: tuple[Any, ...]) -> None:
-        kind, fd, unique, entry, offset, size, random, name, since = req
-        if kind == _engine.READ:
+    def _dispatch(self, nursery: trio.Nursery, ev: Any) -> None:
+        kind = type(ev)                         # one of take()'s named types
+        if kind is _engine.Read:
             # a small file or a block from a peer: C READs and answers it, and the READ
             # needs no task of its own (random 4 KiB from peers, 4 jobs: the trio thread
             # 62-63 against 77-85 µs a READ, 8,729-8,828 against 7,021-8,239 IOPS)
             if self.fetch is None or not self.ops.reader.hand_off(
-                    entry, (fd, unique, offset, size, random, since)):
-                nursery.start_soon(self._answer_read, fd, unique, entry, offset, size,
-                                   random, since)
-        elif kind == _engine.PREFETCH:          # unique: the chunk the hinting READ reached
-            self.ops.reader.reached(unique)
-            for k in range(offset, size):
-                self.ops.reader.prefetch(entry, k)
-        elif kind == _engine.FETCHED:        # a C-started one's: slot, peer, path, start
+                    ev.entry, (ev.fd, ev.unique, ev.offset, ev.size, ev.random, ev.since)):
+                nursery.start_soon(self._answer_read, ev.fd, ev.unique, ev.entry, ev.offset,
+                                   ev.size, ev.random, ev.since)
+        elif kind is _engine.Prefetch:
+            self.ops.reader.reached(ev.reached)
+            for k in range(ev.first, ev.stop):
+                self.ops.reader.prefetch(ev.entry, k)
+        elif kind is _engine.Fetched:
             if self.fetch is not None:
-                self.fetch.fetched(entry, offset, size, unique, fd, random, since)
-        elif kind == _engine.GETXATTR:
-            nursery.start_soon(self._answer_getxattr, fd, unique, entry, name, size, since)
-        elif kind == _engine.LISTXATTR:
-            nursery.start_soon(self._answer_listxattr, fd, unique, entry, size, since)
+                self.fetch.fetched(ev.cookie, ev.chunk, ev.status, ev.slot, ev.peer, ev.path,
+                                   ev.since)
+        elif kind is _engine.Getxattr:
+            nursery.start_soon(self._answer_getxattr, ev.fd, ev.unique, ev.entry, ev.name,
+                               ev.size, ev.since)
+        elif kind is _engine.Listxattr:
+            nursery.start_soon(self._answer_listxattr, ev.fd, ev.unique, ev.entry, ev.size,
+                               ev.since)
 
     # the handlers' since= is @fuse_op's (boundary.py), not in their signatures: hence the
     # call-arg ignores below
@@ -450,7 +453,7 @@ class NativeSession:
         landed, the rest were answered in Python) and prefetch hints sent to
         Python; the solo gate's (``gate_waits``, ``shared_requests``, the times it
         opened for another task or a request that was not readahead, and the windows
-        the crowd rule began to keep it as it was: fuse_engine.c); and
+        the crowd rule began to keep it as it was: fuse_threads.c); and
         the native chunk fetch's counters (native/fuse_fetch.h; ``fetch_started``: of
         ``fetch_posted``, the chunks and extents C started from Python's routes,
         ``fetch_started_parts``: of those, small files' extents)."""

@@ -1,4 +1,4 @@
-"""FUSE over io_uring (``fuse.io_uring = auto``, fuse_engine.c section io_uring): negotiated
+"""FUSE over io_uring (``fuse.io_uring = auto``, native/fuse_uring.c): negotiated
 and used when the kernel allows it, /dev/fuse when it does not, and the lifecycle rule of
 an io_uring mount (no upgrade, no supervisor: a crash ends the mount, it never hangs a
 reader). Each test sets ``/sys/module/fuse/parameters/enable_uring`` itself and puts the

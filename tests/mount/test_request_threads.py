@@ -1,7 +1,7 @@
-"""The native engine's request threads and their solo gate (native/fuse_engine.c).
+"""The native engine's request threads and their solo gate (native/fuse_threads.c).
 
 One task reading one file sequentially is served by the first /dev/fuse thread alone
-(a second one, woken on the reader's CPU, preempted it: fuse_engine.c, the solo gate);
+(a second one, woken on the reader's CPU, preempted it: fuse_threads.c, the solo gate);
 requests from several tasks at once, or any that is not readahead, open the gate for
 every thread, unless more tasks than CPUs send short requests that one thread keeps up
 with (the crowd rule). Counted in ``gate_waits``, ``gate_crowded`` and
@@ -117,7 +117,7 @@ while time.monotonic() < end:
 
 def test_more_tasks_than_cpus_with_short_requests_are_served_by_the_first_thread(
         mounted: Path) -> None:
-    """The crowd rule (fuse_engine.c): more tasks than CPUs, each sending short requests
+    """The crowd rule (fuse_threads.c): more tasks than CPUs, each sending short requests
     that one thread keeps up with, leave the gate closed: the threads after the first
     read (almost) nothing, where each request that woke one cost a sleep and a wake-up."""
     ncpu = len(os.sched_getaffinity(0))

@@ -1,4 +1,4 @@
-"""READ replies by splice (fuse.splice, native/fuse_engine.c "Replies by splice").
+"""READ replies by splice (fuse.splice, native/fuse_reply.c "Replies by splice").
 
 A READ reply of 256 KiB or more goes from the memory tier's pages through a pipe
 (vmsplice, then splice to /dev/fuse) when the whole reply fits the thread's pipe; a
