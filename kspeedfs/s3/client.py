@@ -47,6 +47,7 @@ class Connection:
     client: Any
     endpoint: str
     region: str
+    attempts: int = 3      # reads of a body cut short (source.retries: as the client's own)
 
 
 def connect(cfg: SourceConfig, endpoint: str = "", region: str = "") -> Connection:
@@ -76,7 +77,7 @@ def connect(cfg: SourceConfig, endpoint: str = "", region: str = "") -> Connecti
                           max_pool_connections=2 * cfg.max_inflight + 16))
     except botocore.exceptions.BotoCoreError as e:
         raise SourceError(f"S3 client: {e}", errno=errno.EINVAL) from None
-    return Connection(client, client.meta.endpoint_url, client.meta.region_name)
+    return Connection(client, client.meta.endpoint_url, client.meta.region_name, cfg.retries)
 
 
 def client_error(e: Exception, what: str) -> SourceError:
@@ -112,10 +113,11 @@ def changed_reason(e: Exception) -> str | None:
 
 
 def get_range(conn: Connection, bucket: str, key: str, offset: int, out: memoryview,
-              etag: str, version_id: str = "", attempts: int = 3) -> str | None:
+              etag: str, version_id: str = "", attempts: int | None = None) -> str | None:
     """Fill ``out`` with bytes [offset, offset + len(out)) of the object, only if it
     still has ``etag`` (and is ``version_id``, when given). None when filled; the reason
-    when the object changed or is shorter; ``SourceError`` for anything else."""
+    when the object changed or is shorter; ``SourceError`` for anything else. A body cut
+    short is read again up to ``attempts`` times (default: the connection's)."""
     import botocore.exceptions
 
     what = f"s3://{bucket}/{key}"
@@ -123,6 +125,7 @@ def get_range(conn: Connection, bucket: str, key: str, offset: int, out: memoryv
                           "Range": f"bytes={offset}-{offset + len(out) - 1}"}
     if version_id:
         kw["VersionId"] = version_id
+    attempts = attempts or conn.attempts
     for attempt in range(attempts):
         try:
             r = conn.client.get_object(**kw)        # botocore's retries are inside this call

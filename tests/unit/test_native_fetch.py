@@ -5,7 +5,7 @@ adopted.
 
 ``FakeEngine`` records the fuse_fetch.h calls NativeFetch makes and plays the NIC and the
 fetch thread: ``land`` writes a READ's bytes where it was posted, ``fetched`` builds the
-engine queue's FETCHED tuple, and ``Rig.deliver`` hands it on through the session's own
+engine queue's FETCHED event, and ``Rig.deliver`` hands it on through the session's own
 dispatch (``NativeSession._dispatch``), so the event's field order is the one a mount
 uses. The tier chain, memory tier, manifest, landing pool and hedger are real; peers,
 vQPs and registered memory are fakes, with no network.
@@ -274,15 +274,14 @@ class FakeEngine:
             self.buffers[cookie] = bytes(data)
 
     def fetched(self, cookie: int, status: int = 0, *, k: int | None = None, slot: int = 0,
-                peer: int = -1, path: int = 0, since: float = 0.0) -> tuple[Any, ...]:
-        """The queue's FETCHED: (kind, fd, unique, entry, offset, size, random, name,
-        since) = (FETCHED, peer, slot, cookie, chunk, status, path, -, start). A C-started
+                peer: int = -1, path: int = 0, since: float = 0.0) -> Any:
+        """The queue's FETCHED, as take() gives it (its own named type). A C-started
         chunk's slot is given back with it, unless it is only LATE."""
         if k is None:
             k = self.posts[cookie].k
         if cookie & _fe.FETCH_OWN and not cookie & _fe.FETCH_PART and status != _fe.FETCH_LATE:
             self.slots.pop(slot)
-        return (_fe.FETCHED, peer, slot, cookie, k, status, path, b"", since)
+        return _fe.Fetched((cookie, k, status, slot, peer, path, since))
 
 
 # -- the dataset and the rig ------------------------------------------------------------
@@ -355,7 +354,7 @@ class Rig:
         data = self.memory.get(key)
         return None if data is None else bytes(data)
 
-    def deliver(self, event: tuple[Any, ...]) -> None:
+    def deliver(self, event: Any) -> None:
         """``event`` from the engine's queue, handed on as the session does."""
         NativeSession._dispatch(SimpleNamespace(fetch=self.nf), None, event)
 
