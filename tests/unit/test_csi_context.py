@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kspeedfs.csi import context, stubs
 from kspeedfs.csi.errors import InvalidArgument
@@ -99,3 +101,56 @@ def test_the_plugin_refuses_a_tcp_endpoint_in_one_line(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("kspeedfs csi: error: --endpoint tcp://")
+
+
+# -- fuzzed: a volume context is whatever a PV's author wrote, relayed by kubelet ----------
+
+_KNOWN = st.sampled_from(["version", "preload", "priority", context.EPHEMERAL_KEY,
+                          "csi.storage.k8s.io/pod.name", *sorted(context.SAFE_KEYS)])
+_ODD = st.sampled_from(["Dataset", "fuse", ".", "", "store.etcd", "source.secret_access_key",
+                        "fuse.engine", "log.dir"]) | st.text(max_size=24)
+_PLAUSIBLE = st.sampled_from(["", "true", "False", "0", "1", "8", "-1", "5000", "0.5", "1GiB",
+                              "debug", "127.0.0.1:0", "imagenet", "a b", "--set", "x=y", "1e3",
+                              "nan", "\n"])
+_VALUES = _PLAUSIBLE | st.text(max_size=24)
+#: mostly known keys (so that many contexts parse), now and then one that is not
+_CONTEXTS = st.builds(lambda known, odd: {**known, **odd},
+                      st.dictionaries(_KNOWN, _PLAUSIBLE, max_size=3),
+                      st.just({}) | st.dictionaries(_ODD, _VALUES, max_size=1))
+
+
+def _config_check(key: str, value: str) -> None:
+    """The plugin's check (cli/csi.py): the config loader with ``key=value`` set."""
+    from kspeedfs.config import load
+    from kspeedfs.errors import ConfigError
+
+    try:
+        load(None, {key: value})
+    except ConfigError as e:
+        raise InvalidArgument(f"volume context {key}: {e}") from None
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(_CONTEXTS, st.sampled_from([True, True, True, False]))
+def test_fuzz_any_context_is_a_spec_or_one_line(ctx: dict[str, str], named: bool) -> None:
+    """Any context parses or is refused in one line; what parses mounts only what it may:
+    a valid dataset name, a positive version, allowed keys with the values it was given,
+    each ``--set`` one argument (no option smuggled in through a value)."""
+    if named:
+        ctx = {"dataset": "imagenet", **ctx}
+    try:
+        spec = context.parse(ctx, _config_check)
+    except InvalidArgument as e:
+        assert "\n" not in str(e), str(e)
+        return
+    assert spec.dataset == ctx["dataset"]
+    assert spec.version == (int(ctx["version"]) if ctx.get("version") else None)
+    assert spec.version is None or spec.version >= 1
+    args = spec.mount_args(7)
+    assert args[:3] == ["--version", "7", "--allow-other"]
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    assert [s.partition("=")[0] for s in sets] == sorted(k for k in ctx if "." in k
+                                                         and not k.startswith(context.KUBELET_PREFIX))
+    assert all(s.partition("=")[0] in context.SAFE_KEYS and s.partition("=")[2] == ctx[s.partition("=")[0]]
+               for s in sets)
+    assert len(args) == 3 + 2 * len(sets) + (3 if spec.preload else 0)
