@@ -29,15 +29,13 @@ from .manifest.store import open_configured
 from .manifest.store.base import DatasetInfo
 from .origin import Origin, open_origin
 from .reader import Push, Reader
+from .tuning import RESUME_FIRST_WAIT
 
 if TYPE_CHECKING:
     from .cluster.fetch import Peers
     from .manifest.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
-
-#: seconds a resumed daemon waits for the cluster's node list (``cluster``)
-RESUME_FIRST_WAIT = 1.0
 
 
 class LocalTiers(NamedTuple):

@@ -20,20 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .cache.prefetch import Stream
-
-#: files up to chunk_size / this are fetched alone (one extent READ from a replica, or
-#: read from the source) when the dataset outgrows the tiers
-SMALL_FILE_DIVISOR = 8
-#: blocks of one chunk loaded for random reads before the next miss loads it whole
-#: (when the dataset fits the tiers; see ReadPolicy.blocks_for)
-PROMOTE_AFTER = 1
-#: blocks a random read may load instead of its chunk: Python's buffered open() asks for
-#: st_blksize (one block) at any offset, which the kernel rounds to pages (two blocks) and
-#: sometimes merges with its readahead (150-250 KiB seen: three or four). A shard
-#: reader's 1 MiB requests (8-9 blocks) load the chunk (see ReadPolicy.blocks_for)
-MAX_READ_BLOCKS = 4
-#: chunks whose block loads are counted at once (the oldest count is dropped)
-PROMOTE_TRACKED = 1 << 16
+from .tuning import MAX_READ_BLOCKS, PROMOTE_AFTER, PROMOTE_TRACKED, SMALL_FILE_DIVISOR
 
 
 def is_random(stream: Stream | None) -> bool:

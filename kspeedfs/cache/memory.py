@@ -41,13 +41,11 @@ import mmap
 from collections import OrderedDict
 from typing import Any, Protocol
 
+from ..tuning import ALIGN_MIN, TRANSIENT_FRACTION, TRANSIENT_MIN
+
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
-#: buffers from this size on start on a page boundary (``page_aligned``). The padding
-#: (2 KiB on average, not counted in the tier's bytes) is then at most ~3 % of a
-#: buffer, ~1.8 % of an ImageNet-sized file's; below it the saving is a few short copies
-ALIGN_MIN = 64 << 10
 
 
 def page_aligned(n: int) -> memoryview:
@@ -68,11 +66,6 @@ def page_aligned(n: int) -> memoryview:
     raw = bytearray(n + PAGE - 1)
     pad = -ctypes.addressof(ctypes.c_char.from_buffer(raw)) % PAGE
     return memoryview(raw)[pad:pad + n]
-
-#: default share of the tier kept as an LRU for what the resident part has no room for
-TRANSIENT_FRACTION = 0.25
-#: ... and its least size (the whole tier, when that is smaller)
-TRANSIENT_MIN = 128 << 20
 
 
 class Mirror(Protocol):

@@ -65,6 +65,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..tuning import SPILL
+
 log = logging.getLogger(__name__)
 
 WAYS = 8
@@ -80,12 +82,6 @@ class Buffer(Protocol):
     def write(self, data: bytes | bytearray | memoryview, offset: int = 0) -> None: ...
 
     def read(self, length: int, offset: int = 0) -> bytes: ...
-
-
-#: a key goes to its second bucket only once its first holds this many entries (and the
-#: second fewer): few keys away from their first (what an earlier reader READs), and no
-#: full buckets at a full arena (module docstring)
-SPILL = 6
 
 
 def buckets_of(key: bytes, nbuckets: int) -> tuple[int, ...]:

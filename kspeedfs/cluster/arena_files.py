@@ -36,13 +36,11 @@ import time
 from dataclasses import dataclass
 
 from ..errors import DatasetInUse, UnsafePath
+from ..tuning import ARENA_LOCK_WAIT
 
 log = logging.getLogger(__name__)
 
 SUFFIXES = (".arena", ".index")
-#: how long a starting node waits for its predecessor's lock: a node killed and started
-#: again at once (a supervisor's restart) finds the dying process still holding it
-LOCK_WAIT = 10.0
 
 
 def _lock(fd: int, wait: float) -> bool:
@@ -189,7 +187,7 @@ class ArenaFiles:
         return [os.path.join(self.directory, self.stem + s) for s in SUFFIXES]
 
     def open(self, arena_bytes: int, index_bytes: int,
-             wait: float = LOCK_WAIT) -> tuple[mmap.mmap, mmap.mmap, bool]:
+             wait: float = ARENA_LOCK_WAIT) -> tuple[mmap.mmap, mmap.mmap, bool]:
         """The arena's and the index's memory, and whether both kept their content (an
         arena without its index is fresh). :class:`UnsafePath` if a check fails,
         :class:`DatasetInUse` if another node of this name and cluster still holds them

@@ -11,9 +11,9 @@ itself is in :mod:`.fetch` (``Peers.read_chunk``)::
     Hedger.overran(peer)             a READ of peer passed its threshold (hedge or not)
     Hedger.order(nodes, now)         replica order with suspected peers moved last
 
-Threshold rule: ``clamp(p99 × factor, floor, cap)`` of the last ``WINDOW`` READ latencies
+Threshold rule: ``clamp(p99 × factor, floor, cap)`` of the last ``HEDGE_WINDOW`` READ latencies
 of that peer in the READ's size class (powers of 4 from 4 KiB: a 256 B bucket READ and a
-4 MiB slot READ do not share a distribution). With fewer than ``MIN_SAMPLES`` samples the
+4 MiB slot READ do not share a distribution). With fewer than ``HEDGE_MIN_SAMPLES`` samples the
 same class over every peer is used, else ``cap``. A READ that lost a hedge is not a
 sample (its fault-inflated latency would raise the threshold exactly when a peer hangs);
 it still counts in the histogram and the longest wait.
@@ -39,15 +39,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..tuning import HEDGE_MIN_SAMPLES, HEDGE_RECOMPUTE, HEDGE_WINDOW, SUSPECT_AFTER
+
 if TYPE_CHECKING:
     from ..config import ClusterConfig
 
 #: histogram bucket upper bounds, ms (the last bucket is everything above)
 BUCKETS_MS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
-WINDOW = 256          # latency samples kept per (peer, size class)
-MIN_SAMPLES = 32      # fewer: the class over all peers, then cap
-RECOMPUTE = 16        # the threshold is recomputed every RECOMPUTE samples
-SUSPECT_AFTER = 2     # overruns without an in-time READ in between
 CLASSES = 7           # ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M, larger
 
 
@@ -56,23 +54,23 @@ def size_class(nbytes: int) -> int:
 
 
 class Window:
-    """The last ``WINDOW`` latencies; ``quantile`` cached, recomputed every RECOMPUTE."""
+    """The last ``HEDGE_WINDOW`` latencies; ``quantile`` cached, recomputed every HEDGE_RECOMPUTE."""
 
     __slots__ = ("samples", "_since", "_q")
 
     def __init__(self) -> None:
-        self.samples: deque[float] = deque(maxlen=WINDOW)
+        self.samples: deque[float] = deque(maxlen=HEDGE_WINDOW)
         self._since = 0
         self._q: float | None = None
 
     def add(self, s: float) -> None:
         self.samples.append(s)
         self._since += 1
-        if self._since >= RECOMPUTE:
+        if self._since >= HEDGE_RECOMPUTE:
             self._q = None
 
     def p99(self) -> float | None:
-        if len(self.samples) < MIN_SAMPLES:
+        if len(self.samples) < HEDGE_MIN_SAMPLES:
             return None
         if self._q is None:
             ordered = sorted(self.samples)

@@ -18,18 +18,9 @@ never addressed through what its predecessor held. Trio thread only.
 """
 from __future__ import annotations
 
+from ..tuning import HINTS, INDEX_REFRESH, INDEX_TRUST
 from .arena import BUCKET_BYTES, buckets_of, find_in_bucket
 from .membership import NodeRecord
-
-HINTS = 1 << 14  # slot hints kept (~180 B each, 3 MB: 64 GiB of 4 MiB chunks)
-#: a node's whole arena index is READ at once for the native fetch's routes when it fits
-#: one staging slot (64 B per arena slot: 4 MiB of index for 64 Ki slots), at most once
-#: per INDEX_REFRESH seconds per node incarnation (again after a stale hint from it, or
-#: once the copy is INDEX_TRUST seconds old)
-INDEX_REFRESH = 1.0
-#: an index copy says a chunk is not on its node (``lacks``) for this long, and is READ
-#: again after it when it is looked at: a node may take chunks later (re-replication)
-INDEX_TRUST = 10.0
 
 
 class SlotHints:

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 from rdma.vrdma import VMR, Endpoint
 
-log = logging.getLogger(__name__)
+from ..tuning import SEGMENT
 
-#: slots registered at a time (16 × 4 MiB = one 64 MiB vMR)
-SEGMENT = 16
+log = logging.getLogger(__name__)
 
 #: a slot: the vMR it lives in and its offset there
 Slot = tuple[VMR, int]

@@ -12,8 +12,8 @@ message MAC'd — so only cluster members can make a node load or report anythin
 index, so it asks the owner to fetch it (from another replica, else the source) into
 its arena, then READs it one-sidedly like any hit. The bytes never travel over RPC.
 
-A client keeps up to ``POOL`` idle channels per node and opens more under load (at most
-``OPENING`` = 8 handshakes at once, well under a server's 32 unauthenticated connections
+A client keeps up to ``RPC_POOL`` idle channels per node and opens more under load (at most
+``RPC_OPENING`` = 8 handshakes at once, well under a server's 32 unauthenticated connections
 per source address); a channel that fails is dropped, and the request fails with
 :class:`RpcUnavailable` so the reader moves to the next replica.
 
@@ -42,11 +42,10 @@ from rdma.vrdma.dial import DialFailed, dial
 from rdma.vrdma.handshake import Channel, PreAuthGate, aclose_quietly, client_handshake
 
 from ..errors import KspeedfsError
+from ..tuning import RPC_OPENING, RPC_POOL
 
 log = logging.getLogger(__name__)
 
-POOL = 4
-OPENING = 8     # handshakes one client runs at once to one node
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
@@ -107,7 +106,7 @@ class RpcClient:
         self.port = port
         self.timeout = timeout
         self._idle: list[Channel] = []
-        self._opening = trio.Semaphore(OPENING)
+        self._opening = trio.Semaphore(RPC_OPENING)
 
     async def _open(self) -> Channel:
         async def attempt(addr: str) -> Channel:
@@ -142,7 +141,7 @@ class RpcClient:
         except BaseException:
             await ch.aclose()             # cancelled mid-request: the channel is out of step
             raise
-        if len(self._idle) < POOL:
+        if len(self._idle) < RPC_POOL:
             self._idle.append(ch)
         else:
             await ch.aclose()

@@ -20,7 +20,7 @@
 Why a process of our own and not systemd's fd store: ``kspeedfs mount`` daemonizes and
 is used from fstab and by hand, outside any unit; a foreground mount under systemd
 (``mount/kspeedfs@.service``) is not supervised (systemd restarts it; the mount is
-cleaned up and made again). Restarts are limited (``MAX_RESTARTS`` in ``WINDOW`` s): a
+cleaned up and made again). Restarts are limited (``MAX_RESTARTS`` in ``RESTART_WINDOW`` s): a
 daemon that keeps dying is left dead, its fds closed, so the mount fails with ENOTCONN
 and the next ``kspeedfs mount`` cleans it up as it always did; so is one that cannot start
 again for ``fuse.resume_patience`` seconds (60; new daemons tried 0.5 s apart, doubling
@@ -55,18 +55,17 @@ import trio
 
 from .. import log as logsetup
 from .. import mountpoint as mp
+from ..tuning import (
+    CALL_TIMEOUT,
+    MAX_RESTARTS,
+    REAP_WAIT,
+    RESTART_WINDOW,
+    RESUME_BACKOFF,
+    RESUME_BACKOFF_MOST,
+)
 from .upgrade import FD_ROOM, FORMAT, MAX_MESSAGE, RESUME_SUFFIX, fds_in, socket_path, with_fds
 
 log = logging.getLogger("kspeedfs.supervisor")
-
-MAX_RESTARTS = 5
-WINDOW = 60.0
-#: the pause between daemons started to resume one death (s, doubling up to the most),
-#: and how long one may take to call back (s); ``fuse.resume_patience`` bounds them all
-RESUME_BACKOFF, RESUME_BACKOFF_MOST = 0.5, 8.0
-CALL_TIMEOUT = 60.0
-#: how long a new daemon that called and then did not take the connection may take to exit
-REAP_WAIT = 5.0
 
 
 def _recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -87,10 +86,10 @@ def _send(sock: socket.socket, msg: dict[str, Any], fds: Sequence[int] = ()) -> 
 
 
 def _one_more(times: list[float]) -> bool:
-    """Record a start now in ``times`` (pruned to the last ``WINDOW`` s); False once
+    """Record a start now in ``times`` (pruned to the last ``RESTART_WINDOW`` s); False once
     that makes more than ``MAX_RESTARTS``."""
     now = time.monotonic()
-    times[:] = [t for t in times if now - t < WINDOW] + [now]
+    times[:] = [t for t in times if now - t < RESTART_WINDOW] + [now]
     return len(times) <= MAX_RESTARTS
 
 
@@ -149,7 +148,7 @@ class Supervisor:
         if not _one_more(self.restarts):
             log.error("daemon of %s died %d times in %.0f s: giving up; the mount is dead "
                       "(the next kspeedfs mount cleans it up)", self.mountpoint,
-                      len(self.restarts), WINDOW)
+                      len(self.restarts), RESTART_WINDOW)
             return False
         log.warning("daemon of %s (pid %s) died: starting a new one to resume its connection",
                     self.mountpoint, self.state.get("pid"))
@@ -239,7 +238,7 @@ class Supervisor:
         failed: its log says why; the CLI exits only after its daemon served, which needs
         this call), or it did not call in ``timeout`` s (then killed). Why not a plain
         accept with a timeout: a daemon that cannot start (etcd, its store, its config)
-        then cost 60 s per attempt, so MAX_RESTARTS in WINDOW never tripped and the readers
+        then cost 60 s per attempt, so MAX_RESTARTS in RESTART_WINDOW never tripped and the readers
         waited forever."""
         deadline = time.monotonic() + timeout
         listener.settimeout(0.2)
@@ -297,7 +296,7 @@ class Supervised:
     end of file there means it is gone (SIGKILL, OOM): the daemon, which holds the same
     /dev/fuse fds, hands them and the sealed manifest copy to a new one exactly as at
     its mount (``spawn``). Starts are limited as the supervisor limits its daemons
-    (``MAX_RESTARTS`` in ``WINDOW`` s); past that the mount serves on unsupervised.
+    (``MAX_RESTARTS`` in ``RESTART_WINDOW`` s); past that the mount serves on unsupervised.
 
     ``start()`` spawns a supervisor and returns its control socket (a trio socket)."""
 
@@ -331,7 +330,7 @@ class Supervised:
             if not _one_more(self.starts):
                 log.error("the supervisor of %s died %d times in %.0f s: the mount serves on "
                           "unsupervised (a crash of this daemon now ends it)", self.mountpoint,
-                          len(self.starts), WINDOW)
+                          len(self.starts), RESTART_WINDOW)
                 return
             log.warning("the supervisor of %s is gone: starting a new one", self.mountpoint)
             try:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kspeedfs.config import parse_size
-from kspeedfs.read_policy import SMALL_FILE_DIVISOR
+from kspeedfs.tuning import SMALL_FILE_DIVISOR
 from tests.fixtures.cluster import cluster, mount_stats, verified_read, write_dataset
 from tests.fixtures.mounts import daemon_pid
 

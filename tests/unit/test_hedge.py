@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from kspeedfs.cluster import hedge
-from kspeedfs.cluster.hedge import BUCKETS_MS, MIN_SAMPLES, Hedger, size_class
+from kspeedfs.cluster.hedge import BUCKETS_MS, Hedger, size_class
 from kspeedfs.config import ClusterConfig
 from kspeedfs.errors import ConfigError
+from kspeedfs.tuning import HEDGE_MIN_SAMPLES, HEDGE_WINDOW
 
 MS = 1e-3
 
@@ -28,25 +29,25 @@ def test_threshold_is_p99_times_factor_clamped() -> None:
     assert h.threshold("a", 4096) == pytest.approx(2 * 1.95 * MS)  # p99 1.95 ms × 2
     assert h.threshold("a", 1 << 20) == pytest.approx(100 * MS)    # another size class
     assert h.threshold("b", 4096) == pytest.approx(2 * 1.95 * MS)  # b: the class over all peers
-    for _ in range(hedge.WINDOW):
+    for _ in range(HEDGE_WINDOW):
         h.done("c", 4096, 0.1 * MS)
     assert h.threshold("c", 4096) == pytest.approx(2 * MS)         # the floor
-    for _ in range(hedge.WINDOW):
+    for _ in range(HEDGE_WINDOW):
         h.done("d", 1 << 20, 80 * MS)
     assert h.threshold("d", 1 << 20) == pytest.approx(100 * MS)    # the cap
 
 
 def test_a_late_read_is_no_sample_so_a_hang_does_not_raise_the_threshold() -> None:
     h = Hedger(factor=2.0, floor=2 * MS, cap=100 * MS)
-    for _ in range(MIN_SAMPLES * 2):
+    for _ in range(HEDGE_MIN_SAMPLES * 2):
         h.done("a", 4096, 1 * MS)
     t = h.threshold("a", 4096)
     for _ in range(50):
         h.done("a", 4096, 0.5, sample=False)                       # READs that lost a hedge
     assert h.threshold("a", 4096) == t
     s = h.latency("a", 0.0)
-    assert s.reads == MIN_SAMPLES * 2 + 50 and s.longest_ms == 500.0
-    assert s.counts[BUCKETS_MS.index(1.0)] == MIN_SAMPLES * 2 and s.counts[-2] == 50
+    assert s.reads == HEDGE_MIN_SAMPLES * 2 + 50 and s.longest_ms == 500.0
+    assert s.counts[BUCKETS_MS.index(1.0)] == HEDGE_MIN_SAMPLES * 2 and s.counts[-2] == 50
     assert sum(s.counts) == s.reads
 
 
@@ -66,7 +67,7 @@ def test_budget_is_a_token_bucket_of_read_bytes() -> None:
 
 def test_repeated_overruns_make_a_peer_suspect_until_it_answers_in_time() -> None:
     h = Hedger(suspect_time=1.0)
-    for _ in range(MIN_SAMPLES):
+    for _ in range(HEDGE_MIN_SAMPLES):
         h.done("b", 4096, 1 * MS)
     order = ["a", "b", "c"]
     h.overran("b", now=10.0)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import xxhash
 
-from kspeedfs.cluster.arena import BUCKET_BYTES, ENTRY, SPILL, WAYS, Arena, Geometry, buckets_of
-from kspeedfs.cluster.hints import INDEX_REFRESH, INDEX_TRUST, SlotHints
+from kspeedfs.cluster.arena import BUCKET_BYTES, ENTRY, WAYS, Arena, Geometry, buckets_of
+from kspeedfs.cluster.hints import SlotHints
 from kspeedfs.cluster.membership import NodeRecord
+from kspeedfs.tuning import INDEX_REFRESH, INDEX_TRUST, SPILL
 from tests.unit.test_arena import Mem
 
 SLOT = 64 << 10

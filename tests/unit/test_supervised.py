@@ -13,6 +13,7 @@ import trio
 
 from kspeedfs.fuse import supervisor
 from kspeedfs.fuse.supervisor import Supervised
+from kspeedfs.tuning import MAX_RESTARTS
 
 
 class Starts:
@@ -75,11 +76,11 @@ async def test_a_supervisor_that_keeps_dying_is_given_up_on(
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(supervised.watch)
-            for i in range(supervisor.MAX_RESTARTS + 1):
+            for i in range(MAX_RESTARTS + 1):
                 await _until(lambda i=i: len(starts.theirs) == i + 1)
                 starts.theirs[i].close()
     # watch returned by itself: MAX_RESTARTS new ones, then none
-    assert len(starts.theirs) == supervisor.MAX_RESTARTS + 1 and supervised.control is None
+    assert len(starts.theirs) == MAX_RESTARTS + 1 and supervised.control is None
     assert "serves on unsupervised" in caplog.text
 
 

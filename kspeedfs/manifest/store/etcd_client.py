@@ -84,6 +84,7 @@ from etcd3 import etcdrpc  # noqa: E402
 
 from ...config import StoreConfig
 from ...errors import ConfigError, StoreError, StoreUnavailable
+from ...tuning import ETCD_MIN_CHANNEL_AGE
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,6 @@ _GRPC_OPTIONS = [
 ]
 _UNREACHABLE = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError)
 _UNREACHABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_MIN_CHANNEL_AGE = 3.0     # s: a failing channel is re-dialled at most this often (retire)
 _DIAL_BACKOFF_MIN, _DIAL_BACKOFF_MAX = 0.25, 4.0    # s, after a failed dial (_Endpoint._dial)
 
 
@@ -173,7 +173,7 @@ class _Endpoint:
 
     def retire(self, client: etcd3.Etcd3Client | None = None, *, failed: bool = False) -> None:
         """Stop handing out ``client`` (default: the current one); close it once unused.
-        A ``failed`` channel younger than ``_MIN_CHANNEL_AGE`` is kept (gRPC reconnects
+        A ``failed`` channel younger than ``ETCD_MIN_CHANNEL_AGE`` is kept (gRPC reconnects
         it on its own, backoff ≤ 1 s): a fresh channel per failed attempt was a TLS
         handshake per retry, and when etcd came back a dozen processes' handshakes
         starved it past their attempt timeouts, which aborted them and dialled again
@@ -182,7 +182,7 @@ class _Endpoint:
             client = client if client is not None else self.client
             if client is None:
                 return
-            if failed and self.client is client and time.monotonic() - self._born < _MIN_CHANNEL_AGE:
+            if failed and self.client is client and time.monotonic() - self._born < ETCD_MIN_CHANNEL_AGE:
                 return
             if self.client is client:
                 self.client = None
@@ -386,7 +386,7 @@ class EtcdClient:
                   attempt: int) -> None:
         """Raise what ``e`` means for this call; return to re-authenticate and retry."""
         if isinstance(e, _UNREACHABLE) or (isinstance(e, ValueError) and "closed channel" in str(e)):
-            # A fresh channel next time (at most every _MIN_CHANNEL_AGE): seen here, a
+            # A fresh channel next time (at most every ETCD_MIN_CHANNEL_AGE): seen here, a
             # channel whose server restarted in another network namespace kept failing
             # long after etcd was back. A closed channel is replaced at once.
             ep.retire(client, failed=isinstance(e, _UNREACHABLE))

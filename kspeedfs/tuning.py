@@ -1,0 +1,100 @@
+"""The knobs of kspeedfs's own code that trade speed, memory or patience, in one place.
+
+A user-facing choice lives in the config tree (``config.py``, ``kspeedfs config``); what
+is here is fixed per build: each value with the reason for it, the measurements behind
+it in docs/design.md under the heading named. The transport's knobs are in
+``rdma/tuning.py`` (a lower layer that must not import this one); the C engines' in
+``native/tuning.h``. Formats and protocols (digest sizes, wire opcodes, manifest
+formats, arena geometry) are not knobs and stay with the code that defines them.
+
+Grouped by the step of a read they tune (docs/design.md, "The steps of a read").
+"""
+from __future__ import annotations
+
+# -- local tiers (cache/memory.py) ---------------------------------------------------
+
+#: buffers from this size on start on a page boundary: the padding (2 KiB on average,
+#: not counted in the tier's bytes) is then at most ~3 % of a buffer; below it the saving
+#: is a few short copies. native/fuse_fetch.c's FE_ALIGN_MIN is the same value.
+ALIGN_MIN = 64 << 10
+#: default share of the memory tier kept as an LRU for what the resident part has no
+#: room for ...
+TRANSIENT_FRACTION = 0.25
+#: ... and its least size (the whole tier, when that is smaller)
+TRANSIENT_MIN = 128 << 20
+
+# -- read policy (read_policy.py): what a miss loads ---------------------------------
+
+#: files up to chunk_size / this are fetched alone (one extent READ from a replica, or
+#: read from the source) when the dataset outgrows the tiers
+SMALL_FILE_DIVISOR = 8
+#: blocks of one chunk loaded for random reads before the next miss loads it whole
+#: (when the dataset fits the tiers; ReadPolicy.blocks_for)
+PROMOTE_AFTER = 1
+#: blocks a random read may load instead of its chunk: Python's buffered open() asks for
+#: st_blksize at any offset, which the kernel rounds to pages and sometimes merges with
+#: its readahead (three or four blocks); a shard reader's 1 MiB requests load the chunk
+MAX_READ_BLOCKS = 4
+#: chunks whose block loads are counted at once (the oldest count is dropped)
+PROMOTE_TRACKED = 1 << 16
+
+# -- placement and peers (cluster/) ---------------------------------------------------
+
+#: slot hints kept (~180 B each, 3 MB: 64 GiB of 4 MiB chunks)
+HINTS = 1 << 14
+#: a node's whole arena index is READ at once for the native fetch's routes when it fits
+#: one staging slot, at most once per this many seconds per node incarnation (again
+#: after a stale hint from it, or once the copy is INDEX_TRUST seconds old)
+INDEX_REFRESH = 1.0
+#: an index copy says a chunk is not on its node for this long, and is READ again after
+#: it when it is looked at: a node may take chunks later (re-replication)
+INDEX_TRUST = 10.0
+#: a key goes to its second arena bucket only once its first holds this many entries
+#: (and the second fewer): few keys away from their first, no full buckets at a full
+#: arena (cluster/arena.py's docstring)
+SPILL = 6
+#: landing slots registered at a time (16 x 4 MiB = one 64 MiB vMR)
+SEGMENT = 16
+#: idle RPC channels a client keeps per node (it opens more under load) ...
+RPC_POOL = 4
+#: ... and handshakes it runs at once to one node, well under a server's 32
+#: unauthenticated connections per source
+RPC_OPENING = 8
+
+# -- hedging (cluster/hedge.py) -------------------------------------------------------
+
+#: latency samples kept per (peer, size class)
+HEDGE_WINDOW = 256
+#: fewer samples than this: the class over all peers, then the cap
+HEDGE_MIN_SAMPLES = 32
+#: the threshold is recomputed every this many samples
+HEDGE_RECOMPUTE = 16
+#: overruns of a peer without an in-time READ in between before it is suspect
+SUSPECT_AFTER = 2
+
+# -- node lifecycle (cluster/arena_files.py) -----------------------------------------
+
+#: how long a starting node waits for its predecessor's arena lock: a node killed and
+#: started again at once finds the dying process still holding it
+ARENA_LOCK_WAIT = 10.0
+
+# -- mount supervision (fuse/supervisor.py, compose.py) -------------------------------
+
+#: daemon restarts allowed in RESTART_WINDOW seconds before the supervisor gives up
+MAX_RESTARTS = 5
+RESTART_WINDOW = 60.0
+#: the pause between daemons started to resume one death (s, doubling up to the most);
+#: ``fuse.resume_patience`` bounds them all
+RESUME_BACKOFF = 0.5
+RESUME_BACKOFF_MOST = 8.0
+#: how long a new daemon may take to call back (s)
+CALL_TIMEOUT = 60.0
+#: how long a new daemon that called and then did not take the connection may take to exit
+REAP_WAIT = 5.0
+#: seconds a resumed daemon waits for the cluster's node list
+RESUME_FIRST_WAIT = 1.0
+
+# -- the store (manifest/store/etcd_client.py) ----------------------------------------
+
+#: a failing etcd channel is dialled again at most this often (s)
+ETCD_MIN_CHANNEL_AGE = 3.0
