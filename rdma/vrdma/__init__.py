@@ -13,8 +13,11 @@ Modules, one concept each: :mod:`.heartbeat` (interval/miss arithmetic), :mod:`.
 :mod:`.vmr` (one buffer on every NIC), :mod:`.vqp` (the virtual QP, composed of
 :mod:`.pathset` (its paths' states, peer-dead clock), :mod:`.dispatch` (posting and
 failover of READs), :mod:`.monitor` (the heartbeat task), :mod:`.rebuild` (rebuilding a
-failed path) and :mod:`.peer` (what the peer told us)), :mod:`.endpoint` (a node's NICs,
-exports, listener), :mod:`.paths` (``python -m rdma.vrdma.paths``).
+failed path), :mod:`.native` (paths for READs posted in C) and :mod:`.peer` (what the
+peer told us)), :mod:`.endpoint` (a node's NICs, exports and vQPs, composed of
+:mod:`.nic` (opening the local devices), :mod:`.responder` (the listener and served
+paths), :mod:`.requester` (bootstrap and path builds) and :mod:`.dial` (every address of
+a peer at once)), :mod:`.paths` (``python -m rdma.vrdma.paths``).
 
 Written against :mod:`rdma.api` only: runs unchanged on the ``soft`` and ``verbs``
 providers.  NICs are IPv4-addressed (soft, RoCE v2): each path's control connection is TCP

@@ -85,6 +85,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import struct
 import time
 from collections import Counter
@@ -222,6 +223,22 @@ class FrameStream:
     async def aclose(self) -> None:
         self._buf = bytearray()
         await aclose_quietly(self.stream)
+
+
+def keepalive(stream: trio.SocketStream) -> None:
+    """TCP options of every control connection, both ends: keepalive probes that give up
+    within a few seconds (a server's lease of a client that vanished without a FIN is
+    reaped by them) and no Nagle delay on the small request/reply frames."""
+    sock = stream.socket
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 5000)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):  # pragma: no cover - non-Linux
+        pass
 
 
 async def aclose_quietly(stream: trio.abc.AsyncResource) -> None:

@@ -18,6 +18,7 @@ The parts, one concern each, and the request path through them::
     Rebuilder.rebuild(path)  (.rebuild; background, per path)
         drain, RESET, connect_path(path): INIT → RTR → RTS against a fresh peer QP
     PathSet (.pathset)  every transition, the peer-dead clock, reachable/degraded/...
+    NativePaths (.native)  UP paths for READs posted in C beside the vQP (no failover)
     Peer (.peer)        what the peer's replies told us: incarnation, NICs, vMRs
 
 :class:`VQP` only composes them: it owns the tasks (:meth:`VQP.run`), routes WCs, and
@@ -55,7 +56,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -63,6 +64,7 @@ from ..errors import PathClosed, PeerUnreachable, RdmaUserError
 from .dispatch import Overrun, ReadDispatcher
 from .heartbeat import HeartbeatConfig
 from .monitor import HeartbeatMonitor
+from .native import NativePaths, NativeTarget
 from .path import SQ_DEPTH, Path, PathState, PathStats, Transition
 from .pathset import PathSet
 from .peer import Peer
@@ -75,19 +77,6 @@ if TYPE_CHECKING:
 __all__ = ["SQ_DEPTH", "NativeTarget", "VQP", "VQPStats"]
 
 log = logging.getLogger(__name__)
-
-
-class NativeTarget(NamedTuple):
-    """A READ as C posts it (:meth:`VQP.native_target`): the soft engine (an
-    ``rdma._soft_engine.Engine``) and QP number of one UP path, the local buffer's address
-    and lkey, and the remote address and rkey through that path."""
-
-    engine: Any
-    qpn: int
-    laddr: int
-    lkey: int
-    raddr: int
-    rkey: int
 
 
 @dataclass(frozen=True)
@@ -117,7 +106,7 @@ class VQP:
         cfg: its heartbeat and failure knobs.
         paths: one :class:`Path` per NIC pair (``paths[i].id == i``).
         scratch: the vMR probes land in; owned, closed with the vQP.
-        pathset, reads, rebuilder, monitor: its parts (module docstring).
+        pathset, reads, rebuilder, monitor, native: its parts (module docstring).
 
     Seams to the endpoint (all called from this vQP's tasks or ``aclose``):
         create_cq(local_nic): a CQ for one path, on that NIC.
@@ -150,8 +139,8 @@ class VQP:
         self._create_cq = create_cq
         self._close_channel = close_channel
         self._on_closed = on_closed
+        self.native = NativePaths(self.pathset, self.reads, peer, clock)
         self._closed = False
-        self._native_rr = 0                  # native_target's round-robin over paths
         self._cancel: trio.CancelScope | None = None
         self._finished = trio.Event()
 
@@ -180,65 +169,26 @@ class VQP:
     def native_target(self, local_vmr: VMR, local_off: int, remote: str, remote_off: int,
                       length: int) -> NativeTarget | None:
         """Where C may post this READ itself, beside the vQP (the FUSE engine's native
-        fetch): an UP path on the soft provider, its C handles and the READ's addresses
-        and keys through it; None when no path is UP (or the provider has no C handles),
-        and the caller READs through :meth:`read` instead. Nothing is posted here, and a
-        READ posted there is not the vQP's: no failover, no re-post; its poster steps
-        aside on any error (soft engine C API, ``ks_post_send``)."""
+        fetch, :meth:`.native.NativePaths.target`); None when the vQP is closed, a range
+        is wrong or no path is UP, and the caller READs through :meth:`read` instead.
+        Nothing is posted here, and a READ posted there is not the vQP's (:mod:`.native`)."""
         if self._closed:
             return None
         try:
             rm, off = self._checked(local_vmr, local_off, remote, remote_off, length)
         except RdmaUserError:
             return None
-        n = len(self.paths)
-        for i in range(n):
-            p = self.paths[(self._native_rr + i) % n]
-            raw = getattr(getattr(p.qp, "engine", None), "raw", None)
-            if not p.m.postable or raw is None:
-                continue
-            self._native_rr = (self._native_rr + i + 1) % n
-            self.reads.native_traffic(self.clock())
-            laddr, lkey = local_vmr.on(p.local_nic, local_off)    # (checked above)
-            raddr, rkey = rm.on(p.remote_nic, off)
-            assert p.qp is not None
-            return NativeTarget(raw, p.qp.qp_num, laddr, lkey, raddr, rkey)
-        return None
+        return self.native.target(local_vmr, local_off, rm, off)
 
     def native_paths(self, remote: str) -> list[tuple[Any, int, str, int, int]]:
-        """Every UP path on the soft provider as C may post READs of vMR ``remote`` on it
-        itself (the FUSE engine's C-started fetches, ``native_target`` for many READs):
-        ``(soft engine, QP number, local NIC, remote address of the vMR's first byte,
-        rkey)`` each; [] when none is UP, the vQP is closed or the peer exports no
-        ``remote``. As with ``native_target``, nothing is posted here and a READ posted
-        there is not the vQP's."""
-        if self._closed or remote not in self.peer_info.remote_mrs:
-            return []
-        rm = self.peer_info.remote_mrs[remote]
-        out = []
-        for p in self.paths:
-            raw = getattr(getattr(p.qp, "engine", None), "raw", None)
-            if p.m.postable and raw is not None and p.qp is not None:
-                raddr, rkey = rm.on(p.remote_nic, 0)
-                out.append((raw, p.qp.qp_num, p.local_nic, raddr, rkey))
-        return out
+        """Every UP path as C may post READs of vMR ``remote`` on it itself
+        (:meth:`.native.NativePaths.paths`); [] when the vQP is closed."""
+        return [] if self._closed else self.native.paths(remote)
 
     def native_done(self, qpn: int) -> None:
-        """A READ C posted on the path of QP ``qpn`` (:meth:`native_target`) completed
-        successfully: proof that the path lives, as a data READ's WC is
-        (``ReadDispatcher.on_wc``). Those WCs reach C's CQ, not the path's, so without
-        this a path carrying only C's READs was silent to the monitor: in the steady
-        4-reader peer loop healthy paths went SUSPECT ~300 and DOWN ~11 times in 10 s
-        (each DOWN a rebuild; the probes waited behind 4 MiB READs on the same QP).
-        A QP number no path has any more is ignored, and so is a path not alive: a READ
-        that completed before its path went DOWN must not bring the rebuilt one UP (its
-        heartbeat does, checking the peer's incarnation)."""
-        for p in self.paths:
-            if p.qp is not None and p.qp.qp_num == qpn and p.m.alive:
-                now = self.clock()
-                self.reads.native_traffic(now)
-                self.pathset.note(p.m.traffic(now))
-                return
+        """A READ C posted on the path of QP ``qpn`` completed successfully: evidence
+        that the path lives (:meth:`.native.NativePaths.done`)."""
+        self.native.done(qpn)
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -213,7 +213,7 @@ async def test_authenticated_nonsense_does_not_kill_the_server(
                 {"op": "path", "vqp": "x", "path": "zero", "nic": LO, "conn": {}},
                 {"op": "path", "vqp": "x", "path": 0, "nic": "10.255.255.1", "conn": {}},
                 {"op": "nope"}, ["not", "a", "dict"]):
-        ch = await client._open_channel(LO, port, None)
+        ch = await client.requester.open_channel(LO, port, None)
         with trio.fail_after(10):
             try:
                 await ch.request(bad)
@@ -384,7 +384,7 @@ async def test_hostile_connection_racing_the_client_reads_nothing(
     from rdma.providers.soft import wire
 
     srv, port = server
-    ch = await client._open_channel(LO, port, None)
+    ch = await client.requester.open_channel(LO, port, None)
     nic = client.nics[LO]
     cq = nic.ctx.create_cq(8)
     qp = nic.pd.create_qp(QPInitAttr(send_cq=cq, cap=QPCap(max_send_wr=4)))
