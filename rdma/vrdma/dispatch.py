@@ -56,8 +56,9 @@ from ..enums import (
     IBV_WR_RDMA_READ,
 )
 from ..errors import PathClosed, PeerUnreachable, PostError, WCError
+from ..tuning import SQ_DEPTH
 from .heartbeat import HeartbeatConfig
-from .path import SQ_DEPTH, Path, choose_path
+from .path import Path, choose_path
 from .pathset import PathSet
 from .vmr import VMR, RemoteVMR
 

@@ -62,16 +62,17 @@ is parsed by :func:`decode` and one schema per handshake message; any failure is
 * A deadline for the whole handshake (``timeout``, 2 s by default), not per read: a
   slowloris client sending one byte at a time is dropped at 2 s.  A loopback connect +
   handshake takes 0.55 ms (median; p99 0.92 ms, 300 runs), so 2 s is ~2,000× that.
-* :class:`PreAuthGate`, per listener: at most ``PER_SOURCE`` = 32 unauthenticated
-  connections from one address (a further one is closed at once) and ``TOTAL`` = 128 in
-  all (the oldest pending handshake is then dropped for the new one: a real client is
-  through in about a millisecond, an idle attacker's connection is what gets old).
-  Each is one fd: a node has two listeners (vRDMA and RPC), so at most 256 of its 1,024
-  fds are ever held by unauthenticated peers (10,000 idle connections had
-  taken all 1,024).  32 from one address is above what one host's processes open at
-  once (one mount: a path per NIC pair (≤ 16) plus its dials and ``rpc.OPENING`` = 8
-  RPC handshakes).  Refusals are logged at most once per ``LOG_EVERY`` = 10 s, with a
-  count of the lines skipped.  Measured (``tests/rdma/test_vrdma_hostile.py``, both ends
+* :class:`PreAuthGate`, per listener: at most ``PREAUTH_PER_SOURCE`` = 32
+  unauthenticated connections from one address (a further one is closed at once) and
+  ``PREAUTH_TOTAL`` = 128 in all (the oldest pending handshake is then dropped for the
+  new one: a real client is through in about a millisecond, an idle attacker's
+  connection is what gets old). Each is one fd: a node has two listeners (vRDMA and
+  RPC), so at most 256 of its 1,024 fds are ever held by unauthenticated peers (10,000
+  idle connections had taken all 1,024).  32 from one address is above what one host's
+  processes open at once (one mount: a path per NIC pair (≤ 16) plus its dials and
+  kspeedfs's ``RPC_OPENING`` = 8 RPC handshakes).  Refusals are logged at most once per
+  ``REFUSAL_LOG_EVERY`` = 10 s, with a count of the lines skipped.
+  Measured (``tests/rdma/test_vrdma_hostile.py``, both ends
   in one process, caps lifted so only the frame cap bounds memory): 300 connections
   each sending a 1 MiB − 1 frame plus 300 holding a partial 4 KB frame cost +5 MB RSS
   while held, and every fd comes back when they close.
@@ -94,6 +95,7 @@ from typing import Any
 import trio
 
 from ..errors import AuthenticationError, HandshakeError
+from ..tuning import PREAUTH_PER_SOURCE, PREAUTH_TOTAL, REFUSAL_LOG_EVERY
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +107,6 @@ PREAUTH_DEPTH = 1            #: handshake messages are flat objects
 NONCE_BYTES = 32
 MAC_BYTES = 32
 NODE_NAME_MAX = 256
-PER_SOURCE = 32              #: unauthenticated connections from one address, per listener
-TOTAL = 128                  #: unauthenticated connections in all, per listener
-LOG_EVERY = 10.0             #: seconds between two refusal log lines of one listener
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -413,8 +412,8 @@ class PreAuthGate:
     """Admission of unauthenticated connections for one listener (see the module
     docstring): ``per_source`` from one address, ``total`` in all; counters for stats."""
 
-    def __init__(self, name: str, per_source: int = PER_SOURCE, total: int = TOTAL,
-                 log_every: float = LOG_EVERY) -> None:
+    def __init__(self, name: str, per_source: int = PREAUTH_PER_SOURCE, total: int = PREAUTH_TOTAL,
+                 log_every: float = REFUSAL_LOG_EVERY) -> None:
         self.name = name
         self.per_source, self.total = per_source, total
         self._pending: dict[int, tuple[str, trio.CancelScope]] = {}   # oldest first

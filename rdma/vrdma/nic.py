@@ -13,12 +13,10 @@ from dataclasses import dataclass
 
 from ..api import PD, Context, Device, get_device_list
 from ..errors import RdmaError
+from ..tuning import MAX_RD_ATOMIC
 
 #: the endpoint's log lines keep the logger name they always had (operators filter on it)
 log = logging.getLogger("rdma.vrdma.endpoint")
-
-#: outstanding READs one path QP keeps in flight (``max_rd_atomic``), capped by the device
-MAX_RD_ATOMIC = 16
 
 
 @dataclass

@@ -56,13 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: send-queue depth of every path QP; one slot is kept for the heartbeat probe
-SQ_DEPTH = 256
-#: more send-queue entries, beyond SQ_DEPTH, for READs posted in C beside the vQP's (the
-#: FUSE engine's native fetch, FE_FETCH_MAX in native/fuse_fetch.h): they never take a
-#: slot the dispatcher counts on
-NATIVE_SQ_DEPTH = 256
-
 
 class PathState(enum.Enum):
     UP = "UP"

@@ -29,11 +29,12 @@ import trio
 from ..api import ConnInfo, QPCap, QPInitAttr
 from ..enums import IBV_ACCESS_LOCAL_WRITE, IBV_QPS_RESET
 from ..errors import HandshakeError, PeerUnreachable
+from ..tuning import NATIVE_SQ_DEPTH, SQ_DEPTH
 from .dial import DialFailed, dial
 from .handshake import Channel, aclose_quietly, client_handshake, keepalive, qp_token
 from .heartbeat import HeartbeatConfig
 from .nic import LocalNIC
-from .path import NATIVE_SQ_DEPTH, SQ_DEPTH, Path
+from .path import Path
 from .peer import Peer
 
 if TYPE_CHECKING:

@@ -61,11 +61,12 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..errors import PathClosed, PeerUnreachable, RdmaUserError
+from ..tuning import SQ_DEPTH
 from .dispatch import Overrun, ReadDispatcher
 from .heartbeat import HeartbeatConfig
 from .monitor import HeartbeatMonitor
 from .native import NativePaths, NativeTarget
-from .path import SQ_DEPTH, Path, PathState, PathStats, Transition
+from .path import Path, PathState, PathStats, Transition
 from .pathset import PathSet
 from .peer import Peer
 from .rebuild import ConnectPath, Rebuilder

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rdma.errors import AuthenticationError, HandshakeError
+from rdma.tuning import PREAUTH_PER_SOURCE
 from rdma.vrdma import Endpoint
 from rdma.vrdma import handshake as hs
 from tests.fixtures.hostile import (
@@ -190,8 +191,8 @@ async def test_idle_connections_are_capped_per_source_and_fds_come_back(
         port = await srv.listen(LO)
         base = fd_count()
         idle = await connect_many(port, 300, ["127.0.0.2"])
-        assert await settle(lambda: srv.gate.refused >= 300 - hs.PER_SOURCE)
-        assert srv.gate.pending == hs.PER_SOURCE
+        assert await settle(lambda: srv.gate.refused >= 300 - PREAUTH_PER_SOURCE)
+        assert srv.gate.pending == PREAUTH_PER_SOURCE
         assert (await _legit_info(port))["node"] == "srv"    # served meanwhile
         await close_all(idle)
         assert await settle(lambda: fd_count() <= base and srv.gate.pending == 0)

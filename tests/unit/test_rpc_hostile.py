@@ -28,6 +28,7 @@ from kspeedfs.cluster.arena import Arena, Geometry
 from kspeedfs.cluster.fetch import Peers
 from kspeedfs.cluster.membership import NodeRecord
 from kspeedfs.errors import KspeedfsError
+from rdma.tuning import PREAUTH_PER_SOURCE
 from rdma.vrdma import Endpoint
 from rdma.vrdma import handshake as hs
 from tests.fixtures.hostile import (
@@ -133,7 +134,7 @@ async def test_rpc_idle_flood_is_capped_and_requests_are_served() -> None:
     async with _rpc_server(gate) as port:
         base = fd_count()
         idle = await connect_many(port, 300, ["127.0.0.2", "127.0.0.3"])
-        assert await settle(lambda: gate.refused >= 300 - 2 * hs.PER_SOURCE)
+        assert await settle(lambda: gate.refused >= 300 - 2 * PREAUTH_PER_SOURCE)
         client = rpc.RpcClient(SECRET, "me", [LO], port, timeout=2)
         assert await client.request({"op": "ping"}) == {"pong": True}
         await client.aclose()

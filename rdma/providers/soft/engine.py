@@ -21,14 +21,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ...errors import ConnectError, RdmaError, from_oserror
+from ...tuning import CONNECT_TIMEOUT_S
 from . import wire
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: Default bound on the TCP connect + HELLO exchange of ``to_rtr`` (seconds).
-CONNECT_TIMEOUT_S = 5.0
 
 
 def native() -> Any:

@@ -41,7 +41,7 @@ from ...enums import (
 )
 from ...errors import PostError, QPStateError, RdmaUserError
 from ...qp_state import total_timeout_seconds
-from .engine import CONNECT_TIMEOUT_S
+from ...tuning import CONNECT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from .cq import SoftCQ

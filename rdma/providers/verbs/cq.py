@@ -13,21 +13,21 @@ What we do: a poller thread with backoff
 One :class:`Poller` thread per opened device polls the device's CQs with the
 non-blocking ``ibv_poll_cq`` (a few µs, GIL held only for that), moves the WCs into each
 CQ's queue and signals the CQ's eventfd, which is ``CQ.fd``.  Between rounds it sleeps,
-starting at ``MIN_SLEEP`` and doubling up to ``MAX_SLEEP`` while nothing completes; any
+starting at ``CQ_MIN_SLEEP`` and doubling up to ``CQ_MAX_SLEEP`` while nothing completes; any
 completion resets the sleep.  It parks on an Event (no wake-ups at all) when no QP of the
-device has a signaled send or a receive outstanding and nothing completed for ``LINGER``
+device has a signaled send or a receive outstanding and nothing completed for ``CQ_LINGER``
 seconds; every post wakes it.
 
 ``CQ.poll()`` itself also polls the hardware directly (after handing out what the
 thread already queued, under the same lock, so order is kept): a caller that busy-polls
 pays no thread hop.  Only a *waiting* caller (``poll_async``, ``poll_wait``) depends on
-the thread, and pays at most one sleep period of latency: ≤ ``MAX_SLEEP`` (1 ms) on a
-CQ that has been idle, ~``MIN_SLEEP`` plus a GIL hand-off on a busy one.  Measured in the
+the thread, and pays at most one sleep period of latency: ≤ ``CQ_MAX_SLEEP`` (1 ms) on a
+CQ that has been idle, ~``CQ_MIN_SLEEP`` plus a GIL hand-off on a busy one.  Measured in the
 rxe guest (tests/vm): see docs/verbs.md.
 
-Cost: while work is outstanding, up to 1/MIN_SLEEP wake-ups per second per device (in
+Cost: while work is outstanding, up to 1/CQ_MIN_SLEEP wake-ups per second per device (in
 practice ~5–10k/s given timer slack) with the GIL held a few µs each; idle devices cost
-nothing after ``LINGER``.  A pyverbs ≥ 57 build could replace all this with the channel
+nothing after ``CQ_LINGER``.  A pyverbs ≥ 57 build could replace all this with the channel
 fd; the eventfd contract of ``CQ.fd`` would not change.
 
 Send-queue accounting lives here too: RC completes in order, so a send WC for ``wr_id``
@@ -49,6 +49,7 @@ from pyverbs.cq import CQ as _CQ
 
 from ...api import CQ, WC
 from ...enums import ibv_wc_opcode, ibv_wc_status
+from ...tuning import CQ_BATCH, CQ_LINGER, CQ_MAX_SLEEP, CQ_MIN_SLEEP
 from .errors import mapped
 
 if TYPE_CHECKING:
@@ -56,11 +57,6 @@ if TYPE_CHECKING:
     from .qp import VerbsQP
 
 log = logging.getLogger(__name__)
-
-MIN_SLEEP = 50e-6
-MAX_SLEEP = 1e-3
-LINGER = 2.0
-BATCH = 32
 
 _STATUS = {int(s): s for s in ibv_wc_status}
 _OPCODE = {int(o): o for o in ibv_wc_opcode}
@@ -94,7 +90,7 @@ class Poller:
             self._thread.join(5)
 
     def _run(self) -> None:
-        sleep = MIN_SLEEP
+        sleep = CQ_MIN_SLEEP
         last_hit = time.monotonic()
         while not self._stop:
             got = busy = 0
@@ -106,16 +102,16 @@ class Poller:
                     log.debug("poller: %r", cq, exc_info=True)
             now = time.monotonic()
             if got:
-                sleep, last_hit = MIN_SLEEP, now
+                sleep, last_hit = CQ_MIN_SLEEP, now
                 continue
-            if not busy and now - last_hit > LINGER:
+            if not busy and now - last_hit > CQ_LINGER:
                 self._wake.clear()      # then re-check: a post or stop() may have raced
                 if not self._stop and not any(cq._busy() for cq in list(self._cqs)):
                     self._wake.wait()
-                sleep, last_hit = MIN_SLEEP, time.monotonic()
+                sleep, last_hit = CQ_MIN_SLEEP, time.monotonic()
                 continue
             time.sleep(sleep)
-            sleep = min(MAX_SLEEP, sleep * 2)
+            sleep = min(CQ_MAX_SLEEP, sleep * 2)
 
 
 class VerbsCQ(CQ):
@@ -194,7 +190,7 @@ class VerbsCQ(CQ):
         with self._lock:
             if self._closed:
                 return 0
-            wcs = self._hw_poll(BATCH)
+            wcs = self._hw_poll(CQ_BATCH)
             if wcs:
                 self._queue.extend(wcs)
             if self._queue and not self._signalled:
