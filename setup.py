@@ -23,7 +23,8 @@ FUSE_ENGINE_SOURCES = ["native/fuse_engine.c", "native/fuse_mount.c", "native/fu
 ext_modules: list[Extension] = [
     # rdma/ soft provider: socket I/O into registered memory, eventfd completions, no GIL
     Extension("rdma._soft_engine", ["native/soft_engine_py.c", *SOFT_ENGINE_SOURCES],
-              depends=["native/soft_engine.h", "native/soft_engine_i.h", "native/py_errno.h"],
+              depends=["native/soft_engine.h", "native/soft_engine_i.h", "native/py_errno.h",
+                       "native/tuning.h"],
               include_dirs=["native"],
               extra_compile_args=CFLAGS),
     # kspeedfs/fuse native engine: /dev/fuse request threads and io_uring queues (liburing,
@@ -34,7 +35,8 @@ ext_modules: list[Extension] = [
                                         "native/fuse_fetch_py.c", *FUSE_ENGINE_SOURCES],
               depends=["native/fuse_engine.h", "native/fuse_engine_i.h", "native/fuse_engine_py.h",
                        "native/fuse_tier.h", "native/fuse_uring_abi.h", "native/fuse_fetch.h",
-                       "native/fuse_xxh.h", "native/soft_engine.h", "native/py_errno.h"],
+                       "native/fuse_xxh.h", "native/soft_engine.h", "native/py_errno.h",
+                       "native/tuning.h"],
               include_dirs=["native"], libraries=["uring"], extra_compile_args=CFLAGS),
 ]
 

@@ -60,6 +60,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "tuning.h"
+
 #define KS_MAGIC 0x4452534Bu /* "KSRD" little-endian */
 #define KS_VERSION 1
 #define KS_HDR_LEN 32
@@ -70,17 +72,11 @@
 #define KS_MAX_SGE 16
 #define KS_MAX_WR 16384
 #define KS_MAX_PENDING (4u << 20) /* buffered SEND bytes with no RECV posted */
-#define KS_HELLO_TIMEOUT_MS 2000  /* HELLO must arrive within this after accept */
 #define KS_MAX_QP 4096            /* per engine; qpn: 24 random bits, see qpn_tab */
 #define KS_MAX_MR 4096            /* per engine; key = random << 12 | slot */
 #define KS_MAX_CQ 1024
-#define KS_MAX_HELLO_CONNS 256  /* accepted, no valid HELLO yet (all sources) */
-#define KS_MAX_HELLO_PER_SRC 64 /* the same, per source IPv4 address */
-#define KS_QP_CANDIDATES 4      /* HELLO'd connections a QP holds before RTR */
+#define KS_QP_CANDIDATES 4 /* HELLO'd connections a QP holds before RTR */
 #define KS_HELLO_BUF (KS_HDR_LEN + KS_HELLO_FIXED + KS_MAX_PDATA) /* largest HELLO */
-#define KS_RESP_JOBS 1024 /* queued READ responses / SEND acks per connection */
-#define KS_STAGE 16384    /* rx staging buffer (headers, small payloads) */
-#define KS_SMALL 4096     /* responses up to this are read via the stage */
 
 enum ks_opcode {
     KS_OP_HELLO = 1,

@@ -24,24 +24,7 @@
 #include "soft_engine.h"
 
 #define KS_IOV 64
-#define KS_TX_BUDGET (8u << 20) /* bytes per handler call before releasing the lock */
-#define KS_RX_BUDGET (8u << 20)
-/* While a READ response has at least this much payload to come, the requester socket's
- * SO_RCVLOWAT is raised to it: one wake-up per KS_LOWAT bytes instead of one per skb.
- * (The transport timer counts bytes we have read, so a path slower than
- * KS_LOWAT per timeout could time out early; 256 KiB per ~0.5 s is far below any NIC.) */
-#ifndef KS_LOWAT
-#define KS_LOWAT (256u << 10)
-#endif
-#define KS_LOWAT_MIN (16u << 10) /* below this the setsockopt costs more than it saves */
-/* A post whose READs ask for at least this many bytes rings the doorbell even on an idle
- * QP (design notes, "Requester"): their transfer takes 20-100x the engine thread's wake. */
-#define KS_DOORBELL_READ (1u << 20)
 #define KS_QPN_TAB (2 * KS_MAX_QP) /* open-addressing QPN -> QP table, load <= 1/2 */
-/* accepts per listener event, so the HELLOs of the connections already accepted are read
- * in between */
-#define KS_ACCEPT_BATCH 16
-#define KS_LISTEN_PAUSE_MS 100 /* out of fds (EMFILE...): stop accepting this long */
 
 /* Every field names its guard.  `e` is the object's engine throughout; "read-only" fields
  * are set before the object is published in an engine table and never change after. */
