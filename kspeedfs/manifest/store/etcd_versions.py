@@ -123,9 +123,9 @@ class VersionRecords:
         raw, _ = self._get(key)
         if raw is None:
             return None
-        return self._verified(key, raw, name, version)
+        return self.verified(key, raw, name, version)
 
-    def _verified(self, key: str, raw: bytes, name: str, version: int) -> dict[str, Any]:
+    def verified(self, key: str, raw: bytes, name: str, version: int) -> dict[str, Any]:
         """The verified info record stored at ``key`` (the class docstring's checks)."""
         record: dict[str, Any] = self._signer().open_json(key, raw)
         try:
@@ -183,7 +183,7 @@ class VersionRecords:
                 log.warning("etcd: dataset %r: current=%r is not a version; skipped", name, value)
                 continue
             try:
-                record = self._verified(base + rel_info, raw, name, version)
+                record = self.verified(base + rel_info, raw, name, version)
             except RecordUnverified:    # the signer logged it (once): not listed
                 log.debug("etcd: dataset %r v%d has no valid signature; not listed", name, version)
                 continue
