@@ -622,7 +622,7 @@ def test_etcd_restart_reads_continue(world) -> None:
     crash in native code leaves faulthandler's "Fatal Python error" in its log: Debian's
     gRPC 1.51 did that now and then, etcd_client.py). A dataset no node has opened yet
     is read from its source meanwhile, without waiting for etcd per chunk (its owners
-    cannot fetch its manifest: they refuse at once, node.py ``Node.dataset``; before,
+    cannot fetch its manifest: they refuse at once, share.py ``Share.dataset``; before,
     each chunk waited etcd_timeout, 5 s, per owner). A mount's daemon SIGKILLed during
     the outage is resumed from its supervisor's copy of the manifest and reads from the
     peers its predecessor knew (the node list it kept: membership.py ``keep``), not from

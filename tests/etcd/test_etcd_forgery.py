@@ -27,7 +27,8 @@ from kspeedfs.errors import ManifestCorrupt, RecordUnverified
 from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.index import ManifestIndex
 from kspeedfs.manifest.store import open_store
-from kspeedfs.manifest.store.etcd import PART_SIZE, EtcdStore
+from kspeedfs.manifest.store.etcd import EtcdStore
+from kspeedfs.manifest.store.etcd_parts import PART_SIZE
 from kspeedfs.manifest.store.signature import RecordSigner
 from tests.fixtures.etcd import EtcdServer
 

@@ -357,7 +357,7 @@ def test_etcd_missing_part_and_orphans(etcd_server: EtcdServer) -> None:
     with backend.open() as store:
         blob = os.urandom(2 * MiB + 3)
         store.publish(make_info(), blob)
-        orphan = store._allocate("imagenet")  # type: ignore[attr-defined]
+        orphan = store.records.allocate("imagenet")  # type: ignore[attr-defined]
         raw = backend.raw()
         try:
             raw.put(store.part_key("imagenet", orphan, 0), b"orphan")  # type: ignore[attr-defined]

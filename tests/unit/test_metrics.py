@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kspeedfs import metrics
 from kspeedfs.cluster.arena import ArenaStatistics
-from kspeedfs.cluster.node import NodeCounters
+from kspeedfs.cluster.node_stats import NodeCounters
 from kspeedfs.config import parse_listen
 from kspeedfs.errors import ConfigError
 from kspeedfs.fuse.boundary import OpStats, fuse_op

@@ -29,7 +29,8 @@ from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.index import ManifestIndex, inflate
 from kspeedfs.manifest.store import open_store
 from kspeedfs.manifest.store.base import DatasetInfo
-from kspeedfs.manifest.store.etcd import PART_SIZE, EtcdStore
+from kspeedfs.manifest.store.etcd import EtcdStore
+from kspeedfs.manifest.store.etcd_parts import PART_SIZE
 from kspeedfs.manifest.store.signature import RecordSigner, canonical_json, derive_key
 
 SECRET = b"0123456789abcdef-test-secret"
@@ -104,7 +105,7 @@ def test_refusal_logged_once_per_value(caplog: pytest.LogCaptureFixture) -> None
 def test_store_without_secret_refuses_datasets() -> None:
     store = _store(None)
     with pytest.raises(ConfigError, match="secret"):
-        store._info_record("/t/datasets/ds/v3/info", b"{}", "ds", 3)
+        store.records.verified("/t/datasets/ds/v3/info", b"{}", "ds", 3)
     with pytest.raises(ConfigError, match="secret"):
         _node().signed(store)
     embedded = open_store(StoreConfig(backend="embedded", path="/tmp/kst-never-used"), None)
@@ -141,7 +142,7 @@ def test_signed_but_deep_or_huge_payloads() -> None:
     key = "/t/datasets/ds/v3/info"
     for payload in (b"[" * 100_000, b"{\"a\":" * 50_000, b"1" * 5000, b"1e999", b'"\\ud800"', b"\xff\xfe"):
         with pytest.raises(StoreError):
-            s._info_record(key, s.signer.seal(key, payload), "ds", 3)
+            s.records.verified(key, s.signer.seal(key, payload), "ds", 3)
     with pytest.raises(ValueError):
         NodeRecord.from_json(b"[" * 100_000)
 
@@ -175,8 +176,8 @@ def test_fuzz_dataset_info_wrong_fields(key: str, value: Any, drop: bool) -> Non
     etcd_key = "/t/datasets/ds/v3/info"
     try:
         # json.dumps, not canonical_json: NaN and Infinity literals reach the parser too
-        got = store._info_record(etcd_key, store.signer.seal(etcd_key, json.dumps(record).encode()),
-                                 "ds", 3)
+        got = store.records.verified(etcd_key, store.signer.seal(etcd_key, json.dumps(record).encode()),
+                                     "ds", 3)
     except StoreError:
         return
     info = DatasetInfo.from_json(got)
