@@ -19,7 +19,7 @@ import s3://bench-s3/``) into an embedded store. The bucket holds
                                       8 MiB ranged parts, 10 at once), as many threads
                     kspeedfs-origin   ``origin.load(k)`` of every mix/ chunk from
                                       ``cluster.preload_workers`` threads: what a
-                                      node's preload runs (``Node._fill`` → TierChain
+                                      node's preload runs (``Reconciler._fill`` → TierChain
                                       → ``S3Origin.load`` in a worker thread), the
                                       per-extent xxh3 check included
                     kspeedfs-cold     every mix/ file read whole through a fresh

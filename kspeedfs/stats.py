@@ -10,7 +10,7 @@ is made from it with ``dataclasses.asdict`` only where it leaves the process:
     ReadStatistics      here            Reader.statistics()    the mount's read path
     PeerStatistics      cluster/fetch   Peers.statistics()     reads from peer arenas
     ArenaStatistics     cluster/arena   Arena.statistics()     a node's memory arena
-    NodeStatistics      cluster/node    Node.statistics()      a node: the ``stats`` RPC
+    NodeStatistics      cluster/node_stats  Node.statistics()      a node: the ``stats`` RPC
                                                                and ``stats/<node>`` in etcd
 """
 from __future__ import annotations

@@ -39,7 +39,8 @@ from kspeedfs.cluster.arena import ArenaStatistics
 from kspeedfs.cluster.fetch import PeerStatistics
 from kspeedfs.cluster.lifecycle import MountRecord
 from kspeedfs.cluster.membership import Membership, NodeRecord, Registration
-from kspeedfs.cluster.node import EndpointStatistics, LinkStatistics, Node, NodeCounters, NodeStatistics
+from kspeedfs.cluster.node import Node
+from kspeedfs.cluster.node_stats import EndpointStatistics, LinkStatistics, NodeCounters, NodeStatistics
 from kspeedfs.config import StoreConfig
 from kspeedfs.errors import StoreError
 from kspeedfs.manifest.store.etcd import EtcdStore

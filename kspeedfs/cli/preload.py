@@ -1,7 +1,7 @@
 """``kspeedfs preload DATASET``: ask the cluster to hold a dataset version; show progress.
 
 The request is one etcd key (``preload/<dataset>``); every node loads its own share in
-parallel (``cluster/node.py`` reconcile) and reports to ``progress/``. This command
+parallel (``cluster/reconcile.py``) and reports to ``progress/``. This command
 only watches: interrupting it does not stop the preload, and running it again resumes
 the view (nodes skip what they already hold). ``--check`` asks every node which
 chunks it holds and prints cached % per node and the replica health of every chunk;

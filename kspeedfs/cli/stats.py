@@ -8,7 +8,7 @@ Where the numbers come from (this command keeps no counters of its own):
                  ``fuse/registry.py`` ``ask``), or, where that cannot be reached (not
                  root), as the ``user.kspeedfs.stats`` xattr of a ``fuse.xattrs=true`` mount
     --cluster    the ``stats/<node>`` records the live nodes publish to etcd every 2 s
-                 (``cluster/node.py`` NodeStatistics: arena, counters, reads, endpoint)
+                 (``cluster/node_stats.py`` NodeStatistics: arena, counters, reads, endpoint)
 
 A sample is the difference of two readings over the time between them, so the first
 one comes one interval after the start. A counter that went backwards (the mount's

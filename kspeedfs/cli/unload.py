@@ -1,7 +1,7 @@
 """``kspeedfs unload DATASET``: take a dataset out of the pooled cache.
 
 Its preload request goes; every node drops the dataset's chunks from its arena and SSD
-tier (``cluster/node.py`` reconcile), except chunks another preloaded dataset shares.
+tier (``cluster/reconcile.py``), except chunks another preloaded dataset shares.
 The versions stay in the store: ``kspeedfs preload`` brings it back. Mounts keep
 working (their reads go to the source, or to a peer that still holds a chunk).
 """

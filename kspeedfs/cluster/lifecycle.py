@@ -11,7 +11,7 @@ Priority. Every preload has a priority (``kspeedfs preload --priority``, default
 node's arena evicts chunks outside its share (not an owner any more, or of no preloaded
 dataset) first, oldest first, then the chunks of the lowest-priority dataset; never one
 of a higher priority for a chunk of its share, nor, without an SSD tier, one of the same
-(``cluster/arena.py``, ``Node.rank``). A preload is planned before it is requested
+(``cluster/arena.py``, ``Reconciler.rank``). A preload is planned before it is requested
 (:func:`plan`), so a job's preload cannot silently push out the dataset another job
 trains on: it must fit beside every dataset of equal or higher priority, or it is
 refused.
@@ -275,7 +275,7 @@ def request_preload(store: Any, name: str, req: PreloadRequest) -> None:
 
 def unload(store: Any, name: str) -> PreloadRequest | None:
     """Take ``name`` out of the pooled cache: its preload request and progress go; the
-    nodes drop its chunks (``Node.reconcile``). Returns the request that was removed."""
+    nodes drop its chunks (``Reconciler.reconcile``). Returns the request that was removed."""
     key = PreloadRequest.key(store.prefix, name)
     value, _ = store.call(lambda c: c.get(key))
     store.call(lambda c: c.delete(key))

@@ -53,14 +53,9 @@ from .arena_files import ArenaFiles, cluster_tag
 from .fetch import Peers
 from .hedge import from_config as hedge_from_config
 from .membership import Membership, NodeRecord, PrefixView, Registration
-from .node_stats import EndpointStatistics, LinkStatistics, NodeCounters, NodeStatistics
+from .node_stats import NodeCounters, NodeStatistics
 from .reconcile import Reconciler, release_forever
 from .share import Share
-
-# the statistics types are importable from here too: ``bench/sim/agents.py`` builds a
-# node's stand-in statistics from them beside ``Node``
-__all__ = ["EndpointStatistics", "LinkStatistics", "Node", "NodeCounters", "NodeStatistics",
-           "serve"]
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import os
 
-from ...config import Config, StoreConfig
-from .base import DatasetInfo, MetadataStore, check_name
+# gRPC's fork handlers (pthread_atfork) abort a process that forks while gRPC threads
+# run, and our processes do fork (test fixtures, daemons spawning helpers); no child of
+# ours ever uses the parent's channels, so the handlers are only a hazard. Set here, in
+# the package every etcd module is loaded through, because it must precede grpc's import.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from ...config import Config, StoreConfig  # noqa: E402
+from .base import DatasetInfo, MetadataStore, check_name  # noqa: E402
 
 __all__ = ["DatasetInfo", "MetadataStore", "check_name", "identity", "open_configured",
            "open_store"]

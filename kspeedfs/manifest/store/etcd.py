@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 from ...config import StoreConfig
 from ...errors import DatasetNotFound
 from .base import DatasetInfo, MetadataStore, check_name, verify_blob
-from .etcd_client import EtcdClient, watch_once  # first: it sets gRPC's fork option before grpc loads
+from .etcd_client import EtcdClient, watch_once
 from .etcd_parts import ManifestParts
 from .etcd_versions import VersionRecords
 from .signature import RecordSigner

@@ -53,7 +53,7 @@ Debian's and break the import), and do not set ``PROTOCOL_BUFFERS_PYTHON_IMPLEME
 The etcd3 import is lazy (``open_store`` imports this module only for backend etcd),
 so a broken client never affects the embedded store.
 
-The store (``etcd.py``: manifests) and membership (``cluster/membership.py``: leases,
+The store (``etcd.py``: datasets and manifests) and membership (``cluster/membership.py``: leases,
 watches) send every request through one :class:`EtcdClient`.
 """
 from __future__ import annotations
@@ -70,17 +70,11 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-# gRPC's fork handlers (pthread_atfork) abort a process that forks while gRPC threads
-# run, and our processes do fork (test fixtures, daemons spawning helpers); no child of
-# ours ever uses the parent's channels, so the handlers are only a hazard. Must be set
-# before grpc is imported.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-
-import etcd3  # noqa: E402
-import etcd3.exceptions as etcd_exc  # noqa: E402
-import etcd3.utils  # noqa: E402
-import grpc  # noqa: E402
-from etcd3 import etcdrpc  # noqa: E402
+import etcd3  # (after the package's __init__ set gRPC's fork option)
+import etcd3.exceptions as etcd_exc
+import etcd3.utils
+import grpc
+from etcd3 import etcdrpc
 
 from ...config import StoreConfig
 from ...errors import ConfigError, StoreError, StoreUnavailable
