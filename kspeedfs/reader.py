@@ -4,7 +4,7 @@ docs/design.md, "The steps of a read").
     read(entry, offset, size)
       → index.chunk_range()                 ② manifest lookup: which chunks
       → which unit: file, blocks, chunk     read_policy.py (no I/O: tested alone)
-      → chunk(k) for each, concurrently     (a random read that misses: block(k, b),
+      → chunk(k) for each, concurrently     (a random read that misses: read_blocks.py,
                                              the same tiers for 128 KiB, not 4 MiB)
           memory tier hit?                  ③ local cache (verified, immutable)
           else single-flight load:          cache/tiers.py TierChain (a node's too)
@@ -13,28 +13,33 @@ docs/design.md, "The steps of a read").
             origin, verified per extent     ⑤′ last resort; SourceChanged → EIO
           → memory (and disk) tier
       → slice and join                      reply
+      sequential stream?                    read_ahead.py: the next chunks, prefetched
 
-Every load runs in the reader's nursery so a cancelled FUSE request never cancels
-a load others wait for; blocking I/O and hashing run in worker threads (limited by
-``fuse.workers``) so the trio loop keeps answering the kernel.
+Here: the read itself, small files read alone, whole chunks, and the hand-off of the
+native engine's queued READs to C. Every load runs in the reader's nursery so a
+cancelled FUSE request never cancels a load others wait for; blocking I/O and hashing
+run in worker threads (limited by ``fuse.workers``) so the trio loop keeps answering
+the kernel.
 """
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .cache.disk import DiskCache
 from .cache.memory import MemoryCache
-from .cache.prefetch import Prefetcher, Stream
+from .cache.prefetch import Stream
 from .cache.singleflight import SingleFlight
 from .cache.tiers import Data, Loaded, TierChain
-from .errors import KspeedfsError, SourceChanged
+from .errors import SourceChanged
+from .fanout import each
 from .manifest.index import ManifestIndex
 from .manifest.model import Extent
 from .origin import Origin
+from .read_ahead import Push, ReadAhead
+from .read_blocks import BlockReads, block_key
 from .read_policy import ReadPolicy, is_random
 from .stats import Counters, ReadStatistics
 
@@ -43,50 +48,20 @@ if TYPE_CHECKING:
 
 __all__ = ["Data", "Push", "Reader", "block_key"]
 
-log = logging.getLogger(__name__)
-
-#: ``push(entry, chunk, data)``: hand a prefetched, verified chunk of an open file to the
-#: kernel page cache (fuse/pagecache.py) so the reader finds it there; returns the bytes
-#: stored, or None if the kernel refused
-Push = Callable[[int, int, Data], Awaitable["int | None"]]
-
-
-def block_key(chunk_key: bytes, block: int) -> bytes:
-    """Memory-tier key of a block: the chunk's key plus the block number (a chunk key is
-    16 bytes, so the two never meet)."""
-    return chunk_key + block.to_bytes(4, "little")
-
-
-async def _each(fn: Callable[..., Awaitable[None]], args: Iterable[tuple[Any, ...]]) -> None:
-    """``fn(*a)`` for every ``a``, concurrently. A kspeedfs error is raised as itself,
-    not inside the nursery's ExceptionGroup, so the FUSE boundary maps it to its errno
-    (a changed source file is EIO with its name logged, not an "unexpected error")."""
-    try:
-        async with trio.open_nursery() as n:
-            for a in args:
-                n.start_soon(fn, *a)
-    except BaseExceptionGroup as group:
-        mine, rest = group.split(KspeedfsError)
-        if mine is not None and rest is None:
-            first = mine.exceptions[0]
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from None
-        raise
-
 
 class Reader:
     """Bytes of a mounted dataset version's files, verified, from the nearest tier.
 
     ``read(entry, offset, size, stream)`` answers one FUSE read: it asks ``policy``
     which unit to load (the small file alone, blocks, or whole chunks), loads it through
-    ``tiers`` (memory → disk → peers → source, single-flight, verified) and slices the
-    reply; for a sequential ``stream`` it starts prefetching the next chunks of the file
-    (handing them to the kernel page cache when ``push`` is set). Errors are those of
-    :class:`TierChain`: ``ChunkUnavailable`` when no tier can produce a chunk,
-    ``SourceChanged`` (raised to the readers of the changed file only) — both EIO at the
-    FUSE boundary, never inside an ExceptionGroup. Loads run in ``nursery``; trio thread
-    only.
+    ``tiers`` (memory → disk → peers → source, single-flight, verified; blocks through
+    ``blocks``) and slices the reply; for a sequential ``stream`` ``ahead`` starts
+    prefetching the next chunks of the file (handing them to the kernel page cache when
+    given a ``push``). ``hand_off`` gives the native engine's queued READs to C when C
+    may answer them. Errors are those of :class:`TierChain`: ``ChunkUnavailable`` when no
+    tier can produce a chunk, ``SourceChanged`` (raised to the readers of the changed file
+    only) — both EIO at the FUSE boundary, never inside an ExceptionGroup. Loads run in
+    ``nursery``; trio thread only.
 
     Attributes:
         index: the manifest (flat arrays).
@@ -95,11 +70,15 @@ class Reader:
         peers: replicas over vRDMA, or None (no cluster).
         dataset: ``(name, version)`` as peers know it.
         nursery: runs loads, prefetches and page-cache pushes.
-        push: the page-cache push, or None.
-        counters: read-path counters, shared with ``tiers`` (``statistics()``).
+        counters: read-path counters, shared with ``tiers``, ``blocks`` and ``ahead``
+            (``statistics()``).
+        served_elsewhere: ``() -> (reads, bytes, memory hits)`` answered without this
+            object (the native engine's C threads, the library's calling threads serve
+            memory-tier hits), added to ``statistics()``; None: none.
         policy: the read decisions (``read_policy.ReadPolicy``).
-        prefetcher: per-stream sequential detection (``cache/prefetch.py``).
         tiers: the tier chain for chunks, and the single-flight for blocks and extents.
+        blocks: reads of a chunk's blocks for small random reads (``read_blocks.py``).
+        ahead: prefetch for sequential streams, and its budget (``read_ahead.py``).
     """
 
     def __init__(self, *, index: ManifestIndex, origin: Origin, memory: MemoryCache,
@@ -113,19 +92,21 @@ class Reader:
         self.peers = peers
         self.dataset = dataset
         self.nursery = nursery
-        self.push = push
         self.counters = Counters()
-        #: ``() -> (reads, bytes, memory hits)`` answered without this object (the native
-        #: engine's C threads serve memory-tier hits), added to ``statistics()``
         self.served_elsewhere: Callable[[], tuple[int, int, int]] | None = None
         self.policy = ReadPolicy(
             chunk_size=index.chunk_size, block_size=index.block_size, chunks=index.chunks,
             tier_bytes=memory.capacity + (disk.capacity if disk is not None else 0))
-        self.prefetcher = Prefetcher(prefetch_depth)
         self.tiers = TierChain(index=index, origin=origin, dataset=dataset, memory=memory,
                                disk=disk, peers=peers, flights=SingleFlight(nursery),
                                limiter=trio.CapacityLimiter(workers), counters=self.counters,
                                landed=self._landed)
+        self.blocks = BlockReads(index=index, origin=origin, memory=memory, disk=disk,
+                                 tiers=self.tiers, policy=self.policy, counters=self.counters,
+                                 chunk=self._chunk_for)
+        self.ahead = ReadAhead(index=index, memory=memory, tiers=self.tiers, policy=self.policy,
+                               counters=self.counters, nursery=nursery, depth=prefetch_depth,
+                               chunk=self._chunk_for, push=push)
 
     def statistics(self) -> ReadStatistics:
         gauges = dict(memory_bytes=self.memory.used, memory_resident_bytes=self.memory.resident_used,
@@ -155,9 +136,7 @@ class Reader:
         if not chunks:
             return [b""]
         if stream is not None:
-            last = (ix.data[entry] + ix.size[entry] - 1) // ix.chunk_size   # the file's last chunk
-            for k in self.prefetcher.advise(stream, offset, size, chunks, last):
-                self.prefetch(entry, k)
+            self.ahead.advise(entry, stream, offset, size, chunks)
         start = ix.data[entry] + offset
         end = ix.data[entry] + min(offset + size, ix.size[entry])
         c = ix.chunk_size
@@ -175,7 +154,7 @@ class Reader:
                 lo = max(start, k * c) - k * c
                 parts[i] = await self._part(entry, k, lo, min(end, (k + 1) * c) - k * c, random)
 
-            await _each(one, enumerate(chunks))
+            await each(one, enumerate(chunks))
             self.counters.add("read_bytes", sum(len(p) for p in parts))
             return parts
         self.counters.add("read_bytes", len(out))
@@ -185,30 +164,19 @@ class Reader:
         """Bytes [lo, hi) of chunk ``k``: from its blocks for a small random read (a read
         across a chunk boundary too: the two ends are two small parts), else from the
         whole chunk."""
-        if self._by_blocks(k, lo, hi, random):
-            return await self._blocks(entry, k, lo, hi)
+        if self.blocks.wanted(k, lo, hi, random):
+            return await self.blocks.read(entry, k, lo, hi)
         data = memoryview(await self._chunk_for(entry, k))
         return data[lo:hi]                      # a view: pyfuse3 replies from any buffer
 
-    def _by_blocks(self, k: int, lo: int, hi: int, random: bool) -> bool:
-        """Whether bytes [lo, hi) of chunk ``k`` come from its blocks: a small random read
-        (``ReadPolicy.blocks_for``) of a chunk in no local tier and not loading."""
-        return random and self.policy.blocks_for(k, lo, hi) and not self._near(k)
-
-    def _near(self, k: int) -> bool:
-        """Whether chunk ``k`` is in a local tier or loading already."""
-        key = self.index.chunk_digest(k)
-        return (key in self.memory or self.tiers.in_flight(key)
-                or (self.disk is not None and key in self.disk))
-
-    # -- a small file alone ----------------------------------------------------------------
+    # -- the native engine's queued READs -------------------------------------------------
 
     def hand_off(self, entry: int, read: tuple[Any, ...]) -> bool:
         """Whether the native fetch took ``read``, a READ of ``entry`` the native engine
         queued (fd, unique, offset, size, random, since): a small file read alone, or a
         random read inside one block (``read_parts``' rules), whose extent or block C
         READs, verifies and answers it from (``TierChain.start_extent``,
-        ``start_block``); or a sequential read, parked in C on its chunks' fetches
+        ``BlockReads.hand``); or a sequential read, parked in C on its chunks' fetches
         (``TierChain.hand_chunks``). False: the caller answers it."""
         small = self._small_extent(entry)
         if small is not None:
@@ -216,32 +184,9 @@ class Reader:
         if not read[4]:                 # sequential: its whole chunks, the READ parked on them
             chunks = self.index.chunk_range(entry, read[2], read[3])
             return bool(chunks) and self.tiers.hand_chunks(chunks, entry, read)
-        block = self._random_block(entry, read[2], read[3], read[4])
-        if block is None:
-            return False
-        k, b = block
-        if not self.tiers.start_block(k, b, block_key(self.index.chunk_digest(k), b), entry,
-                                      read):
-            return False
-        self.counters.add("block_reads")        # (as _blocks counts one)
-        self.policy.block_loaded(k)
-        return True
+        return self.blocks.hand(entry, read)
 
-    def _random_block(self, entry: int, offset: int, size: int,
-                      random: int) -> tuple[int, int] | None:
-        """(chunk, block) when a random read of [offset, offset + size) of ``entry`` is
-        answered from one block (``_part``'s rule), else None."""
-        ix = self.index
-        chunks = ix.chunk_range(entry, offset, size)
-        if not random or len(chunks) != 1:
-            return None
-        k, c = chunks[0], ix.chunk_size
-        lo = ix.data[entry] + offset - k * c
-        hi = ix.data[entry] + min(offset + size, ix.size[entry]) - k * c
-        if hi <= lo or not self._by_blocks(k, lo, hi, True):
-            return None
-        span = self.policy.blocks(lo, hi)
-        return (k, span[0]) if len(span) == 1 else None
+    # -- a small file alone ----------------------------------------------------------------
 
     def _small_extent(self, entry: int) -> tuple[int, Extent] | None:
         """(chunk, extent) when a read of ``entry`` loads the small file's one extent
@@ -280,48 +225,6 @@ class Reader:
         self.memory.put(ext.digest, data)
         return Loaded(data, "source")
 
-    # -- blocks of a chunk -----------------------------------------------------------------
-
-    async def _blocks(self, entry: int, k: int, lo: int, hi: int) -> Data:
-        """Bytes [lo, hi) of chunk ``k`` from the blocks that hold them."""
-        B = self.index.block_size
-        span = self.policy.blocks(lo, hi)
-        self.counters.add("block_reads")
-        if len(span) == 1:
-            data = await self._block(entry, k, span[0])
-            return memoryview(data)[lo - span[0] * B:hi - span[0] * B]
-        parts: list[Data] = [b""] * len(span)
-
-        async def one(b: int) -> None:
-            data = await self._block(entry, k, b)
-            parts[b - span[0]] = memoryview(data)[max(lo, b * B) - b * B:min(hi, (b + 1) * B) - b * B]
-
-        await _each(one, ((b,) for b in span))
-        return b"".join(parts)
-
-    async def _block(self, entry: int, k: int, b: int) -> Data:
-        """Verified block ``b`` of chunk ``k``, kept in the memory tier (``block_key``)."""
-        key = block_key(self.index.chunk_digest(k), b)
-        return await self.tiers.get(key, self._load_block, entry, k, b, key)
-
-    async def _load_block(self, entry: int, k: int, b: int, key: bytes) -> Loaded:
-        ix = self.index
-        B, length, digest = ix.block_size, ix.block_len(k, b), ix.block_digest(k, b)
-        data = await self.tiers.from_peers(k, ix.chunk_digest(k), part=(b * B, length, digest))
-        tier = "peer"
-        if data is None:
-            data = await self.tiers.from_source(k, self.origin.load_block, k, b)
-            if data is None:                   # the source changed: the chunk load says where
-                self.counters.add("block_fallbacks")
-                chunk = await self._chunk_for(entry, k)
-                return Loaded(chunk[b * B:b * B + length], "chunk")
-            self.counters.add("source_blocks")
-            self.counters.add("source_bytes", len(data))
-            tier = "source"
-        self.memory.put(key, data)
-        self.policy.block_loaded(k)
-        return Loaded(data, tier)
-
     # -- whole chunks ----------------------------------------------------------------------
 
     async def _chunk_for(self, entry: int, k: int) -> Data:
@@ -338,68 +241,27 @@ class Reader:
 
     async def chunk(self, k: int) -> Data:
         """Verified bytes of chunk ``k`` from the nearest tier that has them."""
-        self.policy.ahead.discard(self.index.chunk_digest(k))
+        self.ahead.reached(k)
         return await self.tiers.chunk(k)
 
-    def reached(self, k: int) -> None:
-        """A read reached chunk ``k`` (the native engine's hint says so): it no longer
-        counts as prefetched ahead, even while it is still loading. (Counted until it
-        was served, a chunk its reader waited for held the budget, and the next chunk's
-        prefetch was skipped: each skip cost ~3 READs answered in Python, the kernel's
-        readahead sending a chunk's READs at once.)"""
-        self.policy.ahead.discard(self.index.chunk_digest(k))
-
     def _landed(self, k: int, key: bytes, loaded: Loaded) -> None:
-        """Chunk ``k`` is in the memory tier: blocks of it that random reads loaded go (the
-        chunk serves them now, and a resident block would hold room for good)."""
-        if self.policy.chunk_loaded(k):
-            for b in range(self.index.block_count(k)):
-                self.memory.discard(block_key(key, b))
+        """Chunk ``k`` is in the memory tier (``TierChain.landed``): its blocks go
+        (``BlockReads.landed``)."""
+        self.blocks.landed(k, key)
 
-    # -- prefetch --------------------------------------------------------------------------
+    # -- prefetch: read_ahead.py -----------------------------------------------------------
 
     def prefetch(self, entry: int, k: int) -> None:
-        """Start loading chunk ``k`` ahead of a sequential reader of ``entry`` (``read``'s
-        prefetcher, or a hint from the native engine, which tracks streams in C); with a
-        page-cache push, hand it to the kernel once it is here. No-op past the budget."""
-        key = self.index.chunk_digest(k)
-        loading = key not in self.memory and not self.tiers.in_flight(key)
-        if loading and not self.policy.room_ahead(self._room(), self._still_ahead):
-            self.counters.add("prefetch_skipped")
-            return
-        if loading:
-            self.counters.add("prefetched")
-            self.policy.ahead.add(key)
-        if self.push is not None:
-            self.nursery.start_soon(self._push_ahead, entry, k)
-        elif loading:
-            self.tiers.start(k, key)
+        """Start loading chunk ``k`` ahead of a sequential reader of ``entry`` (a hint from
+        the native engine, which tracks streams in C): ``ReadAhead.prefetch``."""
+        self.ahead.prefetch(entry, k)
 
-    def _room(self) -> int:
-        """Bytes the memory tier can take without evicting prefetched chunks."""
-        return self.memory.resident_room + self.memory.transient_capacity
-
-    def _still_ahead(self, key: bytes) -> bool:
-        """A prefetched chunk still counts against the budget while it loads, or is held
-        and no read reached it yet. (A chunk read only by the native engine's C threads
-        never passes ``chunk()``, which forgets it: held, it filled the budget, and
-        79-98 % of a peer-reading mount's prefetches were skipped.)"""
-        return self.tiers.in_flight(key) or (key in self.memory and not self.memory.served(key))
+    def reached(self, k: int) -> None:
+        """A read reached chunk ``k`` (the native engine's hint says so):
+        ``ReadAhead.reached``."""
+        self.ahead.reached(k)
 
     @property
     def ahead_max(self) -> int:
-        """Chunks that may be prefetched and not read yet (``ReadPolicy.ahead_max``)."""
-        return self.policy.ahead_max(self._room())
-
-    async def _push_ahead(self, entry: int, k: int) -> None:
-        assert self.push is not None
-        try:
-            data = await self._chunk_for(entry, k)
-        except KspeedfsError as e:      # the demand read of this chunk reports it
-            log.debug("prefetch of chunk %d: %s", k, e)
-            return
-        stored = await self.push(entry, k, data)
-        if stored is None:
-            self.counters.add("push_failures")
-        else:
-            self.counters.add("pushed_bytes", stored)
+        """Chunks that may be prefetched and not read yet (``ReadAhead.ahead_max``)."""
+        return self.ahead.ahead_max

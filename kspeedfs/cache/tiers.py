@@ -18,14 +18,15 @@ small files' extents skip the disk tier but take the same peers and source steps
 (``from_peers``, ``from_source``) and the same single-flight (``get``), so every source
 read has one error contract. On a native-engine mount without a disk tier a chunk, or a
 small file's extent (``extent``), whose replica's slot is known is READ by C instead
-(``native``, a ``NativeLoader``): the caller waits for it, then finds it in the
-memory tier or loads it as above; an extent or a block can also go to C with the READ
-that wants it (``start_extent``, ``start_block``), and C answers that READ.
+(``handoff.py``, ``NativeHandoff`` over a ``NativeLoader``): the caller waits for it,
+then finds it in the memory tier or loads it as above; an extent or a block can also go
+to C with the READ that wants it (``start_extent``, ``start_block``), and C answers that
+READ.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Container, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
@@ -37,6 +38,7 @@ from ..manifest.index import ManifestIndex
 from ..origin import Origin
 from ..stats import Counters
 from .disk import DiskCache
+from .handoff import NativeHandoff, NativeLoader
 from .singleflight import SingleFlight
 
 if TYPE_CHECKING:
@@ -80,29 +82,6 @@ class PeerReader(Protocol):
                          budgeted: bool = False) -> Data | None: ...
 
 
-class NativeLoader(Protocol):
-    """Loads the chain hands to C: a chunk, a small file's extent or a block READ from a
-    replica, verified and put into the memory tier there; a READ handed with it is
-    answered there too. The native engine's fetch, on a native-engine cluster mount.
-    Every ``start*`` says whether C took the load (False: the chain's own path takes it)."""
-
-    @property
-    def inflight(self) -> Container[bytes]: ...    # keys whose load C has in flight
-
-    def start(self, k: int, key: bytes) -> bool: ...
-
-    def start_extent(self, k: int, ext: Extent, read: tuple[Any, ...] | None = None) -> bool: ...
-
-    def start_block(self, k: int, b: int, key: bytes, entry: int,
-                    read: tuple[Any, ...]) -> bool: ...
-
-    def failed_lately(self, key: bytes) -> bool: ...
-
-    def read_or_park(self, entry: int, read: tuple[Any, ...]) -> bool: ...
-
-    async def wait(self, key: bytes) -> None: ...
-
-
 class TierChain:
     """Verified bytes of chunk ``k`` of one dataset version from the nearest tier.
 
@@ -129,7 +108,7 @@ class TierChain:
         index, origin: the dataset version's manifest and source.
         dataset: ``(name, version)`` as peers know it.
         memory, disk, peers: the tiers (``disk`` and ``peers`` may be None).
-        native: the loads handed to C (``attach_native``), or None.
+        native: the hand-offs to C (``attach_native``: ``handoff.NativeHandoff``), or None.
         flights: the single-flight of chunk (and block, extent) loads.
         limiter: bounds the worker threads doing disk and source I/O and hashing.
         counters: read-path counters (``stats.ReadStatistics`` names) this chain adds to:
@@ -157,13 +136,14 @@ class TierChain:
         self.counters = counters if counters is not None else Counters()
         self.node = node
         self.landed = landed
-        self.native: NativeLoader | None = None
+        self.native: NativeHandoff | None = None
 
     def attach_native(self, native: NativeLoader) -> None:
-        """Hand loads to ``native`` from now on. Not a constructor argument: the native
-        fetch needs the mounted engine, which exists only after this chain serves the
-        mount's first requests."""
-        self.native = native
+        """Hand loads to ``native`` from now on (``handoff.NativeHandoff`` decides which).
+        Not a constructor argument: the native fetch needs the mounted engine, which
+        exists only after this chain serves the mount's first requests."""
+        self.native = NativeHandoff(native, index=self.index, memory=self.memory,
+                                    flights=self.flights, disk=self.disk is not None)
 
     # -- the memory tier and the single-flight -------------------------------------------
 
@@ -182,9 +162,8 @@ class TierChain:
     async def chunk(self, k: int) -> Data:
         """Verified bytes of chunk ``k`` from the nearest tier that has them."""
         key = self.index.chunk_digest(k)
-        native = self.native
-        if native is not None:      # landed (a memory hit below) or not (a load)
-            await self._from_native(key, lambda: native.start(k, key))
+        if self.native is not None:     # landed (a memory hit below) or not (a load)
+            await self.native.chunk(k, key)
         return await self.get(key, self.load, k)
 
     async def fill(self, k: int) -> str:
@@ -201,77 +180,36 @@ class TierChain:
         it) without waiting for it (prefetch)."""
         if key is None:
             key = self.index.chunk_digest(k)
-        if self.native is not None and self._native(key, partial(self.native.start, k, key)):
+        if self.native is not None and self.native.start(k, key):
             return
         self.flights.start(key, self.load, k)
+
+    def in_flight(self, key: bytes) -> bool:
+        return self.flights.in_flight(key) or (self.native is not None
+                                               and self.native.in_flight(key))
+
+    # -- hand-offs to the native fetch (handoff.py); False: nothing was handed -----------
 
     async def extent(self, k: int, ext: Extent) -> None:
         """Hand small file ``ext.entry``'s one extent (in chunk ``k``) to the native fetch
         when it may READ it, as ``chunk`` does a chunk, and wait until that is over; the
         caller then finds it in the memory tier, or loads it the usual way."""
-        native = self.native
-        if native is not None:
-            await self._from_native(ext.digest, lambda: native.start_extent(k, ext))
-
-    async def _from_native(self, key: bytes, start: Callable[[], bool]) -> None:
-        """Unless the memory tier has ``key``: the native fetch's (``_native``), waited for."""
-        assert self.native is not None
-        if key not in self.memory and self._native(key, start):
-            await self.native.wait(key)
+        if self.native is not None:
+            await self.native.extent(k, ext)
 
     def start_extent(self, k: int, ext: Extent, read: tuple[Any, ...]) -> bool:
-        """Hand small file ``ext.entry``'s extent and ``read``, a READ of it the native
-        engine queued, to the native fetch, which answers the READ (``NativeFetch.
-        start_extent``); False: nothing was handed (in the memory tier, loading, or no
-        route), the caller answers ``read``."""
-        native = self.native
-        return native is not None and self._hand(
-            ext.digest, lambda: native.start_extent(k, ext, read))
+        """Hand ``ext`` and ``read``, a READ of it the native engine queued, to C, which
+        answers the READ (``NativeHandoff.start_extent``)."""
+        return self.native is not None and self.native.start_extent(k, ext, read)
 
     def start_block(self, k: int, b: int, key: bytes, entry: int, read: tuple[Any, ...]) -> bool:
-        """The same for block ``b`` of chunk ``k`` (tier key ``key``) and ``read``, a
-        random READ of ``entry`` inside it (``NativeFetch.start_block``)."""
-        native = self.native
-        return native is not None and self._hand(
-            key, lambda: native.start_block(k, b, key, entry, read))
+        """The same for block ``b`` of chunk ``k`` (``NativeHandoff.start_block``)."""
+        return self.native is not None and self.native.start_block(k, b, key, entry, read)
 
     def hand_chunks(self, ks: Sequence[int], entry: int, read: tuple[Any, ...]) -> bool:
-        """Hand ``read``, a sequential READ of ``entry`` over chunks ``ks`` that the native
-        engine queued, to the native fetch: each chunk not in the memory tier started
-        there (or in flight there already), the READ parked in C on them
-        (``NativeFetch.read_or_park``). False: nothing parked (a chunk loading here, on
-        the disk tier, with no route, or whose native fetch just failed), the caller
-        answers ``read``; chunks started meanwhile go on loading."""
-        native = self.native
-        if native is None:
-            return False
-        for k in ks:
-            key = self.index.chunk_digest(k)
-            if key in self.memory:
-                continue
-            if native.failed_lately(key) or not self._native(key, partial(native.start, k, key)):
-                return False
-        return native.read_or_park(entry, read)
-
-    def _hand(self, key: bytes, start: Callable[[], bool]) -> bool:
-        assert self.native is not None
-        return key not in self.memory and key not in self.native.inflight and \
-            self._native(key, start)
-
-    def in_flight(self, key: bytes) -> bool:
-        return self.flights.in_flight(key) or (self.native is not None
-                                               and key in self.native.inflight)
-
-    def _native(self, key: bytes, start: Callable[[], bool]) -> bool:
-        """Whether the native fetch has ``key`` (a chunk, or an extent): in flight there
-        already, or handed to it now by ``start()``, unless a load of it runs here (or
-        the disk tier, which comes before peers, is on)."""
-        assert self.native is not None
-        if key in self.native.inflight:
-            return True
-        if self.disk is not None or self.flights.in_flight(key):
-            return False
-        return start()
+        """Park ``read``, a sequential READ over chunks ``ks``, in C on their native
+        fetches (``NativeHandoff.hand_chunks``)."""
+        return self.native is not None and self.native.hand_chunks(ks, entry, read)
 
     # -- one load past the memory tier ----------------------------------------------------
 

@@ -1,0 +1,159 @@
+"""The trio thread a library ``Dataset`` reads through ("kspeedfs-<name>").
+
+    ReadLoop(cfg, info, index, source)   starts the thread and waits until the read path
+                                         is built, as a mount builds it (compose.py):
+      compose.local_tiers                origin, memory tier, disk tier (worker thread)
+      compose.cluster → peers?           vRDMA endpoint and membership, in a cluster
+      compose.new_reader                 the Reader, its loads in this thread's nursery
+    call(afn, *args)                     ``await afn(*args)`` here, from a caller's thread
+    close()                              stops the loop; the tiers and the cluster go
+
+Why a thread of its own, and not ``trio.run`` per call: docs/design.md, "The Python
+library".
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+
+from . import compose
+from .cache.memory import MemoryCache
+from .client_errors import PathLike, boundary
+from .config import Config
+from .manifest.index import ManifestIndex
+from .manifest.store.base import DatasetInfo
+from .reader import Reader
+from .stats import ReadStatistics
+
+__all__ = ["ReadLoop"]
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class ReadLoop:
+    """The Reader of one dataset version, hosted in a trio run in a thread of its own.
+
+    The constructor returns once the read path is built, or raises what failed (through
+    the caller's error boundary). ``call`` runs a coroutine in the loop from any thread
+    of the opening process and returns its result, errors mapped by ``client_errors``;
+    every call, and ``check``, raises ValueError once closed and RuntimeError in a forked
+    child (the thread, and a cluster's channels and endpoint, are not there). Reads
+    answered outside the loop are added with ``count`` so ``statistics()`` includes them
+    (``Reader.served_elsewhere``); ``count`` is thread-safe.
+
+    Attributes:
+        info: the dataset's record.
+        reader: the Reader (use it in the loop only: ``call``).
+        memory: the memory tier (its resident part may be read from any thread).
+    """
+
+    reader: Reader
+    memory: MemoryCache
+
+    def __init__(self, cfg: Config, info: DatasetInfo, index: ManifestIndex,
+                 source: str | None = None) -> None:
+        self.info = info
+        self._cfg = cfg
+        self._index = index
+        self._source = source
+        self._pid = os.getpid()
+        self._served = [0, 0, 0]            # reads, bytes, hits answered outside; under _lock
+        self._lock = threading.Lock()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._started = threading.Event()
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kspeedfs-{info.name}",
+                                        daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._failed is not None:
+            self._thread.join()
+            raise self._failed
+
+    def _run(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as e:      # before started: the opener raises it
+            if self._started.is_set():
+                log.exception("dataset %s: its read loop failed", self.info.name)
+            while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+                e = e.exceptions[0]     # a nursery's one error, as itself (the boundary maps it)
+            self._failed = e
+        finally:
+            self._started.set()
+
+    async def _main(self) -> None:
+        """The read path's lifetime: built as a mount builds it, torn down on close."""
+        cfg, info, index = self._cfg, self.info, self._index
+        tiers = await trio.to_thread.run_sync(compose.local_tiers, cfg, info, index, self._source)
+        async with compose.cluster(cfg, index) as (peers, _store), trio.open_nursery() as nursery:
+            self.reader = compose.new_reader(cfg, info, index, tiers, nursery, peers)
+            self.reader.served_elsewhere = self._served_outside
+            self.memory = tiers.memory
+            self._token = trio.lowlevel.current_trio_token()
+            self._stop = trio.Event()
+            self._started.set()
+            await self._stop.wait()
+            nursery.cancel_scope.cancel()
+
+    def call(self, afn: Callable[..., Awaitable[T]], *args: Any,
+             path: PathLike | None = None) -> T:
+        """``await afn(*args)`` in the loop, from a caller's thread."""
+        self.check()
+        with boundary(path):
+            try:
+                return trio.from_thread.run(afn, *args, trio_token=self._token)
+            except trio.RunFinishedError:
+                raise ValueError("I/O operation on a closed dataset") from None
+
+    def check(self) -> None:
+        """Raise unless this handle may be used here: ValueError once closed,
+        RuntimeError in a process other than the one that opened it."""
+        if self._closed:
+            raise ValueError("I/O operation on a closed dataset")
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"dataset {self.info.name} was opened in process {self._pid}; "
+                               "open one in each process after it forks (kspeedfs.torch)")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop the loop and drop the tiers; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if os.getpid() != self._pid:      # a forked child's copy: nothing of it runs here
+            return
+        if self._stop is not None and self._thread.is_alive():
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join()
+
+    def count(self, nbytes: int, hits: int) -> None:
+        """One read of ``nbytes`` answered outside the loop from ``hits`` memory-tier
+        buffers (any thread)."""
+        with self._lock:
+            self._served[0] += 1
+            self._served[1] += nbytes
+            self._served[2] += hits
+
+    def _served_outside(self) -> tuple[int, int, int]:
+        reads, nbytes, hits = self._served
+        return reads, nbytes, hits
+
+    def statistics(self) -> ReadStatistics:
+        """The Reader's counters, reads answered outside the loop included."""
+        self.check()
+        with boundary():
+            return trio.from_thread.run_sync(self.reader.statistics, trio_token=self._token)

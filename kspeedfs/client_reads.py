@@ -1,0 +1,165 @@
+"""③–⑥ for the Python library: a file's bytes by entry, for any caller thread.
+
+    read / readinto / read_batch      resident in the memory tier? sliced right here
+                                      (``_resident``), else one ``ReadLoop.call`` (a
+                                      batch: one for all), the Reader's loads
+                                      overlapping in the loop
+    read_all                          always the loop (the rest of a file: its chunks
+                                      load concurrently, its stream prefetches)
+
+Resident hits skip the trio thread: bytes the memory tier's resident part holds (kept
+until close, never reordered) are sliced in the caller's thread, as the native engine's
+C threads answer a mount's memory hits; one hop to the trio thread costs tens of
+microseconds, a 4 KiB copy well under one. They are counted for ``statistics()`` the
+same way (``ReadLoop.count``). A view of a tier's buffer is safe to hold anywhere:
+buffers are immutable, and a landing slot is reused only once nothing refers to it
+(``cluster/landing.py``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from .cache.prefetch import Stream
+from .client_errors import PathLike
+from .client_loop import ReadLoop
+from .manifest.index import ManifestIndex
+
+__all__ = ["READ_MANY_CONCURRENCY", "FileReads"]
+
+#: concurrent file reads of one ``read_batch`` (each file's chunks load concurrently too)
+READ_MANY_CONCURRENCY = 64
+
+#: (entry, offset, size) of one file read; None: nothing to read there
+Job = tuple[int, int, int] | None
+
+
+class FileReads:
+    """Verified bytes of files of one dataset version, by entry, from any thread of the
+    process that opened it.
+
+    Offsets and sizes are already checked by the caller (the ``Dataset`` API); a read
+    past a file's end returns fewer bytes. Every read checks the handle first
+    (``ReadLoop.check``: ValueError once closed, RuntimeError in a forked child); errors
+    of a read are those of ``ReadLoop.call`` (mapped by ``client_errors``), except that
+    ``read_batch`` returns each job's error unmapped for the caller to map with its path.
+    A ``stream`` is one open file's sequential-read state (``cache/prefetch.py``): the
+    caller's, never shared between threads.
+
+    Attributes:
+        index: the manifest.
+        loop: the trio thread the Reader runs in.
+    """
+
+    def __init__(self, index: ManifestIndex, loop: ReadLoop) -> None:
+        self.index = index
+        self.loop = loop
+
+    def read(self, entry: int, offset: int, size: int, path: PathLike) -> bytes:
+        """Bytes [offset, offset + size) of file ``entry`` (``size`` > 0, inside the file)."""
+        self.loop.check()
+        parts = self._resident(entry, offset, size)
+        if parts is not None:
+            return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+        return self.loop.call(self._read, entry, offset, size, path=path)
+
+    def read_all(self, entry: int, offset: int, size: int, stream: Stream,
+                 path: PathLike) -> bytes:
+        """The same as one request in the loop, as ``stream``'s read (no resident path)."""
+        return self.loop.call(self._read, entry, offset, size, stream, path=path)
+
+    def readinto(self, entry: int, offset: int, buf: memoryview, stream: Stream,
+                 path: PathLike) -> int:
+        """Bytes of file ``entry`` from ``offset`` into all of ``buf`` (inside the file),
+        as ``stream``'s read; returns how many."""
+        self.loop.check()
+        parts = self._resident(entry, offset, len(buf))
+        if parts is None:
+            return self.loop.call(self._readinto, entry, offset, buf, stream, path=path)
+        s = stream                      # as Prefetcher.advise records a read
+        s.run, s.next_offset = (s.run + 1 if offset == s.next_offset else 0), offset + len(buf)
+        return _copy(parts, buf)
+
+    def read_batch(self, todo: list[Job]) -> tuple[list[Any], list[Exception | None]]:
+        """Each job's bytes (``b""`` for None) and its error (None: it succeeded), in
+        ``todo``'s order: resident ones here, the rest in one call to the loop, at most
+        ``READ_MANY_CONCURRENCY`` files at once. ``todo`` is consumed."""
+        self.loop.check()
+        here: dict[int, bytes] = {}
+        for i, job in enumerate(todo):
+            if job is not None:
+                entry, offset, size = job
+                end = min(offset + size, self.index.size[entry])
+                parts = self._resident(entry, offset, end - offset) if end > offset else [b""]
+                if parts is not None:
+                    here[i] = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+                    todo[i] = None
+        if any(job is not None for job in todo):
+            results, errors = self.loop.call(self._read_batch, todo)
+        else:                               # all resident: no trio hop
+            results, errors = [b""] * len(todo), [None] * len(todo)
+        for i, data in here.items():
+            results[i] = data
+        return results, errors
+
+    def _resident(self, entry: int, offset: int, size: int) -> list[memoryview] | None:
+        """Bytes [offset, offset + size) of file ``entry`` (``size`` > 0, inside the file)
+        as views of buffers the memory tier's resident part holds — the chunks, or the
+        small file's extent (where ``Reader`` keeps it) — or None if any is not there."""
+        ix, resident = self.index, self.loop.memory.resident
+        chunks = ix.chunk_range(entry, offset, size)
+        c, start = ix.chunk_size, ix.data[entry] + offset
+        parts = []
+        for k in chunks:
+            data = resident(ix.chunk_digest(k))
+            if data is None:
+                break
+            parts.append(memoryview(data)[max(start, k * c) - k * c:
+                                          min(start + size, (k + 1) * c) - k * c])
+        else:
+            self.loop.count(size, len(chunks))
+            return parts
+        if len(chunks) == 1 and len(ix.chunk_range(entry, 0, ix.size[entry])) == 1:
+            (ext,) = ix.file_extents(entry)
+            data = resident(ext.digest)
+            if data is not None:
+                self.loop.count(size, 1)
+                return [memoryview(data)[offset:offset + size]]
+        return None
+
+    # -- in the loop ---------------------------------------------------------------------------
+
+    async def _read(self, entry: int, offset: int, size: int, stream: Stream | None = None) -> bytes:
+        parts = await self.loop.reader.read_parts(entry, offset, size, stream)
+        return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+
+    async def _readinto(self, entry: int, offset: int, buf: memoryview, stream: Stream) -> int:
+        return _copy(await self.loop.reader.read_parts(entry, offset, len(buf), stream), buf)
+
+    async def _read_batch(self, todo: list[Job]) -> tuple[list[Any], list[Exception | None]]:
+        results: list[Any] = [b""] * len(todo)
+        errors: list[Exception | None] = [None] * len(todo)
+        limit = trio.CapacityLimiter(READ_MANY_CONCURRENCY)
+
+        async def one(i: int, entry: int, offset: int, size: int) -> None:
+            async with limit:
+                try:
+                    results[i] = await self._read(entry, offset, size)
+                except Exception as e:      # mapped and raised by the caller
+                    errors[i] = e
+
+        async with trio.open_nursery() as n:
+            for i, item in enumerate(todo):
+                if item is not None:
+                    n.start_soon(one, i, *item)
+        return results, errors
+
+
+def _copy(parts: list[Any], buf: memoryview) -> int:
+    """``parts`` into ``buf`` one after another; returns the bytes copied."""
+    n = 0
+    for p in parts:
+        buf[n:n + len(p)] = p
+        n += len(p)
+    return n
