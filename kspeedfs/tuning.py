@@ -38,6 +38,11 @@ MAX_READ_BLOCKS = 4
 #: chunks whose block loads are counted at once (the oldest count is dropped)
 PROMOTE_TRACKED = 1 << 16
 
+# -- the library (client/) ------------------------------------------------------------
+
+#: concurrent file reads of one ``read_many`` (each file's chunks load concurrently too)
+READ_MANY_CONCURRENCY = 64
+
 # -- placement and peers (cluster/) ---------------------------------------------------
 
 #: slot hints kept (~180 B each, 3 MB: 64 GiB of 4 MiB chunks)

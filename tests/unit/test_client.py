@@ -1,4 +1,4 @@
-"""The Python library (kspeedfs/client.py) end to end without the kernel: a real source
+"""The Python library (kspeedfs/client/) end to end without the kernel: a real source
 tree imported into a real embedded store, read through ``kspeedfs.open_dataset`` and
 compared byte for byte with the source; metadata against ``os``; the errors a mount's
 ``open()`` raises; tarfile and PIL over ``ds.open``; a second read from the memory

@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Iterator
 
-from .errors import ErrnoError
+from ..errors import ErrnoError
 
 __all__ = ["PathLike", "boundary", "mapped", "oserror"]
 

@@ -2,17 +2,17 @@
 
     open_dataset(name, version)          caller's thread: store → manifest → ManifestIndex
       └─ Dataset                         the façade docs/api.md describes; its parts:
-           tree     client_tree.py       listdir / stat / walk: the index alone
+           tree     client/tree.py       listdir / stat / walk: the index alone
                                          (immutable: no lock, no trio hop)
-           reads    client_reads.py      read / read_many / open().read: resident in the
+           reads    client/reads.py      read / read_many / open().read: resident in the
                                          memory tier? sliced right here; else one hop to
                                          the loop (a batch: one for all)
-           _loop    client_loop.py       the trio thread ("kspeedfs-<name>") holding the
+           _loop    client/loop.py       the trio thread ("kspeedfs-<name>") holding the
                                          same Reader as a mount (compose.py), so the same
                                          tiers, replicas, hedging and checksums
       DatasetFile                        one open file: a read stream of its own
 
-One boundary (``client_errors.py``): every error a public call raises is what ``open()``
+One boundary (``client/errors.py``): every error a public call raises is what ``open()``
 and ``read()`` on the mount raise — FileNotFoundError, NotADirectoryError,
 IsADirectoryError, and ``OSError(err.errno)`` for the kspeedfs and rdma trees
 (ChunkUnavailable and SourceChanged are EIO), with the original as ``__cause__``; a
@@ -32,16 +32,16 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from . import compose
-from .cache.prefetch import Stream
-from .client_errors import PathLike, boundary, mapped, oserror
-from .client_loop import ReadLoop
-from .client_reads import FileReads
-from .client_tree import DatasetTree
-from .config import Config, load
-from .manifest.index import ManifestIndex
-from .manifest.store.base import DatasetInfo
-from .stats import ReadStatistics
+from .. import compose
+from ..cache.prefetch import Stream
+from ..config import Config, load
+from ..manifest.index import ManifestIndex
+from ..manifest.store.base import DatasetInfo
+from ..stats import ReadStatistics
+from .errors import PathLike, boundary, mapped, oserror
+from .loop import ReadLoop
+from .reads import FileReads
+from .tree import DatasetTree
 
 __all__ = ["Dataset", "DatasetFile", "open_dataset"]
 
@@ -103,15 +103,15 @@ class Dataset:
     ``bytes`` (names that are not UTF-8: ``os.fsencode``/``os.fsdecode``, as ``os``
     does). Symlinks inside the dataset are followed; an absolute target is ENOENT, and
     ``..`` stops at the dataset's root, as at ``/``. Every call raises what the mount
-    would (``client_errors``), ValueError once closed, RuntimeError in a forked child.
+    would (``client/errors.py``), ValueError once closed, RuntimeError in a forked child.
     This class checks arguments and delegates: the namespace to ``tree``, file bytes to
     ``reads``, the trio thread's lifetime to its loop.
 
     Attributes:
         info: the dataset's record (name, version, files, bytes, chunk size, source).
         index: the manifest (read-only, shared by every thread).
-        tree: the namespace (``client_tree.DatasetTree``).
-        reads: file bytes by entry (``client_reads.FileReads``).
+        tree: the namespace (``tree.DatasetTree``).
+        reads: file bytes by entry (``reads.FileReads``).
     """
 
     def __init__(self, cfg: Config, info: DatasetInfo, index: ManifestIndex,
@@ -202,7 +202,7 @@ class Dataset:
                   return_exceptions: bool = False) -> list[Any]:
         """:meth:`read` of each item — a path (the whole file) or ``(path, offset, size)``
         (``size`` None: to the end) — the loads overlapped (up to
-        ``client_reads.READ_MANY_CONCURRENCY`` files at once, each file's chunks concurrently): a batch
+        ``tuning.READ_MANY_CONCURRENCY`` files at once, each file's chunks concurrently): a batch
         costs about its slowest file, not the sum. Results in ``items``' order. An item
         that fails: its OSError in its place with ``return_exceptions``, else the first
         failing item (in ``items``' order) raises once all have finished."""

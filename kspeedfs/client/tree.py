@@ -13,8 +13,8 @@ import os
 import stat as stat_
 from collections.abc import Callable, Iterator
 
-from .client_errors import PathLike, oserror
-from .manifest.index import ManifestIndex
+from ..manifest.index import ManifestIndex
+from .errors import PathLike, oserror
 
 __all__ = ["MAXSYMLINKS", "DatasetTree"]
 

@@ -22,14 +22,14 @@ from typing import Any, TypeVar
 
 import trio
 
-from . import compose
-from .cache.memory import MemoryCache
-from .client_errors import PathLike, boundary
-from .config import Config
-from .manifest.index import ManifestIndex
-from .manifest.store.base import DatasetInfo
-from .reader import Reader
-from .stats import ReadStatistics
+from .. import compose
+from ..cache.memory import MemoryCache
+from ..config import Config
+from ..manifest.index import ManifestIndex
+from ..manifest.store.base import DatasetInfo
+from ..reader import Reader
+from ..stats import ReadStatistics
+from .errors import PathLike, boundary
 
 __all__ = ["ReadLoop"]
 
@@ -42,7 +42,7 @@ class ReadLoop:
 
     The constructor returns once the read path is built, or raises what failed (through
     the caller's error boundary). ``call`` runs a coroutine in the loop from any thread
-    of the opening process and returns its result, errors mapped by ``client_errors``;
+    of the opening process and returns its result, errors mapped by ``client/errors.py``;
     every call, and ``check``, raises ValueError once closed and RuntimeError in a forked
     child (the thread, and a cluster's channels and endpoint, are not there). Reads
     answered outside the loop are added with ``count`` so ``statistics()`` includes them

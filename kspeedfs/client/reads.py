@@ -21,15 +21,13 @@ from typing import Any
 
 import trio
 
-from .cache.prefetch import Stream
-from .client_errors import PathLike
-from .client_loop import ReadLoop
-from .manifest.index import ManifestIndex
+from ..cache.prefetch import Stream
+from ..manifest.index import ManifestIndex
+from ..tuning import READ_MANY_CONCURRENCY
+from .errors import PathLike
+from .loop import ReadLoop
 
-__all__ = ["READ_MANY_CONCURRENCY", "FileReads"]
-
-#: concurrent file reads of one ``read_batch`` (each file's chunks load concurrently too)
-READ_MANY_CONCURRENCY = 64
+__all__ = ["FileReads"]
 
 #: (entry, offset, size) of one file read; None: nothing to read there
 Job = tuple[int, int, int] | None
@@ -42,7 +40,7 @@ class FileReads:
     Offsets and sizes are already checked by the caller (the ``Dataset`` API); a read
     past a file's end returns fewer bytes. Every read checks the handle first
     (``ReadLoop.check``: ValueError once closed, RuntimeError in a forked child); errors
-    of a read are those of ``ReadLoop.call`` (mapped by ``client_errors``), except that
+    of a read are those of ``ReadLoop.call`` (mapped by ``client/errors.py``), except that
     ``read_batch`` returns each job's error unmapped for the caller to map with its path.
     A ``stream`` is one open file's sequential-read state (``cache/prefetch.py``): the
     caller's, never shared between threads.
