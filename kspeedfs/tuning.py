@@ -77,7 +77,10 @@ HEDGE_RECOMPUTE = 16
 #: overruns of a peer without an in-time READ in between before it is suspect
 SUSPECT_AFTER = 2
 
-# -- node lifecycle (cluster/arena_files.py) -----------------------------------------
+# -- node lifecycle (cluster/reconcile.py, cluster/arena_files.py) -------------------
+
+#: a crashed holder's preload is released after this many lease TTLs
+RELEASE_GRACE_TTLS = 2
 
 #: how long a starting node waits for its predecessor's arena lock: a node killed and
 #: started again at once finds the dying process still holding it
@@ -99,7 +102,10 @@ REAP_WAIT = 5.0
 #: seconds a resumed daemon waits for the cluster's node list
 RESUME_FIRST_WAIT = 1.0
 
-# -- the store (manifest/store/etcd_client.py) ----------------------------------------
+# -- the store (manifest/store/etcd_client.py, etcd_versions.py) ----------------------
+
+#: compare-and-swap attempts per etcd transaction; each one lost means another writer won
+CAS_ATTEMPTS = 200
 
 #: a failing etcd channel is dialled again at most this often (s)
 ETCD_MIN_CHANNEL_AGE = 3.0

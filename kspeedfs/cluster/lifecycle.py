@@ -36,7 +36,7 @@ Release on last mount (``kspeedfs mount --preload --unload-on-exit``): the mount
 its version through ``mounts/``, on its lease; the preload says ``release:
 last-mount``. A mount leaving cleanly releases the preload if no other mount holds it;
 a crashed mount's hold vanishes with its lease and the first live node releases the
-preload :data:`RELEASE_GRACE_TTLS` lease TTLs later (:func:`release_if_unheld`, a
+preload ``tuning.RELEASE_GRACE_TTLS`` lease TTLs later (:func:`release_if_unheld`, a
 compare-and-delete, so a mount arriving meanwhile keeps it).
 
 Every record is parsed by a ``from_json`` that takes untrusted JSON and raises only
@@ -60,7 +60,6 @@ from ..manifest.store.signature import canonical_json
 log = logging.getLogger(__name__)
 
 RELEASES = ("manual", "last-mount")
-RELEASE_GRACE_TTLS = 2          # a crashed holder's preload is released after 2 lease TTLs
 _I64 = (1 << 63) - 1
 
 

@@ -21,6 +21,7 @@ from ..config import Config
 from ..errors import ChunkUnavailable, KspeedfsError, SourceChanged
 from ..manifest.index import ManifestIndex
 from ..manifest.store.etcd import EtcdStore
+from ..tuning import RELEASE_GRACE_TTLS
 from . import lifecycle
 from .lifecycle import PreloadRequest
 from .membership import Membership, PrefixView, Registration
@@ -225,7 +226,7 @@ async def release_forever(store: EtcdStore, name: str, membership: Membership,
     held it for ``RELEASE_GRACE_TTLS`` lease TTLs (a crashed mount's hold went with
     its lease; a supervisor's resumed daemon holds it again well within that). ``name``:
     this node's."""
-    grace = lifecycle.RELEASE_GRACE_TTLS * lease_ttl
+    grace = RELEASE_GRACE_TTLS * lease_ttl
     unheld: dict[str, float] = {}            # dataset -> when first seen with no hold
     while True:
         await trio.sleep(max(1.0, lease_ttl / 2))

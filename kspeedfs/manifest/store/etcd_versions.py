@@ -17,6 +17,7 @@ from typing import Any
 import etcd3.transactions as tx
 
 from ...errors import ConfigError, DatasetNotFound, RecordUnverified, StoreError, VersionConflict
+from ...tuning import CAS_ATTEMPTS
 from .base import DatasetInfo, check_name
 from .etcd_client import EtcdClient
 from .etcd_parts import PART_SIZE, check_layout
@@ -24,7 +25,6 @@ from .signature import RecordSigner
 
 log = logging.getLogger(__name__)
 
-_CAS_ATTEMPTS = 200          # per transaction; each failed attempt means someone else won
 _INFO = re.compile(r"^v(\d+)/info$")
 
 
@@ -78,7 +78,7 @@ class VersionRecords:
         """Publish step 1: bump ``last`` by compare-and-swap; the new value is ours alone."""
         key = self.key(name, "last")
         value, meta = self._get(key)
-        for _ in range(_CAS_ATTEMPTS):
+        for _ in range(CAS_ATTEMPTS):
             version = (int(value) if value is not None else 0) + 1
             ok, resp = self._txn([self._unchanged(key, value, meta)],
                                  [tx.Put(key, str(version))], [tx.Get(key)])
@@ -87,7 +87,7 @@ class VersionRecords:
             value, meta = self._first_kv(resp)
             time.sleep(random.uniform(0, 0.005))
         raise VersionConflict(f"could not allocate a version of {name!r}: "
-                              f"{_CAS_ATTEMPTS} compare-and-swap attempts lost")
+                              f"{CAS_ATTEMPTS} compare-and-swap attempts lost")
 
     def seal(self, sealed: DatasetInfo, parts: int) -> None:
         """Publish step 3: put the signed info record of ``sealed`` (its blob in
@@ -98,7 +98,7 @@ class VersionRecords:
         record = self._signer().seal_json(
             info_key, {**sealed.to_json(), "parts": parts, "part_size": PART_SIZE})
         value, meta = self._get(cur_key)
-        for _ in range(_CAS_ATTEMPTS):
+        for _ in range(CAS_ATTEMPTS):
             ops = [tx.Put(info_key, record)]
             if value is None or int(value) < version:
                 ops.append(tx.Put(cur_key, str(version)))
@@ -107,7 +107,7 @@ class VersionRecords:
                 return
             value, meta = self._first_kv(resp)
         raise VersionConflict(f"could not make {name!r} v{version} visible: "
-                              f"{_CAS_ATTEMPTS} compare-and-swap attempts lost")
+                              f"{CAS_ATTEMPTS} compare-and-swap attempts lost")
 
     # -- read -----------------------------------------------------------------------------
 
@@ -206,7 +206,7 @@ class VersionRecords:
         newest remaining version, in one transaction. False, with nothing deleted, when
         it is the dataset's only version: the caller removes the whole dataset."""
         cur_key = self.key(name, "current")
-        for _ in range(_CAS_ATTEMPTS):
+        for _ in range(CAS_ATTEMPTS):
             value, meta = self._get(cur_key)
             vs = self.versions(name)
             if version not in vs:
@@ -221,7 +221,7 @@ class VersionRecords:
             if ok:
                 return True
         raise VersionConflict(f"could not remove {name!r} v{version}: "
-                              f"{_CAS_ATTEMPTS} compare-and-swap attempts lost")
+                              f"{CAS_ATTEMPTS} compare-and-swap attempts lost")
 
     def remove_all(self, name: str) -> None:
         """Every ``datasets/<name>/`` key: the numbering starts again at 1."""
