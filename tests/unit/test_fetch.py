@@ -3,7 +3,7 @@ goes straight to the slot it was found in; when the owner has since put another 
 in that slot, the checksum says so and the bucket is READ as before — never wrong bytes.
 
 Two real soft-provider endpoints on loopback: the "node" exports an arena and its index
-as kspeedfs/cluster/node.py does; the reader calls ``Peers._read_from`` for one replica
+as kspeedfs/cluster/node.py does; the reader calls ``ArenaRead.read_from`` for one replica
 (placement and membership are not under test here, so no etcd).
 """
 from __future__ import annotations
@@ -54,37 +54,38 @@ async def _node_and_reader(geometry: Geometry) -> AsyncIterator[tuple[Arena, Nod
 async def test_a_stale_hint_falls_back_to_the_bucket_and_never_returns_wrong_bytes() -> None:
     geometry = Geometry.for_memory(2 * SLOT, SLOT)          # two slots: reuse comes fast
     async with _node_and_reader(geometry) as (arena, rec, peers):
+        read = peers.arena_read.read_from
         (ka, a), (kb, b), (kc, c) = _chunk(1), _chunk(2), _chunk(3)
 
         arena.put(ka, a)
         arena.put(kb, b)
-        assert bytes(await peers._read_from(rec, ka, len(a))) == a       # bucket, then slot
+        assert bytes(await read(rec, ka, len(a))) == a       # bucket, then slot
         assert peers.counters.hinted == 0
-        assert bytes(await peers._read_from(rec, ka, len(a))) == a       # the hint: one READ
+        assert bytes(await read(rec, ka, len(a))) == a       # the hint: one READ
         assert peers.counters.hinted == 1 and peers.counters.stale_hints == 0
         # a small file's extent of that chunk goes through the same hint
         part = (1000, 5000, xxhash.xxh3_128_digest(a[1000:6000]))
-        assert bytes(await peers._read_from(rec, ka, len(a), part)) == a[1000:6000]
+        assert bytes(await read(rec, ka, len(a), part)) == a[1000:6000]
         assert peers.counters.hinted == 2
         # and so does a random read's block, verified against its xxh3-64
         block = (16 << 10, 16 << 10, xxhash.xxh3_64_digest(a[16 << 10:32 << 10]))
-        assert bytes(await peers._read_from(rec, ka, len(a), block)) == a[16 << 10:32 << 10]
+        assert bytes(await read(rec, ka, len(a), block)) == a[16 << 10:32 << 10]
 
         arena.evict(ka)
         arena.put(kc, c)                                 # c now sits in a's old slot
-        assert await peers._read_from(rec, ka, len(a)) is None          # gone, not c's bytes
+        assert await read(rec, ka, len(a)) is None          # gone, not c's bytes
         assert peers.counters.stale_hints == 1
-        assert bytes(await peers._read_from(rec, kc, len(c))) == c
-        assert bytes(await peers._read_from(rec, kb, len(b))) == b
+        assert bytes(await read(rec, kc, len(c))) == c
+        assert bytes(await read(rec, kb, len(b))) == b
 
         arena.evict(kb)
         arena.put(ka, a)                                 # back, in b's old slot
-        assert bytes(await peers._read_from(rec, ka, len(a))) == a       # found by its bucket
-        assert bytes(await peers._read_from(rec, kb, len(b)) or b"") == b""
+        assert bytes(await read(rec, ka, len(a))) == a       # found by its bucket
+        assert bytes(await read(rec, kb, len(b)) or b"") == b""
         stats = peers.statistics()
         assert stats.peer_stale_hints == 2 and stats.peer_checksum_retries == 0
         wrong = (16 << 10, 16 << 10, xxhash.xxh3_64_digest(a[:16 << 10]))
-        assert await peers._read_from(rec, ka, len(a), wrong) is None   # never unverified bytes
+        assert await read(rec, ka, len(a), wrong) is None   # never unverified bytes
         await peers.aclose()
         await trio.sleep(0)
 
@@ -99,17 +100,18 @@ async def test_a_chunk_in_its_second_bucket_is_found_there() -> None:
         if buckets_of(k, 2) == (0, 1):
             chunks.append((k, d))
     async with _node_and_reader(geometry) as (arena, rec, peers):
+        read = peers.arena_read.read_from
         for k, d in chunks:
             assert arena.put(k, d)
         last, data = chunks[-1]
         second = arena.index.read(BUCKET_BYTES, BUCKET_BYTES)
         assert find_in_bucket(second, last) is not None          # it is in bucket 1
-        assert bytes(await peers._read_from(rec, last, len(data))) == data
-        assert bytes(await peers._read_from(rec, chunks[0][0], len(chunks[0][1]))) == chunks[0][1]
+        assert bytes(await read(rec, last, len(data))) == data
+        assert bytes(await read(rec, chunks[0][0], len(chunks[0][1]))) == chunks[0][1]
         assert peers.counters.hinted == 0
         # a record that says 0 buckets (no index) is a node without the chunk, not a crash
         no_index = replace(rec, started=rec.started + 1, nbuckets=0)
-        assert await peers._read_from(no_index, chunks[1][0], len(chunks[1][1])) is None
+        assert await read(no_index, chunks[1][0], len(chunks[1][1])) is None
         await peers.aclose()
         await trio.sleep(0)
 
@@ -158,8 +160,8 @@ async def test_a_silent_replica_is_hedged_then_tried_last_and_its_attempt_cleans
             assert stats.peer_hedges == 2 and stats.peer_latency["good"].won == 2
             assert stats.peer_latency["slow"].suspected and stats.peer_latency["slow"].hedged == 2
             await trio.sleep(0.05)    # the losers were cancelled: nothing is held now,
-            assert peers._slot_free.value == 2 and peers._staging_free.value == 3 * 2
-            assert peers._connects.in_flight("slow")           # while the connect goes on
+            assert peers.staging.reads.value == 2 and peers.staging.free.value == 3 * 2
+            assert peers.connections.connecting("slow")           # while the connect goes on
             # the bytes a read returned are the only hold on their landing slot: no
             # reference cycle (race <-> attempts) keeps it until the cycle collector runs
             gc.disable()
@@ -216,7 +218,7 @@ async def test_a_node_back_as_a_new_incarnation_is_read_last_until_it_is_connect
                 assert got is not None and bytes(got) == data
             assert peers.counters.per_peer["good"] == 4 * len(data)
             assert peers.statistics().peer_connect_waits == waits
-            assert peers._connects.in_flight("back")       # while its connect goes on
+            assert peers.connections.connecting("back")       # while its connect goes on
             assert peers.native_route(key, len(data)) is None or \
                 peers.native_route(key, len(data))[0].node == "good"
             await peers.aclose()
@@ -246,8 +248,8 @@ async def test_a_hedge_waits_for_no_token_or_staging_slot_that_hung_reads_hold()
                       nursery=nursery, nbuf=2, hedge=Hedger())
         key, data = chunk()
         arena.put(key, data)
-        staging = peers._staging_free.value
-        for sem in (peers._slot_free, peers._staging_free):     # all held, as hung READs
+        staging = peers.staging.free.value
+        for sem in (peers.staging.reads, peers.staging.free):     # all held, as hung READs
             while sem.value:
                 sem.acquire_nowait()
         with trio.move_on_after(0.3) as waited:
@@ -257,10 +259,10 @@ async def test_a_hedge_waits_for_no_token_or_staging_slot_that_hung_reads_hold()
             got = await peers.read_chunk("ds", 1, 0, key, len(data), budgeted=True)
         assert got is not None and bytes(got) == data
         del got
-        assert peers._slot_free.value == 0 and peers._staging_free.value == 1
+        assert peers.staging.reads.value == 0 and peers.staging.free.value == 1
         for _ in range(staging):                # the hung READs end: the pool is one larger
-            peers._staging_free.release()
-        assert peers._staging_free.value == staging + 1
+            peers.staging.free.release()
+        assert peers.staging.free.value == staging + 1
         await peers.aclose()
         nursery.cancel_scope.cancel()
 
@@ -308,7 +310,7 @@ async def test_a_mount_finds_its_hosts_node_when_it_joins_after_the_mount() -> N
             trio.open_nursery() as nursery:
         peers = Peers(client, members, SECRET, replicas=2, slot_size=SLOT,  # type: ignore[arg-type]
                       nursery=nursery, nbuf=1, find_local=True)
-        assert peers.order(keys[0]) and peers.local_node is None    # (none of its NICs)
+        assert peers.order(keys[0]) and peers.replicas.local_node is None    # (none of its NICs)
         near = NodeRecord("near", "here", [LO], 1, 0, SLOT, 1, SLOT, 1)
         members.nodes = {**far, "near": near}                       # the host's node joins
         members.members = [r.member() for r in members.nodes.values()]

@@ -27,10 +27,12 @@ from trio.testing import wait_all_tasks_blocked
 from kspeedfs.cache.memory import MemoryCache
 from kspeedfs.cache.singleflight import SingleFlight
 from kspeedfs.cache.tiers import TierChain
-from kspeedfs.cluster import native_fetch
+from kspeedfs.cluster import native_fetch, native_inflight
 from kspeedfs.cluster.hedge import Hedger
 from kspeedfs.cluster.landing import Landing
-from kspeedfs.cluster.native_fetch import C_SLOTS, FAILED_FOR, NativeFetch
+from kspeedfs.cluster.native_fetch import NativeFetch
+from kspeedfs.cluster.native_inflight import FAILED_FOR
+from kspeedfs.cluster.native_routes import C_SLOTS
 from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.index import ManifestIndex
 from kspeedfs.manifest.model import Extent
@@ -360,7 +362,8 @@ class Rig:
 
 
 class MonotonicClock:
-    """``time`` for native_fetch: FAILED_FOR counts in time.monotonic, not trio's clock."""
+    """``time`` for the native fetch's records (native_inflight): FAILED_FOR counts in
+    time.monotonic, not trio's clock."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -372,7 +375,7 @@ class MonotonicClock:
 @pytest.fixture
 def monotonic(monkeypatch: pytest.MonkeyPatch) -> MonotonicClock:
     clock = MonotonicClock()
-    monkeypatch.setattr(native_fetch, "time", clock)
+    monkeypatch.setattr(native_inflight, "time", clock)
     return clock
 
 
