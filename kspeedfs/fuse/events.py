@@ -1,4 +1,4 @@
-"""The pump of the native engine's queue: ``Engine.take()``'s events, dispatched by kind.
+"""① The pump of the native engine's queue: ``Engine.take()``'s events, dispatched by kind.
 
     Read       a READ C did not answer: handed back to C with the native fetch
                (``Reader.hand_off``), else ``Replies.answer_read`` in a task of its own

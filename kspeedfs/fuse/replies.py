@@ -1,4 +1,4 @@
-"""What the native engine's queue leaves to Python: READ misses and xattrs, answered.
+"""① What the native engine's queue leaves to Python: READ misses and xattrs, answered.
 
     answer_read       Reader.read_parts → _engine.reply (one writev of the chunks' views)
     answer_getxattr   Operations.xattr_values → the value, its size, or ERANGE
