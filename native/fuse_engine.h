@@ -68,25 +68,63 @@ struct fe_options {
     int splice;           /* large READ replies by vmsplice + splice (fuse_reply.c) */
 };
 
-/* A queued request for Python. */
+/* A queued request for Python: one struct per kind, in a tagged union (a queue entry is
+ * as large as the largest kind, GETXATTR's with its name, not their sum). READ, GETXATTR
+ * and LISTXATTR are answered with fe_reply_* on ``fd``; the hints and events need none. */
 enum fe_kind {
     FE_READ = 1,
     FE_GETXATTR = 2,
     FE_LISTXATTR = 3,
     FE_PREFETCH = 4,
     FE_FETCHED = 5
-}; /* FETCHED: entry = cookie, offset = chunk, size = status */
+};
+
+/* A READ C did not answer (a miss), or one Python hands back (fe_read_or_park). */
+struct fe_read {
+    int fd;          /* reply on this fd (the clone that read it); < 0: a ring token */
+    int random;      /* not continuing the previous read of its handle */
+    uint64_t unique; /* the kernel's id of the request */
+    uint64_t entry;  /* manifest entry (inode - 1) */
+    uint64_t offset, size;
+    uint64_t t0; /* when it arrived (CLOCK_MONOTONIC ns; its latency) */
+};
+
+/* A GETXATTR or a LISTXATTR (the kind says which). */
+struct fe_xattr {
+    int fd;          /* as fe_read's */
+    uint64_t unique; /* the kernel's id of the request */
+    uint64_t entry;  /* manifest entry (inode - 1) */
+    uint64_t size;   /* the caller's buffer size (0: it asks for the value's size) */
+    uint64_t t0;     /* when it arrived (CLOCK_MONOTONIC ns; its latency) */
+    char name[256];  /* GETXATTR: the attribute's name */
+};
+
+/* A sequential reader's chunks [first, stop) for Python to load (fuse_read.c do_read). */
+struct fe_prefetch {
+    uint64_t reached; /* the chunk the hinting READ reached */
+    uint64_t entry;   /* the file's manifest entry (inode - 1) */
+    uint64_t first, stop;
+};
+
+/* A native fetch that ended, or is late (fuse_fetch.h). Its slot, peer, path and start
+ * are a C-started fetch's (cookie & FE_OWN); else 0, -1, 0, 0. */
+struct fe_fetched {
+    uint64_t cookie;
+    uint64_t chunk; /* FE_NO_CHUNK: a part's (an extent's, a block's) posted by Python */
+    int status;     /* FE_FETCH_OK, a WC status (< 64), or another FE_FETCH_* */
+    int peer, path; /* the peer it read from, and which of its paths */
+    uint64_t slot;  /* its landing slot's id (fetch_slot); a part's: the file's entry */
+    uint64_t t0;    /* when it started (CLOCK_MONOTONIC ns) */
+};
 
 struct fe_request {
-    int kind;
-    int fd;          /* reply on this fd (the clone that read it); < 0: a ring token */
-    uint64_t unique; /* PREFETCH: the chunk the hinting READ reached */
-    uint64_t entry;  /* manifest entry (inode - 1) */
-    uint64_t offset; /* READ: offset; PREFETCH: first chunk */
-    uint64_t size;   /* READ: size; xattr: the caller's buffer size; PREFETCH: stop chunk */
-    int random;      /* READ: not continuing the previous read of its handle */
-    uint64_t t0;     /* READ, xattr: when it arrived (CLOCK_MONOTONIC ns; its latency) */
-    char name[256];  /* GETXATTR: the attribute's name */
+    int kind; /* enum fe_kind: which member of the union holds it */
+    union {
+        struct fe_read read;         /* FE_READ */
+        struct fe_xattr xattr;       /* FE_GETXATTR, FE_LISTXATTR */
+        struct fe_prefetch prefetch; /* FE_PREFETCH */
+        struct fe_fetched fetched;   /* FE_FETCHED */
+    };
 };
 
 /* Counters, per thread, summed on demand. Op slots follow enum fe_op. */
@@ -185,9 +223,9 @@ int fe_transport(const struct fe_engine *e, const char **why); /* why: "" or the
 
 /* The queue: up to ``max`` requests, oldest first (the eventfd is drained by Python). */
 size_t fe_take(struct fe_engine *e, struct fe_request *out, size_t max);
-/* Answer READ ``q`` (one Python took from the queue, or a parked one handed back) from
+/* Answer READ ``rd`` (one Python took from the queue, or a parked one handed back) from
  * the tier, or park it on one of its chunks in flight (1), else leave it to the caller (0). */
-int fe_read_or_park(struct fe_engine *e, const struct fe_request *q);
+int fe_read_or_park(struct fe_engine *e, const struct fe_read *rd);
 
 /* Replies to a queued request, on ``fd`` (a /dev/fuse fd, or a ring token: < 0). A
  * ring token's reply is copied into its entry and committed by the queue's thread; a

@@ -218,11 +218,13 @@ void dispatch(struct fe_worker *w, const uint8_t *buf, size_t n);
 /* fuse_queue.c */
 void wake(struct fe_engine *e);
 int enqueue(struct fe_engine *e, const struct fe_request *q);
-int enqueue_for_python(struct fe_worker *w, struct fe_request *q, struct fe_fetch *fetch,
-                       uint64_t first, uint64_t last);
+int enqueue_read(struct fe_engine *e, const struct fe_read *rd);
+int read_for_python(struct fe_worker *w, struct fe_read *rd, struct fe_fetch *fetch,
+                    uint64_t first, uint64_t last);
+int xattr_for_python(struct fe_worker *w, struct fe_request *q);
 
 /* fuse_read.c */
-int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_request *q);
+int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_read *rd);
 int do_read(struct req *r);
 
 /* fuse_threads.c */
@@ -246,7 +248,7 @@ void ring_refuse(struct fe_engine *e);
 /* For the native fetch (fuse_fetch.c): answer a parked READ again (fe_read_or_park), or
  * queue it for Python; queue a request or event for Python; and the engine's clock
  * (CLOCK_MONOTONIC, ns: a request's t0, a C-started fetch's start and deadline). */
-void fe_read_again(struct fe_engine *e, const struct fe_request *q);
+void fe_read_again(struct fe_engine *e, const struct fe_read *rd);
 int fe_queue(struct fe_engine *e, const struct fe_request *q);
 uint64_t fe_now_ns(void);
 

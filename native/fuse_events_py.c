@@ -1,6 +1,7 @@
 /* fuse_events_py.c — what take() hands Python from the engine's queue: one named type
  * per kind (a structseq each: Read, Getxattr, Listxattr, Prefetch, Fetched), its fields
- * named for what that kind puts in struct fe_request's (fuse_engine.h). */
+ * those of the kind's struct in struct fe_request (fe_read, fe_xattr, fe_prefetch,
+ * fe_fetched: fuse_engine.h). */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include "fuse_engine_py.h"
@@ -91,26 +92,34 @@ static PyObject *event_new(PyTypeObject *type, const char *fmt, ...)
     return ev;
 }
 
+typedef unsigned long long ull; /* Py_BuildValue's "K" */
+
+/* CLOCK_MONOTONIC ns as time.monotonic's seconds */
+static double seconds(uint64_t ns) { return (double)ns / 1e9; }
+
 static PyObject *event(const struct fe_request *r)
 {
-    unsigned long long unique = r->unique, entry = r->entry, offset = r->offset,
-                       size = r->size;
-    double since = (double)r->t0 / 1e9;
+    const struct fe_read *rd = &r->read;
+    const struct fe_xattr *x = &r->xattr;
+    const struct fe_prefetch *p = &r->prefetch;
+    const struct fe_fetched *f = &r->fetched;
     switch (r->kind) {
     case FE_READ:
-        return event_new(&event_types[0], "(iKKKKid)", r->fd, unique, entry, offset, size,
-                         r->random, since);
+        return event_new(&event_types[0], "(iKKKKid)", rd->fd, (ull)rd->unique, (ull)rd->entry,
+                         (ull)rd->offset, (ull)rd->size, rd->random, seconds(rd->t0));
     case FE_GETXATTR:
-        return event_new(&event_types[1], "(iKKy#Kd)", r->fd, unique, entry, r->name,
-                         (Py_ssize_t)strnlen(r->name, 255), size, since);
+        return event_new(&event_types[1], "(iKKy#Kd)", x->fd, (ull)x->unique, (ull)x->entry,
+                         x->name, (Py_ssize_t)strnlen(x->name, 255), (ull)x->size,
+                         seconds(x->t0));
     case FE_LISTXATTR:
-        return event_new(&event_types[2], "(iKKKd)", r->fd, unique, entry, size, since);
+        return event_new(&event_types[2], "(iKKKd)", x->fd, (ull)x->unique, (ull)x->entry,
+                         (ull)x->size, seconds(x->t0));
     case FE_PREFETCH:
-        return event_new(&event_types[3], "(KKKK)", unique, entry, offset, size);
-    case FE_FETCHED: /* entry = cookie, offset = chunk, size = status, unique = slot,
-                             * fd = peer, random = path (fuse_fetch.h) */
-        return event_new(&event_types[4], "(KKKKiid)", entry, offset, size, unique, r->fd,
-                         r->random, since);
+        return event_new(&event_types[3], "(KKKK)", (ull)p->reached, (ull)p->entry,
+                         (ull)p->first, (ull)p->stop);
+    case FE_FETCHED:
+        return event_new(&event_types[4], "(KKiKiid)", (ull)f->cookie, (ull)f->chunk,
+                         f->status, (ull)f->slot, f->peer, f->path, seconds(f->t0));
     }
     PyErr_Format(PyExc_SystemError, "take: a request of unknown kind %d", r->kind);
     return NULL;
@@ -131,12 +140,16 @@ static PyObject *request_list(const struct fe_request *reqs, size_t n)
 }
 
 /* Taken requests Python will never see (out of memory): answer them EIO rather than
- * leave the kernel waiting. Hints (PREFETCH) need no answer. */
+ * leave the kernel waiting. Hints and events (PREFETCH, FETCHED) need no answer. */
 static void requests_fail(const struct fe_request *reqs, size_t n)
 {
-    for (size_t i = 0; i < n; i++)
-        if (reqs[i].kind != FE_PREFETCH && reqs[i].kind != FE_FETCHED)
-            fe_reply_error(reqs[i].fd, reqs[i].unique, EIO);
+    for (size_t i = 0; i < n; i++) {
+        const struct fe_request *r = &reqs[i];
+        if (r->kind == FE_READ)
+            fe_reply_error(r->read.fd, r->read.unique, EIO);
+        else if (r->kind == FE_GETXATTR || r->kind == FE_LISTXATTR)
+            fe_reply_error(r->xattr.fd, r->xattr.unique, EIO);
+    }
 }
 
 /* take(max=256) -> [events], oldest first. */

@@ -20,7 +20,7 @@
 
 struct parked {
     struct parked *next;
-    struct fe_request q;
+    struct fe_read read;
 };
 
 struct own {       /* what a C-started fetch's FE_FETCHED names */
@@ -230,9 +230,9 @@ static int hand_on(struct fe_fetch *f, struct parked *p, int again)
     while (p) {
         struct parked *next = p->next;
         if (again)
-            fe_read_again(f->e, &p->q);
+            fe_read_again(f->e, &p->read);
         else
-            fe_queue(f->e, &p->q);
+            fe_queue(f->e, &(struct fe_request){.kind = FE_READ, .read = p->read});
         free(p);
         p = next;
         n++;
@@ -248,21 +248,20 @@ static int hand_on(struct fe_fetch *f, struct parked *p, int again)
 static void event(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
                   const struct own *own)
 {
-    struct fe_request ev = {.kind = FE_FETCHED,
-                            .fd = -1,
-                            .entry = cookie,
-                            .offset = k,
-                            .size = (uint64_t)status};
+    struct fe_request ev = {
+        .kind = FE_FETCHED,
+        .fetched = {.cookie = cookie, .chunk = k, .status = status, .peer = -1}};
+    struct fe_fetched *x = &ev.fetched;
     if (cookie & FE_OWN) {
         if (cookie & FE_PART) {
-            ev.unique = own->entry;
-            ev.offset = own->chunk;
+            x->slot = own->entry;
+            x->chunk = own->chunk;
         } else {
-            ev.unique = own->slot;
+            x->slot = own->slot;
         }
-        ev.fd = own->peer;
-        ev.random = own->path;
-        ev.t0 = own->t0;
+        x->peer = own->peer;
+        x->path = own->path;
+        x->t0 = own->t0;
     }
     fe_queue(f->e, &ev);
 }
@@ -369,7 +368,7 @@ static uint64_t wr_id_of(const struct fe_fetch *f, int i)
  * and its READ. */
 static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k,
                 const uint8_t *key, size_t keylen, const uint8_t *want, size_t wantlen,
-                const struct fe_request *read, uint64_t cookie, void *laddr, uint32_t lkey,
+                const struct fe_read *read, uint64_t cookie, void *laddr, uint32_t lkey,
                 uint64_t raddr, uint32_t rkey, uint32_t len, const char **why)
 {
     struct fcq *q = cq_of(f, ke);
@@ -383,7 +382,7 @@ static int post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k,
             *why = "fetch_post: out of memory";
             return -ENOMEM;
         }
-        own->q = *read;
+        own->read = *read;
         own->next = NULL;
     }
     pthread_mutex_lock(&f->lock);
@@ -437,7 +436,7 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
 
 int fetch_post_part(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8_t *key,
                     size_t keylen, const uint8_t *want, size_t wantlen,
-                    const struct fe_request *read, uint64_t cookie, void *laddr, uint32_t lkey,
+                    const struct fe_read *read, uint64_t cookie, void *laddr, uint32_t lkey,
                     uint64_t raddr, uint32_t rkey, uint32_t len, const char **why)
 {
     if (!len || (keylen != 16 && keylen != 20) || (wantlen != 16 && wantlen != 8)) {
@@ -557,14 +556,14 @@ static int size_class(uint32_t len)
 }
 
 int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t len,
-                     const uint8_t *key, const struct fe_request *read)
+                     const uint8_t *key, const struct fe_read *read)
 {
     if (k >= f->chunks || !len || offset + len > f->chunk_len[k])
         return 0;
     struct parked *mine = malloc(sizeof *mine);
     if (!mine)
         return 0;
-    mine->q = *read;
+    mine->read = *read;
     mine->next = NULL;
     pthread_mutex_lock(&f->lock);
     struct rec *r = part_rec_of(f, key, 16);
@@ -693,14 +692,14 @@ void *fetch_landed(struct fe_fetch *f, uint64_t cookie, uint32_t *len)
     return buf;
 }
 
-int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct fe_request *q)
+int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct fe_read *rd)
 {
     if (!atomic_load(&f->nactive) || first > last || last >= f->chunks)
         return 0;
     struct parked *p = malloc(sizeof *p);
     if (!p)
         return 0;
-    p->q = *q;
+    p->read = *rd;
     struct rec *wait = NULL;
     pthread_mutex_lock(&f->lock); /* (a record ends under it, after its tier put) */
     for (uint64_t k = first; k <= last; k++) {

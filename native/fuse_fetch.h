@@ -98,7 +98,7 @@ struct fe_path {
 };
 
 struct fe_engine;
-struct fe_request;
+struct fe_read;
 struct fe_tier;
 struct fe_fetch;
 
@@ -133,16 +133,16 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
  * (fetch_start_part). Errors as fetch_post's. */
 int fetch_post_part(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, const uint8_t *key,
                     size_t keylen, const uint8_t *want, size_t wantlen,
-                    const struct fe_request *read, uint64_t cookie, void *laddr, uint32_t lkey,
+                    const struct fe_read *read, uint64_t cookie, void *laddr, uint32_t lkey,
                     uint64_t raddr, uint32_t rkey, uint32_t len, const char **why);
 /* The buffer (malloc'd; the caller frees it) an extent's fetch of ``cookie`` put in the
  * tier, and its length; NULL when there is none (or it was taken). Unclaimed ones are
  * freed by fetch_free. */
 void *fetch_landed(struct fe_fetch *f, uint64_t cookie, uint32_t *len);
-/* Hold READ ``q`` (fd or ring token set) of chunks [first, last] when every one of them
+/* Hold READ ``rd`` (fd or ring token set) of chunks [first, last] when every one of them
  * the tier lacks is in flight: parked on the first such, 1 (answered again when it lands:
  * from the tier, parked on the next, or queued for Python); else 0. */
-int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct fe_request *q);
+int fetch_park(struct fe_fetch *f, uint64_t first, uint64_t last, const struct fe_read *rd);
 /* Answer the READs parked on the fetch of ``cookie`` now (its bytes came another way: a
  * hedge READ Python made); the fetch itself goes on, but no READ parks on it any more
  * (the chunk may be evicted again before that READ fails at the peer timeout: READs
@@ -158,8 +158,8 @@ int fetch_peer(struct fe_fetch *f, int peer, const struct fe_path *paths, int np
 int fetch_route(struct fe_fetch *f, uint64_t k, int peer, uint64_t offset);
 /* Forget every route and peer (Python renumbers its peers). */
 void fetch_unroute(struct fe_fetch *f);
-/* A landing slot for C-started fetches: ``id`` comes back in their FE_FETCHED (the
- * ``unique`` field; ``fd`` the peer, ``random`` the path), ``lkeys[nic]`` its lkey on each
+/* A landing slot for C-started fetches: ``id`` comes back in their FE_FETCHED (struct
+ * fe_fetched's ``slot``, beside the ``peer`` and ``path``), ``lkeys[nic]`` its lkey on each
  * local NIC. -ENOSPC when FE_SLOTS are held. */
 int fetch_slot(struct fe_fetch *f, uint32_t id, void *laddr, const uint32_t *lkeys,
                int nlkeys);
@@ -174,7 +174,7 @@ int fetch_staging(struct fe_fetch *f, void *laddr, uint32_t size, const uint32_t
  * park ``read`` on that extent's fetch in flight: 1. Else 0 (``read`` stays the
  * caller's). Any thread. */
 int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t len,
-                     const uint8_t *key, const struct fe_request *read);
+                     const uint8_t *key, const struct fe_read *read);
 /* Start chunk ``k`` here if it has a route to a peer that is on and a landing slot is free:
  * 1 (or it is in flight already), else 0 (the caller hints Python). Any thread. */
 int fetch_start(struct fe_fetch *f, uint64_t k);

@@ -144,10 +144,10 @@ PyTypeObject BlockType = {
 
 /* A READ of ``entry`` taken from the queue, as Python holds it: (fd, unique, offset, size,
  * random, since). 0, or -1 with an exception set. */
-static int read_request(PyObject *read, unsigned long long entry, struct fe_request *q)
+static int read_request(PyObject *read, unsigned long long entry, struct fe_read *q)
 {
     double since = 0;
-    *q = (struct fe_request){.kind = FE_READ, .entry = entry};
+    *q = (struct fe_read){.entry = entry};
     if (!PyArg_ParseTuple(read, "iKKKid:READ", &q->fd, &q->unique, &q->offset, &q->size,
                           &q->random, &since))
         return -1;
@@ -166,7 +166,7 @@ PyObject *Engine_read_or_park(EngineObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "KO!:read_or_park", &entry, &PyTuple_Type, &read))
         return NULL;
     struct fe_engine *e = engine_of(self, "read_or_park");
-    struct fe_request q;
+    struct fe_read q;
     if (!e || read_request(read, entry, &q) < 0)
         return NULL;
     int taken;
@@ -188,7 +188,7 @@ static PyObject *post_part(EngineObject *self, struct fe_engine *e, int handle,
                            unsigned long long laddr, unsigned int lkey,
                            unsigned long long raddr, unsigned int rkey, PyObject *read)
 {
-    struct fe_request q;
+    struct fe_read q;
     if (read != Py_None && read_request(read, entry, &q) < 0)
         return NULL;
     ks_engine *ke;

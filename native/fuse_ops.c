@@ -366,20 +366,18 @@ static int do_xattr(struct req *r, int kind)
     if (r->arglen < sizeof(struct fuse_getxattr_in))
         return -EINVAL;
     const struct fuse_getxattr_in *in = (const void *)r->arg;
-    struct fe_request q = {.kind = kind,
-                           .unique = r->h->unique,
-                           .entry = entry,
-                           .size = in->size,
-                           .t0 = r->t0};
+    struct fe_request q = {
+        .kind = kind,
+        .xattr = {.unique = r->h->unique, .entry = entry, .size = in->size, .t0 = r->t0}};
     if (kind == FE_GETXATTR) {
         const char *name = (const char *)(in + 1);
         size_t n = strnlen(name, r->arglen - sizeof *in);
-        if (n >= sizeof q.name)
+        if (n >= sizeof q.xattr.name)
             return -ERANGE;
-        memcpy(q.name, name, n);
+        memcpy(q.xattr.name, name, n);
     }
     r->w->c.queued++;
-    int rc = enqueue_for_python(r->w, &q, NULL, 0, 0);
+    int rc = xattr_for_python(r->w, &q);
     return rc < 0 ? rc : QUEUED;
 }
 

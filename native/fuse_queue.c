@@ -39,26 +39,49 @@ int enqueue(struct fe_engine *e, const struct fe_request *q)
     return 0;
 }
 
-/* Queue ``q`` for Python, to be answered on the fd or ring entry its request came from;
+int enqueue_read(struct fe_engine *e, const struct fe_read *rd)
+{
+    return enqueue(e, &(struct fe_request){.kind = FE_READ, .read = *rd});
+}
+
+/* The fd or ring token the request ``w`` holds is answered on once Python has it: its
+ * ring entry, if any, is Python's from now on (before another thread can answer it). */
+static int python_fd(struct fe_worker *w)
+{
+    if (!w->ent)
+        return w->fd;
+    atomic_store(&w->ent->state, ENT_PY);
+    return ring_token(w->ent);
+}
+
+/* ``rc`` of queueing the request ``w`` holds: on failure its ring entry is C's again
+ * (the caller answers it). */
+static int queued(struct fe_worker *w, int rc)
+{
+    if (rc < 0 && w->ent)
+        atomic_store(&w->ent->state, ENT_C);
+    return rc;
+}
+
+/* Queue READ ``rd`` for Python, to be answered on the fd or ring entry it came from;
  * or, when ``fetch`` has every chunk of [first, last] the tier lacks in flight, park it
  * there (fuse_fetch.h: answered by the fetch thread, or queued for Python if a chunk
  * does not land); or, a small file's READ, park it on its extent's fetch started here
  * (``start_small``). */
-int enqueue_for_python(struct fe_worker *w, struct fe_request *q, struct fe_fetch *fetch,
-                       uint64_t first, uint64_t last)
+int read_for_python(struct fe_worker *w, struct fe_read *rd, struct fe_fetch *fetch,
+                    uint64_t first, uint64_t last)
 {
-    if (!w->ent) {
-        q->fd = w->fd;
-    } else {
-        q->fd = ring_token(w->ent);
-        atomic_store(&w->ent->state, ENT_PY); /* before another thread can answer it */
-    }
-    if (fetch && (fetch_park(fetch, first, last, q) || start_small(w->e, fetch, q)))
+    rd->fd = python_fd(w);
+    if (fetch && (fetch_park(fetch, first, last, rd) || start_small(w->e, fetch, rd)))
         return 0;
-    int rc = enqueue(w->e, q);
-    if (rc < 0 && w->ent)
-        atomic_store(&w->ent->state, ENT_C);
-    return rc;
+    return queued(w, enqueue_read(w->e, rd));
+}
+
+/* Queue GETXATTR or LISTXATTR ``q`` for Python, as read_for_python does a READ. */
+int xattr_for_python(struct fe_worker *w, struct fe_request *q)
+{
+    q->xattr.fd = python_fd(w);
+    return queued(w, enqueue(w->e, q));
 }
 
 size_t fe_take(struct fe_engine *e, struct fe_request *out, size_t max)

@@ -70,19 +70,19 @@ static const uint8_t *one_extent(const struct fe_index *ix, uint64_t entry)
     return ix->ext_digests + x * 16;
 }
 
-/* READ ``q``, missed, of a file in one chunk (``fe_file_extent``): its one extent started
- * by the native fetch and ``q`` parked on it (fuse_fetch.h fetch_start_part), when Python
+/* READ ``rd``, missed, of a file in one chunk (``fe_file_extent``): its one extent started
+ * by the native fetch and ``rd`` parked on it (fuse_fetch.h fetch_start_part), when Python
  * routed that chunk and gave C staging slots — it does when small files are read alone
  * (ReadPolicy.small_file: the dataset outgrows the tiers), slots of that limit, so a file
  * larger finds none. Else 0: the caller's. */
-int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_request *q)
+int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_read *rd)
 {
     const uint8_t *key;
     uint32_t len;
-    if (fe_file_extent(e, q->entry, &key, &len) < 0)
+    if (fe_file_extent(e, rd->entry, &key, &len) < 0)
         return 0;
-    uint64_t c = e->ix.chunk_size, k = e->ix.data[q->entry] / c;
-    return fetch_start_part(f, k, e->ix.data[q->entry] - k * c, len, key, q);
+    uint64_t c = e->ix.chunk_size, k = e->ix.data[rd->entry] / c;
+    return fetch_start_part(f, k, e->ix.data[rd->entry] - k * c, len, key, rd);
 }
 
 /* The tier key of block ``b`` of chunk ``k``: the chunk's digest, then ``b`` little-endian
@@ -181,46 +181,46 @@ static void count_hit(struct fe_counters *c, uint64_t bytes, int units)
     c->memory_hits += (uint64_t)units;
 }
 
-/* Queued READ ``q`` ([offset, end) over chunks first..last) answered from the tier if it
+/* Queued READ ``rd`` ([offset, end) over chunks first..last) answered from the tier if it
  * holds them all, counted with the READs answered again; 0: it does not. */
-static int answer_again(struct fe_engine *e, const struct fe_request *q, uint64_t end,
+static int answer_again(struct fe_engine *e, const struct fe_read *rd, uint64_t end,
                         uint64_t first, uint64_t last)
 {
     struct hit h;
-    if (!read_hit(e, q->entry, q->offset, end, first, last, &h))
+    if (!read_hit(e, rd->entry, rd->offset, end, first, last, &h))
         return 0;
-    reply_iov(q->fd, q->unique, h.iov, h.n);
+    reply_iov(rd->fd, rd->unique, h.iov, h.n);
     release_hit(e, &h);
     pthread_mutex_lock(&e->alock);
-    count_hit(&e->again, end - q->offset, h.units);
-    count_into(&e->again, FE_OP_READ, q->t0, 0);
+    count_hit(&e->again, end - rd->offset, h.units);
+    count_into(&e->again, FE_OP_READ, rd->t0, 0);
     e->again.late_hits++;
     pthread_mutex_unlock(&e->alock);
     return 1;
 }
 
-int fe_read_or_park(struct fe_engine *e, const struct fe_request *q)
+int fe_read_or_park(struct fe_engine *e, const struct fe_read *rd)
 {
-    if (q->entry >= e->ix.entries || !S_ISREG(e->ix.mode[q->entry]))
+    if (rd->entry >= e->ix.entries || !S_ISREG(e->ix.mode[rd->entry]))
         return 0; /* (Python's READ tuple: not trusted blindly) */
     uint64_t end, first, last;
-    read_span(e, q->entry, q->offset, q->size, &end, &first, &last);
-    if (q->offset >= end)
+    read_span(e, rd->entry, rd->offset, rd->size, &end, &first, &last);
+    if (rd->offset >= end)
         return 0;
-    if (answer_again(e, q, end, first, last))
+    if (answer_again(e, rd, end, first, last))
         return 1;
     struct fe_fetch *f = atomic_load(&e->fetch); /* one of its chunks in flight */
     if (!f)
         return 0;
     /* Nothing to park on may also mean its last chunk landed between the two looks: the
      * READ is then answered from the tier, not left to Python for a trio task. */
-    return fetch_park(f, first, last, q) || answer_again(e, q, end, first, last);
+    return fetch_park(f, first, last, rd) || answer_again(e, rd, end, first, last);
 }
 
-void fe_read_again(struct fe_engine *e, const struct fe_request *q)
+void fe_read_again(struct fe_engine *e, const struct fe_read *rd)
 {
-    if (!fe_read_or_park(e, q))
-        enqueue(e, q);
+    if (!fe_read_or_park(e, rd))
+        enqueue_read(e, rd);
 }
 
 int fe_queue(struct fe_engine *e, const struct fe_request *q) { return enqueue(e, q); }
@@ -257,16 +257,15 @@ int do_read(struct req *r)
         worker_reply(r->w, r->h->unique, 0, h.iov, h.n);
         release_hit(e, &h);
     } else {
-        struct fe_request q = {.kind = FE_READ,
-                               .unique = r->h->unique,
-                               .entry = entry,
-                               .offset = offset,
-                               .size = in->size,
-                               .random = random,
-                               .t0 = r->t0};
+        struct fe_read rd = {.unique = r->h->unique,
+                             .entry = entry,
+                             .offset = offset,
+                             .size = in->size,
+                             .random = random,
+                             .t0 = r->t0};
         r->w->c.read_misses++;
         r->w->c.queued++;
-        if (enqueue_for_python(r->w, &q, atomic_load(&e->fetch), first, last) < 0)
+        if (read_for_python(r->w, &rd, atomic_load(&e->fetch), first, last) < 0)
             return -ENOMEM;
         queued = QUEUED;
     }
@@ -276,12 +275,9 @@ int do_read(struct req *r)
         struct fe_fetch *f = atomic_load(&e->fetch);
         for (uint64_t k = pstart; k < pstop; k++)
             if (!tier_has(e->tier, chunk_key(e, k), 16) && !(f && fetch_start(f, k))) {
-                struct fe_request q = {.kind = FE_PREFETCH,
-                                       .fd = -1,
-                                       .unique = last,
-                                       .entry = entry,
-                                       .offset = k,
-                                       .size = pstop};
+                struct fe_request q = {
+                    .kind = FE_PREFETCH,
+                    .prefetch = {.reached = last, .entry = entry, .first = k, .stop = pstop}};
                 r->w->c.prefetch_hints++;
                 enqueue(e, &q);
                 break;

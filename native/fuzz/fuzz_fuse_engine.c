@@ -327,15 +327,17 @@ static void answer_queue(struct fe_engine *e)
     size_t n = fe_take(e, q, 32);
     static const uint8_t zeros[4096];
     for (size_t i = 0; i < n; i++) {
-        if (q[i].kind == FE_PREFETCH)
-            continue;
+        const struct fe_read *rd = &q[i].read;
+        const struct fe_xattr *x = &q[i].xattr;
         if (q[i].kind == FE_READ && below(2))
-            fe_reply_data(q[i].fd, q[i].unique, zeros,
-                          q[i].size < sizeof zeros ? q[i].size : sizeof zeros);
-        else if (q[i].kind != FE_READ && below(2))
-            fe_reply_xattr_size(q[i].fd, q[i].unique, 7);
-        else
-            fe_reply_error(q[i].fd, q[i].unique, EIO);
+            fe_reply_data(rd->fd, rd->unique, zeros,
+                          rd->size < sizeof zeros ? rd->size : sizeof zeros);
+        else if (q[i].kind == FE_READ)
+            fe_reply_error(rd->fd, rd->unique, EIO);
+        else if ((q[i].kind == FE_GETXATTR || q[i].kind == FE_LISTXATTR) && below(2))
+            fe_reply_xattr_size(x->fd, x->unique, 7);
+        else if (q[i].kind == FE_GETXATTR || q[i].kind == FE_LISTXATTR)
+            fe_reply_error(x->fd, x->unique, EIO);
     }
 }
 

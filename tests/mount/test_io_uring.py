@@ -157,7 +157,7 @@ def test_a_ring_that_cannot_be_set_up_after_init_falls_back_to_dev_fuse(tree, en
     and /dev/fuse serves; nothing waits for a ring that never comes."""
     from kspeedfs.config import load
     from kspeedfs.daemon import MountRequest, load_dataset
-    from kspeedfs.fuse import native
+    from kspeedfs.fuse import connection
 
     base, _ = tree
     enable_uring(True)
@@ -165,14 +165,14 @@ def test_a_ring_that_cannot_be_set_up_after_init_falls_back_to_dev_fuse(tree, en
     _, _, index = load_dataset(cfg, MountRequest("ring", str(tmp_path)))
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    fd = native._engine.mount(str(mnt), "kspeedfs:ring", False, False, 256 * 4096)
-    engine = native._engine.Engine(fd, index, uring=True, uring_depth=1000)
+    fd = connection._engine.mount(str(mnt), "kspeedfs:ring", False, False, 256 * 4096)
+    engine = connection._engine.Engine(fd, index, uring=True, uring_depth=1000)
     try:
         engine.init()               # (no request on the mount until start: the kernel holds them)
         engine.start(2)
         transport, why = engine.transport()
         assert transport == "/dev/fuse" and "1000 entries" in why, (transport, why)
-        assert not engine.negotiated()[1] & native.FUSE_OVER_IO_URING
+        assert not engine.negotiated()[1] & connection.FUSE_OVER_IO_URING
         names = []
         t = threading.Thread(target=lambda: names.extend(os.listdir(mnt)), daemon=True)
         t.start()
@@ -180,6 +180,6 @@ def test_a_ring_that_cannot_be_set_up_after_init_falls_back_to_dev_fuse(tree, en
         assert not t.is_alive(), "a request waited for the ring"
         assert names and engine.counters()["ring_requests"] == 0
     finally:
-        native._engine.unmount(str(mnt))         # the readers then read ENODEV and end
+        connection._engine.unmount(str(mnt))         # the readers then read ENODEV and end
         engine.join()
         engine.close()

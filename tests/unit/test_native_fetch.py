@@ -6,7 +6,7 @@ adopted.
 ``FakeEngine`` records the fuse_fetch.h calls NativeFetch makes and plays the NIC and the
 fetch thread: ``land`` writes a READ's bytes where it was posted, ``fetched`` builds the
 engine queue's FETCHED event, and ``Rig.deliver`` hands it on through the session's own
-dispatch (``NativeSession._dispatch``), so the event's field order is the one a mount
+dispatch (``EventPump.dispatch``), so the event's field order is the one a mount
 uses. The tier chain, memory tier, manifest, landing pool and hedger are real; peers,
 vQPs and registered memory are fakes, with no network.
 """
@@ -17,7 +17,6 @@ import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -45,7 +44,7 @@ _fe = pytest.importorskip("kspeedfs.fuse._engine", reason="the native FUSE engin
 if native_fetch.soft_capi() is None:
     pytest.skip("the soft engine's C API is not built", allow_module_level=True)
 
-from kspeedfs.fuse.native import NativeSession  # noqa: E402  (after the skips: it needs _engine)
+from kspeedfs.fuse.events import EventPump  # noqa: E402  (after the skips: it needs _engine)
 
 C = 64 << 10
 BLOCK = 16 << 10
@@ -330,6 +329,8 @@ class Rig:
                                peers=self.peers, dataset=("ds", 1))
         self.nf = NativeFetch(self.engine, self.peers, self.chain, self.memory, ix)
         self.chain.attach_native(self.nf)
+        self.pump = EventPump(None, None)   # a FETCHED event needs no reader nor replies
+        self.pump.fetch = self.nf
         self.recs = {A: Rec(A), B: Rec(B)}
         self.vqps = {A: FakeVQP(), B: FakeVQP()}
         for k in range(ix.chunks):
@@ -358,7 +359,7 @@ class Rig:
 
     def deliver(self, event: Any) -> None:
         """``event`` from the engine's queue, handed on as the session does."""
-        NativeSession._dispatch(SimpleNamespace(fetch=self.nf), None, event)
+        self.pump.dispatch(None, event)
 
 
 class MonotonicClock:
