@@ -253,7 +253,7 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
         async def after_mount() -> None:
             if session is not None and peers is not None and disk is None \
                     and cfg.cluster.native_fetch:
-                from .cluster.native_fetch import NativeFetch, soft_capi
+                from .cluster.native.fetch import NativeFetch, soft_capi
 
                 if soft_capi() is not None:
                     native = NativeFetch(session.engine, peers, reader.tiers, memory, index,

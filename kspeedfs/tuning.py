@@ -11,6 +11,11 @@ Grouped by the step of a read they tune (docs/design.md, "The steps of a read").
 """
 from __future__ import annotations
 
+# -- the FUSE boundary (fuse/) --------------------------------------------------------
+
+#: st_blksize when ``fuse.blksize`` is 0 (config.py says why: sweep-blksize)
+SMALL_BLKSIZE = 4096
+
 # -- local tiers (cache/memory.py) ---------------------------------------------------
 
 #: buffers from this size on start on a page boundary: the padding (2 KiB on average,
@@ -65,6 +70,34 @@ RPC_POOL = 4
 #: ... and handshakes it runs at once to one node, well under a server's 32
 #: unauthenticated connections per source
 RPC_OPENING = 8
+
+#: seconds an unreachable node is skipped before it is tried again
+UNREACHABLE_SKIP = 2.0
+#: replica orders kept per membership (all dropped when there are more): a read's
+#: rendezvous hash over every member costs more than a kept order (docs/design.md, "Peer
+#: reads in Python: the figures behind the code")
+PLACED_ORDERS = 1 << 14
+#: physical staging slots at most, x the fetch's buffers (reads in progress + losers)
+STAGING_PER_BUF = 3
+
+# -- the native fetch (cluster/native/) -----------------------------------------------
+
+#: chunk READs the native fetch has out at once, beside the ``nbuf`` of read_chunk: each
+#: holds a landing slot (registered only when used). Its own, not shared with
+#: read_chunk: shared, the Python path kept most of the chunks (docs/design.md, "The
+#: native chunk fetch")
+NATIVE_READS = 32
+#: seconds a chunk or a small file's extent whose native fetch failed is not handed to C
+#: with a READ again (that READ takes Python's path)
+NATIVE_FAILED_FOR = 1.0
+#: chunks after one Python started whose routes it gives C (``Routes.ahead``): the next
+#: hint for that stream comes this many chunks later
+ROUTE_AHEAD = 8
+#: landing slots C holds for the chunks it starts (``Routes.feed``)
+C_SLOTS = 16
+#: staging slots C holds for good for the small files' extents it starts (each of
+#: ReadPolicy.small_file_limit bytes): twice the readers of the ImageNet-like case
+C_STAGING = 16
 
 # -- hedging (cluster/hedge.py) -------------------------------------------------------
 

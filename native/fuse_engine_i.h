@@ -43,6 +43,7 @@
 #include "fuse_fetch.h"
 #include "fuse_tier.h"
 #include "fuse_uring_abi.h"
+#include "tuning.h"
 
 #define FE_MAX_THREADS 256
 #define FE_MAX_IOV 64

@@ -744,7 +744,6 @@ int fetch_unpark(struct fe_fetch *f, uint64_t cookie)
  * FE_ALIGN_MIN on the buffer starts on a page: the kernel copies a reply a page at a
  * time, and a source that starts mid-page is two short copies per page (the memory
  * tier's page_aligned, kspeedfs/cache/memory.py, says what it costs). */
-#define FE_ALIGN_MIN (64u << 10) /* = ALIGN_MIN there */
 static int put_part(struct fe_fetch *f, uint64_t cookie, const uint8_t *key, size_t keylen,
                     const uint8_t *laddr, uint32_t len)
 {
@@ -825,7 +824,6 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
  * the epoll timeout until the next check: FE_LATE_TICK_MS while one with a deadline is
  * out (a deadline is the peer's hedging threshold, ≥ 2 ms and ~20-100 ms for a chunk
  * here: a tick of 5 ms is within its noise), else -1. */
-#define FE_LATE_TICK_MS 5
 static int late_check(struct fe_fetch *f)
 {
     struct late {

@@ -1,7 +1,7 @@
 /* fuse_fetch.h — the native chunk fetch: a chunk READ from a peer's arena posted by
  * Python, completed, verified and answered in C (docs/design.md, "The plan for that step").
  *
- *   Python (kspeedfs/cluster/native_fetch.py)          C
+ *   Python (kspeedfs/cluster/native/fetch.py)          C
  *   a chunk to load, its replica's slot known, an  ─► fetch_post: a record for chunk k,
  *   UP path on the soft provider                       one RDMA READ into a landing slot,
  *                                                      its WC on the fetch's own CQ

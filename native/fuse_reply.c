@@ -40,8 +40,6 @@ static int write_reply(int fd, struct iovec *iov, int n)
  * replies for an engine with the option (request threads, the fetch thread) makes its
  * pipe on its first large reply; a failed splice closes it (whatever it held goes with
  * it) and the next reply makes another. */
-#define FE_SPLICE_MIN (256 << 10)
-#define FE_PIPE_WANT (2 << 20)
 
 struct reply_pipe {
     int rd, wr;

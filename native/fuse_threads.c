@@ -28,8 +28,6 @@
  * thread costs it a cross-CPU wake-up per request.  So the threads after the first
  * wait here while, for FE_SOLO_NS, every request was a READ of FE_SOLO_READ or more
  * from one task (readahead); any other request, or another task's, opens the gate. */
-#define FE_SOLO_NS 20000000ull
-#define FE_SOLO_READ (256u << 10) /* a READ this large is readahead, answered ahead of need */
 
 /* The crowd rule.  More tasks than CPUs, each sending short requests in turn (8 workers
  * opening and reading ImageNet-like files on 2 CPUs): no CPU is idle for a second
@@ -41,8 +39,6 @@
  * (sequential readers' 1 MiB READs) or a busy thread (a large machine's crowd) leave it to
  * the solo gate's own reasons. The measurements behind both rules: docs/design.md, "The
  * solo gate and the crowd rule". */
-#define FE_CROWD_SHORT_NS 50000ull
-#define FE_CROWD_BUSY_PCT 90u
 
 /* After each /dev/fuse request (arrived ``t0``) of task ``pid``: count it, and judge the
  * window that ended (one thread, by CAS on crowd_since). One shared write per task and

@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define FE_STRIPES 256
-#define FE_BUCKET_BITS 18
+#include "tuning.h"
+
 
 struct fe_tier {
     struct fe_slot **buckets;

@@ -21,7 +21,6 @@
  * max_background (64) of requests in flight. Each entry's payload is max_pages pages
  * (1 MiB), mapped lazily: 32 MiB of address space per CPU, resident as far as replies
  * touched it. */
-#define FE_URING_DEPTH 32
 #define FE_URING_MAX_Q 256 /* qids are CPU numbers */
 #define FE_URING_MAX_ENTS 256
 #define FE_URING_SLOTS 64 /* engines with rings per process (ring tokens) */

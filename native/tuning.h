@@ -33,4 +33,32 @@
 #define KS_STAGE 16384           /* rx staging buffer (headers, small payloads) */
 #define KS_SMALL 4096            /* responses up to this are read via the stage */
 
+/* -- the FUSE engine (fuse_*.c) ----------------------------------------------------- */
+
+/* The solo gate and the crowd rule (fuse_threads.c says how they decide; the figures:
+ * docs/design.md, "The solo gate and the crowd rule"): the window both judge over ... */
+#define FE_SOLO_NS 20000000ull
+/* ... a READ this large is readahead, answered ahead of need ... */
+#define FE_SOLO_READ (256u << 10)
+/* ... a crowd's requests are short under this on average ... */
+#define FE_CROWD_SHORT_NS 50000ull
+/* ... and one thread could answer them all below this share of the window busy */
+#define FE_CROWD_BUSY_PCT 90u
+/* READ replies from this size on go by vmsplice + splice (fuse_reply.c); each thread's
+ * pipe asks for this much room (a 1 MiB reply spans 257 pages) */
+#define FE_SPLICE_MIN (256 << 10)
+#define FE_PIPE_WANT (2 << 20)
+/* entries per io_uring queue: 32 per CPU is, on 2 CPUs, the default max_background (64)
+ * of requests in flight (fuse_uring.c) */
+#define FE_URING_DEPTH 32
+/* the late fetches' check period while one with a deadline is out: a deadline is the
+ * peer's hedging threshold (>= 2 ms, ~20-100 ms for a chunk), so 5 ms is within its noise */
+#define FE_LATE_TICK_MS 5
+/* a part's own buffer starts on a page from this size on (kspeedfs/tuning.py ALIGN_MIN,
+ * the same value: the memory tier's rule for Python's buffers) */
+#define FE_ALIGN_MIN (64u << 10)
+/* the C tier's index: lock stripes, and 2^bits hash buckets */
+#define FE_STRIPES 256
+#define FE_BUCKET_BITS 18
+
 #endif

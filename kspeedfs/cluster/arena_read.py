@@ -28,7 +28,7 @@ so a reader never waits on a hung peer's READ.
 
 Staging slots are two counts: ``nbuf`` reads in progress (a token per read; a hedge takes
 none: the hedge budget bounds it) and physical slots, registered lazily in segments of
-``nbuf`` up to ``STAGING × nbuf``, so buffers a hung peer still holds do not block the
+``nbuf`` up to ``STAGING_PER_BUF × nbuf``, so buffers a hung peer still holds do not block the
 reads that follow. A hedge never waits for a staging slot either: with none free it adds
 one. Waiting, a hedge was held by the very READs it was to overtake: the losers of a
 stopped peer keep their slots until its timeout.
@@ -44,6 +44,7 @@ from rdma.errors import RdmaError
 from rdma.vrdma import VMR, VQP, Endpoint, wait_noting_overrun
 
 from .. import checksum
+from ..tuning import STAGING_PER_BUF
 from .arena import BUCKET_BYTES, buckets_of, find_in_bucket
 from .connections import FAILED, MISBEHAVED, Connections
 from .failover import Attempt, Race
@@ -54,8 +55,6 @@ from .membership import NodeRecord
 from .peer_stats import PeerCounters
 
 log = logging.getLogger(__name__)
-
-STAGING = 3      # physical staging slots at most, × nbuf (reads in progress + losers)
 
 
 async def take(sem: trio.Semaphore) -> None:
@@ -72,7 +71,7 @@ class Staging:
     """The staging slots of one process's peer READs (module docstring).
 
     Contract: ``reads`` holds a token per read in progress (``nbuf``; a hedge takes
-    none); ``free`` counts the physical slots, registered or not (``STAGING × nbuf``).
+    none); ``free`` counts the physical slots, registered or not (``STAGING_PER_BUF × nbuf``).
     A slot ``take`` (or ``take_nowait``) gives is the taker's until ``give``, which it
     calls once no READ writes into the slot. Trio thread only.
     """
@@ -84,12 +83,12 @@ class Staging:
         buf = endpoint.alloc(nbuf * slot_size, name="fetch-buffers")
         self._slots: list[Slot] = [(buf, i * slot_size) for i in range(nbuf)]
         self._segments = 1
-        self.free = trio.Semaphore(STAGING * nbuf)   # physical slots, made or not
+        self.free = trio.Semaphore(STAGING_PER_BUF * nbuf)   # physical slots, made or not
         self.reads = trio.Semaphore(nbuf)            # reads in progress
 
     async def take(self, hedge: bool = False) -> Slot:
         """A physical staging slot, registering another segment of ``nbuf`` if none is
-        free (up to STAGING × nbuf: losers a hung peer still holds); for a ``hedge``
+        free (up to STAGING_PER_BUF × nbuf: losers a hung peer still holds); for a ``hedge``
         without waiting: past that bound, one more slot for good."""
         if hedge and self.free.value == 0:
             self.free.release()
@@ -97,7 +96,7 @@ class Staging:
         return self._slot()
 
     def take_nowait(self) -> Slot | None:
-        """A physical staging slot now for the native fetch's extents (``native_fetch.py``;
+        """A physical staging slot now for the native fetch's extents (``native/fetch.py``;
         back through ``give``), or None when that would leave fewer than 2 × nbuf: those
         stay ``read_chunk``'s (its reads in progress, and their hedges), so extents READ
         from a stopped replica, each holding its slot until the peer timeout, cannot

@@ -5,10 +5,10 @@
     Connections.connected(rec)    that vQP is set up; ``now(rec)``: it, or None
     Connections.back(rec)         the node is back as a new incarnation with no vQP yet
     Connections.back_last(recs)   those moved last, their connects started in the background
-    Connections.skip / skipped    a node found unreachable is skipped for ``SKIP`` seconds
+    Connections.skip / skipped    a node found unreachable is skipped for ``UNREACHABLE_SKIP`` seconds
     Connections.rpc(rec)          the RPC client to a node (a miss: ask the owner to load)
 
-A node that was unreachable is skipped for ``SKIP`` seconds, then tried again (it may be
+A node that was unreachable is skipped for ``UNREACHABLE_SKIP`` seconds, then tried again (it may be
 back, or its lease has expired and placement no longer names it), so later reads do not
 wait on it. A node back as a new incarnation (restarted: its record's ``started``
 changed) is tried last until its new vQP is up: a node that has just started answers a
@@ -26,10 +26,9 @@ from rdma.vrdma import VQP, Endpoint
 from rdma.vrdma.vqp import VQPStats
 
 from ..cache.singleflight import SingleFlight
+from ..tuning import UNREACHABLE_SKIP
 from .membership import NodeRecord
 from .rpc import RpcClient, RpcUnavailable
-
-SKIP = 2.0      # seconds an unreachable node is skipped before it is tried again
 
 #: what makes a replica a failed one (next replica), as opposed to a bug
 FAILED = (PeerUnreachable, RpcUnavailable, PathClosed, HandshakeError)
@@ -45,7 +44,7 @@ class Connections:
     Contract: at most one vQP per node, to the incarnation last connected (a connect to a
     new one closes the vQP kept first); one connect per node at a time, run in
     ``nursery`` (single-flight); a node whose connect failed, or that a reader found
-    unreachable (``skip``), is ``skipped`` for SKIP seconds. Owns the vQPs and the RPC
+    unreachable (``skip``), is ``skipped`` for UNREACHABLE_SKIP seconds. Owns the vQPs and the RPC
     clients until ``aclose``. Trio thread only.
     """
 
@@ -99,8 +98,8 @@ class Connections:
         return self._connects.in_flight(node)
 
     def skip(self, node: str) -> None:
-        """``node`` was unreachable (or misbehaved): skip it for SKIP seconds."""
-        self._skip_until[node] = time.monotonic() + SKIP
+        """``node`` was unreachable (or misbehaved): skip it for UNREACHABLE_SKIP seconds."""
+        self._skip_until[node] = time.monotonic() + UNREACHABLE_SKIP
 
     def skipped(self, node: str, now: float) -> bool:
         return self._skip_until.get(node, 0.0) > now

@@ -1,7 +1,7 @@
 """⑤ Fetch a chunk from a replica's arena with one-sided vRDMA READs; next replica on failure.
 
 :class:`Peers` is the seam the read path (``TierChain``), a node (re-replication), the
-native fetch (:mod:`.native_fetch`) and the stats use; the work is in its parts:
+native fetch (:mod:`.native.fetch`) and the stats use; the work is in its parts:
 
     connections.py   Connections   the vQP and RPC client to each node; unreachable nodes
                                    skipped a while, nodes back as a new incarnation last
@@ -28,6 +28,7 @@ import trio
 from rdma.vrdma import VQP, Endpoint
 from rdma.vrdma.vqp import VQPStats
 
+from ..tuning import NATIVE_READS
 from .arena_read import ArenaRead, Staging
 from .connections import Connections
 from .failover import Failover
@@ -39,12 +40,6 @@ from .peer_stats import PeerCounters, PeerStatistics, snapshot
 from .replicas import Replicas
 
 __all__ = ["NATIVE_READS", "PeerCounters", "PeerStatistics", "Peers"]
-
-#: chunk READs the native fetch (native_fetch.py) has out at once, beside the ``nbuf``
-#: of read_chunk: each holds a landing slot (registered only when used). Its own, not
-#: shared with read_chunk: shared, the Python path kept most of the chunks
-#: (docs/design.md, "The native chunk fetch")
-NATIVE_READS = 32
 
 
 class Peers:
@@ -131,7 +126,7 @@ class Peers:
         """The member on this host: one of this endpoint's NICs is among its NICs."""
         return self.replicas.local_member()
 
-    # -- the native fetch's side (native_fetch.py) --------------------------------------
+    # -- the native fetch's side (native/fetch.py) --------------------------------------
 
     def native_route(self, key: bytes, length: int) -> tuple[NodeRecord, int, VQP] | None:
         """Where C may READ chunk ``key`` itself — ``(record, slot, vqp)`` — or None:

@@ -1,6 +1,6 @@
 """⑤ Where chunks sit in the nodes' arenas, per node incarnation: the slot hints and the
 copies of whole arena indexes that :mod:`.fetch` addresses a chunk READ by, without the
-bucket READ first (and the native fetch's routes, :mod:`.native_fetch`).
+bucket READ first (and the native fetch's routes, :mod:`.native.fetch`).
 
     get(node, started, key)          the slot remembered for ``key`` there, or None
     learn(node, started, key, slot)  remember one (verified, or found in an index copy:

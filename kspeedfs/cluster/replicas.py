@@ -4,7 +4,7 @@
                                          the local node first, peers the hedger suspects last
     Replicas.to_try(key, exclude, now)   that order less the nodes skipped as unreachable,
                                          nodes back as a new incarnation last (Connections)
-    Replicas.native_route(key, length)   where C may READ the chunk itself (native_fetch.py):
+    Replicas.native_route(key, length)   where C may READ the chunk itself (native/fetch.py):
                                          its first replica's slot, by a slot hint or a copy
                                          of that node's whole index
     Replicas.local_member()              the member on this host
@@ -21,6 +21,7 @@ import trio
 
 from rdma.vrdma import VQP
 
+from ..tuning import PLACED_ORDERS
 from .connections import Connections
 from .hedge import Hedger
 from .hints import SlotHints
@@ -29,9 +30,6 @@ from .placement import reader_order
 
 if TYPE_CHECKING:
     from .arena_read import ArenaRead
-
-#: replica orders kept per membership (all dropped when there are more)
-PLACED = 1 << 14
 
 
 class Replicas:
@@ -84,7 +82,7 @@ class Replicas:
 
     def _placed(self, key: bytes) -> list[str]:
         """``reader_order`` of ``key``, kept until the membership's member list is
-        replaced (any change replaces it) or ``PLACED`` orders are kept (then all go)."""
+        replaced (any change replaces it) or ``PLACED_ORDERS`` orders are kept (then all go)."""
         members = self.membership.members
         if members is not self._placed_for:
             self._placed_orders.clear()
@@ -93,7 +91,7 @@ class Replicas:
                 self.local_node = self.local_member()
         names = self._placed_orders.get(key)
         if names is None:
-            if len(self._placed_orders) >= PLACED:
+            if len(self._placed_orders) >= PLACED_ORDERS:
                 self._placed_orders.clear()
             names = self._placed_orders[key] = reader_order(key, members, self.count,
                                                             self.local_node)

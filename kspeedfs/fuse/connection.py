@@ -38,6 +38,7 @@ from ..config import FuseConfig
 from ..errors import MountError
 from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
+from ..tuning import SMALL_BLKSIZE
 from .upgrade import MAX_FDS, HandoverServer
 
 if TYPE_CHECKING:
@@ -53,8 +54,6 @@ except ImportError as e:            # a checkout whose native code was not built
 else:
     _IMPORT_ERROR = ""
 
-#: st_blksize when ``fuse.blksize`` is 0 (config.py says why: sweep-blksize)
-SMALL_BLKSIZE = 4096
 
 #: FUSE_OVER_IO_URING in the negotiated INIT flags (flags2 bit 9)
 FUSE_OVER_IO_URING = 1 << 41

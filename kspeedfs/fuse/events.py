@@ -19,7 +19,7 @@ import trio
 from .connection import _engine
 
 if TYPE_CHECKING:
-    from ..cluster.native_fetch import NativeFetch
+    from ..cluster.native.fetch import NativeFetch
     from ..reader import Reader
     from .replies import Replies
 
@@ -40,7 +40,7 @@ class EventPump:
     def __init__(self, reader: Reader, replies: Replies) -> None:
         self.reader = reader
         self.replies = replies
-        #: the chunk fetch in C (cluster/native_fetch.py), when the mount reads from peers
+        #: the chunk fetch in C (cluster/native/fetch.py), when the mount reads from peers
         self.fetch: NativeFetch | None = None
 
     async def run(self, engine: Any, nursery: trio.Nursery) -> None:

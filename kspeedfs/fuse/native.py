@@ -44,7 +44,7 @@ from .operations import Operations
 from .replies import Replies
 
 if TYPE_CHECKING:
-    from ..cluster.native_fetch import NativeFetch
+    from ..cluster.native.fetch import NativeFetch
     from .registry import LocalMount
 
 
@@ -65,7 +65,7 @@ class NativeSession:
         memory: the memory tier mirrored into the engine.
         engine: the C engine (``kspeedfs.fuse._engine.Engine``), after ``mount()``.
         transport: "/dev/fuse" or "io_uring", once the threads run.
-        fetch: the chunk fetch in C (cluster/native_fetch.py), when the mount reads from
+        fetch: the chunk fetch in C (cluster/native/fetch.py), when the mount reads from
             peers (set by the daemon, possibly while ``serve`` runs).
         slow_op, op_stats: ``Replies``': the threshold ``fuse_op`` logs by, and the rows of
             what Python answered (read misses and xattrs).

@@ -1,6 +1,6 @@
 """The paths of a virtual QP as C sees them: READs posted in C beside the vQP.
 
-The FUSE engine's native fetch (``kspeedfs.cluster.native_fetch``) posts some READs
+The FUSE engine's native fetch (``kspeedfs.cluster.native.fetch``) posts some READs
 itself, on the soft provider's C engine, instead of through :meth:`VQP.read`.  It asks
 for an UP path and the READ's addresses and keys through it
 (:meth:`NativePaths.target`, or every UP path at once: :meth:`NativePaths.paths`), and

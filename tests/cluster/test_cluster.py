@@ -189,7 +189,7 @@ def test_nic_down_during_reads_is_invisible(world) -> None:
 
 
 def test_chunks_read_again_are_fetched_verified_and_answered_in_c(world) -> None:
-    """The native fetch (cluster/native_fetch.py): a mount whose memory tier holds 32 of
+    """The native fetch (cluster/native/fetch.py): a mount whose memory tier holds 32 of
     the dataset's chunks streams the shards again and again; from the second pass its
     replicas' slots are known, so C READs, verifies and answers the chunks (two streams
     of the same files, so READs also wait in C for a chunk the other asked for; a READ

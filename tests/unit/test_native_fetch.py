@@ -1,4 +1,4 @@
-"""The native chunk fetch (kspeedfs/cluster/native_fetch.py) against a fake engine: what it
+"""The native chunk fetch (kspeedfs/cluster/native/fetch.py) against a fake engine: what it
 posts to C and when it refuses, what a FETCHED or LATE event does to the memory tier, the
 landing and staging slots, the slot hint and the hedger, and how C-started fetches are
 adopted.
@@ -26,17 +26,17 @@ from trio.testing import wait_all_tasks_blocked
 from kspeedfs.cache.memory import MemoryCache
 from kspeedfs.cache.singleflight import SingleFlight
 from kspeedfs.cache.tiers import TierChain
-from kspeedfs.cluster import native_fetch, native_inflight
 from kspeedfs.cluster.hedge import Hedger
 from kspeedfs.cluster.landing import Landing
-from kspeedfs.cluster.native_fetch import NativeFetch
-from kspeedfs.cluster.native_inflight import FAILED_FOR
-from kspeedfs.cluster.native_routes import C_SLOTS
+from kspeedfs.cluster.native import fetch as native_fetch
+from kspeedfs.cluster.native import inflight as native_inflight
+from kspeedfs.cluster.native.fetch import NativeFetch
 from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.index import ManifestIndex
 from kspeedfs.manifest.model import Extent
 from kspeedfs.manifest.store.embedded import EmbeddedStore
 from kspeedfs.origin import Origin
+from kspeedfs.tuning import C_SLOTS, NATIVE_FAILED_FOR
 from rdma.enums import ibv_wc_status
 from rdma.vrdma.vqp import NativeTarget
 
@@ -363,7 +363,7 @@ class Rig:
 
 
 class MonotonicClock:
-    """``time`` for the native fetch's records (native_inflight): FAILED_FOR counts in
+    """``time`` for the native fetch's records (native_inflight): NATIVE_FAILED_FOR counts in
     time.monotonic, not trio's clock."""
 
     def __init__(self) -> None:
@@ -509,10 +509,10 @@ async def test_a_failed_fetched_leaves_the_chunk_to_python(
     assert rig.peers.landing.spare == spare + slot_back
     assert rig.peers.stale == ([(A, 1.0, key)] if hint_dropped else [])
     assert rig.vqps[A].done == ([QPN] if path_alive else [])
-    # a READ of it is not handed to C for FAILED_FOR s: Python's path answers it
+    # a READ of it is not handed to C for NATIVE_FAILED_FOR s: Python's path answers it
     assert rig.nf.failed_lately(key)
     assert not rig.chain.hand_chunks([2], 3, (5, 77, 0, 4096, 0, 0.0))
-    monotonic.now += FAILED_FOR
+    monotonic.now += NATIVE_FAILED_FOR
     assert not rig.nf.failed_lately(key)
     assert rig.chain.hand_chunks([2], 3, (5, 77, 0, 4096, 0, 0.0))
     assert rig.engine.parked == [(3, (5, 77, 0, 4096, 0, 0.0))]
@@ -550,7 +550,7 @@ async def test_an_extent_whose_fetch_failed_keeps_its_read_out_of_c_for_failed_f
     assert len(rig.peers.staging) == 4 and ext.digest not in rig.memory
     assert not rig.nf.start_extent(0, ext, (5, 78, 0, 3000, 0, 0.0))
     assert list(rig.engine.posts) == [cookie]
-    monotonic.now += FAILED_FOR
+    monotonic.now += NATIVE_FAILED_FOR
     assert rig.nf.start_extent(0, ext, (5, 78, 0, 3000, 0, 0.0))
 
 

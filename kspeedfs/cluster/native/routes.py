@@ -21,27 +21,17 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .hedge import size_class
-from .landing import Slot
-from .native_inflight import fe
+from ..hedge import size_class
+from ..landing import Slot
+from .inflight import fe
+from ...tuning import C_SLOTS, C_STAGING, ROUTE_AHEAD
 
 if TYPE_CHECKING:
     from rdma.vrdma import VQP
 
-    from ..cache.memory import MemoryCache
-    from ..manifest.index import ManifestIndex
-    from .fetch import Peers
-
-#: chunks after one Python started whose routes it gives C (``Routes.ahead``): the next
-#: hint for that stream comes this many chunks later
-ROUTE_AHEAD = 8
-
-#: landing slots C holds for the chunks it starts (``Routes.feed``)
-C_SLOTS = 16
-
-#: staging slots C holds for good for the small files' extents it starts (``Routes.feed``;
-#: each of ReadPolicy.small_file_limit bytes): twice the readers of the ImageNet-like case
-C_STAGING = 16
+    from ...cache.memory import MemoryCache
+    from ...manifest.index import ManifestIndex
+    from ..fetch import Peers
 
 
 class Routes:

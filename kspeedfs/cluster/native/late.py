@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .native_inflight import Fetch, InFlight
+from .inflight import Fetch, InFlight
 
 if TYPE_CHECKING:
-    from ..cache.memory import MemoryCache
-    from ..cache.tiers import TierChain
-    from ..manifest.index import ManifestIndex
-    from .fetch import Peers
-    from .native_routes import Routes
+    from ...cache.memory import MemoryCache
+    from ...cache.tiers import TierChain
+    from ...manifest.index import ManifestIndex
+    from ..fetch import Peers
+    from .routes import Routes
 
 log = logging.getLogger(__name__)
 

@@ -16,26 +16,21 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .fetch import NATIVE_READS
-from .landing import Slot
+from ..landing import Slot
+from ...tuning import NATIVE_FAILED_FOR, NATIVE_READS
 
 if TYPE_CHECKING:
     from rdma.vrdma import VQP
 
-    from .fetch import Peers
+    from ..fetch import Peers
 
-__all__ = ["FAILED_FOR", "Fetch", "InFlight", "fe", "give_slot"]
+__all__ = ["NATIVE_FAILED_FOR", "Fetch", "InFlight", "fe", "give_slot"]
 
 try:
     # FETCHED statuses (native/fuse_fetch.h); the C extension has no stubs
-    from ..fuse import _engine as fe  # type: ignore[attr-defined]
+    from ...fuse import _engine as fe  # type: ignore[attr-defined]
 except ImportError:                        # a checkout whose native code was not built
     fe = None
-
-#: seconds a chunk or a small file's extent whose native fetch failed is not handed to C
-#: with a READ again (the READ comes back to Python after the failure: it takes Python's
-#: path)
-FAILED_FOR = 1.0
 
 
 @dataclass(slots=True)
@@ -71,7 +66,7 @@ class InFlight:
     Contract: a record is in ``by_key`` and ``by_cookie`` from ``add`` until ``pop`` of
     its cookie (read the two maps; change them only through those); ``late[node]``
     counts that node's records past their hedging deadline (``overdue``) until they are
-    popped; a key ``failed`` is ``failed_lately`` for FAILED_FOR seconds (at most
+    popped; a key ``failed`` is ``failed_lately`` for NATIVE_FAILED_FOR seconds (at most
     ``NATIVE_READS × 8`` keys are remembered). Trio thread only.
     """
 
@@ -100,13 +95,13 @@ class InFlight:
         self.late[f.node] += 1
 
     def failed(self, key: bytes) -> None:
-        """The fetch of ``key`` failed: its READ takes Python's path for FAILED_FOR s."""
+        """The fetch of ``key`` failed: its READ takes Python's path for NATIVE_FAILED_FOR s."""
         if len(self._failed) >= NATIVE_READS * 8:
             self._failed.clear()
         self._failed[key] = time.monotonic()
 
     def failed_lately(self, key: bytes) -> bool:
-        return time.monotonic() - self._failed.get(key, -FAILED_FOR) < FAILED_FOR
+        return time.monotonic() - self._failed.get(key, -NATIVE_FAILED_FOR) < NATIVE_FAILED_FOR
 
 
 def give_slot(peers: Peers, slot: Slot | None, staging: bool) -> None:

@@ -1,17 +1,17 @@
 """⑤ The native chunk fetch: a chunk READ from a replica's arena that C posts, verifies
 and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
 
-    native_fetch.py     NativeFetch      the seam TierChain and the session use: posts a
+    fetch.py            NativeFetch      the seam TierChain and the session use: posts a
                                          chunk, a small file's extent or a block to C when
                                          its first replica's slot, an UP path and a slot
                                          allow (else False: Python's path); ``wait``
-    native_routes.py    Routes           what C may start by itself: the routes of the
+    routes.py           Routes           what C may start by itself: the routes of the
                                          chunks ahead, their peers' UP paths, C's slots
-    native_events.py    FetchedEvents    a FETCHED (or LATE) event: the bytes into the
+    events.py           FetchedEvents    a FETCHED (or LATE) event: the bytes into the
                                          memory tier, or the slot back and the fault noted
-    native_late.py      LateFetches      hedging: a fetch past its deadline READ again
+    late.py             LateFetches      hedging: a fetch past its deadline READ again
                                          through ``Peers.read_chunk`` from another replica
-    native_inflight.py  Fetch, InFlight  the records of the fetches out
+    inflight.py         Fetch, InFlight  the records of the fetches out
 
 Python decides every load (placement, hints, path state, the prefetch budget); C never
 picks a peer, and on any fault it steps aside: a WC error, a short READ, a digest
@@ -31,19 +31,20 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .fetch import NATIVE_READS, Peers
-from .native_events import FetchedEvents
-from .native_inflight import Fetch, InFlight, give_slot
-from .native_late import LateFetches
-from .native_routes import Routes
+from ...tuning import NATIVE_READS
+from ..fetch import Peers
+from .events import FetchedEvents
+from .inflight import Fetch, InFlight, give_slot
+from .late import LateFetches
+from .routes import Routes
 
 if TYPE_CHECKING:
     from rdma.vrdma.vqp import NativeTarget
 
-    from ..cache.memory import MemoryCache
-    from ..cache.tiers import TierChain
-    from ..manifest.index import ManifestIndex
-    from ..manifest.model import Extent
+    from ...cache.memory import MemoryCache
+    from ...cache.tiers import TierChain
+    from ...manifest.index import ManifestIndex
+    from ...manifest.model import Extent
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,12 @@ class NativeFetch:
     FETCHED event reaches :meth:`fetched`; while it is, nobody else loads it (TierChain
     asks first) and :meth:`wait` returns when it is over, landed or not (then look in the
     memory tier, and load it as usual if it is not there). A landing slot is reused only
-    after its READ completed. Trio thread only; :meth:`run` hedges (:mod:`.native_late`).
+    after its READ completed. Trio thread only; :meth:`run` hedges (:mod:`.late`).
 
     Attributes:
         engine: the FUSE engine (``kspeedfs.fuse._engine.Engine``).
         inflight: key → the fetch of that chunk.
-        routes: what C may start by itself (:class:`~.native_routes.Routes`).
+        routes: what C may start by itself (:class:`~.routes.Routes`).
 
     Its counters are the engine's (``fetch_*`` in ``Engine.counters()``, the stats xattr);
     its hedges count in the hedger's.

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from rdma.enums import ibv_wc_status
 
-from .native_inflight import Fetch, InFlight, fe, give_slot
+from .inflight import Fetch, InFlight, fe, give_slot
 
 if TYPE_CHECKING:
-    from ..cache.tiers import TierChain
-    from ..manifest.index import ManifestIndex
-    from .fetch import Peers
-    from .native_late import LateFetches
-    from .native_routes import Routes
+    from ...cache.tiers import TierChain
+    from ...manifest.index import ManifestIndex
+    from ..fetch import Peers
+    from .late import LateFetches
+    from .routes import Routes
 
 log = logging.getLogger(__name__)
 
