@@ -1,11 +1,12 @@
 """The disk tier: verified chunks kept on a local SSD across restarts.
 
 Files are ``<dir>/<2 hex>/<32 hex digest>``, written to a temporary name and renamed,
-so a crash never leaves a half-written chunk under its final name. A chunk read back
-is *not* trusted: the reader checks it against the digest it is named by (the SSD,
-the filesystem or another process may have changed it) and ``discard``s it on
-mismatch. Capacity is enforced by LRU over an in-memory list built at start from the
-directory (oldest atime/mtime first). One daemon per directory.
+so a writer that dies never leaves a half-written chunk under its final name (there
+is no fsync: after a power loss, the reader's check below is what catches one). A
+chunk read back is *not* trusted: the reader checks it against the digest it is named
+by (the SSD, the filesystem or another process may have changed it) and ``discard``s
+it on mismatch. Capacity is enforced by LRU over an in-memory list built at start
+from the directory (oldest atime/mtime first). One daemon per directory.
 
 Blocking methods: run them in a worker thread.
 """
@@ -23,6 +24,21 @@ log = logging.getLogger(__name__)
 
 
 class DiskCache:
+    """The disk tier: chunk files named by their digest key under ``dir``, LRU in ``capacity``.
+
+    ``get`` returns a held chunk's bytes unchecked (the caller verifies them against the key
+    and ``discard``s a mismatch) in a read-only page-aligned buffer, or None when the key is
+    not held or its file has gone; it makes the key the most recently used. ``put`` skips a
+    key already held and a chunk larger than ``capacity``, renames the file into place only
+    once written, then evicts least recently used chunks until ``used`` <= ``capacity``.
+    Filesystem errors (``OSError``) propagate.
+    Owns the files under ``dir``: the constructor deletes leftover temporary files there and
+    evicts past ``capacity``, so one process per directory. The index (``_files``, ``used``)
+    is guarded by a threading lock; no fd outlives a call.
+    Threads: the constructor, ``get``, ``put`` and ``discard`` do file I/O: run them in
+    worker threads, any number at once. ``in`` only takes the lock (the trio thread may use
+    it)."""
+
     def __init__(self, directory: str | os.PathLike[str], capacity: int) -> None:
         self.dir = Path(directory)
         self.capacity = capacity

@@ -43,6 +43,21 @@ class LandingStatistics:
 
 
 class Landing:
+    """A pool of registered slots that whole chunk READs land in, for the memory tier to keep.
+
+    ``take`` never waits: it returns a free slot, first registering another segment
+    (``SEGMENT`` slots, or fewer up to ``limit``, through ``endpoint.alloc``: local access
+    only) when none is free and fewer than ``limit`` are registered, or None when every slot
+    is held. A taken slot is the caller's until it returns it with ``give`` (only once no
+    posted READ can still write into it) or hands it to ``keep``: the read-only view
+    ``keep`` returns owns the slot, which goes back to the pool when the last view derived
+    from it is released.
+    Owns the slot bookkeeping and counters; the segments' vMRs are the endpoint's (it
+    closes them), and the pool never frees one.
+    Threads: ``take``, ``give``, ``keep`` and ``statistics`` on the trio thread (``Peers``'
+    parts); the finalizer of a kept view appends its slot to the free list from whichever
+    thread drops the last view (one list append, atomic under the GIL)."""
+
     def __init__(self, endpoint: Endpoint, slot_size: int, limit: int) -> None:
         self.ep = endpoint
         self.slot_size = slot_size

@@ -1,10 +1,11 @@
 """The gRPC side of the plugin: the Identity and Node servicers over a unix socket.
 
-Each RPC is a few lines: unpack the request, call ``node.py`` under the volume's lock,
-pack the response. :func:`csi_call` is the one place an outcome becomes a status: a
-:class:`~kspeedfs.csi.errors.CsiError` is its code and its one-line message, an
-``OSError`` is INTERNAL with its one line, anything else is INTERNAL "internal error"
-with the traceback in the log; every call is logged once with its duration.
+Each RPC is a few lines: unpack the request, call ``node.py`` (under the volume's lock
+for stage, unstage, publish and unpublish), pack the response. :func:`csi_call` is the
+one place an outcome becomes a status: a :class:`~kspeedfs.csi.errors.CsiError` is its
+code and its one-line message, an ``OSError`` is INTERNAL with its one line, anything
+else is INTERNAL "internal error" with the traceback in the log; every call is logged
+once with its duration.
 """
 from __future__ import annotations
 
@@ -88,6 +89,18 @@ _RPC = pb.NodeServiceCapability.RPC
 
 
 class Node(pb_grpc.NodeServicer):  # type: ignore[name-defined,misc]  # generated at run time
+    """The CSI Node service over gRPC: each RPC checks its request and calls ``node.py``.
+
+    Promises kubelet what ``node.py`` does: idempotent stage and unstage, a read-only bind
+    on publish whatever ``readonly`` says, unpublish, and statfs usage with a volume
+    condition. It advertises exactly STAGE_UNSTAGE_VOLUME, GET_VOLUME_STATS and
+    VOLUME_CONDITION. A missing required field is INVALID_ARGUMENT, a block or writing
+    capability is refused (``node.check_capability``), and every outcome becomes a status
+    in :func:`csi_call`. Owns nothing but a reference to the shared ``node.Plugin``.
+    Threads: gRPC runs RPCs on its executor's threads, several at once. Stage, unstage,
+    publish and unpublish hold ``plugin.lock(volume_id)``, so calls on one volume run one at
+    a time; ``NodeGetVolumeStats`` takes no lock."""
+
     def __init__(self, plugin: node.Plugin) -> None:
         self.plugin = plugin
 

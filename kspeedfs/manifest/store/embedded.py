@@ -8,9 +8,11 @@ Layout (``root`` defaults to ``/var/lib/kspeedfs/store``)::
     root/<name>/current             "N\\n": the current version
 
 Every file is written to a temporary name, fsynced and renamed into place, and
-``current`` moves last, so a crash mid-publish leaves the previous version current
-and at worst an orphan ``v<N>.*`` pair that the next publish overwrites. Readers
-take no lock: they read ``current``, then the immutable files it names.
+``current`` moves last, so a crash mid-publish leaves the previous version current.
+At worst it leaves an orphan ``v<N>.manifest``, which the next publish overwrites, or
+a whole ``v<N>`` pair that is not current (``versions`` lists it; the next publish
+takes N+1). Readers take no lock: they read ``current``, then the immutable files it
+names.
 """
 from __future__ import annotations
 
@@ -37,6 +39,18 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 class EmbeddedStore(MetadataStore):
+    """MetadataStore in a directory on local disk (``root``): no server, records unsigned.
+
+    Implements :class:`MetadataStore` with the layout and crash behaviour of the module
+    docstring. ``publish`` and ``remove`` hold an exclusive flock on ``root/LOCK``, so
+    writers exclude each other across threads and processes; readers take no lock.
+    Differences from the interface: records are not signed (there is no secret); a root the
+    caller may read but not write still opens, and ``publish``/``remove`` then raise
+    ``StoreUnavailable``; an unreadable ``current`` or a corrupt version record is
+    ``StoreError``; ``identity`` is that of ``StoreConfig(backend="embedded", path=root)``.
+    Owns the files under ``root`` and no fd or connection between calls (``close`` is the
+    inherited no-op). Blocking and thread-safe: call it from a worker thread under trio."""
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         try:

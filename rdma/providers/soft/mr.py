@@ -19,6 +19,20 @@ if TYPE_CHECKING:
 
 
 class SoftMR(MR):
+    """:class:`rdma.api.MR` on a soft device: a pinned Python buffer registered with the engine.
+
+    An int allocates zeroed private anonymous memory (``rdma.buffer.anonymous``); a writable
+    buffer is registered in place and stays exported (pinned: a bytearray cannot be resized
+    nor an mmap closed) until ``close()``. ``buf`` is the buffer's address; ``lkey`` and
+    ``rkey`` are the one key the engine returns. Beyond the interface, ``view()`` gives the
+    registered bytes without a copy. The engine's thread serves READs from this memory and
+    lands READ responses in it, checking rkey, PD, bounds and access itself.
+    Owns the registration and the export: ``close()`` deregisters first (the engine kills
+    any connection or QP whose work still points into the region before ``dereg_mr``
+    returns, so a closed MR is never read or written by it again), then releases the export.
+    ``read``/``write`` copy under no lock: a buffer a posted WR names is the engine's until
+    its WC has been polled (:mod:`rdma.api`)."""
+
     def __init__(self, pd: SoftPD, buf: Any, access: int) -> None:
         super().__init__(pd, access)
         self.engine = pd.engine

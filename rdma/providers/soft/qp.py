@@ -51,6 +51,24 @@ log = logging.getLogger(__name__)
 
 
 class SoftQP(QP):
+    """:class:`rdma.api.QP` (RC) on a soft device: a QPN in the native engine, carried over TCP.
+
+    Transitions map onto engine calls (module docstring). INIT→RTR needs ``ah_attr.dgid``
+    and ``ah_attr.service_port``: it connects from this device's address to the peer's
+    listener, sends the HELLO with ``private_data`` and hands the socket to the engine.
+    Differences from the verbs provider: ``timeout_ms`` (when > 0) replaces the exponent's
+    per-try timeout; the engine completes RETRY_EXC_ERR after ``transport_timeout``
+    seconds without progress, and at once on a reset or closed connection;
+    ``remote_private_data`` is what the peer's HELLO carried; ``rx_age`` is known;
+    ``expect_peer`` (soft-only) binds the QP to one peer before RTR; ``post_send`` takes
+    RDMA_READ and SEND only; there is no SQD/SQE.
+    Owns its QPN in the engine; the engine owns the connections, queues and their fds
+    (``close()`` destroys the QP there).
+    Threads: the native engine serialises the calls under its own lock, so any thread may
+    make them. ``to_rtr`` (also ``to_rts`` and ``connect`` from RESET/INIT) blocks on the
+    TCP connect and HELLO, up to ``CONNECT_TIMEOUT_S``: call it from a worker thread under
+    trio."""
+
     def __init__(self, pd: SoftPD, init_attr: QPInitAttr) -> None:
         super().__init__(pd, init_attr)
         self.engine = pd.engine

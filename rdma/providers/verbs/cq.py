@@ -115,6 +115,24 @@ class Poller:
 
 
 class VerbsCQ(CQ):
+    """:class:`rdma.api.CQ` over a pyverbs ``CQ``, its ``fd`` an eventfd the poller thread signals.
+
+    ``fd`` is readable iff WCs wait in this CQ's queue: the device's :class:`Poller` thread
+    (owned by the context, started by its first CQ) moves WCs from the hardware into the
+    queue and signals the eventfd; ``poll`` hands out the queue first, then polls the
+    hardware itself, under one lock, so order is kept and a busy-polling caller needs no
+    thread. Differences from the interface: a waiting caller (``poll_async``,
+    ``poll_wait``) depends on the poller and is woken up to one of its sleep periods late
+    (module docstring); there is no moderation (``modify`` raises NotSupportedError); an
+    error WC's opcode is filled in from the queue its ``wr_id`` was posted on (rxe leaves
+    0 = SEND on flushed RECVs). Each WC retires its QP's send or receive books, which the
+    poller reads to decide when to park and ``qp.py`` to refuse a full send queue.
+    Owns the pyverbs CQ, the eventfd and the queued WCs. ``close()`` leaves the poller,
+    destroys the CQ, drops queued WCs, wakes a trio waiter on ``fd`` (when called from the
+    trio thread) and closes the eventfd.
+    Threads: ``poll`` from any thread (one consumer per CQ, as :mod:`rdma.api` says); the
+    poller thread calls ``_pump``; both hold the CQ's lock."""
+
     def __init__(self, ctx: VerbsContext, cqe: int) -> None:
         super().__init__(ctx, cqe)
         self._vctx = ctx

@@ -22,6 +22,18 @@ if TYPE_CHECKING:
 
 
 class VerbsMR(MR):
+    """:class:`rdma.api.MR` over a pyverbs ``MR`` (``ibv_reg_mr``) on a real RDMA device.
+
+    An int makes pyverbs allocate the memory (page-aligned, freed with the MR); a writable
+    buffer is registered in place and stays exported (pinned: a bytearray cannot be resized
+    nor an mmap closed) until ``close()``. ``buf``, ``lkey`` and ``rkey`` are the device's.
+    ``read``/``write`` check the range and copy with ``ctypes`` at ``buf``; unlike the soft
+    provider's MR there is no ``view()``.
+    Owns the registration and the buffer export: ``close()`` deregisters first (the device
+    stops serving the rkey before ``ibv_dereg_mr`` returns), then releases the export.
+    No lock of its own: a buffer a posted WR names is the device's until its WC has been
+    polled (:mod:`rdma.api`)."""
+
     def __init__(self, pd: VerbsPD, buf: Any, access: int) -> None:
         super().__init__(pd, access)
         self._pin: Any = None

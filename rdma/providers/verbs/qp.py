@@ -87,6 +87,24 @@ def gid_text(gid: str) -> str:
 
 
 class VerbsQP(QP):
+    """:class:`rdma.api.QP` (RC) over a pyverbs ``QP``: checked transitions → ``ibv_modify_qp``.
+
+    Each transition the state table allowed becomes a pyverbs ``QPAttr`` and mask (module
+    docstring). Differences from the interface and the soft provider: ``path_mtu`` is capped
+    at the port's active MTU; on rxe a ``retry_cnt`` of 7 becomes 6 (rxe retries forever at
+    7); ``timeout_ms`` and ``private_data`` are ignored (``remote_private_data`` and
+    ``rx_age`` are None); addressing is RoCE v2 only (``local_info`` raises
+    NotSupportedError without a RoCE v2 GID holding the device's IPv4; ``service_port`` is
+    0); ``to_rtr`` resolves the peer's MAC in the kernel (unreachable: ConnectError).
+    ``post_send`` takes RDMA_READ, RDMA_WRITE and SEND; it checks the state this process
+    last set (a QP the device moved to ERR accepts posts and flushes them) and counts its own
+    outstanding WRs, so the ``max_send_wr + 1``-th is ENOMEM whatever depth the device
+    rounded the queue up to.
+    Owns the pyverbs QP (``close()`` destroys it) and the books of posted, unretired WRs,
+    under the QP's lock: whichever thread polls its CQs (the poller, or a ``poll`` caller)
+    retires them through the CQ. Its CQs must be of the same device; it registers with them
+    weakly, and every post kicks the device's poller thread."""
+
     def __init__(self, pd: VerbsPD, init_attr: QPInitAttr) -> None:
         super().__init__(pd, init_attr)
         self._vpd = pd
