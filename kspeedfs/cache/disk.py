@@ -105,8 +105,10 @@ class DiskCache:
             f.write(data)
         os.replace(tmp, path)
         with self._lock:
+            # two threads may have written the same key at once: the bytes are the same
+            # (content-addressed), so count them once
+            self.used += len(data) - self._files.get(key, 0)
             self._files[key] = len(data)
-            self.used += len(data)
         self._evict()
 
     def discard(self, key: bytes) -> None:
