@@ -59,8 +59,6 @@ static int hold(struct hit *h, struct fe_slot *s, size_t at, size_t len)
     return 1;
 }
 
-/* Bytes [lo, hi) of chunk ``k`` for file ``entry`` from the tier: the chunk, the small
- * file's own extent, or every block under the range. 1: held in ``h``; 0: a miss. */
 /* The key of a file in one chunk: its one extent's digest; NULL for any other file. */
 static const uint8_t *one_extent(const struct fe_index *ix, uint64_t entry)
 {
@@ -94,6 +92,8 @@ static void block_key(const struct fe_engine *e, uint64_t k, uint64_t b, uint8_t
     memcpy(key + 16, &b32, 4);
 }
 
+/* Bytes [lo, hi) of chunk ``k`` for file ``entry`` from the tier: the chunk, the small
+ * file's own extent, or every block under the range. 1: held in ``h``; 0: a miss. */
 static int tier_part(struct fe_engine *e, uint64_t entry, uint64_t k, uint64_t lo, uint64_t hi,
                      struct hit *h)
 {
