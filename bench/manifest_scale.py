@@ -1,6 +1,12 @@
 """Manifest scale: import N small files, then measure what a mount pays to load the index.
 
     python -m bench.manifest_scale --files 1000000 [--dir /dev/shm/kscale] [--keep]
+    python -m bench.manifest_scale --synthetic --files 10000000
+
+``--synthetic`` feeds the importer generated entries (``SyntheticSource``: the same
+names and sizes as the generated tree, bytes made up in memory) instead of files, so
+10^7 entries and more are measured without a filesystem holding them; the mount then
+serves the namespace only (``stat``, ``ls``: reads would find no source).
 
 Prints, for the generated tree: import time and rate, manifest blob size, index load
 time (store read + inflate + zero-copy casts), the index's bytes and the process RSS
@@ -15,10 +21,12 @@ import gc
 import os
 import resource
 import shutil
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def rss() -> int:
@@ -37,6 +45,45 @@ def generate(root: Path, files: int, per_dir: int = 10_000) -> None:
         os.close(fd)
 
 
+class SyntheticSource:
+    """An ``ImportSource`` of ``files`` generated entries in directories of ``per_dir``:
+    the tree :func:`generate` would write, with no file behind it."""
+
+    threads = 0
+
+    def __init__(self, files: int, per_dir: int = 10_000) -> None:
+        self.files, self.per_dir = files, per_dir
+        self.url = f"synthetic:{files}"
+        self.payload = os.urandom(256)
+
+    def scan(self, progress: object) -> Any:
+        from kspeedfs.manifest.importer import _Tree
+
+        tree, now = _Tree(), time.time_ns()
+        tree.add_entry(0, b"", stat.S_IFDIR | 0o755, 0, 0, 0, now, b"")
+        ndirs = -(-self.files // self.per_dir)
+        tree.data[0], tree.size[0] = 1, ndirs
+        for d in range(ndirs):
+            name = b"d%04d" % d
+            tree.add_entry(0, name, stat.S_IFDIR | 0o755, 0, 0, 0, now, name)
+        add, mode = tree.add_entry, stat.S_IFREG | 0o644
+        for d in range(ndirs):
+            first = d * self.per_dir
+            stop = min(first + self.per_dir, self.files)
+            tree.data[1 + d], tree.size[1 + d] = len(tree.mode), stop - first
+            dname = b"d%04d/" % d
+            for i in range(first, stop):
+                name = b"img%08d.jpg" % i
+                add(1 + d, name, mode, 0, 0, 64 + i % 192, now, dname + name)
+        return tree
+
+    def read_into(self, tree: Any, entry: int, offset: int, out: memoryview) -> None:
+        out[:] = self.payload[offset:offset + len(out)]
+
+    def record(self) -> None:
+        return None
+
+
 def stat_all(root: Path) -> tuple[int, float]:
     t0 = time.perf_counter()
     n = 0
@@ -52,6 +99,8 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=1_000_000)
     ap.add_argument("--dir", default="/dev/shm/kspeedfs-scale")
     ap.add_argument("--keep", action="store_true", help="keep the generated tree for the next run")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="generated entries fed to the importer, no files (namespace only)")
     args = ap.parse_args()
 
     from kspeedfs.manifest.importer import import_tree
@@ -61,7 +110,12 @@ def main() -> None:
     base = Path(args.dir)
     src, store_dir, mnt = base / "src", base / "store", base / "mnt"
     marker = base / f"generated-{args.files}"
-    if not marker.exists():
+    source: Any = src
+    if args.synthetic:
+        shutil.rmtree(base, ignore_errors=True)
+        src.mkdir(parents=True)                  # empty: the mount's --source
+        source = SyntheticSource(args.files)
+    elif not marker.exists():
         shutil.rmtree(base, ignore_errors=True)
         t0 = time.perf_counter()
         generate(src, args.files)
@@ -70,10 +124,14 @@ def main() -> None:
     shutil.rmtree(store_dir, ignore_errors=True)
     store = EmbeddedStore(store_dir)
     t0 = time.perf_counter()
-    info = import_tree(src, "scale", store, 4 << 20)
+    peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    info = import_tree(source, "scale", store, 4 << 20)
     t_import = time.perf_counter() - t0
-    print(f"import: {info.files:,} files, {info.chunks:,} chunks in {t_import:.1f}s "
-          f"({info.files / t_import:,.0f} files/s); manifest blob {info.manifest_size / 1e6:.1f} MB")
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak0) << 10
+    print(f"import: {info.files:,} files, {info.entries:,} entries, {info.chunks:,} chunks in "
+          f"{t_import:.1f}s ({info.entries / t_import:,.0f} entries/s, peak RSS +{peak / 1e6:,.0f} MB "
+          f"= {peak / info.entries:.0f} B/entry); manifest blob {info.manifest_size / 1e6:.1f} MB "
+          f"= {info.manifest_size / info.entries:.1f} B/entry in the store")
 
     gc.collect()
     before = rss()
@@ -92,6 +150,8 @@ def main() -> None:
 
     mnt.mkdir(exist_ok=True)
     common = ["--store", str(store_dir), "--set", f"log.dir={base / 'log'}"]
+    if args.synthetic:
+        common += ["--source", str(src)]
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "kspeedfs.cli.app", "mount", "scale", str(mnt), *common],
                    check=True)
@@ -101,7 +161,8 @@ def main() -> None:
         first = os.listdir(mnt)
         t_ls = time.perf_counter() - t0
         print(f"mount: live after {t_mount:.2f}s, first ls ({len(first)} dirs) {t_ls * 1e3:.0f} ms")
-        for label, root in (("source", src), ("mount (cold)", mnt), ("mount (warm)", mnt)):
+        passes = (("source", src),) if not args.synthetic else ()
+        for label, root in (*passes, ("mount (cold)", mnt), ("mount (warm)", mnt)):
             n, dt = stat_all(root)
             print(f"stat of every file, {label}: {n:,} in {dt:.1f}s = {n / dt:,.0f}/s")
     finally:
