@@ -13,7 +13,7 @@
                                                     (``room_ahead``)
 
 Plain bookkeeping: no trio, no I/O, so tests/unit/test_read_policy.py asks it without a mount.
-Each rule carries the measurement behind it.
+Each rule names the docs/ heading that holds the measurements behind it.
 """
 from __future__ import annotations
 
@@ -51,8 +51,7 @@ class ReadPolicy:
         self.block_size = block_size
         # When the dataset fits in the tiers, a chunk read once serves every file packed
         # in it; when it does not, the chunk is evicted before its neighbours are read and
-        # a 110 KB file costs a 4 MiB load (19x the source bytes measured on a 2.2 GB
-        # ImageNet-like set with a 1 GiB memory tier)
+        # a 110 KB file costs a 4 MiB load (docs/design.md, "Whole chunks or single files")
         self.chunks_fit = chunks * chunk_size <= tier_bytes
         self.block_loads: dict[int, int] = {}
         self.ahead: set[bytes] = set()
@@ -64,12 +63,10 @@ class ReadPolicy:
         chunk (when that chunk is not in the memory tier: the caller checks): a small
         file, when the dataset is too big for whole-chunk loads to pay off. From peers as
         from the source: when the dataset fits, one chunk READ serves every file packed
-        in it, and the Python around a READ costs more than the bytes (a shuffled epoch
-        of 5,000 ImageNet-like files from 3 peers into a client tier that holds them:
-        134 chunk READs instead of 4,831 extent READs, 4,155-5,474 files/s against
-        2,606-3,589 and 196-314 against 298-408 µs of mount CPU per file, 7 runs each,
-        alternating). When it does not fit, the chunk is evicted before its neighbours
-        are read, and a file alone is 2.4x the files/s (``docs/design.md``)."""
+        in it, and the Python around a READ costs more than the bytes. When it does not
+        fit, the chunk is evicted before its neighbours are read, and reading the file
+        alone fetches a fraction of the bytes (docs/design.md, "Whole chunks or single
+        files")."""
         return not self.chunks_fit and size <= self.small_file_limit
 
     @property
@@ -91,16 +88,14 @@ class ReadPolicy:
         if, besides, the chunk is in no local tier and not loading already (a sequential
         reader fetches it, or it is cheap to get whole). A larger request, like the 1 MiB
         ones the kernel sends for a shard reader's 1-8 MiB reads, loads the chunk: as 8
-        block loads it ran at 0.05x the cold source instead of 0.68x (medium ``shards``).
+        block loads it ran far slower than as one chunk load.
 
         Promotion: when the dataset fits the tiers, a chunk that random reads have
         already loaded ``PROMOTE_AFTER`` block(s) of is loaded whole on its next miss.
-        Blocks answer sparse reads fast, but they warm a cache slowly: 128 KiB per
-        ~0.6 ms against 4 MiB per ~6 ms. Measured on 4 GiB of files with room to hold
-        them, 4 KiB random reads at j1 for 30 s: blocks alone 1,856-2,094 IOPS, whole
-        chunks 3,249-5,462, promotion after one block 3,503-6,359 (after two 1,771-2,689,
-        after four 2,094-2,758). Sparse readers, and datasets larger than the tiers, keep
-        blocks."""
+        Blocks answer sparse reads fast, but they warm a cache slowly: a block load brings
+        far fewer bytes per second than a chunk load. Sparse readers, and datasets larger
+        than the tiers, keep blocks. (Both rules' figures: docs/design.md, "Whole chunks
+        or blocks".)"""
         B = self.block_size
         if not 0 < B < self.chunk_size or (hi - 1) // B - lo // B >= MAX_READ_BLOCKS:
             return False
@@ -124,8 +119,8 @@ class ReadPolicy:
         """Chunks that may be prefetched and not read yet, given the bytes the memory tier
         can take without evicting them (its resident part's room plus its transient LRU):
         half of it. Many sequential readers' windows in a small tier would evict one
-        another's chunks unread and fetch them again (1.7-2.0x the bytes read, measured
-        with 4 readers from peers and a 64 MiB tier)."""
+        another's chunks unread and fetch them again (docs/benchmarks.md, "Where the time
+        goes, and what changed in this round": over-fetch with a small client cache)."""
         return max(1, room // 2 // self.chunk_size)
 
     def room_ahead(self, room: int, alive: Callable[[bytes], bool]) -> bool:

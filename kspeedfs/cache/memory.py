@@ -8,18 +8,13 @@ Two parts, because training reads a dataset in epochs:
   once, in shuffled or in the same order. When the dataset does not fit, any fixed
   subset of it is hit at the rate capacity/dataset, the best a cache can do for reads
   that are equally likely everywhere; LRU instead evicts each item shortly before the
-  next epoch wants it (the CoorDL "MinIO" cache argument, Mohan et al., VLDB 2021).
-  Simulated on 1,000 items with room for 500, 6 epochs: LRU hits 0 % of cyclic and
-  16 % of shuffled re-reads, a resident set 50 % of both.
+  next epoch wants it (the CoorDL "MinIO" cache argument, Mohan et al., VLDB 2021;
+  simulated and measured: docs/design.md, "The memory tier's resident part").
 * **transient** (``transient_fraction`` of the capacity, at least ``transient_min``):
   an LRU for everything the resident part has no room for, so a reader still finds the
   chunk it is reading, or that was prefetched for it, a moment later. Concurrent
   sequential readers each need their current chunk and their prefetch window here
   (~20 MiB each at the defaults), so a small tier is all transient: a plain LRU.
-
-Measured: ImageNet-like, 20k files (2.2 GB), 1 GiB tier, a second shuffled epoch with
-8 workers: memory hits 3,432–3,445 files with an LRU, 7,837–7,852 with this (source
-bytes 1.80 → 1.34 GB; 896–1,186 → 1,340–1,465 files/s; alternating A/B, 2 rounds).
 
 When the dataset fits, everything is resident and nothing is ever evicted, as before.
 
@@ -55,12 +50,10 @@ def page_aligned(n: int) -> memoryview:
     Why: the kernel copies a READ reply into the page cache a page at a time, pinning the
     source page of every piece (``fuse_copy_fill``); a source that starts mid-page is
     two pieces, two pins and two short copies per page. A bytearray's bytes start 16 or
-    32 bytes into a page. Measured, psync 1 MiB sequential reads of a warm 1 GiB file,
-    page cache dropped, 7 alternating rounds of 3 passes (this 2-core VM): the mount's
-    CPU 0.149-0.189 s/GB (median 0.168) with these buffers, 0.168-0.255 (0.205) with
-    bytearrays; bench/ramfs_c.c 0.140-0.186 (0.149) page-aligned, 0.155-0.245 (0.180)
-    malloc'd. A file at least a chunk long starts a chunk (``Layout.place``), so its
-    pages are the buffer's pages; packed small files start anywhere in theirs."""
+    32 bytes into a page, so aligned buffers cost the mount less CPU per GB read
+    (docs/design.md, "The memory tier's page alignment"). A file at least a chunk long
+    starts a chunk (``Layout.place``), so its pages are the buffer's pages; packed small
+    files start anywhere in theirs."""
     if n < ALIGN_MIN:
         return memoryview(bytearray(n))
     raw = bytearray(n + PAGE - 1)
@@ -182,12 +175,10 @@ class MemoryCache:
         """Whether ``key`` is a buffer no read has reached yet (a prefetched chunk) and
         less than the transient's capacity was put after it. C's reads do not reorder
         the LRU, so a chunk being read, spared for that, went to the young end past the
-        chunks prefetched after it, and the next eviction took those, unread: with 4
-        readers from peers (256 MiB tier, 4 chunks ahead) 1,112 of 1,834 READs that
-        reached Python were for a chunk that had landed 50-140 ms before and been
-        evicted; with this rule peers send 0.90 instead of 1.00 of the bytes read, and
-        half as many READs reach Python. Old and unread (its reader stopped early) it
-        is evicted as before."""
+        chunks prefetched after it, and the next eviction took those, unread, to be
+        fetched again when their READs reached Python (docs/design.md, "The native chunk
+        fetch": prefetched chunks evicted unread). Old and unread (its reader stopped
+        early) it is evicted as before."""
         assert self._mirror is not None
         age = self._put_bytes - self._put_at.get(key, 0)
         return age < self.transient_capacity and not self._mirror.served(key)

@@ -75,9 +75,9 @@ class EventPump:
         ``nursery``."""
         kind = type(ev)
         if kind is _engine.Read:
-            # a small file or a block from a peer: C READs and answers it, and the READ
-            # needs no task of its own (random 4 KiB from peers, 4 jobs: the trio thread
-            # 62-63 against 77-85 µs a READ, 8,729-8,828 against 7,021-8,239 IOPS)
+            # a small file or a block from a peer: C READs and answers it, so the READ
+            # needs no task of its own, and asking here spares the trio thread spawning one
+            # (docs/design.md, "The native chunk fetch": small files and random blocks)
             if self.fetch is None or not self.reader.hand_off(
                     ev.entry, (ev.fd, ev.unique, ev.offset, ev.size, ev.random, ev.since)):
                 nursery.start_soon(self.replies.answer_read, ev.fd, ev.unique, ev.entry,

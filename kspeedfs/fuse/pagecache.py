@@ -2,12 +2,12 @@
 
 Why: the kernel reads a FUSE file in READ requests of at most 128 KiB, and each one is
 a trip through pyfuse3 and the trio loop — the biggest single cost of a sequential
-read (22 % of the daemon's samples reading from peers, ~0.7 GB/s for a do-nothing
-pyfuse3 filesystem here). A chunk the prefetcher has already loaded and verified can
-instead be written straight into the file's page cache with ``FUSE_NOTIFY_STORE``
-(``pyfuse3.notify_store``); when the reader gets there the pages are up to date and
-the kernel sends no READ at all. Files are opened with ``keep_cache`` and the snapshot
-is immutable, so a pushed page stays right for the life of the mount.
+read (docs/design.md, "The page-cache push"). A chunk the prefetcher has already loaded
+and verified can instead be written straight into the file's page cache with
+``FUSE_NOTIFY_STORE`` (``pyfuse3.notify_store``); when the reader gets there the pages
+are up to date and the kernel sends no READ at all. Files are opened with
+``keep_cache`` and the snapshot is immutable, so a pushed page stays right for the life
+of the mount.
 
 The rules, each for a reason:
 

@@ -48,8 +48,9 @@ Blocks (format 2)
     kernel's largest FUSE read; the last block of a chunk may be shorter), each with an
     xxh3-64 of its bytes, stored at a fixed stride of ceil(chunk_size/block_size) per
     chunk. They exist for random reads: without them a 4 KiB read that misses has to
-    load and verify its whole 4 MiB chunk (measured: ~100 IOPS cold over 4 GiB files);
-    with them it loads one block from the source or a peer and checks just that.
+    load and verify its whole 4 MiB chunk; with them it loads one block from the source
+    or a peer and checks just that (docs/benchmarks.md, "Random reads with block
+    digests").
     64 bits rather than 128: a block digest only proves integrity (the chunk digest stays
     the cache key), an undetected corruption needs a 2^-64 accident, and the array costs
     8 bytes per block (64 MB per TB of data at 128 KiB, held by every mount).

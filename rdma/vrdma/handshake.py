@@ -39,11 +39,12 @@ to this handshake, the per-direction sequence number stops replay and reordering
   raises :class:`~rdma.errors.AuthenticationError`).
 * Not provided: confidentiality.  The data path is RDMA, which is cleartext anyway.
 
-Limits on what arrives from the network (one 1.1 KB frame of ~1,100 ``[`` made
-``json.loads`` raise ``RecursionError``, which escaped and took a node down; 900
-connections sending 1 MiB − 1 frames took a node from 93 MB to 1.6 GB RSS).  Every byte
-is parsed by :func:`decode` and one schema per handshake message; any failure is a
-:class:`~rdma.errors.HandshakeError` that closes that one connection:
+Limits on what arrives from the network (a frame of deeply nested ``[`` made
+``json.loads`` raise ``RecursionError``, which escaped and took a node down, and
+connections sending near-1 MiB frames ran a node's memory up: docs/design.md, "The
+vRDMA control channel's limits").  Every byte is parsed by :func:`decode` and one schema
+per handshake message; any failure is a :class:`~rdma.errors.HandshakeError` that closes
+that one connection:
 
 * ``PREAUTH_FRAME`` = 4 KiB before authentication: the largest handshake message is the
   hello (a 256-character node name, ≤ 1.6 KB even with every character ``\\uXXXX``
@@ -60,22 +61,23 @@ is parsed by :func:`decode` and one schema per handshake message; any failure is
   costs nothing for ordinary frames: it only walks the decoded value when the frame has
   more ``[``/``{`` bytes than the cap.
 * A deadline for the whole handshake (``timeout``, 2 s by default), not per read: a
-  slowloris client sending one byte at a time is dropped at 2 s.  A loopback connect +
-  handshake takes 0.55 ms (median; p99 0.92 ms, 300 runs), so 2 s is ~2,000× that.
+  slowloris client sending one byte at a time is dropped at 2 s, and a real handshake
+  is over in about a millisecond, far inside it (docs/design.md, "The vRDMA control
+  channel's limits").
 * :class:`PreAuthGate`, per listener: at most ``PREAUTH_PER_SOURCE`` = 32
   unauthenticated connections from one address (a further one is closed at once) and
   ``PREAUTH_TOTAL`` = 128 in all (the oldest pending handshake is then dropped for the
   new one: a real client is through in about a millisecond, an idle attacker's
   connection is what gets old). Each is one fd: a node has two listeners (vRDMA and
-  RPC), so at most 256 of its 1,024 fds are ever held by unauthenticated peers (10,000
-  idle connections had taken all 1,024).  32 from one address is above what one host's
+  RPC), so at most 256 of its 1,024 fds are ever held by unauthenticated peers (a flood
+  of idle connections had taken them all).  32 from one address is above what one host's
   processes open at once (one mount: a path per NIC pair (≤ 16) plus its dials and
   kspeedfs's ``RPC_OPENING`` = 8 RPC handshakes).  Refusals are logged at most once per
   ``REFUSAL_LOG_EVERY`` = 10 s, with a count of the lines skipped.
-  Measured (``tests/rdma/test_vrdma_hostile.py``, both ends
-  in one process, caps lifted so only the frame cap bounds memory): 300 connections
-  each sending a 1 MiB − 1 frame plus 300 holding a partial 4 KB frame cost +5 MB RSS
-  while held, and every fd comes back when they close.
+  ``tests/rdma/test_vrdma_hostile.py`` floods both ends in one process with the caps
+  lifted, so that only the frame cap bounds memory: it stays bounded while the flood is
+  held, and every fd comes back when it closes (docs/design.md, "The vRDMA control
+  channel's limits").
 """
 from __future__ import annotations
 
