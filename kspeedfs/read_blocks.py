@@ -26,17 +26,12 @@ from .cache.memory import MemoryCache
 from .cache.tiers import Data, Loaded, TierChain
 from .fanout import each
 from .manifest.index import ManifestIndex
+from .manifest.model import block_key
 from .origin import Origin
 from .read_policy import ReadPolicy
 from .stats import Counters
 
 __all__ = ["BlockReads", "block_key"]
-
-
-def block_key(chunk_key: bytes, block: int) -> bytes:
-    """Memory-tier key of a block: the chunk's key plus the block number (a chunk key is
-    16 bytes, so the two never meet)."""
-    return chunk_key + block.to_bytes(4, "little")
 
 
 class BlockReads:

@@ -51,6 +51,7 @@ struct fe_index {
     const uint8_t *names;
     const uint8_t *ext_digests;   /* 16 bytes per extent */
     const uint8_t *chunk_digests; /* 16 bytes per chunk */
+    const uint8_t *block_digests; /* 8 bytes per block, block_stride per chunk (format 2) */
 };
 
 /* What the engine answers with, from the validated config. */
@@ -274,7 +275,7 @@ struct fe_fetch *fe_fetcher(struct fe_engine *e);
  * length, 0; else -EINVAL. From the engine's own index. */
 int fe_file_extent(struct fe_engine *e, uint64_t entry, const uint8_t **key, uint32_t *len);
 /* Block ``block`` of chunk ``chunk``: its tier key (the chunk's digest, then ``block``
- * little-endian, as reader.block_key) and length, 0; else -EINVAL (no such block). */
+ * little-endian, as manifest/model.py block_key) and length, 0; else -EINVAL (no such block). */
 int fe_chunk_block(struct fe_engine *e, uint64_t chunk, uint64_t block, uint8_t key[20],
                    uint32_t *len);
 

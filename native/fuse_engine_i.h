@@ -226,6 +226,10 @@ int xattr_for_python(struct fe_worker *w, struct fe_request *q);
 
 /* fuse_read.c */
 int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_read *rd);
+/* READ ``rd``, missed and random inside one block of one chunk: that block started by the
+ * native fetch, ``rd`` parked on it (fetch_start_block), when Python routed the chunk (it
+ * does for chunks random reads keep in blocks). Else 0: the caller's. */
+int start_block(struct fe_engine *e, struct fe_fetch *f, const struct fe_read *rd);
 int do_read(struct req *r);
 
 /* fuse_threads.c */

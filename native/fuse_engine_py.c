@@ -86,7 +86,7 @@ static int conv_u32(PyObject *o, void *out)
 
 /* ---------------------------------------------------------------------------- index */
 
-enum per { PER_ENTRY, PER_CHUNK, PER_EXTENT, PER_ANY };
+enum per { PER_ENTRY, PER_CHUNK, PER_EXTENT, PER_BLOCK, PER_ANY };
 
 /* The buffer attributes of ManifestIndex, in enum order: what each counts, bytes per item
  * (also the alignment the engine's loads need). */
@@ -109,6 +109,7 @@ static const struct ix_array {
     [IX_NAMES] = {"names", PER_ANY, 1},
     [IX_EXT_DIGESTS] = {"ext_digests", PER_EXTENT, 16},
     [IX_CHUNK_DIGESTS] = {"chunk_digests", PER_CHUNK, 16},
+    [IX_BLOCK_DIGESTS] = {"block_digests", PER_BLOCK, 8},
 };
 
 static void views_release(EngineObject *self)
@@ -148,9 +149,12 @@ static int index_check(const Py_buffer *v, const struct ix_array *a, const struc
     if (a->per != PER_ANY) {
         uint64_t count = a->per == PER_ENTRY   ? ix->entries
                          : a->per == PER_CHUNK ? ix->chunks
+                         : a->per == PER_BLOCK ? 0
                                                : ix->extents;
         uint64_t expected;
-        if (__builtin_mul_overflow(count, (uint64_t)a->width, &expected)) {
+        if ((a->per == PER_BLOCK &&
+             __builtin_mul_overflow(ix->chunks, ix->block_stride, &count)) ||
+            __builtin_mul_overflow(count, (uint64_t)a->width, &expected)) {
             PyErr_Format(PyExc_ValueError, "index: %s: %llu items of %u bytes overflow",
                          a->name, (unsigned long long)count, a->width);
             return -1;
@@ -201,6 +205,7 @@ static void index_point(const EngineObject *self, struct fe_index *ix)
     ix->names_len = (uint64_t)v[IX_NAMES].len;
     ix->ext_digests = v[IX_EXT_DIGESTS].buf;
     ix->chunk_digests = v[IX_CHUNK_DIGESTS].buf;
+    ix->block_digests = v[IX_BLOCK_DIGESTS].buf;
 }
 
 /* Fill ``ix`` from a ManifestIndex, holding its arrays in self; on error, nothing held. */
@@ -1037,6 +1042,7 @@ PyMODINIT_FUNC PyInit__engine(void)
         PyModule_AddIntConstant(m, "FETCH_LATE", FE_FETCH_LATE) < 0 ||
         PyModule_AddObject(m, "FETCH_OWN", PyLong_FromUnsignedLongLong(FE_OWN)) < 0 ||
         PyModule_AddObject(m, "FETCH_PART", PyLong_FromUnsignedLongLong(FE_PART)) < 0 ||
+        PyModule_AddObject(m, "FETCH_BLOCK", PyLong_FromUnsignedLongLong(FE_BLOCK)) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_PEERS", FE_PEERS) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_NICS", FE_NICS) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_STAGING", FE_STAGING) < 0 ||

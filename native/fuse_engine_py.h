@@ -30,6 +30,7 @@ enum {
     IX_NAMES,
     IX_EXT_DIGESTS,
     IX_CHUNK_DIGESTS,
+    IX_BLOCK_DIGESTS,
     IX_N
 };
 

@@ -555,8 +555,12 @@ static int size_class(uint32_t len)
     return bits < 11 ? 0 : c < FE_SIZE_CLASSES - 1 ? c : FE_SIZE_CLASSES - 1;
 }
 
-int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t len,
-                     const uint8_t *key, const struct fe_read *read)
+/* fetch_start_part and fetch_start_block: a part (``key``, verified against ``want``)
+ * whose FE_FETCHED names ``tag`` (the file; the block) and carries ``flags`` (FE_BLOCK)
+ * in its cookie. */
+static int start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t len,
+                      const uint8_t *key, size_t keylen, const uint8_t *want, size_t wantlen,
+                      uint64_t tag, uint64_t flags, const struct fe_read *read)
 {
     if (k >= f->chunks || !len || offset + len > f->chunk_len[k])
         return 0;
@@ -566,7 +570,7 @@ int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t l
     mine->read = *read;
     mine->next = NULL;
     pthread_mutex_lock(&f->lock);
-    struct rec *r = part_rec_of(f, key, 16);
+    struct rec *r = part_rec_of(f, key, keylen);
     if (r) { /* in flight: the READ waits for it (unless a hedge
                                      * answered that fetch's READs: then Python's) */
         int park = !r->orphan;
@@ -596,9 +600,10 @@ int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t l
                       .t0 = now,
                       .deadline = limit ? now + limit : 0,
                       .chunk = k,
-                      .entry = read->entry};
-    int free_i = rec_open(f, FE_NO_CHUNK, key, 16, key, 16,
-                          FE_OWN | FE_PART | (f->own_seq + 1), s.laddr, len, mine, own);
+                      .entry = tag};
+    int free_i = rec_open(f, FE_NO_CHUNK, key, keylen, want, wantlen,
+                          FE_OWN | FE_PART | flags | (f->own_seq + 1), s.laddr, len, mine,
+                          own);
     if (free_i < 0) {
         pthread_mutex_unlock(&f->lock);
         free(mine);
@@ -625,6 +630,19 @@ int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t l
     pthread_mutex_unlock(&f->lock);
     hand_on(f, parked, 0);
     return 0;
+}
+
+int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t len,
+                     const uint8_t *key, const struct fe_read *read)
+{
+    return start_part(f, k, offset, len, key, 16, key, 16, read->entry, 0, read);
+}
+
+int fetch_start_block(struct fe_fetch *f, uint64_t k, uint64_t b, uint64_t offset,
+                      uint32_t len, const uint8_t *key, const uint8_t *want,
+                      const struct fe_read *read)
+{
+    return start_part(f, k, offset, len, key, 20, want, 8, b, FE_BLOCK, read);
 }
 
 int fetch_start(struct fe_fetch *f, uint64_t k)

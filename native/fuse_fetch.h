@@ -78,13 +78,14 @@ enum {
     FE_FETCH_LATE = 69
 };
 
-#define FE_OWN (1ULL << 63)  /* in the cookie of a fetch C started (fetch_start) */
-#define FE_PART (1ULL << 62) /* beside FE_OWN: a small file's extent (fetch_start_part) */
-#define FE_PEERS 64          /* peers routes may name */
-#define FE_PATHS 2           /* UP paths a peer's entry holds (used in turn) */
-#define FE_NICS 4            /* local NICs a landing slot has an lkey on */
-#define FE_SLOTS 64          /* landing slots Python may give C at once */
-#define FE_STAGING 32        /* staging slots for the extents C starts (fetch_staging) */
+#define FE_OWN (1ULL << 63)   /* in the cookie of a fetch C started (fetch_start) */
+#define FE_PART (1ULL << 62)  /* beside FE_OWN: a small file's extent (fetch_start_part) */
+#define FE_BLOCK (1ULL << 61) /* beside FE_PART: a random read's block (fetch_start_block) */
+#define FE_PEERS 64           /* peers routes may name */
+#define FE_PATHS 2            /* UP paths a peer's entry holds (used in turn) */
+#define FE_NICS 4             /* local NICs a landing slot has an lkey on */
+#define FE_SLOTS 64           /* landing slots Python may give C at once */
+#define FE_STAGING 32         /* staging slots for the extents C starts (fetch_staging) */
 /* the hedger's READ size classes (cluster/hedge.py): ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M,
  * larger */
 #define FE_SIZE_CLASSES 7
@@ -125,7 +126,7 @@ int fetch_post(struct fe_fetch *f, ks_engine *ke, uint32_t qpn, uint64_t k, uint
 /* A part of a chunk, a small file's extent or a block of a random read: READ ``len`` bytes
  * into the staging buffer ``laddr``/``lkey``, verify them against ``want`` (xxh3-128, 16
  * bytes; xxh3-64, 8: a block), copy them into a buffer of their own and put that in the
- * tier under ``key`` (16 bytes: an extent's digest; 20: a block's, reader.block_key) with
+ * tier under ``key`` (16 bytes: an extent's digest; 20: a block's, manifest/model.py block_key) with
  * no owner: with status 0, the caller takes the buffer with fetch_landed and puts it,
  * adopting the entry. ``read`` (or NULL): the READ the caller took from the queue,
  * parked on the record (answered as a chunk's parked READs are); when the post fails it
@@ -175,6 +176,12 @@ int fetch_staging(struct fe_fetch *f, void *laddr, uint32_t size, const uint32_t
  * caller's). Any thread. */
 int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t len,
                      const uint8_t *key, const struct fe_read *read);
+/* The same for block ``b`` of chunk ``k`` (``len`` bytes at ``offset``, tier key ``key``:
+ * 20 bytes, manifest/model.py block_key; ``want``: its xxh3-64, 8 bytes), for a random READ inside
+ * it; its FE_FETCHED's cookie has FE_BLOCK and its ``slot`` is ``b``. */
+int fetch_start_block(struct fe_fetch *f, uint64_t k, uint64_t b, uint64_t offset,
+                      uint32_t len, const uint8_t *key, const uint8_t *want,
+                      const struct fe_read *read);
 /* Start chunk ``k`` here if it has a route to a peer that is on and a landing slot is free:
  * 1 (or it is in flight already), else 0 (the caller hints Python). Any thread. */
 int fetch_start(struct fe_fetch *f, uint64_t k);

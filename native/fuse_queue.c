@@ -72,7 +72,8 @@ int read_for_python(struct fe_worker *w, struct fe_read *rd, struct fe_fetch *fe
                     uint64_t first, uint64_t last)
 {
     rd->fd = python_fd(w);
-    if (fetch && (fetch_park(fetch, first, last, rd) || start_small(w->e, fetch, rd)))
+    if (fetch && (fetch_park(fetch, first, last, rd) || start_small(w->e, fetch, rd) ||
+                  start_block(w->e, fetch, rd)))
         return 0;
     return queued(w, enqueue_read(w->e, rd));
 }

@@ -84,7 +84,7 @@ int start_small(struct fe_engine *e, struct fe_fetch *f, const struct fe_read *r
 }
 
 /* The tier key of block ``b`` of chunk ``k``: the chunk's digest, then ``b`` little-endian
- * (as reader.block_key). */
+ * (as manifest/model.py block_key). */
 static void block_key(const struct fe_engine *e, uint64_t k, uint64_t b, uint8_t key[20])
 {
     memcpy(key, chunk_key(e, k), 16);
@@ -94,6 +94,27 @@ static void block_key(const struct fe_engine *e, uint64_t k, uint64_t b, uint8_t
 
 /* Bytes [lo, hi) of chunk ``k`` for file ``entry`` from the tier: the chunk, the small
  * file's own extent, or every block under the range. 1: held in ``h``; 0: a miss. */
+int start_block(struct fe_engine *e, struct fe_fetch *f, const struct fe_read *rd)
+{
+    const struct fe_index *ix = &e->ix;
+    uint64_t B = ix->block_size, c = ix->chunk_size;
+    if (!rd->random || !B || !ix->block_digests || !rd->size || rd->entry >= ix->entries ||
+        rd->offset >= ix->size[rd->entry])
+        return 0;
+    uint64_t size = ix->size[rd->entry], base = ix->data[rd->entry];
+    uint64_t lo = base + rd->offset;
+    uint64_t hi = base + (size - rd->offset < rd->size ? size : rd->offset + rd->size);
+    uint64_t k = lo / c, b = (lo - k * c) / B;
+    if (k >= ix->chunks || (hi - 1) / c != k || (hi - 1 - k * c) / B != b ||
+        b >= ix->block_stride || b * B >= ix->chunk_len[k])
+        return 0;
+    uint64_t left = ix->chunk_len[k] - b * B;
+    uint8_t key[20];
+    block_key(e, k, b, key);
+    return fetch_start_block(f, k, b, b * B, (uint32_t)(left < B ? left : B), key,
+                             ix->block_digests + (k * ix->block_stride + b) * 8, rd);
+}
+
 static int tier_part(struct fe_engine *e, uint64_t entry, uint64_t k, uint64_t lo, uint64_t hi,
                      struct hit *h)
 {

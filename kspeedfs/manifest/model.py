@@ -148,6 +148,12 @@ def check_header(fmt: int, chunk_size: int, block_size: int, entries: int) -> No
         raise ManifestCorrupt("manifest has no root directory (0 entries)")
 
 
+def block_key(chunk_key: bytes, block: int) -> bytes:
+    """Memory-tier key of a block: the chunk's key plus the block number (a chunk key is
+    16 bytes, so the two never meet)."""
+    return chunk_key + block.to_bytes(4, "little")
+
+
 def blocks_per_chunk(chunk_size: int, block_size: int) -> int:
     """The stride of the block digest array (0 when there are no blocks)."""
     return -(-chunk_size // block_size) if block_size else 0

@@ -277,6 +277,35 @@ def test_random_reads_from_peers_are_fetched_as_blocks_and_answered_in_c(world) 
     print(f"random reads from peers: {n} read, {blocks} as blocks, {answered} answered in C")
 
 
+def test_random_reads_in_a_routed_chunk_start_their_blocks_in_c(world) -> None:
+    """Once Python has handed a chunk's first random miss to C (and so routed the chunk:
+    the dataset outgrows the tier, so no chunk is promoted), the next random READs in
+    other blocks of that chunk start their block in C (fuse_read.c ``start_block``) and
+    never reach Python: C-started parts grow, Python's block count does not."""
+    c, _, files = world
+    mnt = _small_mount(c)
+    rel = "shards/s1.bin"
+    want = files[rel]
+    chunk = 256 << 10                         # (the module's import.chunk_size)
+    with open(mnt / rel, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        firsts = [k * chunk + 8192 for k in range(len(want) // chunk)]
+        for off in firsts:                    # each chunk's first miss: Python's
+            assert os.pread(f.fileno(), 4096, off) == want[off:off + 4096], off
+        before = _stats(mnt)
+        for off in firsts:                    # another block of each: C's
+            off += 128 << 10
+            assert os.pread(f.fileno(), 4096, off) == want[off:off + 4096], off
+    s = _stats(mnt)
+    started = s["fetch_started_parts"] - before["fetch_started_parts"]
+    python = s["python_reads"] - before["python_reads"]
+    hits = s["memory_hits"] - before["memory_hits"]        # (blocks earlier tests loaded)
+    assert started >= 1 and python <= len(firsts) * 0.2, (started, python, hits, s)
+    assert started + hits >= len(firsts), (started, python, hits, s)
+    print(f"random reads in routed chunks: {len(firsts)} read, {started} blocks started in C, "
+          f"{hits} hits, {python} in Python")
+
+
 def test_sequential_reads_that_miss_wait_in_c_for_their_chunks(world) -> None:
     """A sequential READ whose chunks are neither held nor in flight (here no prefetch
     starts them: ``fuse.prefetch_chunks=0``) is not answered in Python: its chunks'

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from rdma.enums import ibv_wc_status
 
+from ...manifest.model import block_key
 from .inflight import Fetch, InFlight, fe, give_slot
 
 if TYPE_CHECKING:
@@ -116,7 +117,8 @@ class FetchedEvents:
              back: bool = False) -> tuple[Fetch, Any] | None:
         """A record of the C-started fetch ``cookie`` of chunk ``k``, from its event: a
         chunk's lands in C's landing slot ``slot`` (``back``: C gave it back), a part's
-        (``cookie & FETCH_PART``) is file ``slot``'s extent in a staging slot of C's; READ
+        (``cookie & FETCH_PART``) is file ``slot``'s extent in a staging slot of C's (with
+        FETCH_BLOCK: block ``slot`` of chunk ``k``, a random read's); READ
         from peer number ``peer``'s ``path``-th path since ``since``. With the peer's
         record; None for a slot or peer not known."""
         part = cookie & fe.FETCH_PART
@@ -125,13 +127,18 @@ class FetchedEvents:
         if origin is None or (at is None and not part):
             return None
         rec, vqp, qpn = origin
-        key = self.index.chunk_digest(k)
-        if part:
-            (ext,) = self.index.file_extents(slot)    # (C's own index said it is one)
+        ix = self.index
+        key = ix.chunk_digest(k)
+        if part and cookie & fe.FETCH_BLOCK:          # block ``slot`` of chunk k
+            f = Fetch(k, block_key(key, slot), None, ix.block_len(k, slot), rec.node,
+                      rec.started, since, cookie, vqp, qpn, key, slot * ix.block_size, True,
+                      ix.block_digest(k, slot))
+        elif part:
+            (ext,) = ix.file_extents(slot)    # (C's own index said it is one)
             f = Fetch(k, ext.digest, None, ext.length, rec.node, rec.started, since, cookie,
                       vqp, qpn, key, ext.chunk_offset, True, ext.digest)
         else:
-            f = Fetch(k, key, at, self.index.chunk_len[k], rec.node, rec.started, since,
+            f = Fetch(k, key, at, ix.chunk_len[k], rec.node, rec.started, since,
                       cookie, vqp, qpn, key)
         return f, rec
 

@@ -161,8 +161,8 @@ class NativeFetch:
         self._late.deadline(f)
         if entry is None:
             self.routes.ahead(k)
-        elif block is None:
-            self.routes.route(k, route)     # C starts the other files of k itself
+        elif block is None or self.routes.starts_blocks:
+            self.routes.route(k, route)     # C starts the other files (blocks) of k itself
         return True
 
     def _post(self, target: NativeTarget, k: int, length: int, entry: int | None,

@@ -65,7 +65,9 @@ class Routes:
         # the local NICs, in a slot's lkey order: the endpoint's, fixed from the start (a
         # staging slot is C's for good, with an lkey on each)
         self._nics: list[str] = list(peers.ep.nics)[:fe.FETCH_NICS]
-        self._part_size = small_file_limit
+        # a staging slot holds a small file or a random read's block: both are read alone
+        # exactly when the dataset outgrows the tiers (small_file_limit > 0)
+        self._part_size = max(small_file_limit, index.block_size) if small_file_limit else 0
         self._staging: Any = None              # the vMR of C's staging slots, once given
 
     def ahead(self, k: int) -> None:
@@ -94,10 +96,19 @@ class Routes:
                 self.engine.fetch_route(j, peer, route[1] * rec.slot_size)
         self.feed()
 
+    @property
+    def starts_blocks(self) -> bool:
+        """Whether C may start random reads' blocks itself (fuse_read.c ``start_block``):
+        it has staging slots, which it has when the dataset outgrows the tiers; random
+        reads then keep blocks (no chunk is promoted: ReadPolicy.blocks_for), so C never
+        starts a block Python would load whole."""
+        return 0 < self.index.block_size <= self._part_size
+
     def route(self, k: int, route: tuple[Any, int, VQP]) -> None:
         """Give C chunk ``k``'s route (``Peers.native_route``'s record, slot, vQP): a small
         file's READ that misses in it then starts its extent in C (fuse_read.c
-        ``start_small``), and a sequential reader's window the chunk."""
+        ``start_small``), a random READ inside one block that block (``start_block``), and
+        a sequential reader's window the chunk."""
         rec, rslot, vqp = route
         peer = self.tell(rec, vqp, parts=True)
         if peer is not None:
