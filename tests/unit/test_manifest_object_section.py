@@ -4,7 +4,7 @@
 ``object_identity``) and must either parse or raise ``ManifestCorrupt``, never another
 exception and never a record that is not an object of strings with a ``url``.
 
-The manifest is built by the real importer from ``s3/source.py``'s ``build_tree`` over a
+The manifest is built by the real importer from ``objstore/source.py``'s ``build_tree`` over a
 listing made up here (no object store: the bytes are generated), so the section's layout
 is the one an S3 import writes."""
 from __future__ import annotations
