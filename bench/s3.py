@@ -20,7 +20,7 @@ import s3://bench-s3/``) into an embedded store. The bucket holds
                     kspeedfs-origin   ``origin.load(k)`` of every mix/ chunk from
                                       ``cluster.preload_workers`` threads: what a
                                       node's preload runs (``Reconciler._fill`` → TierChain
-                                      → ``S3Origin.load`` in a worker thread), the
+                                      → ``ObjectOrigin.load`` in a worker thread), the
                                       per-extent xxh3 check included
                     kspeedfs-cold     every mix/ file read whole through a fresh
                                       node-less mount, 8 threads
@@ -210,7 +210,7 @@ class _Sink:
 class S3Target(Target):
     """An in-process reader of the bucket: ``boto3`` (the plain ranged loop),
     ``boto3-get`` (whole objects), ``boto3-cp`` (s3transfer) or ``kspeedfs-origin``
-    (``S3Origin.load``). Its ``path`` is a placeholder directory the
+    (``ObjectOrigin.load``). Its ``path`` is a placeholder directory the
     cases look the target up by."""
 
     def __init__(self, ds: Dataset, bed: S3Bed, name: str) -> None:
@@ -223,8 +223,8 @@ class S3Target(Target):
 
     def setup(self, mounts: Mounts, work: Path) -> None:
         from kspeedfs import config
+        from kspeedfs.objstore import connect
         from kspeedfs.origin import open_origin
-        from kspeedfs.s3.client import connect
 
         self.bed.store.ensure()
         self.cfg = config.load(environ={})
@@ -232,7 +232,7 @@ class S3Target(Target):
         self.path.mkdir(parents=True, exist_ok=True)
         _TARGETS[self.path] = self
         if self.name.startswith("boto3"):
-            self.conn = connect(self.cfg.source)
+            self.conn = connect(f"s3://{BUCKET}/", self.cfg.source)
         else:
             self.origin = open_origin(self.bed.source, self.bed.index, self.bed.store.name,
                                       config=self.cfg.source)

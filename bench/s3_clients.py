@@ -9,7 +9,7 @@ fills a bucket, then for each client measures what the origin and the importer d
   server for both);
 * a paginated listing of ``--small`` objects: objects/s.
 
-``--listing N`` measures instead what ``kspeedfs/s3/listing.py`` does against a plain
+``--listing N`` measures instead what ``kspeedfs/objstore/listing.py`` does against a plain
 paginated ``ListObjectsV2`` loop over the same N keys (flat, and spread over 100
 "directories"), alternating, objects/s.
 
@@ -117,9 +117,8 @@ def listing(s3: S3Server, n: int, rounds: int) -> None:
     import os
 
     from kspeedfs import config
-    from kspeedfs.s3.client import connect
-    from kspeedfs.s3.listing import list_objects
-    from kspeedfs.s3.url import S3Url
+    from kspeedfs.objstore import connect
+    from kspeedfs.objstore.listing import list_objects
 
     c = s3.client()
     c.create_bucket(Bucket=BUCKET)
@@ -129,7 +128,7 @@ def listing(s3: S3Server, n: int, rounds: int) -> None:
         list(pool.map(lambda i: c.put_object(Bucket=BUCKET, Key=f"tree/d{i % 100:03d}/{i:07d}",
                                              Body=b"x"), range(n)))
     os.environ.update(s3.env())
-    conn = connect(config.load(environ={}).source)
+    cfg = config.load(environ={}).source
     rates: dict[str, list[float]] = {}
     for _ in range(rounds):
         for prefix in ("flat", "tree"):
@@ -137,7 +136,7 @@ def listing(s3: S3Server, n: int, rounds: int) -> None:
             got = Boto3(s3.endpoint, 8).list(prefix + "/")
             rates.setdefault(f"{prefix} plain loop", []).append(got / (time.perf_counter() - t0))
             t0 = time.perf_counter()
-            got = len(list_objects(conn, S3Url.parse(f"s3://{BUCKET}/{prefix}"), 16))
+            got = len(list_objects(connect(f"s3://{BUCKET}/{prefix}", cfg), 16))
             rates.setdefault(f"{prefix} kspeedfs", []).append(got / (time.perf_counter() - t0))
             assert got == n
     for name, r in sorted(rates.items()):

@@ -453,12 +453,17 @@ def secret_bits(data: bytes) -> float:
 
 @dataclass
 class SourceConfig:
-    """Object-store sources: ``kspeedfs import s3://BUCKET/PREFIX`` and the origin that
-    reads such a dataset back (``kspeedfs/s3/``). A key left empty falls back to what
-    every AWS tool reads: ``AWS_ENDPOINT_URL``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
-    ``AWS_PROFILE``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``,
-    ``~/.aws/config`` and ``~/.aws/credentials``, an instance role. Credentials never
-    leave the process: not in the manifest, etcd, logs or ``kspeedfs config``."""
+    """Object-store sources: ``kspeedfs import s3://BUCKET/PREFIX`` (also ``gs://BUCKET/PREFIX``
+    and ``az://CONTAINER/PREFIX``) and the origin that reads such a dataset back
+    (``kspeedfs/objstore/``). A key left empty falls back to what each platform's own tools
+    read: for S3 ``AWS_ENDPOINT_URL``, ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_PROFILE``,
+    ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``~/.aws/config``
+    and ``~/.aws/credentials``, an instance role; for GCS ``GOOGLE_APPLICATION_CREDENTIALS``,
+    gcloud's application-default credentials, ``STORAGE_EMULATOR_HOST``; for Azure
+    ``AZURE_STORAGE_CONNECTION_STRING``, ``AZURE_STORAGE_ACCOUNT`` with ``AZURE_STORAGE_KEY``
+    or ``AZURE_STORAGE_SAS_TOKEN``, a service principal (``AZURE_CLIENT_ID``, ...), a
+    managed identity. Credentials never leave the process: not in the manifest, etcd, logs
+    or ``kspeedfs config``."""
 
     endpoint: str = _opt("", "S3 endpoint URL (MinIO, a local server); empty = AWS_ENDPOINT_URL "
                          "or the profile's, else AWS; plain http only when the URL says http://")
@@ -471,14 +476,37 @@ class SourceConfig:
                "~/.aws/credentials", "secret": True})
     session_token: str = field(default="", metadata={
         "doc": "session token of temporary credentials (printed as ***)", "secret": True})
+    gcs_endpoint: str = _opt("", "gs:// endpoint URL; empty = STORAGE_EMULATOR_HOST (an emulator: "
+                             "requests unsigned), else Google's")
+    gcs_credentials: str = _opt("", "gs:// credentials file (service account or gcloud ADC JSON); "
+                                "empty = GOOGLE_APPLICATION_CREDENTIALS, else gcloud's default "
+                                "file, else the instance's service account")
+    azure_account: str = _opt("", "az:// storage account; empty = AZURE_STORAGE_ACCOUNT or the "
+                              "connection string's AccountName")
+    azure_endpoint: str = _opt("", "az:// blob endpoint URL (Azurite: http://HOST:PORT/ACCOUNT); "
+                               "empty = the connection string's BlobEndpoint, else "
+                               "https://ACCOUNT.blob.core.windows.net")
+    azure_key: str = field(default="", metadata={
+        "doc": "az:// account key (printed as ***); empty = AZURE_STORAGE_KEY or the connection "
+               "string's AccountKey", "secret": True})
+    azure_sas: str = field(default="", metadata={
+        "doc": "az:// SAS token (printed as ***); empty = AZURE_STORAGE_SAS_TOKEN or the "
+               "connection string's SharedAccessSignature", "secret": True})
+    azure_connection_string: str = field(default="", metadata={
+        "doc": "az:// connection string (printed as ***); empty = AZURE_STORAGE_CONNECTION_STRING",
+        "secret": True})
     max_inflight: int = _opt(16, "ranged GETs in flight per chunk load, and import's readers")
     retries: int = _opt(5, "attempts per request: the client retries 5xx, SlowDown, 429, "
                         "timeouts and resets with jittered exponential backoff")
     timeout: float = _opt(10.0, "connect and read timeout of one attempt, s")
 
     def validate(self) -> None:
-        if self.endpoint and not re.match(r"^https?://[^/\s]+/?$", self.endpoint):
-            raise ConfigError(f"source.endpoint: {self.endpoint!r} is not http[s]://host[:port]")
+        for key in ("endpoint", "gcs_endpoint", "azure_endpoint"):
+            value = getattr(self, key)
+            path = "(/[^/\\s]+)?" if key == "azure_endpoint" else ""
+            if value and not re.match(rf"^https?://[^/\s]+{path}/?$", value):
+                raise ConfigError(f"source.{key}: {value!r} is not http[s]://host[:port]"
+                                  + ("[/ACCOUNT]" if path else ""))
         if bool(self.access_key_id) != bool(self.secret_access_key):
             raise ConfigError("source.access_key_id: set it and source.secret_access_key together")
         _range("source.max_inflight", self.max_inflight, 1, 256)

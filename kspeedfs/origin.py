@@ -1,8 +1,9 @@
 """⑤′ The origin: the source the dataset was imported from, last resort.
 
 :func:`open_origin` picks the class by the dataset's source: :class:`Origin` reads a
-directory; ``s3/origin.py``'s ``S3Origin`` is the same class reading extents with
-ranged GETs pinned to each object's ETag (a bucket prefix). Everything below about
+directory; ``objstore/origin.py``'s ``ObjectOrigin`` is the same class reading extents
+with ranged GETs pinned to each object's ETag and version (a bucket prefix: ``s3://``,
+``gs://``, ``az://``). Everything below about
 checking, retrying and naming the changed file holds for both.
 
 A chunk is assembled from the files it packs (one ``preadv`` per extent into one
@@ -46,13 +47,16 @@ log = logging.getLogger(__name__)
 def open_origin(source: str, index: ManifestIndex, dataset: str, required: bool = True,
                 config: SourceConfig | None = None) -> Origin:
     """The origin of a dataset whose source is ``source`` (its recorded one, or a
-    mount's ``--source``): an ``s3://`` URL reads the bucket, anything else a directory.
-    ``config``: the ``[source]`` settings of an object store (defaults when None)."""
-    if source.startswith("s3://"):
-        from .config import SourceConfig
-        from .s3.origin import S3Origin
+    mount's ``--source``): an ``s3://``, ``gs://`` or ``az://`` URL reads the bucket,
+    anything else a directory. ``config``: the ``[source]`` settings of an object store
+    (defaults when None)."""
+    from .objstore.url import is_object_url
 
-        return S3Origin(source, index, dataset, config or SourceConfig())
+    if is_object_url(source):
+        from .config import SourceConfig
+        from .objstore.origin import ObjectOrigin
+
+        return ObjectOrigin(source, index, dataset, config or SourceConfig())
     return Origin(source, index, dataset, required)
 
 

@@ -23,7 +23,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 # The folders are the cost layers, cheapest first; the suite runs them in this order so
 # that the first failure names the lowest broken layer (tests/README.md).
-LAYERS = ("unit", "etcd", "rdma", "mount", "csi", "s3", "cluster", "vm")
+LAYERS = ("unit", "etcd", "rdma", "mount", "csi", "s3", "objstore", "cluster", "vm")
 
 
 def _layer(item: pytest.Item) -> str | None:

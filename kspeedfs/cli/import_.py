@@ -1,8 +1,9 @@
 """``kspeedfs import SOURCE --name NAME``: a new dataset version, with a progress bar
 (``cli/terminal.py``: one line every few seconds when stderr is not a terminal).
 
-SOURCE is a directory (or ``file://PATH``) or a bucket prefix, ``s3://BUCKET/PREFIX``
-(``kspeedfs/s3/``: its endpoint and credentials from ``[source]`` and the AWS settings)."""
+SOURCE is a directory (or ``file://PATH``) or a bucket prefix, ``s3://BUCKET/PREFIX``,
+``gs://BUCKET/PREFIX`` or ``az://CONTAINER/PREFIX`` (``kspeedfs/objstore/``: where the
+bucket is and the credentials from ``[source]`` and each platform's own settings)."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,9 @@ if TYPE_CHECKING:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="directory to import (NFS, Lustre, a local disk, ...; "
-                   "file://PATH), or a bucket prefix s3://BUCKET/PREFIX")
+                   "file://PATH), or a bucket prefix: s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
+                   "az://CONTAINER/PREFIX (the account from AZURE_STORAGE_ACCOUNT or "
+                   "the connection string)")
     p.add_argument("--name", required=True, type=dataset_name, help="dataset name")
     p.add_argument("--chunk-size", metavar="SIZE", help="chunk size, e.g. 4MiB (import.chunk_size)")
     p.add_argument("--block-size", metavar="SIZE",
@@ -59,16 +62,20 @@ def _progress(bar: ProgressBar) -> Callable[[ImportProgress], None]:
 
 
 def open_source(source: str, cfg: Config) -> str | ImportSource:
-    """A directory path as it is; ``s3://`` as an :class:`~kspeedfs.s3.source.S3Source`."""
+    """A directory path as it is; a bucket URL as an
+    :class:`~kspeedfs.objstore.source.ObjectSource`."""
+    from ..objstore import connect, is_object_url
+
     if source.startswith("file://"):
         return source[len("file://"):]
-    if source.startswith("s3://"):
-        from ..s3.client import connect
-        from ..s3.source import S3Source
+    if is_object_url(source):
+        from ..objstore.source import ObjectSource
 
-        return S3Source(source, connect(cfg.source), cfg.import_.threads or cfg.source.max_inflight)
+        return ObjectSource(connect(source, cfg.source),
+                            cfg.import_.threads or cfg.source.max_inflight)
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", source) and not os.path.exists(source):
-        raise ConfigError(f"{source}: unknown source scheme (a directory, file:// or s3://)")
+        raise ConfigError(f"{source}: unknown source scheme (a directory, file://, s3://, "
+                          "gs:// or az://)")
     return source
 
 

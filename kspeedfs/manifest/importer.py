@@ -1,7 +1,7 @@
 """``kspeedfs import``: scan a source tree, lay it out in chunks, checksum, publish.
 
 A source is an :class:`ImportSource`: a directory (:class:`FileSource`, here) or a
-bucket prefix (``kspeedfs/s3/source.py``). It scans itself into the entry arrays and
+bucket prefix (``kspeedfs/objstore/source.py``). It scans itself into the entry arrays and
 reads byte ranges of its files; the layout, chunking, packing and hashing below are the
 same for both.
 

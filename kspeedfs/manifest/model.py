@@ -57,13 +57,15 @@ Blocks (format 2)
     Format 1 manifests (no blocks) still load; their random reads load whole chunks.
 
 Objects (format 3)
-    A dataset imported from an object store (``s3://``) is format 2 plus one section after
-    the block digests: the source record, a JSON object (``url``, ``endpoint``,
-    ``region``; never a credential), then per entry the object's identity at import,
-    ``etag`` NUL ``version_id`` (the version id empty when the bucket is not versioned;
-    nothing for directories), as ``entries + 1`` offsets into one bytes blob. Size and
+    A dataset imported from an object store (``s3://``, ``gs://``, ``az://``) is format 2
+    plus one section after the block digests: the source record, a JSON object (``url``,
+    ``endpoint``, and ``region`` for S3, ``account`` for Azure, ``emulator`` for a GCS
+    emulator; never a credential), then per entry the object's identity at import,
+    ``etag`` NUL ``version_id`` (S3's VersionId, empty when the bucket is not versioned;
+    GCS's generation; Azure's version id, empty when the account keeps none; nothing
+    for directories), as ``entries + 1`` offsets into one bytes blob. Size and
     last-modified are the entry's ``size`` and ``mtime_ns``. The origin pins every
-    ranged GET to the recorded ETag (or version), so an object overwritten after import
+    ranged GET to the recorded ETag (and version), so an object overwritten after import
     is a ``SourceChanged``, never a wrong byte. Directory imports stay format 2, so a
     mount from before format 3 still reads them.
 """

@@ -17,9 +17,9 @@ from kspeedfs.errors import ChunkUnavailable
 from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.index import ManifestIndex
 from kspeedfs.manifest.store.embedded import EmbeddedStore
+from kspeedfs.objstore import connect
+from kspeedfs.objstore.source import ObjectSource
 from kspeedfs.origin import Origin, open_origin
-from kspeedfs.s3.client import connect
-from kspeedfs.s3.source import S3Source
 from tests.fixtures.s3 import FaultProxy, S3Server
 
 CHUNK = 256 << 10
@@ -42,7 +42,7 @@ def _dataset(c: Any, b: str) -> None:
 def _import(b: str, tmp_path: Path, **source: Any) -> tuple[ManifestIndex, Origin]:
     cfg = config.load(environ={}, overrides={f"source.{k}": v for k, v in source.items()})
     store = EmbeddedStore(tmp_path / "store")
-    info = import_tree(S3Source(f"s3://{b}/d", connect(cfg.source), 4), "ds", store, CHUNK)
+    info = import_tree(ObjectSource(connect(f"s3://{b}/d", cfg.source), 4), "ds", store, CHUNK)
     ix = ManifestIndex.from_blob(store.manifest("ds", info.version), info.inflated_size)
     return ix, open_origin(info.source, ix, "ds", config=cfg.source)
 

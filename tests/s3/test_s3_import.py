@@ -13,8 +13,8 @@ import pytest
 from kspeedfs import config
 from kspeedfs.manifest.index import ManifestIndex
 from kspeedfs.manifest.store.embedded import EmbeddedStore
-from kspeedfs.s3.client import connect
-from kspeedfs.s3.source import S3Source
+from kspeedfs.objstore import connect
+from kspeedfs.objstore.source import ObjectSource
 from tests.fixtures.mounts import kspeedfs
 from tests.fixtures.s3 import ACCESS_KEY, SECRET_KEY, S3Server
 
@@ -25,7 +25,7 @@ def _import(url: str, store: EmbeddedStore, **kw: Any) -> tuple[Any, ManifestInd
     from kspeedfs.manifest.importer import import_tree
 
     cfg = config.load(environ={})
-    info = import_tree(S3Source(url, connect(cfg.source), 8), "ds", store, CHUNK, **kw)
+    info = import_tree(ObjectSource(connect(url, cfg.source), 8), "ds", store, CHUNK, **kw)
     blob = store.manifest("ds", info.version)
     return info, ManifestIndex.from_blob(blob, info.inflated_size), blob
 
@@ -144,7 +144,7 @@ def test_missing_bucket_and_empty_prefix_one_line(aws_env: S3Server, bucket: tup
     line = _one_line_failure(["import", f"s3://{b}/nothing", "--name", "d", "--store",
                               str(tmp_path)], env)
     assert "no objects under this prefix" in line
-    line = _one_line_failure(["import", "gs://b/p", "--name", "d", "--store", str(tmp_path)], env)
+    line = _one_line_failure(["import", "hdfs://b/p", "--name", "d", "--store", str(tmp_path)], env)
     assert "unknown source scheme" in line
 
 

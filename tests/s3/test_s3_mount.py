@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.mounts import cluster1
+from tests.fixtures.mounts import assert_files, cluster1
 from tests.fixtures.s3 import S3Server
 
 
@@ -38,16 +38,8 @@ def test_mount_reads_every_byte(aws_env: S3Server, bucket: tuple[Any, str], tmp_
     with cluster1(tmp_path) as node:
         node.import_(f"s3://{b}/train", "ds")           # type: ignore[arg-type]
         mnt = node.mount("ds")
-        files = {k[len("train/"):]: v for k, v in objects.items() if not k.endswith("/")}
-        seen = set()
-        for dirpath, _dirs, names in os.walk(mnt):
-            for n in names:
-                seen.add(os.path.relpath(os.path.join(dirpath, n), mnt))
-        assert seen == set(files)
+        assert_files(mnt, {k[len("train/"):]: v for k, v in objects.items() if not k.endswith("/")})
         assert (mnt / "empty-dir-marker").is_dir()
-        for rel, body in files.items():
-            with open(mnt / rel, "rb") as f:
-                assert f.read() == body, rel
         for page in c.get_paginator("list_objects_v2").paginate(Bucket=b, Prefix="train/"):
             for o in page["Contents"]:
                 if not o["Key"].endswith("/"):

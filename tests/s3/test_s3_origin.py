@@ -1,4 +1,4 @@
-"""The origin of a bucket-prefix dataset (``kspeedfs/s3/origin.py``) without a mount:
+"""The origin of a bucket-prefix dataset (``kspeedfs/objstore/origin.py``) without a mount:
 versioned buckets pin each object's version, so an overwrite after import changes
 nothing a reader sees; in an unversioned bucket it is ``SourceChanged`` for that object."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ from kspeedfs.errors import SourceChanged
 from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.index import ManifestIndex
 from kspeedfs.manifest.store.embedded import EmbeddedStore
+from kspeedfs.objstore import connect
+from kspeedfs.objstore.source import ObjectSource
 from kspeedfs.origin import open_origin
-from kspeedfs.s3.client import connect
-from kspeedfs.s3.source import S3Source
 from tests.fixtures.s3 import S3Server
 
 CHUNK = 256 << 10
@@ -25,7 +25,7 @@ CHUNK = 256 << 10
 def _import_and_open(b: str, tmp_path: Path) -> tuple[ManifestIndex, Any]:
     cfg = config.load(environ={})
     store = EmbeddedStore(tmp_path / "store")
-    info = import_tree(S3Source(f"s3://{b}/v", connect(cfg.source), 8), "ds", store, CHUNK)
+    info = import_tree(ObjectSource(connect(f"s3://{b}/v", cfg.source), 8), "ds", store, CHUNK)
     ix = ManifestIndex.from_blob(store.manifest("ds", info.version), info.inflated_size)
     return ix, open_origin(info.source, ix, "ds", config=cfg.source)
 

@@ -4,7 +4,7 @@
 ``object_identity``) and must either parse or raise ``ManifestCorrupt``, never another
 exception and never a record that is not an object of strings with a ``url``.
 
-The manifest is built by the real importer from ``s3/source.py``'s ``build_tree`` over a
+The manifest is built by the real importer from ``objstore/source.py``'s ``build_tree`` over a
 listing made up here (no object store: the bytes are generated), so the section's layout
 is the one an S3 import writes."""
 from __future__ import annotations
@@ -21,13 +21,13 @@ from kspeedfs.manifest.importer import _Tree, import_tree
 from kspeedfs.manifest.index import ManifestIndex
 from kspeedfs.manifest.model import is_file
 from kspeedfs.manifest.store import open_store
-from kspeedfs.s3.listing import ObjectInfo
-from kspeedfs.s3.source import build_tree
-from kspeedfs.s3.url import S3Url
+from kspeedfs.objstore.bucket import ObjectInfo
+from kspeedfs.objstore.source import build_tree
+from kspeedfs.objstore.url import ObjectUrl
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-URL = S3Url.parse("s3://bucket/train")
+URL = ObjectUrl.parse("s3://bucket/train")
 
 
 class ListedSource:

@@ -9,23 +9,26 @@ skipped with a warning, and so is an object whose name is also a directory's
 owned by root; a file's mtime is its object's Last-Modified, a directory's the import's
 start.
 
-Each file's ETag (and version id, in a versioned bucket) goes into the manifest (format 3,
-``manifest/model.py``) and every ranged GET, at import and later in the origin, is pinned
-to it with ``If-Match`` (and ``VersionId``): an object overwritten while the import reads
-it fails the import naming it, unless the version read is kept.
+Each file's ETag and version go into the manifest (format 3, ``manifest/model.py``) and
+every ranged GET, at import and later in the origin, is pinned to them (``If-Match``,
+and the version: S3's ``VersionId``, GCS's generation, Azure's version id): an object
+overwritten while the import reads it fails the import naming it, unless the version
+read is kept. Where the listing gives no version (GCS, Azure), the first GET of each
+object records the one it was served, and the object's later GETs ask for it.
 """
 from __future__ import annotations
 
 import logging
 import stat
+import threading
 import time
 
 from ..errors import SourceChanged, SourceError
 from ..manifest.importer import ScanProgress, _Tree
 from ..manifest.model import NAME_MAX
-from .client import Connection, get_range
-from .listing import ObjectInfo, list_objects
-from .url import S3Url
+from .bucket import Bucket, ObjectInfo
+from .listing import list_objects
+from .url import ObjectUrl
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ class _Dir:
         self.files: dict[bytes, ObjectInfo] = {}
 
 
-def _parts(url: S3Url, key: str) -> tuple[list[bytes], bool] | None:
+def _parts(url: ObjectUrl, key: str) -> tuple[list[bytes], bool] | None:
     """(path components, is a directory marker) of ``key``, or None if it is no path."""
     rel = key[len(url.prefix):]
     if not rel:
@@ -52,18 +55,17 @@ def _parts(url: S3Url, key: str) -> tuple[list[bytes], bool] | None:
         return None
     for p in parts:
         if len(p) > NAME_MAX:
-            raise SourceError(f"s3://{url.bucket}/{key}: a name longer than {NAME_MAX} bytes")
+            raise SourceError(f"{url.name(key)}: a name longer than {NAME_MAX} bytes")
     return parts, marker
 
 
-def build_tree(url: S3Url, objects: list[ObjectInfo], now_ns: int) -> _Tree:
+def build_tree(url: ObjectUrl, objects: list[ObjectInfo], now_ns: int) -> _Tree:
     """The entry arrays (breadth-first, each directory's children contiguous and sorted)."""
     root = _Dir()
     for o in objects:
         got = _parts(url, o.key)
         if got is None:
-            log.warning("skipping s3://%s/%s: not a path (empty, . or .. component)",
-                        url.bucket, o.key)
+            log.warning("skipping %s: not a path (empty, . or .. component)", url.name(o.key))
             continue
         parts, marker = got
         d = root
@@ -77,8 +79,7 @@ def build_tree(url: S3Url, objects: list[ObjectInfo], now_ns: int) -> _Tree:
     queue: list[tuple[int, _Dir]] = [(0, root)]
     for idx, d in queue:       # grows as directories are added: breadth-first
         for name in [n for n in d.files if n in d.dirs]:
-            log.warning("skipping s3://%s/%s: a directory has its name", url.bucket,
-                        d.files.pop(name).key)
+            log.warning("skipping %s: a directory has its name", url.name(d.files.pop(name).key))
         children = sorted([*d.dirs, *d.files])
         tree.data[idx] = len(tree.mode)
         tree.size[idx] = len(children)
@@ -96,29 +97,37 @@ def build_tree(url: S3Url, objects: list[ObjectInfo], now_ns: int) -> _Tree:
     return tree
 
 
-class S3Source:
-    """``s3://BUCKET/PREFIX`` for ``import_tree``."""
+class ObjectSource:
+    """A bucket prefix (``s3://``, ``gs://``, ``az://``) for ``import_tree``."""
 
-    def __init__(self, url: str, conn: Connection, threads: int) -> None:
-        self.s3 = S3Url.parse(url)
-        self.url = str(self.s3)
-        self.conn = conn
+    def __init__(self, bucket: Bucket, threads: int) -> None:
+        self.bucket = bucket
+        self.url = str(bucket.url)
         self.threads = threads
+        self._learned = threading.Lock()
 
     def scan(self, progress: ScanProgress | None) -> _Tree:
         now_ns = time.time_ns()
-        objects = list_objects(self.conn, self.s3, self.threads, progress)
-        if not objects:
+        objects = list_objects(self.bucket, self.threads, progress)
+        if not any(not o.key.endswith("/") for o in objects):
             raise SourceError(f"{self.url}: no objects under this prefix")
-        return build_tree(self.s3, objects, now_ns)
+        return build_tree(self.bucket.url, objects, now_ns)
 
     def read_into(self, tree: _Tree, entry: int, offset: int, out: memoryview) -> None:
         assert tree.objects is not None
         etag, _, version = tree.objects[entry].decode().partition("\0")
-        key = self.s3.key(tree.paths[entry])
-        why = get_range(self.conn, self.s3.bucket, key, offset, out, etag, version)
-        if why:
-            raise SourceChanged(f"s3://{self.s3.bucket}/{key} {why}: it changed during import")
+        key = self.bucket.url.key(tree.paths[entry])
+        got = self.bucket.get_range(key, offset, out, etag, version)
+        if got.changed:
+            raise SourceChanged(f"{self.bucket.url.name(key)} {got.changed}: it changed during import")
+        if not version and got.version:
+            with self._learned:     # the object's first GET names its version: pin the rest
+                etag, _, version = tree.objects[entry].decode().partition("\0")
+                if not version:
+                    tree.objects[entry] = f"{etag}\0{got.version}".encode()
+                elif version != got.version:
+                    raise SourceChanged(f"{self.bucket.url.name(key)} was served as versions "
+                                        f"{version} and {got.version}: it changed during import")
 
     def record(self) -> dict[str, str]:
-        return {"url": self.url, "endpoint": self.conn.endpoint, "region": self.conn.region}
+        return self.bucket.record()

@@ -1,0 +1,67 @@
+"""What every store gives the importer and the origin: :class:`Bucket`, three calls.
+
+``list_level``, one "directory" of keys (``listing.py`` fans those out); ``get_range``,
+bytes of one object pinned to the identity recorded at import; ``record``, where the
+bucket is (never a credential) for the manifest. ``s3.py`` (boto3) and
+``object_store.py`` (obstore, for ``gs://`` and ``az://``) implement it, so ``source.py``
+and ``origin.py`` hold no branch per store.
+
+An object's identity is its ETag and a version: S3's ``VersionId`` in a versioned
+bucket, GCS's generation, Azure's version id where the account keeps versions. Each
+store's listing gives what it can; GCS and Azure list no version, so the importer
+takes the one its first ranged GET of the object was served from (``Read.version``)
+and every later GET pins it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+from .url import ObjectUrl
+
+
+class ObjectInfo(NamedTuple):
+    """One listed object (a tuple: a listing makes 10^5 of them, a frozen dataclass costs
+    ~1 us more each)."""
+
+    key: str
+    size: int
+    etag: str
+    mtime_ns: int     # Last-Modified
+    version_id: str = ""
+
+
+class Read(NamedTuple):
+    """What one ranged GET came to."""
+
+    changed: str | None    # why the object is no longer the imported one; None: filled
+    version: str = ""      # the version the store served, when it names one
+
+
+class Bucket(Protocol):
+    """One bucket (container) of one store, connected with this host's credentials."""
+
+    url: ObjectUrl
+    endpoint: str          # where requests go, for logs and the record
+
+    def list_level(self, prefix: str) -> tuple[list[ObjectInfo], list[str]]:
+        """The objects directly under ``prefix`` (a key ending in ``/``, or "") and its
+        common prefixes (its "subdirectories", each ending in ``/``); ``SourceError``
+        (one line) if the store refuses or cannot be reached."""
+
+    def get_range(self, key: str, offset: int, out: memoryview, etag: str,
+                  version: str = "") -> Read:
+        """Fill ``out`` with bytes [offset, offset + len(out)) of object ``key``, only if
+        it still has ``etag`` (and is ``version``, when given): ``Read(None, ...)``; the
+        reason when the object changed, is gone or is shorter; ``SourceError`` (one line)
+        for anything else, after the client's retries."""
+
+    def record(self) -> dict[str, str]:
+        """The manifest's source record: the URL and where the bucket is, no secret."""
+
+    def close(self) -> None:
+        """Let go of the client's connections."""
+
+
+def unquoted(etag: str) -> str:
+    """An ETag without its quotes or weak mark: listings and headers differ in both."""
+    return etag.strip('"').removeprefix("W/").strip('"')
