@@ -14,11 +14,8 @@ not match, the file changed after import and only a re-import can fix it:
 
 The source's pages are dropped from the page cache once read (``POSIX_FADV_DONTNEED``):
 the bytes now live in the memory tier (and the mount's own page cache), so keeping the
-source's copy too would hold every cold byte three times. Measured with 13 GB of the
-machine's 23 GiB held elsewhere, a cold 4 GiB read by 4 readers: 161–355 MB/s with the
-daemon's CPU going to reclaim (10–22 CPU-s) when the source's pages stayed, 842–1,386
-MB/s (2–4 CPU-s) when dropped; 1.7 GB/s with memory to spare. (The kernel drops whole
-folios only: a range inside a large folio stays, which 4 MiB chunks rarely are.)
+source's copy too would hold every cold byte three times, and the daemon's CPU went to
+reclaim (docs/design.md, "The origin drops the source's pages").
 
 A random read that misses loads one block instead (``load_block``: the 128 KiB around
 it, verified against the block's xxh3-64), not the whole chunk.
@@ -61,6 +58,15 @@ def open_origin(source: str, index: ManifestIndex, dataset: str, required: bool 
 
 
 class Origin:
+    """The dataset's source directory, read for chunks, extents and blocks no tier or
+    replica holds.
+
+    Contract: every ``load*`` returns bytes verified against the manifest (extent
+    digests; a block's xxh3-64), or raises ``SourceChanged`` naming the file that no
+    longer matches (after one retry), or ``ChunkUnavailable``; never unverified bytes.
+    Owns no open file between calls. Blocking: called from worker threads, any number
+    at once."""
+
     def __init__(self, root: str | os.PathLike[str], index: ManifestIndex, dataset: str,
                  required: bool = True) -> None:
         """``required=False`` (a cluster mount, where replicas serve first): a missing

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 
 class ObjectOrigin(Origin):
+    """``Origin`` over a bucket prefix: extents by ranged GETs pinned to each object's
+    recorded identity (module docstring), the same contract otherwise. Owns the bucket's
+    client and a pool of ``source.max_inflight`` threads for one chunk's extents."""
+
     def __init__(self, source: str, index: ManifestIndex, dataset: str,
                  config: SourceConfig) -> None:
         """``source``: the dataset's bucket URL; where the bucket is comes from ``config``
