@@ -269,7 +269,9 @@ def test_random_reads_from_peers_are_fetched_as_blocks_and_answered_in_c(world) 
                 n += 1
     s = _stats(mnt)
     answered = s["fetch_answered"] - before["fetch_answered"]
-    blocks = s["block_reads"] - before["block_reads"]
+    # blocks Python handed to C, and those C started itself in chunks already routed
+    blocks = (s["block_reads"] - before["block_reads"]
+              + s["fetch_started_parts"] - before["fetch_started_parts"])
     # (a read of a chunk the tier holds, or one loading, is answered from it instead)
     assert blocks >= 5 and answered >= blocks * 0.8, (n, blocks, answered, s)
     assert s["fetch_parked"] == s["fetch_answered"], s
