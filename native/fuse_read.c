@@ -92,8 +92,6 @@ static void block_key(const struct fe_engine *e, uint64_t k, uint64_t b, uint8_t
     memcpy(key + 16, &b32, 4);
 }
 
-/* Bytes [lo, hi) of chunk ``k`` for file ``entry`` from the tier: the chunk, the small
- * file's own extent, or every block under the range. 1: held in ``h``; 0: a miss. */
 int start_block(struct fe_engine *e, struct fe_fetch *f, const struct fe_read *rd)
 {
     const struct fe_index *ix = &e->ix;
@@ -105,16 +103,17 @@ int start_block(struct fe_engine *e, struct fe_fetch *f, const struct fe_read *r
     uint64_t lo = base + rd->offset;
     uint64_t hi = base + (size - rd->offset < rd->size ? size : rd->offset + rd->size);
     uint64_t k = lo / c, b = (lo - k * c) / B;
-    if (k >= ix->chunks || (hi - 1) / c != k || (hi - 1 - k * c) / B != b ||
-        b >= ix->block_stride || b * B >= ix->chunk_len[k])
-        return 0;
-    uint64_t left = ix->chunk_len[k] - b * B;
     uint8_t key[20];
-    block_key(e, k, b, key);
-    return fetch_start_block(f, k, b, b * B, (uint32_t)(left < B ? left : B), key,
+    uint32_t len;
+    if ((hi - 1) / c != k || (hi - 1 - k * c) / B != b ||
+        fe_chunk_block(e, k, b, key, &len) < 0)
+        return 0;
+    return fetch_start_block(f, k, b, b * B, len, key,
                              ix->block_digests + (k * ix->block_stride + b) * 8, rd);
 }
 
+/* Bytes [lo, hi) of chunk ``k`` for file ``entry`` from the tier: the chunk, the small
+ * file's own extent, or every block under the range. 1: held in ``h``; 0: a miss. */
 static int tier_part(struct fe_engine *e, uint64_t entry, uint64_t k, uint64_t lo, uint64_t hi,
                      struct hit *h)
 {
