@@ -37,6 +37,8 @@ import builtins
 import hashlib
 import math
 import re
+import zlib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -162,6 +164,15 @@ class MetadataStore(abc.ABC):
     def publish(self, info: DatasetInfo, blob: bytes) -> DatasetInfo:
         """Store ``blob`` as the next version of ``info.name`` and make it current.
         Returns the sealed info (version, digest, size, imported_at filled in)."""
+
+    def publish_stream(self, info: DatasetInfo, pieces: Iterable[bytes | bytearray | memoryview],
+                       inflated_size: int) -> DatasetInfo:
+        """Publish a manifest given as its inflated bytes, in pieces (the importer's
+        bounded-memory output): zlib'd into one blob and :meth:`publish`\ ed."""
+        z = zlib.compressobj(1)
+        out = [z.compress(piece) for piece in pieces]
+        out.append(z.flush())
+        return self.publish(replace(info, inflated_size=inflated_size), b"".join(out))
 
     @abc.abstractmethod
     def datasets(self) -> list[DatasetInfo]:
