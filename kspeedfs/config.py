@@ -103,6 +103,13 @@ class StoreConfig:
                                        "the next endpoint (rail) is tried after it")
     keep_versions: int = _opt(3, "versions of a dataset `kspeedfs gc` (and import) keeps besides "
                               "mounted and preloaded ones; 0 = keep every version")
+    pages: str = _opt("", "directory of manifest pages (manifest/pages.py): for etcd, one "
+                      "every node and mount reads (a shared filesystem); empty = etcd keeps "
+                      "manifests whole, the embedded store keeps pages in <path>/pages")
+    paged_above: int = _size("1MiB", "a manifest inflating past this is stored as pages, "
+                             "its root in the store (when the store has a page directory)")
+    page_cache: int = _size("1GiB", "manifest pages a mount keeps resident; the rest are "
+                            "read again on touch")
 
     def validate(self) -> None:
         _choice("store.backend", self.backend, ("embedded", "etcd"))
@@ -120,6 +127,8 @@ class StoreConfig:
         if type(self.keep_versions) is not int or not 0 <= self.keep_versions <= 100000:
             raise ConfigError(f"store.keep_versions: {self.keep_versions} must be in 0..100000")
         _positive("store.etcd_attempt_timeout", self.etcd_attempt_timeout, 3600)
+        _range("store.paged_above", self.paged_above, 0, 1 << 40)
+        _range("store.page_cache", self.page_cache, 64 << 10, 1 << 44)
         if self.etcd_attempt_timeout > self.etcd_timeout:
             raise ConfigError(f"store.etcd_attempt_timeout: {self.etcd_attempt_timeout} must be "
                               f"<= store.etcd_timeout ({self.etcd_timeout})")

@@ -46,7 +46,8 @@ from .fuse.operations import Operations
 from .fuse.pagecache import PageCache
 from .manifest import sealed
 from .manifest.index import ManifestIndex
-from .manifest.store import identity
+from .manifest.load import open_index
+from .manifest.store import identity, page_dir
 from .manifest.store.base import DatasetInfo
 from .reader import Reader
 
@@ -87,7 +88,8 @@ def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, bytes, Ma
             log.warning("resume: %s; loading it from the store", e)
     if info is None or blob is None:
         info, blob = compose.fetch_manifest(cfg, req.dataset, req.version)
-    return info, blob, ManifestIndex.from_blob(blob, info.inflated_size)
+    dirs = page_dir(cfg.store)
+    return info, blob, open_index(blob, info, [dirs] if dirs else [], cfg.store.page_cache)
 
 
 async def _served_version(req: MountRequest, path: str) -> MountRequest:

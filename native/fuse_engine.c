@@ -52,13 +52,6 @@ struct fe_engine *fe_create(int fd, const struct fe_index *ix, const struct fe_o
     pthread_cond_init(&e->rcond, NULL);
     pthread_mutex_init(&e->slock, NULL);
     pthread_cond_init(&e->scond, NULL);
-    /* st_nlink of a directory: 2 + its subdirectories, once, not per GETATTR */
-    for (uint64_t i = 0; i < ix->entries; i++)
-        if (is_dir(ix->mode[i]))
-            e->nlink[i] = 2;
-    for (uint64_t i = 1; i < ix->entries; i++)
-        if (is_dir(ix->mode[i]) && ix->parent[i] < ix->entries)
-            e->nlink[ix->parent[i]]++;
     e->blksize = opt->blksize ? opt->blksize
                               : (uint32_t)(ix->block_size ? ix->block_size : ix->chunk_size);
     return e;

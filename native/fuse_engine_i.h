@@ -122,7 +122,7 @@ struct fe_engine {
     struct fe_index ix;
     struct fe_options opt;
     atomic_uint_least64_t spliced, spliced_bytes; /* replies by splice, any thread's */
-    uint32_t *nlink;
+    uint32_t *nlink; /* a directory's st_nlink once counted, 0 before (fuse_ops.c) */
     uint32_t blksize;
     /* negotiated at INIT */
     uint32_t minor, max_pages, max_readahead;

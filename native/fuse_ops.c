@@ -34,6 +34,28 @@ static void split_time(double t, uint64_t *sec, uint32_t *nsec)
     *nsec = (uint32_t)((t - (double)*sec) * 1e9);
 }
 
+/* st_nlink of a directory: 2 + its subdirectories, counted at its first GETATTR and kept
+ * (racing threads store the same value). Counting every directory at start touched every
+ * entry's mode, i.e. all of a paged manifest's index. */
+static uint32_t dir_nlink(const struct fe_engine *e, uint64_t entry)
+{
+    const struct fe_index *ix = &e->ix;
+    uint32_t n = __atomic_load_n(&e->nlink[entry], __ATOMIC_RELAXED);
+    if (n)
+        return n;
+    uint64_t first = ix->data[entry], count = ix->size[entry];
+    if (first > ix->entries)
+        first = ix->entries;
+    if (count > ix->entries - first)
+        count = ix->entries - first;
+    n = 2;
+    for (uint64_t c = first; c < first + count; c++)
+        if (is_dir(ix->mode[c]))
+            n++;
+    __atomic_store_n(&e->nlink[entry], n, __ATOMIC_RELAXED);
+    return n;
+}
+
 static void fill_attr(const struct fe_engine *e, uint64_t entry, struct fuse_attr *a)
 {
     const struct fe_index *ix = &e->ix;
@@ -51,7 +73,7 @@ static void fill_attr(const struct fe_engine *e, uint64_t entry, struct fuse_att
     a->atime = a->mtime = a->ctime = (uint64_t)sec;
     a->atimensec = a->mtimensec = a->ctimensec = (uint32_t)nsec;
     a->mode = mode;
-    a->nlink = is_dir(mode) ? e->nlink[entry] : 1;
+    a->nlink = is_dir(mode) ? dir_nlink(e, entry) : 1;
     a->uid = ix->uid[entry];
     a->gid = ix->gid[entry];
     a->blksize = e->blksize;

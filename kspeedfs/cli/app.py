@@ -35,6 +35,7 @@ COMMANDS = {
     "unload": ("unload", "take a dataset out of the pooled cache (its versions stay in the store)"),
     "rm": ("rm", "remove a dataset version (or all versions) from the store and the cache"),
     "gc": ("gc", "remove old dataset versions by the keep rule (store.keep_versions)"),
+    "migrate": ("migrate", "publish a whole manifest again as pages (store.pages)"),
     "secret": ("secret", "cluster secret: generate writes a new random one (mode 0600)"),
     "arena": ("arena", "this host's node arena files (RAM they hold); drop NODE removes one"),
     "csi": ("csi", "run the Kubernetes CSI node plugin (stages and publishes kspeedfs volumes)"),

@@ -39,6 +39,16 @@ def dataset_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def dataset_version(text: str) -> tuple[str, int | None]:
+    """argparse type: ``DATASET[@VERSION]`` (no version: None)."""
+    name, sep, v = text.partition("@")
+    if not sep:
+        return dataset_name(name), None
+    if not v.isdigit() or int(v) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the version after @ must be a positive integer")
+    return dataset_name(name), int(v)
+
+
 def node_name(text: str) -> str:
     """argparse type: a node name (a host name: etcd keys and a log file name)."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", text):

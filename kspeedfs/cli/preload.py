@@ -135,9 +135,9 @@ def _check(cfg: Config, store: EtcdStore, info: DatasetInfo, as_json: bool = Fal
     from ..cluster.membership import NodeRecord
     from ..cluster.placement import owners
     from ..cluster.rpc import RpcClient, RpcUnavailable
-    from ..manifest.index import ManifestIndex
+    from ..manifest.load import load_index
 
-    ix = ManifestIndex.from_blob(store.manifest(info.name, info.version), info.inflated_size)
+    ix = load_index(store, info, cfg.store.page_cache)
     records = list(NodeRecord.list_verified(store).values())
     secret = cfg.cluster.secret()
     have: dict[str, set[int] | None] = {}

@@ -13,20 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from .options import cli_logging, dataset_name, load_config
-
-
-def _target(text: str) -> tuple[str, int | None]:
-    name, sep, v = text.partition("@")
-    if not sep:
-        return dataset_name(name), None
-    if not v.isdigit() or int(v) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: the version after @ must be a positive integer")
-    return dataset_name(name), int(v)
+from .options import cli_logging, dataset_version, load_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", type=_target, metavar="DATASET[@VERSION]")
+    p.add_argument("target", type=dataset_version, metavar="DATASET[@VERSION]")
     p.add_argument("--force", action="store_true", help="remove even what a live mount holds")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 

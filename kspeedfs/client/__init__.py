@@ -36,6 +36,8 @@ from .. import compose
 from ..cache.prefetch import Stream
 from ..config import Config, load
 from ..manifest.index import ManifestIndex
+from ..manifest.load import open_index
+from ..manifest.store import page_dir
 from ..manifest.store.base import DatasetInfo
 from ..stats import ReadStatistics
 from .errors import PathLike, boundary, mapped, oserror
@@ -91,7 +93,8 @@ def open_dataset(name: str, version: int | None = None, *, etcd: Sequence[str] |
     with boundary(name):
         cfg = _config(etcd, config)
         info, blob = compose.fetch_manifest(cfg, name, version)
-        index = ManifestIndex.from_blob(blob, info.inflated_size)
+        dirs = page_dir(cfg.store)
+        index = open_index(blob, info, [dirs] if dirs else [], cfg.store.page_cache)
         del blob
         return Dataset(cfg, info, index, source)
 

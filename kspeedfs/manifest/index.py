@@ -27,6 +27,7 @@ import os
 import sys
 import zlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ..errors import ManifestCorrupt
 from .model import (
@@ -46,12 +47,19 @@ from .model import (
     is_symlink,
 )
 
+if TYPE_CHECKING:
+    from .pager import PageMap
+
 
 class ManifestIndex:
-    """Read-only queries over one manifest version."""
+    """Read-only queries over one manifest version's raw bytes: a whole inflated blob, or
+    the mapping of a paged one (``pages``, filled on touch: ``pages.py``), which nothing
+    here reads whole, so a mount touches only the pages its requests need."""
 
-    def __init__(self, raw: bytes) -> None:
+    def __init__(self, raw: bytes | memoryview, pages: PageMap | None = None) -> None:
         self._raw = raw
+        #: the page map behind ``raw`` (a paged manifest), None when ``raw`` is whole
+        self.pages = pages
         try:
             (magic, fmt, self.chunk_size, self.entries, self.nfiles, self.chunks, self.extents,
              names_len, _, block_size) = HEADER.unpack_from(raw, 0)
@@ -74,7 +82,7 @@ class ManifestIndex:
 
         for name, code, width in ENTRY_ARRAYS:
             setattr(self, name, take(width * self.entries, code))
-        self.names: bytes = bytes(take(names_len, None))
+        self.names = take(names_len, None)
         self.files = take(4 * self.nfiles, "I")
         for name, code, width in CHUNK_ARRAYS:
             setattr(self, name, take(width * self.chunks, code))
@@ -88,14 +96,14 @@ class ManifestIndex:
         #: a directory source
         self.source_record: dict[str, str] | None = None
         self._obj_off: memoryview | None = None
-        self._obj_data = b""
+        self._obj_data = memoryview(b"")
         if fmt >= 3:
             record_len = take(8, "Q")[0]
             self.source_record = _source_record(bytes(take(record_len, None)))
             self._obj_off = take(8 * (self.entries + 1), "Q")
             if self._obj_off[0] != 0:
                 raise ManifestCorrupt("manifest object offsets do not start at 0")
-            self._obj_data = bytes(take(self._obj_off[self.entries], None))
+            self._obj_data = take(self._obj_off[self.entries], None)
         # typed aliases for the attributes set above (for readers and type checkers)
         self.parent: memoryview
         self.mode: memoryview
@@ -119,13 +127,13 @@ class ManifestIndex:
     @property
     def nbytes(self) -> int:
         """Memory held by the index (the inflated arrays)."""
-        return len(self._raw) + len(self.names)
+        return len(self._raw)
 
     # -- entries -----------------------------------------------------------------------
 
     def name(self, entry: int) -> bytes:
         off = self.name_off[entry]
-        return self.names[off:off + self.name_len[entry]]
+        return bytes(self.names[off:off + self.name_len[entry]])
 
     def is_dir(self, entry: int) -> bool:
         return is_dir(self.mode[entry])
@@ -159,7 +167,7 @@ class ManifestIndex:
 
     def readlink(self, entry: int) -> bytes:
         off = self.data[entry]
-        return self.names[off:off + self.size[entry]]
+        return bytes(self.names[off:off + self.size[entry]])
 
     def path(self, entry: int) -> bytes:
         """Path of an entry relative to the dataset root (for source reads and logs)."""
@@ -248,7 +256,7 @@ class ManifestIndex:
         lo, hi = self._obj_off[entry], self._obj_off[entry + 1]
         if not lo <= hi <= len(self._obj_data):
             raise ManifestCorrupt(f"manifest object record of entry {entry} is out of range")
-        etag, _, version = self._obj_data[lo:hi].partition(b"\0")
+        etag, _, version = bytes(self._obj_data[lo:hi]).partition(b"\0")
         try:
             return etag.decode(), version.decode()
         except UnicodeDecodeError:

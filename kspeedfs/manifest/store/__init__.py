@@ -20,7 +20,7 @@ from ...config import Config, StoreConfig  # noqa: E402
 from .base import DatasetInfo, MetadataStore, check_name  # noqa: E402
 
 __all__ = ["DatasetInfo", "MetadataStore", "check_name", "identity", "open_configured",
-           "open_store"]
+           "open_store", "page_dir"]
 
 
 def identity(cfg: StoreConfig) -> str:
@@ -38,13 +38,27 @@ def open_store(cfg: StoreConfig, secret: bytes | None = None) -> MetadataStore:
     """The configured backend. etcd is imported only when selected; ``secret`` (the
     cluster secret) is what it signs and verifies records with: without it, an etcd
     store refuses to publish or read datasets (``ConfigError``)."""
+    store: MetadataStore
     if cfg.backend == "etcd":
         from .etcd import EtcdStore
 
-        return EtcdStore(cfg, secret)
-    from .embedded import EmbeddedStore
+        store = EtcdStore(cfg, secret)
+    else:
+        from .embedded import EmbeddedStore
 
-    return EmbeddedStore(cfg.path)
+        store = EmbeddedStore(cfg.path)
+    store.page_dir = page_dir(cfg)
+    store.paged_above = cfg.paged_above
+    return store
+
+
+def page_dir(cfg: StoreConfig) -> str | None:
+    """Where the store ``cfg`` selects keeps manifest pages (``manifest/pages.py``):
+    ``store.pages``, else the embedded store's ``<path>/pages``; None for etcd without
+    one (manifests stay whole in etcd)."""
+    if cfg.pages:
+        return cfg.pages
+    return os.path.join(cfg.path, "pages") if cfg.backend == "embedded" else None
 
 
 def open_configured(cfg: Config) -> MetadataStore:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import abc
 import builtins
 import hashlib
+import logging
 import math
 import re
 import zlib
@@ -44,7 +45,9 @@ from typing import Any
 
 import xxhash
 
-from ...errors import ConfigError, ManifestCorrupt
+from ...errors import ConfigError, ManifestCorrupt, StoreError
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -160,6 +163,11 @@ class MetadataStore(abc.ABC):
     from a worker thread under trio. Errors: ``StoreUnavailable`` when the backend cannot
     be reached, ``DatasetNotFound`` for an unknown name/version, ``ManifestCorrupt``."""
 
+    #: where manifest pages go (``manifest/pages.py``); None: every manifest whole
+    page_dir: str | None = None
+    #: a manifest inflating past this many bytes is stored as pages (``store.paged_above``)
+    paged_above: int = 1 << 20
+
     @abc.abstractmethod
     def publish(self, info: DatasetInfo, blob: bytes) -> DatasetInfo:
         """Store ``blob`` as the next version of ``info.name`` and make it current.
@@ -168,11 +176,48 @@ class MetadataStore(abc.ABC):
     def publish_stream(self, info: DatasetInfo, pieces: Iterable[bytes | bytearray | memoryview],
                        inflated_size: int) -> DatasetInfo:
         """Publish a manifest given as its inflated bytes, in pieces (the importer's
-        bounded-memory output): zlib'd into one blob and :meth:`publish`\ ed."""
+        bounded-memory output): past :attr:`paged_above`, and when the store has a
+        :attr:`page_dir`, as pages with their root as the version's blob; otherwise
+        zlib'd into one blob."""
+        info = replace(info, inflated_size=inflated_size)
+        if self.page_dir is not None and inflated_size > self.paged_above:
+            from ..pages import write_pages
+
+            root, stored = write_pages(pieces, self.page_dir)
+            log.info("%s: %d bytes of manifest pages written to %s", info.name, stored,
+                     self.page_dir)
+            return self.publish(info, root)
         z = zlib.compressobj(1)
         out = [z.compress(piece) for piece in pieces]
         out.append(z.flush())
-        return self.publish(replace(info, inflated_size=inflated_size), b"".join(out))
+        return self.publish(info, b"".join(out))
+
+    def sweep_pages(self, grace: float = 3600.0) -> int:
+        """Delete the manifest pages no stored version needs and nothing touched for
+        ``grace`` seconds (``pages.sweep``); how many went (0 without a page directory).
+        A version whose pages cannot be read stops the sweep (its error), never widens it."""
+        from ..pages import Root, is_root, referenced, sweep
+
+        if self.page_dir is None:
+            return 0
+        keep: set[bytes] = set()
+        for info in self.datasets():
+            for v in self.versions(info.name):
+                blob = self.manifest(info.name, v)
+                if is_root(blob):
+                    keep |= referenced(Root.parse(blob), [self.page_dir])
+        return sweep(self.page_dir, keep, grace)
+
+    def _sweep_after_remove(self) -> None:
+        """After a remove: its pages go unless another version shares them. A sweep that
+        fails is logged; the remove itself stands."""
+        try:
+            gone = self.sweep_pages()
+        except (StoreError, OSError) as e:
+            log.warning("manifest pages not swept after a remove: %s", e)
+            return
+        if gone:
+            log.info("swept %d manifest pages no version needs", gone)
 
     @abc.abstractmethod
     def datasets(self) -> list[DatasetInfo]:

@@ -53,6 +53,7 @@ class EmbeddedStore(MetadataStore):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self.page_dir = str(self.root / "pages")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             (self.root / "LOCK").touch(exist_ok=True)
@@ -155,6 +156,10 @@ class EmbeddedStore(MetadataStore):
         return verify_blob(info, blob)
 
     def remove(self, name: str, version: int | None = None) -> None:
+        self._remove(name, version)
+        self._sweep_after_remove()
+
+    def _remove(self, name: str, version: int | None) -> None:
         d = self._dir(name)
         with self._locked():
             vs = self.versions(name)

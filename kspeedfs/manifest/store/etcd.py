@@ -180,12 +180,13 @@ class EtcdStore(MetadataStore):
         elif self.records.remove_version(name, version):
             self.parts.delete(name, version)
             log.info("removed %s v%d", name, version)
-            return
-        # the whole dataset (or its last version); metadata first: once it is gone nobody
-        # starts reading the parts
-        self.records.remove_all(name)
-        self.parts.delete_all(name)
-        log.info("removed dataset %s", name)
+        else:
+            # the whole dataset (or its last version); metadata first: once it is gone
+            # nobody starts reading the parts
+            self.records.remove_all(name)
+            self.parts.delete_all(name)
+            log.info("removed dataset %s", name)
+        self._sweep_after_remove()
 
     def close(self) -> None:
         self.client.close()
