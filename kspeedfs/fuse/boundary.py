@@ -30,7 +30,7 @@ import pyfuse3
 
 from rdma.errors import RdmaError
 
-from ..errors import ChunkUnavailable, ErrnoError, ReadOnly, SourceChanged
+from ..errors import ChunkUnavailable, ErrnoError, ManifestCorrupt, ReadOnly, SourceChanged
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("kspeedfs.access")
@@ -70,6 +70,17 @@ class Handlers(Protocol):
 
     slow_op: float   # seconds: slower operations are logged as WARNINGs (``log.slow_op``)
     # optional: ``op_stats: OpStats``, counted per call when present (the metrics exporter)
+    # optional: ``index`` (a ManifestIndex): once its page map failed, every answer is EIO
+
+
+def _check_pages(handlers: Handlers) -> None:
+    """Fail closed once a manifest page could not be loaded: the page reads as zeros
+    (``manifest/pager.py``), so any answer computed since may be wrong; checked after
+    the handler ran, so its own touches count."""
+    index = getattr(handlers, "index", None)
+    pages = getattr(index, "pages", None)
+    if pages is not None and pages.failure:
+        raise ManifestCorrupt(f"the manifest is unreadable: {pages.failure}")
 
 
 def fuse_op(fn: F) -> F:
@@ -88,13 +99,15 @@ def fuse_op(fn: F) -> F:
         t0 = time.monotonic() if since is None else since
         err = 0
         try:
-            return await fn(self, *args, **kwargs)
+            result = await fn(self, *args, **kwargs)
+            _check_pages(self)
+            return result
         except pyfuse3.FUSEError as e:
             err = e.errno
             raise
         except ErrnoError as e:         # kspeedfs.errors and rdma.errors alike
             err = e.errno
-            if isinstance(e, (SourceChanged, ChunkUnavailable, RdmaError)):
+            if isinstance(e, (SourceChanged, ChunkUnavailable, RdmaError, ManifestCorrupt)):
                 log.error("%s: %s", name, e)
             elif not isinstance(e, ReadOnly):
                 log.info("%s: %s", name, e)

@@ -26,11 +26,12 @@ class Replies:
 
     Every ``answer_*`` replies exactly once, with the data or the errno ``fuse_op`` made of
     the handler's error. Holds what ``fuse_op`` needs (``slow_op``, ``op_stats``: the
-    Python-side rows that ``NativeSession.op_rows`` adds to C's).
+    Python-side rows that ``NativeSession.op_rows`` adds to C's; ``index``).
     """
 
     def __init__(self, ops: Operations) -> None:
         self.ops = ops
+        self.index = ops.index          # fuse_op fails closed once its pages failed
         self.slow_op = ops.slow_op
         self.op_stats = OpStats()
 
