@@ -442,9 +442,15 @@ def test_a_forked_child_cannot_use_the_map(blob, opened) -> None:
     assert bytes(pm.view()) == data                         # the parent's map is intact
 
 
+def _others_can_read(path: Path) -> bool:
+    return all(p.stat().st_mode & 0o005 == 0o005 for p in (path, *path.parents))
+
+
 def test_an_unprivileged_process_gets_user_mode_only_handling(blob) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to drop to uid 65534")
+    if not _others_can_read(REPO):      # the sanitizer lane's copy is in a 0700 mktemp dir
+        pytest.skip(f"uid 65534 cannot read {REPO}")
     data, hashes, _ = blob
     with tempfile.TemporaryDirectory() as tmp:
         top = Path(tmp)
