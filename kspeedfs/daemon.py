@@ -186,6 +186,17 @@ async def _hold(store: EtcdStore, record: MountRecord, ttl: int,
                 log.warning("leaving: %s (the nodes release the preload after its grace)", e)
 
 
+async def _watch_pages(index: ManifestIndex, info: DatasetInfo) -> None:
+    """Say once, as an error, that a manifest page could not be loaded: from then on the
+    mount answers EIO (``fuse/boundary.py``, and the native engine's C answers), which
+    requests C answers alone would never log."""
+    pages = index.pages
+    assert pages is not None
+    while not pages.failure:
+        await trio.sleep(1.0)
+    log.error("%s v%d: answering EIO from now on: %s", info.name, info.version, pages.failure)
+
+
 async def _export_metrics(cfg: Config, ops: Operations, peers: Peers | None,
                           store: EtcdStore | None, path: str) -> None:
     """Serve this mount's metrics (``metrics.py``) at ``metrics.listen`` until cancelled."""
@@ -263,6 +274,8 @@ async def serve(cfg: Config, req: MountRequest, ready: Callable[[str], None] | N
                     session.fetch = native
                     reader.tiers.attach_native(native)
                     nursery.start_soon(native.run, nursery, name="native-fetch")
+            if index.pages is not None:
+                nursery.start_soon(_watch_pages, index, info, name="manifest-pages")
             if cfg.metrics.listen:                # off by default: no thread, no socket
                 if req.upgrade and session is not None:
                     await session.predecessor_gone()      # it holds the port until it exits

@@ -67,6 +67,10 @@ struct fe_options {
     int uring;            /* offer FUSE_OVER_IO_URING at INIT (if the kernel does) */
     uint32_t uring_depth; /* entries per queue (0 = FE_URING_DEPTH) */
     int splice;           /* large READ replies by vmsplice + splice (fuse_reply.c) */
+    /* a paged manifest's map (manifest_pager.h): pages_failed(pages) is 1 once a page of
+     * the index could not be loaded, and C then answers EIO. NULL: a whole manifest. */
+    const void *pages;
+    int (*pages_failed)(const void *pages);
 };
 
 /* A queued request for Python: one struct per kind, in a tagged union (a queue entry is

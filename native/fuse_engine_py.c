@@ -47,6 +47,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "manifest_pager.h"
 #include "py_errno.h"
 
 #define MAX_IOV 64      /* fe_reply_iov's limit; more parts are joined into one */
@@ -284,6 +285,46 @@ static struct fe_engine *engine_idle(EngineObject *self, const char *what)
 /* Threads gone: join them (they may still be returning), release every tier owner,
  * destroy the engine, drop the index arrays. The pointer is cleared first: while the
  * GIL is released nobody else can reach the engine. */
+/* ---------------------------------------------------------------- a paged manifest */
+
+static const struct mp_capi *pages_capi; /* the page map's C API: one per process */
+
+static int pages_failed(const void *map) { return pages_capi->failed(map); }
+
+/* Hold ``pages`` (a kspeedfs.manifest.pager PageMap's native map, or None) for the
+ * engine's life and point ``opt`` at its failure flag. */
+static int pages_hold(EngineObject *self, PyObject *pages, struct fe_options *opt)
+{
+    if (pages == Py_None)
+        return 0;
+    if (!pages_capi) {
+        const struct mp_capi *capi = PyCapsule_Import(MP_CAPI_NAME, 0);
+        if (!capi)
+            return -1;
+        if (capi->abi != MP_CAPI_ABI) {
+            PyErr_SetString(PyExc_ImportError, "engine: the page map's C API is another ABI");
+            return -1;
+        }
+        pages_capi = capi;
+    }
+    struct mp *m = pages_capi->hold(pages);
+    if (!m)
+        return -1;
+    Py_INCREF(pages);
+    self->pages = pages;
+    opt->pages = m;
+    opt->pages_failed = pages_failed;
+    return 0;
+}
+
+static void pages_release(EngineObject *self)
+{
+    if (!self->pages)
+        return;
+    pages_capi->release(self->pages);
+    Py_CLEAR(self->pages);
+}
+
 static void engine_teardown(EngineObject *self)
 {
     struct fe_engine *e = self->e;
@@ -295,6 +336,7 @@ static void engine_teardown(EngineObject *self)
     owners_drain(e, fe_tier_clear);
     fe_destroy(e);
     views_release(self);
+    pages_release(self);
 }
 
 static void Engine_dealloc(EngineObject *self)
@@ -303,10 +345,12 @@ static void Engine_dealloc(EngineObject *self)
         /* threads still read the arrays and the tier: leak it all rather than free it */
         self->e = NULL;
         self->nviews = 0;
+        self->pages = NULL;
     } else if (self->e) {
         engine_teardown(self);
     }
     views_release(self);
+    pages_release(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -322,9 +366,10 @@ static int check_timeouts(const struct fe_options *opt)
 
 /* Engine(fd, index, *, generation, dataset_bytes, entry_timeout, attr_timeout, blksize,
  *        xattrs, max_background, congestion_threshold, max_pages, prefetch_depth,
- *        prefetch_trigger, uring, uring_depth, splice): 0 for a count means the engine's
- *        default; uring: offer FUSE over io_uring at INIT (the kernel decides); splice:
- *        large READ replies by vmsplice + splice. */
+ *        prefetch_trigger, uring, uring_depth, splice, pages): 0 for a count means the
+ *        engine's default; uring: offer FUSE over io_uring at INIT (the kernel decides);
+ *        splice: large READ replies by vmsplice + splice; pages: the PageMap behind a
+ *        paged index (its failure makes every C answer EIO), or None. */
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"fd",
@@ -343,22 +388,23 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
                              "uring",
                              "uring_depth",
                              "splice",
+                             "pages",
                              NULL};
     int fd;
-    PyObject *index;
+    PyObject *index, *pages = Py_None;
     struct fe_options opt = {.entry_timeout = 1.0, .attr_timeout = 1.0, .prefetch_trigger = 2};
     struct fe_index ix;
     char err[256] = "";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|$O&O&ddO&pO&O&O&O&O&pO&p:Engine", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|$O&O&ddO&pO&O&O&O&O&pO&pO:Engine", kwlist,
                                      &fd, &index, conv_u64, &opt.generation, conv_u64,
                                      &opt.dataset_bytes, &opt.entry_timeout, &opt.attr_timeout,
                                      conv_u32, &opt.blksize, &opt.xattrs, conv_u32,
                                      &opt.max_background, conv_u32, &opt.congestion_threshold,
                                      conv_u32, &opt.max_pages, conv_u32, &opt.prefetch_depth,
                                      conv_u32, &opt.prefetch_trigger, &opt.uring, conv_u32,
-                                     &opt.uring_depth, &opt.splice))
+                                     &opt.uring_depth, &opt.splice, &pages))
         return -1;
-    if (self->e || self->nviews) {
+    if (self->e || self->nviews || self->pages) {
         PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
         return -1;
     }
@@ -366,13 +412,18 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
         raise_errno(EBADF, "engine: bad fd %d", fd);
         return -1;
     }
-    if (check_timeouts(&opt) < 0 || index_load(self, index, &ix) < 0)
+    if (check_timeouts(&opt) < 0 || pages_hold(self, pages, &opt) < 0)
         return -1;
+    if (index_load(self, index, &ix) < 0) {
+        pages_release(self);
+        return -1;
+    }
     errno = 0;
     struct fe_engine *e = fe_create(fd, &ix, &opt, err, sizeof err);
     int saved = errno ? errno : EINVAL;
     if (!e) {
         views_release(self);
+        pages_release(self);
         raise_errno(saved, "engine: %s", reason(err, saved));
         return -1;
     }

@@ -48,6 +48,8 @@ typedef struct {
     PyObject *held[FE_FETCH_ENGINES];
     ks_engine *held_e[FE_FETCH_ENGINES];
     int nheld;
+    /* a paged manifest's PageMap, held through its C API (manifest_pager.h) until teardown */
+    PyObject *pages;
 } EngineObject;
 
 #pragma GCC visibility push(hidden)

@@ -130,6 +130,11 @@ void counted(struct req *r, int err)
  * > 0 answers that errno; else ``iov[1..n)`` is the payload (iov[0] is the header's). */
 int worker_reply(struct fe_worker *w, uint64_t unique, int err, struct iovec *iov, int n)
 {
+    /* fail closed: a page that could not be loaded reads as zeros, so an answer computed
+     * since then may be wrong (checked after the answer was made, as fuse_op does) */
+    const struct fe_options *o = &w->e->opt;
+    if (!err && o->pages_failed && o->pages_failed(o->pages))
+        err = EIO;
     if (w->ent)
         return ring_answer(w, unique, err, iov, n);
     if (err)

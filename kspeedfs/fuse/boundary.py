@@ -99,9 +99,10 @@ def fuse_op(fn: F) -> F:
         t0 = time.monotonic() if since is None else since
         err = 0
         try:
-            result = await fn(self, *args, **kwargs)
-            _check_pages(self)
-            return result
+            try:
+                return await fn(self, *args, **kwargs)
+            finally:
+                _check_pages(self)      # its error supersedes the handler's own
         except pyfuse3.FUSEError as e:
             err = e.errno
             raise

@@ -229,7 +229,8 @@ class NativeConnection:
             blksize=cfg.blksize or SMALL_BLKSIZE, xattrs=cfg.xattrs, max_background=cfg.max_background,
             congestion_threshold=cfg.congestion_threshold, max_pages=cfg.max_pages,
             prefetch_depth=cfg.prefetch_chunks, prefetch_trigger=2,
-            uring=cfg.io_uring == "auto", splice=cfg.splice)
+            uring=cfg.io_uring == "auto", splice=cfg.splice,
+            pages=self.index.pages.native if self.index.pages is not None else None)
 
     def _start(self, fresh: bool = False) -> None:
         threads = min(self.cfg.threads or os.cpu_count() or 1, MAX_FDS)

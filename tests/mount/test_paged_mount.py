@@ -2,6 +2,7 @@
 whole one, read through the kernel by both engines, with memory for what is touched."""
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -57,3 +58,33 @@ def test_a_mount_of_the_whole_version_still_works(paged) -> None:
     mnt = c.mount("edge", None, "--version", "1")
     assert_same_tree(src, mnt)
     assert Path(mnt).stat().st_nlink >= 2
+
+
+@pytest.mark.parametrize("engine", ["native", "pyfuse3"])
+def test_a_lost_page_fails_the_mount_closed(tmp_path: Path, engine: str) -> None:
+    from kspeedfs.manifest.pages import Root, page_path, read_table
+
+    src = tmp_path / "src"
+    for d in range(20):
+        (src / f"d{d:02d}").mkdir(parents=True)
+        for f in range(100):
+            (src / f"d{d:02d}" / f"f{f:03d}").write_bytes(b"%d" % f * 40)
+    c = Cluster1(tmp_path)
+    try:
+        c.import_(src, "lost")
+        kspeedfs(["migrate", "lost", *c.common()])
+        pages = str(c.store / "pages")
+        root = Root.parse((c.store / "lost" / "v2.manifest").read_bytes())
+        assert root.pages >= 3
+        last = read_table(root, [pages])[-32:]      # the digests' page: reads need it
+        os.unlink(page_path(pages, last))
+        mnt = c.mount("lost", None, "--set", f"fuse.engine={engine}")
+        with pytest.raises(OSError) as read:
+            (mnt / "d19" / "f099").read_bytes()
+        assert read.value.errno == errno.EIO
+        with pytest.raises(OSError) as stat:        # never stat'ed: the daemon answers
+            os.stat(mnt / "d07" / "f050")
+        assert stat.value.errno == errno.EIO
+        assert last.hex() in c.log_text()
+    finally:
+        c.close()
