@@ -14,6 +14,7 @@ library".
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
@@ -120,6 +121,9 @@ class ReadLoop:
         RuntimeError in a process other than the one that opened it."""
         if self._closed:
             raise ValueError("I/O operation on a closed dataset")
+        if self._index.pages is not None and self._index.pages.failure:
+            raise OSError(errno.EIO, f"the manifest of {self.info.name} v{self.info.version} "
+                          f"is unreadable: {self._index.pages.failure}")
         if os.getpid() != self._pid:
             raise RuntimeError(f"dataset {self.info.name} was opened in process {self._pid}; "
                                "open one in each process after it forks (kspeedfs.torch)")

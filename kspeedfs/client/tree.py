@@ -29,8 +29,9 @@ class DatasetTree:
     ``bytes``. Symlinks inside the dataset are followed; an absolute target is ENOENT,
     and ``..`` stops at the dataset's root, as at ``/``. Errors are those of ``os`` on
     the mount (FileNotFoundError, NotADirectoryError, IsADirectoryError, ELOOP), raised
-    as OSError; ``check()`` runs before each resolution and raises what it raises (the
-    handle's closed or forked state). Owns nothing: the index is shared, read-only.
+    as OSError; ``check()`` runs before each resolution (and after a stat or a listing)
+    and raises what it raises (the handle's closed or forked state, a manifest page that
+    could not be loaded). Owns nothing: the index is shared, read-only.
 
     Attributes:
         index: the manifest.
@@ -89,6 +90,7 @@ class DatasetTree:
         size = 4096 if ix.is_dir(entry) else ix.size[entry]
         ns = ix.mtime_ns[entry]
         sec = ns // 1_000_000_000
+        self.check()                    # again: a page that failed since reads as zeros
         return os.stat_result((
             ix.mode[entry], entry + 1, 0, ix.nlink(entry), ix.uid[entry], ix.gid[entry], size,
             sec, sec, sec, ns / 1e9, ns / 1e9, ns / 1e9, ns, ns, ns,
@@ -115,6 +117,7 @@ class DatasetTree:
         if not ix.is_dir(entry):
             raise oserror(errno.ENOTDIR, path)
         names = [ix.name(c) for c in ix.children(entry)]
+        self.check()
         return names if isinstance(path, bytes) else [os.fsdecode(n) for n in names]
 
     def walk(self, top: PathLike = "") -> Iterator[tuple[str, list[str], list[str]]]:

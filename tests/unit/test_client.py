@@ -303,3 +303,33 @@ def test_reads_as_nobody_without_dev_fuse(tree) -> None:
         assert int(proc.stdout.split()[-1]) > 0          # read from the source, as nobody
     finally:
         shutil.rmtree(base)
+
+
+def test_a_paged_dataset_reads_alike_and_fails_closed_without_a_page(tmp_path: Path) -> None:
+    from kspeedfs.manifest.index import inflate
+    from kspeedfs.manifest.pages import Root, page_path, read_table
+
+    src = tmp_path / "src"
+    for d in range(20):
+        (src / f"d{d:02d}").mkdir(parents=True)
+        for f in range(100):
+            (src / f"d{d:02d}" / f"f{f:03d}").write_bytes(b"%d" % f * 40)
+    store = EmbeddedStore(tmp_path / "store")
+    whole = import_tree(src, "p", store, CHUNK)
+    raw = inflate(store.manifest("p", whole.version), whole.inflated_size)
+    store.paged_above = 0
+    paged = store.publish_stream(whole, [raw], len(raw))
+    with kspeedfs.open_dataset("p", config=_config(tmp_path / "store")) as ds:
+        assert ds.version == paged.version and ds.index.pages is not None
+        assert ds.read("d03/f007") == (src / "d03" / "f007").read_bytes()
+        assert ds.stat("d19/f099").st_size == 80
+    root = Root.parse(store.manifest("p", paged.version))
+    pages = str(tmp_path / "store" / "pages")
+    os.unlink(page_path(pages, read_table(root, [pages])[-32:]))   # the digests' page
+    with kspeedfs.open_dataset("p", config=_config(tmp_path / "store")) as ds:
+        with pytest.raises(OSError) as e:
+            ds.read("d19/f099")
+        assert e.value.errno == errno.EIO
+        with pytest.raises(OSError) as e:
+            ds.stat("d00/f000")
+        assert e.value.errno == errno.EIO and "unreadable" in str(e.value)
