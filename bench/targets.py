@@ -129,15 +129,18 @@ class KspeedfsStore:
     """One embedded store per (dataset, chunk size, block size, manifest format),
     imported once and reused."""
 
-    def __init__(self, work: Path, ds: Dataset, chunk: str = "", block: str = "") -> None:
+    def __init__(self, work: Path, ds: Dataset, chunk: str = "", block: str = "",
+                 whole: bool = False) -> None:
         # the manifest format of the kspeedfs under test (first on sys.path): a revision
         # from before format 2 (block digests) cannot mount a newer store, so formats
         # after 1 get a store of their own
         from kspeedfs.manifest.model import FORMAT_VERSION
 
-        self.chunk, self.block = chunk, block
+        # whole: the manifest kept whole in the store, never paged (manifest/pages.py)
+        self.chunk, self.block, self.whole = chunk, block, whole
         tag = ((f"-{chunk}" if chunk else "") + (f"-b{block}" if block else "")
-               + (f"-f{FORMAT_VERSION}" if FORMAT_VERSION > 1 else ""))
+               + (f"-f{FORMAT_VERSION}" if FORMAT_VERSION > 1 else "")
+               + ("-whole" if whole else ""))
         self.dir = work / "stores" / f"{ds.root.name}{tag}"
         self.name = "ds"
         self.logs = work / "log"
@@ -162,6 +165,8 @@ class KspeedfsStore:
             cmd += ["--chunk-size", self.chunk]
         if self.block:
             cmd += ["--block-size", self.block]
+        if self.whole:
+            cmd += ["--set", "store.paged_above=1TiB"]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=package_cwd())
         if r.returncode:
             raise RuntimeError(f"kspeedfs import failed: {r.stderr.strip()}")

@@ -126,6 +126,7 @@ STANDARD_RATIOS = [
 ]
 META_RATIOS = [("kspeedfs", "source-cold"), ("kspeedfs", "source-warm"), ("kspeedfs", "ramfs-py"),
                ("kspeedfs", "ramfs-c"), ("kspeedfs", "ramfs-c-mt"), ("kspeedfs", "pyfuse3:kspeedfs"),
+               ("kspeedfs", "whole:kspeedfs"),
                ("pyfuse3:kspeedfs", "ramfs-c"), ("ramfs-py", "ramfs-c"), ("ramfs-c-mt", "ramfs-c")]
 
 
@@ -212,6 +213,11 @@ def metadata_targets(ds: Dataset, ctx: Context) -> list[Target]:
     ks = Kspeedfs(ds, store, warm=True, label="kspeedfs", settings={"fuse.xattrs": "false"})
     ks.preload = False
     out: list[Target] = [SourceCold(ds), SourceWarm(ds), ks]
+    # the same manifest kept whole: what paging it costs a mount (manifest/pages.py)
+    whole = Kspeedfs(ds, KspeedfsStore(ctx.work, ds, whole=True), warm=True,
+                     label="whole:kspeedfs", settings={"fuse.xattrs": "false"})
+    whole.preload = False
+    out.append(whole)
     if has_engines():
         py3 = Kspeedfs(ds, store, warm=True, label="pyfuse3:kspeedfs",
                        settings={"fuse.xattrs": "false", **PYFUSE3})
