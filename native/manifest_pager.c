@@ -77,6 +77,7 @@ struct mp {
     char failure[MP_FAILURE_LEN];
 
     atomic_uint_fast64_t faults, fills, evictions, failures, fill_ns, resident;
+    atomic_uint_fast64_t read_ns, inflate_ns, sha_ns, copy_ns; /* handlers' CPU time */
 };
 
 static uint64_t now_ns(void)
@@ -84,6 +85,21 @@ static uint64_t now_ns(void)
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* The calling thread's CPU time: a fill's parts timed by it are what the handler spent on
+ * them, whatever else the machine runs (~0.2 us a call: 5 calls a fill of ~150 us). */
+static uint64_t cpu_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static void add_ns(atomic_uint_fast64_t *c, uint64_t since, uint64_t *now)
+{
+    *now = cpu_ns();
+    atomic_fetch_add_explicit(c, *now - since, memory_order_relaxed);
 }
 
 size_t mp_pages(size_t size, size_t page_size)
@@ -231,8 +247,18 @@ static int load_page(struct worker *w, size_t i)
             whyf(w, "path too long");
             continue;
         }
+        uint64_t t0 = cpu_ns(), t;
         ssize_t n = read_file(w);
-        if (n < 0 || inflate_page(w, (size_t)n, want) < 0 || !sha256_is(w, want, hash))
+        add_ns(&m->read_ns, t0, &t);
+        if (n < 0)
+            continue;
+        int bad = inflate_page(w, (size_t)n, want) < 0;
+        add_ns(&m->inflate_ns, t, &t);
+        if (bad)
+            continue;
+        bad = !sha256_is(w, want, hash);
+        add_ns(&m->sha_ns, t, &t);
+        if (bad)
             continue;
         memset(w->out + want, 0, page_span(m, i) - want);
         return 0;
@@ -349,8 +375,11 @@ static void handle_fault(struct worker *w, uintptr_t addr)
         return;
 
     int ok = load_page(w, i) == 0, rc = -1;
-    if (ok)
+    if (ok) {
+        uint64_t c0 = cpu_ns(), c;
         rc = place(m, i, w->out);
+        add_ns(&m->copy_ns, c0, &c);
+    }
     if (rc < 0 && ok) {
         w->why[0] = 0;
         whyf(w, "UFFDIO_COPY: %s", strerror(-rc));
@@ -694,5 +723,9 @@ void mp_get_stats(const struct mp *m, struct mp_stats *st)
     st->resident_pages = atomic_load_explicit(&mm->resident, memory_order_relaxed);
     st->failures = atomic_load_explicit(&mm->failures, memory_order_relaxed);
     st->fill_ns = atomic_load_explicit(&mm->fill_ns, memory_order_relaxed);
+    st->read_ns = atomic_load_explicit(&mm->read_ns, memory_order_relaxed);
+    st->inflate_ns = atomic_load_explicit(&mm->inflate_ns, memory_order_relaxed);
+    st->sha_ns = atomic_load_explicit(&mm->sha_ns, memory_order_relaxed);
+    st->copy_ns = atomic_load_explicit(&mm->copy_ns, memory_order_relaxed);
     st->user_mode_only = m->user_mode_only;
 }
