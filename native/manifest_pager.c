@@ -427,6 +427,10 @@ static void *handler_main(void *arg)
         }
         if (p[1].revents)
             return NULL; /* the eventfd stays readable: every thread sees it */
+        if (p[0].revents & (POLLERR | POLLNVAL)) {
+            usleep(1000); /* not after the handshake; were it so, no busy loop */
+            continue;
+        }
         struct uffd_msg msg;
         ssize_t r = read(m->uffd, &msg, sizeof msg);
         if (r != (ssize_t)sizeof msg)
@@ -576,15 +580,20 @@ static int map_region(struct mp *m, char *why, size_t whylen)
         return -err;
     }
     /* MADV_DONTFORK: see the header ("Fork"). MADV_NOHUGEPAGE: pages stay 4 KiB PTEs, so
-     * a dropped page is 16 PTEs zapped, never a huge page split. PROT_READ only: the
-     * kernel places pages with UFFDIO_COPY into a read-only private mapping (checked on
-     * 6.1 and 6.18), and nothing else ever writes there. */
+     * a dropped page is 16 PTEs zapped, never a huge page split. PROT_READ only: UFFDIO_COPY
+     * and UFFDIO_ZEROPAGE fill a read-only private mapping (the PTE is made writable only
+     * if the VMA is: mm/userfaultfd.c, mfill_atomic_install_pte; checked on 6.18 by
+     * tests/unit/test_manifest_pager.py), so no write of ours or a reader's can land. */
     struct uffdio_register reg = {.range = {.start = (uintptr_t)m->base, .len = m->map_len},
                                   .mode = UFFDIO_REGISTER_MODE_MISSING};
     uint64_t need = 1ull << _UFFDIO_COPY | 1ull << _UFFDIO_WAKE;
+    int err = 0;
     if (madvise(m->base, m->map_len, MADV_DONTFORK) < 0 ||
-        ioctl(m->uffd, UFFDIO_REGISTER, &reg) < 0 || (reg.ioctls & need) != need) {
-        int err = errno ? errno : EOPNOTSUPP;
+        ioctl(m->uffd, UFFDIO_REGISTER, &reg) < 0)
+        err = errno;
+    else if ((reg.ioctls & need) != need)
+        err = EOPNOTSUPP;
+    if (err) {
         snprintf(why, whylen, "UFFDIO_REGISTER of %zu bytes: %s", m->map_len, strerror(err));
         munmap(m->base, m->map_len);
         m->base = NULL;
