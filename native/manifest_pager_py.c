@@ -176,12 +176,14 @@ static PyObject *PageMap_stats(PageMapObject *self, PyObject *unused)
         return NULL;
     struct mp_stats st;
     mp_get_stats(m, &st);
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:i}", "faults",
-                         (unsigned long long)st.faults, "fills", (unsigned long long)st.fills,
-                         "evictions", (unsigned long long)st.evictions, "resident_pages",
-                         (unsigned long long)st.resident_pages, "failures",
-                         (unsigned long long)st.failures, "fill_ns",
-                         (unsigned long long)st.fill_ns, "user_mode_only", st.user_mode_only);
+#define U(x) (unsigned long long)(x)
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i}", "faults",
+                         U(st.faults), "fills", U(st.fills), "evictions", U(st.evictions),
+                         "resident_pages", U(st.resident_pages), "failures", U(st.failures),
+                         "fill_ns", U(st.fill_ns), "read_ns", U(st.read_ns), "inflate_ns",
+                         U(st.inflate_ns), "sha_ns", U(st.sha_ns), "copy_ns", U(st.copy_ns),
+                         "user_mode_only", st.user_mode_only);
+#undef U
 }
 
 static PyObject *PageMap_failure(PageMapObject *self, void *closure)
