@@ -25,6 +25,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from .pages import HASH_SIZE, page_path
+
+__all__ = ["HASH_LEN", "MAX_THREADS", "PageMap", "page_count", "page_path"]
+
 try:
     from . import _pager  # type: ignore[attr-defined]  # the C extension: no stubs
 except ImportError as e:  # a checkout whose native code was not built
@@ -34,21 +38,14 @@ else:
     _IMPORT_ERROR = ""
 
 #: bytes of one page's hash (SHA-256)
-HASH_LEN = 32
+HASH_LEN = HASH_SIZE
 #: the most handler threads one map may have (native/manifest_pager.h MP_MAX_THREADS)
 MAX_THREADS = 64
-
 
 
 def page_count(size: int, page_size: int) -> int:
     """Pages of a blob of ``size`` bytes: the last may be short."""
     return -(-size // page_size)
-
-
-def page_path(directory: str, digest: bytes) -> str:
-    """Where a page whose inflated bytes hash to ``digest`` lives under ``directory``."""
-    h = digest.hex()
-    return os.path.join(directory, h[:2], h)
 
 
 class PageMap:

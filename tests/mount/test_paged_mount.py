@@ -50,7 +50,8 @@ def test_migrating_a_paged_version_again_is_one_line(paged) -> None:
     c, _, _ = paged
     proc = kspeedfs(["migrate", "edge", *c.common()], check=False)
     assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines() == ["kspeedfs migrate: error: edge@2 is paged already"], proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "kspeedfs migrate: error: edge@2 is paged already"], proc.stderr
 
 
 def test_a_mount_of_the_whole_version_still_works(paged) -> None:
