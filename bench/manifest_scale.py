@@ -138,7 +138,14 @@ def main() -> None:
     rss0 = rss()
     t0 = time.perf_counter()
     peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    info = import_tree(source, "scale", store, 4 << 20)
+    at_publish = 0
+
+    def progress(p: Any) -> None:
+        nonlocal at_publish
+        if p.phase == "publish" and not at_publish:
+            at_publish = peak_rss()
+
+    info = import_tree(source, "scale", store, 4 << 20, progress=progress)
     t_import = time.perf_counter() - t0
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak0) << 10
     print(f"import: {info.files:,} files, {info.entries:,} entries, {info.chunks:,} chunks in "
@@ -149,7 +156,9 @@ def main() -> None:
         hwm = peak_rss()
         print(f"import only: {info.entries / t_import:,.0f} entries/s; peak RSS {hwm / 1e6:,.0f} MB "
               f"(+{(hwm - rss0) / 1e6:,.0f} MB over {rss0 / 1e6:.0f} MB before the import = "
-              f"{(hwm - rss0) / info.entries:.1f} B/entry); store "
+              f"{(hwm - rss0) / info.entries:.1f} B/entry; before the store's publish "
+              f"+{(at_publish - rss0) / 1e6:,.0f} MB = {(at_publish - rss0) / info.entries:.1f} "
+              f"B/entry); store "
               f"{info.manifest_size / info.entries:.2f} B/entry")
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
