@@ -149,6 +149,11 @@ ETCD_MIN_CHANNEL_AGE = 3.0
 #: files (~4 MB of tails at ~60 B per entry); the rest lives in the page cache
 #: (docs/design.md, "Manifest")
 IMPORT_SPILL_ENTRIES = 1 << 16
+#: bytes a spilled array reads at once for single items and short ranges ...
+SPILL_BLOCK = 64 << 10
+#: ... and such blocks it keeps (~1 MB per array): the hashing threads' reads of sizes
+#: and names, in entry order, then cost one pread per block, not per file
+SPILL_CACHED = 16
 #: the largest piece of the manifest's inflated bytes handed to the store at once
 IMPORT_PIECE = 8 << 20
 #: directory paths kept for the source's reads (FileSource and object keys, which

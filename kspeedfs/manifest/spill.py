@@ -21,6 +21,8 @@ import threading
 from array import array
 from collections.abc import Callable, Iterator
 
+from .. import tuning
+
 
 def _pread_all(fd: int, n: int, offset: int) -> bytes:
     got = os.pread(fd, n, offset)
@@ -51,7 +53,11 @@ class Column:
     tail is written out when it holds ``flush_items`` items or on :meth:`flush`. Items
     already written out may be read (``col[i]``, :meth:`read`) and patched (``col[i] =
     v``, :meth:`write`) from any thread; ``col[i] = v`` on the tail is for the appending
-    thread only. Memory held: the tail, at most ``flush_items`` items.
+    thread only. Reads of single items and of short ranges on file go through a cache
+    of the last ``tuning.SPILL_CACHED`` blocks of ``SPILL_BLOCK`` bytes (the hashing
+    threads read each file's size and name in entry order: one ``pread`` per block
+    instead of one per item); any patch empties it. Memory held: the tail, at most
+    ``flush_items`` items, and the cached blocks.
     """
 
     def __init__(self, code: str, spill_dir: str | None, flush_items: int) -> None:
@@ -62,6 +68,32 @@ class Column:
         self._item = struct.Struct("=" + code)
         self._file = tempfile.TemporaryFile(dir=spill_dir, prefix="kspeedfs-import-")
         self.fd = self._file.fileno()
+        self._block_items = max(1, tuning.SPILL_BLOCK // self.itemsize)
+        self._cached: dict[int, array[int]] = {}
+        self._cache_lock = threading.Lock()
+
+    def _block(self, b: int) -> array[int]:
+        """Block ``b`` (``_block_items`` items from ``b * _block_items``), cached when it
+        is whole on file (the last one may be shorter, and grow)."""
+        with self._cache_lock:
+            got = self._cached.get(b)
+        if got is not None:
+            return got
+        start = b * self._block_items
+        stop = min(start + self._block_items, self.base)
+        got = array(self.tail.typecode)
+        got.frombytes(_pread_all(self.fd, (stop - start) * self.itemsize, start * self.itemsize))
+        if len(got) < self._block_items:
+            return got
+        with self._cache_lock:
+            if len(self._cached) >= tuning.SPILL_CACHED:
+                del self._cached[next(iter(self._cached))]
+            self._cached[b] = got
+        return got
+
+    def _patched(self) -> None:
+        with self._cache_lock:
+            self._cached.clear()
 
     def __len__(self) -> int:
         return self.base + len(self.tail)
@@ -92,8 +124,8 @@ class Column:
             return self.tail[i - self.base]
         if i < 0:
             raise IndexError(f"column index {i} < 0")
-        v: int = self._item.unpack(_pread_all(self.fd, self.itemsize, i * self.itemsize))[0]
-        return v
+        b, at = divmod(i, self._block_items)
+        return self._block(b)[at]
 
     def __setitem__(self, i: int, value: int) -> None:
         if i >= self.base:
@@ -101,10 +133,15 @@ class Column:
         elif i < 0:
             raise IndexError(f"column index {i} < 0")
         else:
+            self._patched()
             _pwrite_all(self.fd, self._item.pack(value), i * self.itemsize)
 
     def read(self, start: int, stop: int) -> array[int]:
         """Items ``[start, stop)`` as an array."""
+        b = start // self._block_items
+        if stop <= self.base and stop - start <= self._block_items and (stop - 1) // self._block_items == b:
+            at = b * self._block_items
+            return self._block(b)[start - at:stop - at]
         out = array(self.tail.typecode)
         if start < self.base:
             end = min(stop, self.base)
@@ -118,6 +155,7 @@ class Column:
         if start + len(items) > self.base:
             raise IndexError(f"column patch [{start}, {start + len(items)}) past the file "
                              f"({self.base} items)")
+        self._patched()
         _pwrite_all(self.fd, items, start * self.itemsize)
 
     def blocks(self, items: int) -> Iterator[tuple[int, array[int]]]:

@@ -1,5 +1,5 @@
 """The importer's spilled arrays (manifest/spill.py): however small the in-memory tails,
-the pieces and the directory-path cache, an import publishes the same manifest, array
+the pieces and the caches, an import publishes the same manifest, array
 for array; and the importer's peak memory does not grow with the number of entries."""
 from __future__ import annotations
 
@@ -67,8 +67,11 @@ def _arrays(raw: bytes) -> dict[str, bytes]:
 
 
 def _tiny(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tails of 2 entries, 24-byte pieces, one directory path kept: everything spills."""
+    """Tails of 2 entries, 24-byte pieces, one directory path and two 16-byte blocks
+    cached: everything spills, and reads cross blocks."""
     monkeypatch.setattr(tuning, "IMPORT_SPILL_ENTRIES", 2)
+    monkeypatch.setattr(tuning, "SPILL_BLOCK", 16)
+    monkeypatch.setattr(tuning, "SPILL_CACHED", 2)
     monkeypatch.setattr(tuning, "IMPORT_PIECE", 24)
     monkeypatch.setattr(tuning, "IMPORT_PATHS", 1)
 
@@ -113,6 +116,7 @@ def test_tree_paths_come_from_parents_and_names(monkeypatch: pytest.MonkeyPatch)
 
 _PEAK = """
 import sys
+from kspeedfs import tuning
 from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.store.base import DatasetInfo, MetadataStore
 from bench.manifest_scale import SyntheticSource
@@ -124,6 +128,7 @@ class Drain(MetadataStore):
         return info
     publish = datasets = dataset = versions = manifest = remove = None
 
+tuning.IMPORT_PIECE = 1 << 20      # pieces as large at both sizes
 import_tree(SyntheticSource(int(sys.argv[1])), "ds", Drain(), 4 << 20, threads=1)
 with open("/proc/self/status") as f:
     print(next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:")))
@@ -141,7 +146,7 @@ def _peak(files: int) -> int:
 def test_import_peak_memory_does_not_grow_with_entries() -> None:
     """2*10^5 and 2*10^6 synthetic entries, one hashing thread (its chunks in flight are
     the fixed cost): the importer held ~368 B per entry in the heap before its arrays
-    spilled (660 MB more here; 106 MB with the entry arrays' tails never written out),
-    ~5 B per entry now (~10 MB)."""
+    spilled (660 MB more here; ~100 MB with the entry arrays' tails never written out),
+    ~2 B per entry now (3-4 MB, malloc's noise)."""
     small, large = _peak(200_000), _peak(2_000_000)
     assert large - small < 1_800_000 * 10, (small, large)
