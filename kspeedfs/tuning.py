@@ -147,7 +147,7 @@ ETCD_MIN_CHANNEL_AGE = 3.0
 
 #: entries the importer's arrays hold in memory before they are written to their spill
 #: files (~4 MB of tails at ~60 B per entry); the rest lives in the page cache
-#: (docs/design.md, "Manifest")
+#: (docs/design.md, "The importer's peak memory")
 IMPORT_SPILL_ENTRIES = 1 << 16
 #: bytes a spilled array reads at once for single items and short ranges ...
 SPILL_BLOCK = 64 << 10

@@ -7,7 +7,7 @@ hashing below are the same for both.
 
 Memory. Every array here, per entry, file, chunk or extent, is a ``spill.Column``: a
 temporary file (``tempfile``'s directory) with a small tail in memory, so the importer's
-peak memory does not grow with the tree (10^8 entries are ~9 GB of arrays: the page
+peak memory does not grow with the tree (10^8 entries are ~7.5 GB of arrays: the page
 cache holds them, and writes them back when it needs room). What does grow is
 per-directory: the scan's queue of directories to list. No path is kept per entry; a
 file's path is its parent's (a bounded cache of directory paths) plus its name.

@@ -6,7 +6,7 @@ arrays, the digests, an object store's identities) is a :class:`Column`: an unli
 temporary file plus a small in-memory tail. Appends go to the tail, which is written out
 whole when it fills; items already on file are read and patched with ``pread`` and
 ``pwrite``. The bytes then live in the kernel's page cache, which can write them back and
-drop them, not in the process (docs/design.md, "Manifest": the importer's peak memory).
+drop them, not in the process (docs/design.md, "The importer's peak memory").
 
 :class:`Identities` is the variable-length column of an object-store source (``etag NUL
 version`` per entry, model.py "Objects"), where a value may still change while its
