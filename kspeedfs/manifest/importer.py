@@ -333,10 +333,7 @@ def plan(tree: _Tree, chunk_size: int, block_size: int) -> _Plan:
     p = _Plan(layout, block_size, tree.column("I"), tree.column("I"), tree.column("I"), 0, 0, 0)
     files, c = p.files, chunk_size
     last, cur_len, cur_first = -1, 0, 0      # the last chunk so far, not yet appended
-    for start, modes in tree.mode.blocks(tree.block):
-        stop = start + len(modes)
-        sizes, data, exts = (tree.size.read(start, stop), tree.data.read(start, stop),
-                             tree.ext.read(start, stop))
+    for start, modes, sizes, data, exts in _layout_blocks(tree):
         for j, m in enumerate(modes):
             if m & _S_IFMT != _S_IFREG:
                 continue
@@ -374,6 +371,15 @@ def plan(tree: _Tree, chunk_size: int, block_size: int) -> _Plan:
 
 
 _S_IFMT, _S_IFREG = 0o170000, stat.S_IFREG
+_Block = tuple[int, "array[int]", "array[int]", "array[int]", "array[int]"]
+
+
+def _layout_blocks(tree: _Tree) -> Iterator[_Block]:
+    """(first entry, modes, sizes, data, exts) of consecutive blocks of entries."""
+    for start, modes in tree.mode.blocks(tree.block):
+        stop = start + len(modes)
+        yield (start, modes, tree.size.read(start, stop), tree.data.read(start, stop),
+               tree.ext.read(start, stop))
 
 
 @dataclass
@@ -390,10 +396,7 @@ def _chunk_tasks(tree: _Tree, p: _Plan) -> Iterator[_ChunkTask]:
     laid out in entry order, so chunks fill front to back)."""
     c, n = p.layout.chunk_size, len(tree)
     task = _ChunkTask(0, 0, n, 0, array("Q"))
-    for start, modes in tree.mode.blocks(tree.block):
-        stop = start + len(modes)
-        sizes, data, exts = (tree.size.read(start, stop), tree.data.read(start, stop),
-                             tree.ext.read(start, stop))
+    for start, modes, sizes, data, exts in _layout_blocks(tree):
         for j, m in enumerate(modes):
             size = sizes[j]
             if m & _S_IFMT != _S_IFREG or not size:
