@@ -1,7 +1,7 @@
 """Manifest scale: import N small files, then measure what a mount pays to load the index.
 
     python -m bench.manifest_scale --files 1000000 [--dir /dev/shm/kscale] [--keep]
-    python -m bench.manifest_scale --synthetic --files 10000000
+    python -m bench.manifest_scale --synthetic --files 10000000 [--import-only]
 
 ``--synthetic`` feeds the importer generated entries (``SyntheticSource``: the same
 names and sizes as the generated tree, bytes made up in memory) instead of files, so
@@ -11,6 +11,8 @@ serves the namespace only (``stat``, ``ls``: reads would find no source).
 Prints, for the generated tree: import time and rate, manifest blob size, index load
 time (store read + inflate + zero-copy casts), the index's bytes and the process RSS
 growth per million files, and a mount's time-to-first-``ls`` with ``stat`` of every file.
+``--import-only`` stops after the import: its rate, the process's peak RSS (VmHWM, total
+and per entry above the RSS before the import) and the store's bytes per entry.
 Each figure is printed next to its baseline from the same run where one exists (the
 ``os.walk``+``lstat`` of the source tree for the stat pass).
 """
@@ -32,6 +34,15 @@ from typing import Any
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_rss() -> int:
+    """The process's peak resident set (VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def generate(root: Path, files: int, per_dir: int = 10_000) -> None:
@@ -60,21 +71,20 @@ class SyntheticSource:
         from kspeedfs.manifest.importer import _Tree
 
         tree, now = _Tree(), time.time_ns()
-        tree.add_entry(0, b"", stat.S_IFDIR | 0o755, 0, 0, 0, now, b"")
+        tree.add_entry(0, b"", stat.S_IFDIR | 0o755, 0, 0, 0, now)
         ndirs = -(-self.files // self.per_dir)
         tree.data[0], tree.size[0] = 1, ndirs
         for d in range(ndirs):
             name = b"d%04d" % d
-            tree.add_entry(0, name, stat.S_IFDIR | 0o755, 0, 0, 0, now, name)
+            tree.add_entry(0, name, stat.S_IFDIR | 0o755, 0, 0, 0, now)
         add, mode = tree.add_entry, stat.S_IFREG | 0o644
         for d in range(ndirs):
             first = d * self.per_dir
             stop = min(first + self.per_dir, self.files)
-            tree.data[1 + d], tree.size[1 + d] = len(tree.mode), stop - first
-            dname = b"d%04d/" % d
+            tree.data[1 + d], tree.size[1 + d] = len(tree), stop - first
             for i in range(first, stop):
-                name = b"img%08d.jpg" % i
-                add(1 + d, name, mode, 0, 0, 64 + i % 192, now, dname + name)
+                add(1 + d, b"img%08d.jpg" % i, mode, 0, 0, 64 + i % 192, now)
+        tree.flush()
         return tree
 
     def read_into(self, tree: Any, entry: int, offset: int, out: memoryview) -> None:
@@ -101,6 +111,8 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the generated tree for the next run")
     ap.add_argument("--synthetic", action="store_true",
                     help="generated entries fed to the importer, no files (namespace only)")
+    ap.add_argument("--import-only", action="store_true",
+                    help="stop after the import: its rate, peak RSS and store bytes per entry")
     args = ap.parse_args()
 
     from kspeedfs.manifest.importer import import_tree
@@ -123,15 +135,34 @@ def main() -> None:
         print(f"generated {args.files:,} files in {time.perf_counter() - t0:.1f}s")
     shutil.rmtree(store_dir, ignore_errors=True)
     store = EmbeddedStore(store_dir)
+    rss0 = rss()
     t0 = time.perf_counter()
     peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    info = import_tree(source, "scale", store, 4 << 20)
+    at_publish = 0
+
+    def progress(p: Any) -> None:
+        nonlocal at_publish
+        if p.phase == "publish" and not at_publish:
+            at_publish = peak_rss()
+
+    info = import_tree(source, "scale", store, 4 << 20, progress=progress)
     t_import = time.perf_counter() - t0
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak0) << 10
     print(f"import: {info.files:,} files, {info.entries:,} entries, {info.chunks:,} chunks in "
           f"{t_import:.1f}s ({info.entries / t_import:,.0f} entries/s, peak RSS +{peak / 1e6:,.0f} MB "
           f"= {peak / info.entries:.0f} B/entry); manifest blob {info.manifest_size / 1e6:.1f} MB "
           f"= {info.manifest_size / info.entries:.1f} B/entry in the store")
+    if args.import_only:
+        hwm = peak_rss()
+        print(f"import only: {info.entries / t_import:,.0f} entries/s; peak RSS {hwm / 1e6:,.0f} MB "
+              f"(+{(hwm - rss0) / 1e6:,.0f} MB over {rss0 / 1e6:.0f} MB before the import = "
+              f"{(hwm - rss0) / info.entries:.1f} B/entry; before the store's publish "
+              f"+{(at_publish - rss0) / 1e6:,.0f} MB = {(at_publish - rss0) / info.entries:.1f} "
+              f"B/entry); store "
+              f"{info.manifest_size / info.entries:.2f} B/entry")
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+        return
 
     gc.collect()
     before = rss()

@@ -142,3 +142,20 @@ CAS_ATTEMPTS = 200
 
 #: a failing etcd channel is dialled again at most this often (s)
 ETCD_MIN_CHANNEL_AGE = 3.0
+
+# -- import (manifest/importer.py, manifest/spill.py) ----------------------------------
+
+#: entries the importer's arrays hold in memory before they are written to their spill
+#: files (~4 MB of tails at ~60 B per entry); the rest lives in the page cache
+#: (docs/design.md, "The importer's peak memory")
+IMPORT_SPILL_ENTRIES = 1 << 16
+#: bytes a spilled array reads at once for single items and short ranges ...
+SPILL_BLOCK = 64 << 10
+#: ... and such blocks it keeps (~1 MB per array): the hashing threads' reads of sizes
+#: and names, in entry order, then cost one pread per block, not per file
+SPILL_CACHED = 16
+#: the largest piece of the manifest's inflated bytes handed to the store at once
+IMPORT_PIECE = 8 << 20
+#: directory paths kept for the source's reads (FileSource and object keys, which
+#: derive a file's path from its parent's)
+IMPORT_PATHS = 1 << 12

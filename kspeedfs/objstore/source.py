@@ -74,8 +74,9 @@ def build_tree(url: ObjectUrl, objects: list[ObjectInfo], now_ns: int) -> _Tree:
         if not marker:
             d.files[parts[-1]] = o
     tree = _Tree()
-    tree.objects = [b""]
-    tree.add_entry(0, b"", DIR_MODE, 0, 0, 0, now_ns, b"")
+    ids = tree.track_objects()
+    ids.append(b"")
+    tree.add_entry(0, b"", DIR_MODE, 0, 0, 0, now_ns)
     queue: list[tuple[int, _Dir]] = [(0, root)]
     for idx, d in queue:       # grows as directories are added: breadth-first
         for name in [n for n in d.files if n in d.dirs]:
@@ -83,17 +84,16 @@ def build_tree(url: ObjectUrl, objects: list[ObjectInfo], now_ns: int) -> _Tree:
         children = sorted([*d.dirs, *d.files])
         tree.data[idx] = len(tree.mode)
         tree.size[idx] = len(children)
-        base = tree.paths[idx]
         for name in children:
-            path = base + b"/" + name if base else name
             if name in d.dirs:
-                child = tree.add_entry(idx, name, DIR_MODE, 0, 0, 0, now_ns, path)
+                child = tree.add_entry(idx, name, DIR_MODE, 0, 0, 0, now_ns)
                 queue.append((child, d.dirs[name]))
-                tree.objects.append(b"")
+                ids.append(b"")
             else:
                 o = d.files[name]
-                tree.add_entry(idx, name, FILE_MODE, 0, 0, o.size, o.mtime_ns, path)
-                tree.objects.append(o.etag.encode() + b"\0" + o.version_id.encode())
+                tree.add_entry(idx, name, FILE_MODE, 0, 0, o.size, o.mtime_ns)
+                ids.append(o.etag.encode() + b"\0" + o.version_id.encode())
+    tree.flush()
     return tree
 
 
@@ -116,7 +116,7 @@ class ObjectSource:
     def read_into(self, tree: _Tree, entry: int, offset: int, out: memoryview) -> None:
         assert tree.objects is not None
         etag, _, version = tree.objects[entry].decode().partition("\0")
-        key = self.bucket.url.key(tree.paths[entry])
+        key = self.bucket.url.key(tree.path(entry))
         got = self.bucket.get_range(key, offset, out, etag, version)
         if got.changed:
             raise SourceChanged(f"{self.bucket.url.name(key)} {got.changed}: it changed during import")

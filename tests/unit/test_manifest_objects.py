@@ -10,32 +10,44 @@ from array import array
 import pytest
 
 from kspeedfs.errors import ManifestCorrupt
-from kspeedfs.manifest.importer import _Tree, encode, plan
+from kspeedfs.manifest.importer import _Digests, _Tree, encode, plan
 from kspeedfs.manifest.index import ManifestIndex
 from kspeedfs.manifest.model import BLOCK_DIGEST_SIZE, DIGEST_SIZE, blocks_per_chunk
+from kspeedfs.manifest.spill import Column
 
 C, B = 64 << 10, 4096
 
 
 def _tree(objects: bool) -> _Tree:
     t = _Tree()
-    t.add_entry(0, b"", stat.S_IFDIR | 0o755, 0, 0, 0, 1, b"")
+    t.add_entry(0, b"", stat.S_IFDIR | 0o755, 0, 0, 0, 1)
     t.data[0], t.size[0] = 1, 2
-    t.add_entry(0, b"a.jpg", stat.S_IFREG | 0o644, 0, 0, 100, 2, b"a.jpg")
-    t.add_entry(0, b"b.bin", stat.S_IFREG | 0o644, 0, 0, 3 * C, 3, b"b.bin")
+    t.add_entry(0, b"a.jpg", stat.S_IFREG | 0o644, 0, 0, 100, 2)
+    t.add_entry(0, b"b.bin", stat.S_IFREG | 0o644, 0, 0, 3 * C, 3)
     if objects:
-        t.objects = [b"", b'"etag-a"\0', b'"etag-b"\0v42']
+        ids = t.track_objects()
+        for value in (b"", b'"etag-a"\0', b'"etag-b"\0v42'):
+            ids.append(value)
     return t
 
 
+def _zeros(t: _Tree, n: int) -> Column:
+    col = t.column("B")
+    col.extend_bytes(bytes(n))
+    return col
+
+
 def _blob(objects: bool) -> bytes:
-    t = _tree(objects)
-    p = plan(t, C, B)
-    n = len(p.chunk_len)
-    blob, _ = encode(t, p, bytearray(DIGEST_SIZE * p.extents), bytearray(DIGEST_SIZE * n),
-                     bytearray(blocks_per_chunk(C, B) * BLOCK_DIGEST_SIZE * n),
-                     record={"url": "s3://b/p/", "endpoint": "http://127.0.0.1:9"} if objects else None)
-    return blob
+    with _tree(objects) as t:
+        p = plan(t, C, B)
+        n = len(p.chunk_len)
+        digests = _Digests(_zeros(t, DIGEST_SIZE * p.extents), _zeros(t, DIGEST_SIZE * n),
+                           _zeros(t, blocks_per_chunk(C, B) * BLOCK_DIGEST_SIZE * n))
+        pieces, size = encode(t, p, digests, record={"url": "s3://b/p/",
+                                                     "endpoint": "http://127.0.0.1:9"} if objects else None)
+        raw = b"".join(pieces)
+    assert len(raw) == size
+    return zlib.compress(raw)
 
 
 def test_object_section_round_trips() -> None:
