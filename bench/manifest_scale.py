@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import resource
 import shutil
 import stat
@@ -111,26 +112,29 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the generated tree for the next run")
     ap.add_argument("--synthetic", action="store_true",
                     help="generated entries fed to the importer, no files (namespace only)")
+    ap.add_argument("--per-dir", type=int, default=10_000, help="files per directory")
+    ap.add_argument("--stat-all", action="store_true",
+                    help="also stat every file through the mount, cold and warm")
     ap.add_argument("--import-only", action="store_true",
                     help="stop after the import: its rate, peak RSS and store bytes per entry")
     args = ap.parse_args()
 
     from kspeedfs.manifest.importer import import_tree
-    from kspeedfs.manifest.index import ManifestIndex
+    from kspeedfs.manifest.load import load_index
     from kspeedfs.manifest.store.embedded import EmbeddedStore
 
     base = Path(args.dir)
-    src, store_dir, mnt = base / "src", base / "store", base / "mnt"
+    src, store_dir = base / "src", base / "store"
     marker = base / f"generated-{args.files}"
     source: Any = src
     if args.synthetic:
         shutil.rmtree(base, ignore_errors=True)
         src.mkdir(parents=True)                  # empty: the mount's --source
-        source = SyntheticSource(args.files)
+        source = SyntheticSource(args.files, args.per_dir)
     elif not marker.exists():
         shutil.rmtree(base, ignore_errors=True)
         t0 = time.perf_counter()
-        generate(src, args.files)
+        generate(src, args.files, args.per_dir)
         marker.touch()
         print(f"generated {args.files:,} files in {time.perf_counter() - t0:.1f}s")
     shutil.rmtree(store_dir, ignore_errors=True)
@@ -148,10 +152,13 @@ def main() -> None:
     info = import_tree(source, "scale", store, 4 << 20, progress=progress)
     t_import = time.perf_counter() - t0
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak0) << 10
+    stored = info.manifest_size + sum(p.stat().st_size for p in (store_dir / "pages").rglob("*")
+                                      if p.is_file())
     print(f"import: {info.files:,} files, {info.entries:,} entries, {info.chunks:,} chunks in "
           f"{t_import:.1f}s ({info.entries / t_import:,.0f} entries/s, peak RSS +{peak / 1e6:,.0f} MB "
-          f"= {peak / info.entries:.0f} B/entry); manifest blob {info.manifest_size / 1e6:.1f} MB "
-          f"= {info.manifest_size / info.entries:.1f} B/entry in the store")
+          f"= {peak / info.entries:.0f} B/entry); manifest {stored / 1e6:.1f} MB "
+          f"= {stored / info.entries:.1f} B/entry in the store ({info.manifest_size:,} B of it "
+          f"the store's blob, the rest pages)")
     if args.import_only:
         hwm = peak_rss()
         print(f"import only: {info.entries / t_import:,.0f} entries/s; peak RSS {hwm / 1e6:,.0f} MB "
@@ -159,7 +166,7 @@ def main() -> None:
               f"{(hwm - rss0) / info.entries:.1f} B/entry; before the store's publish "
               f"+{(at_publish - rss0) / 1e6:,.0f} MB = {(at_publish - rss0) / info.entries:.1f} "
               f"B/entry); store "
-              f"{info.manifest_size / info.entries:.2f} B/entry")
+              f"{stored / info.entries:.2f} B/entry")
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
         return
@@ -167,18 +174,27 @@ def main() -> None:
     gc.collect()
     before = rss()
     t0 = time.perf_counter()
-    blob = store.manifest("scale", info.version)
-    t_fetch = time.perf_counter() - t0
-    ix = ManifestIndex.from_blob(blob)
-    del blob
+    ix = load_index(store, info)
     t_load = time.perf_counter() - t0
     gc.collect()
     grew = rss() - before
-    per_m = 1e6 / info.entries
-    print(f"index load: {t_load:.2f}s (store read {t_fetch:.2f}s); index {ix.nbytes / 1e6:.1f} MB, "
-          f"RSS +{grew / 1e6:.1f} MB = {grew * per_m / 1e6:.0f} MB per million entries "
-          f"({grew / info.entries:.0f} B/entry)")
+    kind = "paged" if ix.pages is not None else "whole"
+    print(f"index load ({kind}): {t_load:.2f}s; raw {ix.nbytes / 1e6:.1f} MB, RSS "
+          f"+{grew / 1e6:.1f} MB ({grew / info.entries:.1f} B/entry)")
+    del ix
+    mount_and_stat(args, base, store_dir, src, info)
+    if not args.keep:
+        shutil.rmtree(base, ignore_errors=True)
 
+
+def mount_and_stat(args: argparse.Namespace, base: Path, store_dir: Path, src: Path,
+                   info: Any) -> None:
+    """A real mount of the dataset: time to live, first entries of the root and of the
+    first directory (streamed), cold single stats of random files, the daemon's RSS after
+    ``stat`` of a random 1 % of the files, and (``--stat-all``) every file cold and warm."""
+    from bench.system import daemon_pid
+
+    mnt = base / "mnt"
     mnt.mkdir(exist_ok=True)
     common = ["--store", str(store_dir), "--set", f"log.dir={base / 'log'}"]
     if args.synthetic:
@@ -187,20 +203,61 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "kspeedfs.cli.app", "mount", "scale", str(mnt), *common],
                    check=True)
     t_mount = time.perf_counter() - t0
+    pid = daemon_pid(mnt)
     try:
+        rss_live = proc_rss(pid)
         t0 = time.perf_counter()
-        first = os.listdir(mnt)
+        top = os.listdir(mnt)
         t_ls = time.perf_counter() - t0
-        print(f"mount: live after {t_mount:.2f}s, first ls ({len(first)} dirs) {t_ls * 1e3:.0f} ms")
-        passes = (("source", src),) if not args.synthetic else ()
-        for label, root in (*passes, ("mount (cold)", mnt), ("mount (warm)", mnt)):
-            n, dt = stat_all(root)
-            print(f"stat of every file, {label}: {n:,} in {dt:.1f}s = {n / dt:,.0f}/s")
+        first_dir = mnt / sorted(top)[0]
+        t0 = time.perf_counter()
+        with os.scandir(first_dir) as it:
+            next(it)
+            t_first = time.perf_counter() - t0
+            n = 1 + sum(1 for _ in it)
+        t_dir = time.perf_counter() - t0
+        print(f"mount: live after {t_mount:.2f}s (daemon RSS {rss_live / 1e6:.0f} MB); ls / "
+              f"({len(top)} entries) {t_ls * 1e3:.0f} ms; {first_dir.name}/ ({n:,} entries): "
+              f"first entry {t_first * 1e3:.1f} ms, all {t_dir:.2f}s")
+        rng = random.Random(1)
+        paths = [synthetic_path(rng.randrange(args.files), args.per_dir) for _ in range(200)]
+        lat = []
+        for p in paths:
+            t0 = time.perf_counter()
+            os.stat(mnt / p)
+            lat.append(time.perf_counter() - t0)
+        lat.sort()
+        print(f"cold stat of a random file (200): median {lat[100] * 1e3:.2f} ms, "
+              f"p90 {lat[180] * 1e3:.2f} ms, max {lat[-1] * 1e3:.2f} ms")
+        k = max(1, args.files // 100)
+        sample = rng.sample(range(args.files), k)
+        before = proc_rss(pid)
+        t0 = time.perf_counter()
+        for i in sample:
+            os.stat(mnt / synthetic_path(i, args.per_dir))
+        dt = time.perf_counter() - t0
+        print(f"stat of a random 1 % ({k:,}): {k / dt:,.0f}/s; daemon RSS {before / 1e6:.0f} -> "
+              f"{proc_rss(pid) / 1e6:.0f} MB (+{(proc_rss(pid) - rss_live) / 1e6:.0f} MB since live)")
+        if args.stat_all:
+            passes = (("source", src),) if not args.synthetic else ()
+            for label, root in (*passes, ("mount (cold)", mnt), ("mount (warm)", mnt)):
+                n, dt = stat_all(root)
+                print(f"stat of every file, {label}: {n:,} in {dt:.1f}s = {n / dt:,.0f}/s")
+            print(f"daemon RSS after: {proc_rss(pid) / 1e6:.0f} MB")
     finally:
         subprocess.run(["fusermount3", "-u", str(mnt)])
-    if not args.keep:
-        shutil.rmtree(base, ignore_errors=True)
 
+
+def synthetic_path(i: int, per_dir: int) -> str:
+    """Where file ``i`` of :func:`generate`'s (and ``SyntheticSource``'s) tree is."""
+    return f"d{i // per_dir:04d}/img{i:08d}.jpg"
+
+
+def proc_rss(pid: int | None) -> int:
+    if pid is None:
+        return 0
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
 
 if __name__ == "__main__":
     main()
