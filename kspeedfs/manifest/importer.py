@@ -120,7 +120,8 @@ class _Tree:
         self._tails = tuple(c.tail for c in self._entry_columns)
         #: an object-store source's per-entry ``etag NUL version_id`` (model.py, "Objects")
         self.objects: Identities | None = None
-        self._dir_path = functools.lru_cache(maxsize=tuning.IMPORT_PATHS)(self._path)
+        # directory paths: a file's path is its parent's plus its name
+        self._dir_path = functools.lru_cache(maxsize=tuning.IMPORT_PATHS)(self.path)
 
     def column(self, code: str) -> Column:
         """A new spilled array, closed with the tree."""
@@ -185,9 +186,6 @@ class _Tree:
         parent = self.parent[entry]
         base = self._dir_path(parent) if parent else b""
         return base + b"/" + self.name(entry) if base else self.name(entry)
-
-    def _path(self, entry: int) -> bytes:
-        return self.path(entry)
 
     def close(self) -> None:
         for col in self._columns:
