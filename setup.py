@@ -39,10 +39,12 @@ ext_modules: list[Extension] = [
                        "native/tuning.h", "native/manifest_pager.h"],
               include_dirs=["native"], libraries=["uring"], extra_compile_args=CFLAGS),
     # kspeedfs/manifest paged manifests: the page map, a blob's pages filled on first touch
-    # by userfaultfd handler threads (no GIL), verified with OpenSSL's SHA-256, inflated by zlib
+    # by userfaultfd handler threads (no GIL), verified with OpenSSL's SHA-256, inflated by
+    # libdeflate (Debian's libdeflate-dev; ~2x zlib's inflate, docs/design.md "The page map")
     Extension("kspeedfs.manifest._pager", ["native/manifest_pager_py.c", "native/manifest_pager.c"],
               depends=["native/manifest_pager.h", "native/py_errno.h"],
-              include_dirs=["native"], libraries=["crypto", "z"], extra_compile_args=CFLAGS),
+              include_dirs=["native"], libraries=["crypto", "deflate", "z"],
+              extra_compile_args=CFLAGS),
 ]
 
 setup(ext_modules=ext_modules)

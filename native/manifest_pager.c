@@ -9,7 +9,7 @@
  * (its thread was woken by it or never slept): UFFDIO_WAKE, nothing to load.
  *
  * Loading runs outside the lock, in the handler's own buffers (one set per thread: the
- * compressed file, the inflated page, a z_stream and a SHA-256 context), so the threads
+ * compressed file, the inflated page, a libdeflate decompressor and a SHA-256 context), so the threads
  * load different pages in parallel.
  */
 #define _GNU_SOURCE
@@ -35,6 +35,7 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+#include <libdeflate.h>
 #include <zlib.h>
 
 #ifndef UFFD_USER_MODE_ONLY
@@ -47,8 +48,7 @@ struct worker {
     struct mp *m;
     pthread_t thread;
     int started;
-    z_stream z;
-    int z_ready;
+    struct libdeflate_decompressor *z;
     EVP_MD_CTX *md;
     uint8_t *in;  /* the page file: up to in_cap bytes (one more read says it is longer) */
     uint8_t *out; /* the inflated page, then zeros to the system page: page_size + sys_page */
@@ -188,28 +188,19 @@ static ssize_t read_file(struct worker *w)
  * are ever written (a stream that would inflate further stops there: no bomb). */
 static int inflate_page(struct worker *w, size_t n, size_t want)
 {
-    z_stream *z = &w->z;
-    if (inflateReset(z) != Z_OK) {
-        whyf(w, "inflateReset failed");
-        return -1;
-    }
-    z->next_in = w->in;
-    z->avail_in = (uInt)n;
-    z->next_out = w->out;
-    z->avail_out = (uInt)(want + 1);
-    int rc = inflate(z, Z_FINISH);
-    if (rc == Z_STREAM_END && z->total_out == want && z->avail_in == 0)
+    size_t used = 0, got = 0;
+    enum libdeflate_result rc = libdeflate_zlib_decompress_ex(w->z, w->in, n, w->out, want + 1,
+                                                              &used, &got);
+    if (rc == LIBDEFLATE_SUCCESS && got == want && used == n)
         return 0;
-    if (rc == Z_STREAM_END && z->total_out == want)
-        whyf(w, "%u bytes after the zlib stream", z->avail_in);
-    else if (rc == Z_STREAM_END)
-        whyf(w, "inflates to %lu bytes, not %zu", z->total_out, want);
-    else if (rc == Z_BUF_ERROR && z->avail_out == 0)
+    if (rc == LIBDEFLATE_SUCCESS && got == want)
+        whyf(w, "%zu bytes after the zlib stream", n - used);
+    else if (rc == LIBDEFLATE_SUCCESS)
+        whyf(w, "inflates to %zu bytes, not %zu", got, want);
+    else if (rc == LIBDEFLATE_INSUFFICIENT_SPACE)
         whyf(w, "inflates to more than %zu bytes", want);
-    else if (rc == Z_BUF_ERROR)
-        whyf(w, "zlib stream truncated");
     else
-        whyf(w, "bad zlib stream (%s)", z->msg ? z->msg : zError(rc));
+        whyf(w, "bad or truncated zlib stream");
     return -1;
 }
 
@@ -446,8 +437,7 @@ static void free_workers(struct mp *m)
 {
     for (int t = 0; m->w && t < m->nthreads; t++) {
         struct worker *w = &m->w[t];
-        if (w->z_ready)
-            inflateEnd(&w->z);
+        libdeflate_free_decompressor(w->z);
         EVP_MD_CTX_free(w->md);
         free(w->in);
         free(w->out);
@@ -559,11 +549,9 @@ static int alloc_workers(struct mp *m)
         w->in = malloc(m->in_cap + 1);
         if (posix_memalign((void **)&w->out, m->sys_page, m->page_size + m->sys_page))
             w->out = NULL;
-        if (!w->md || !w->in || !w->out)
+        w->z = libdeflate_alloc_decompressor();
+        if (!w->md || !w->in || !w->out || !w->z)
             return -ENOMEM;
-        if (inflateInit(&w->z) != Z_OK)
-            return -ENOMEM;
-        w->z_ready = 1;
     }
     return 0;
 }
@@ -710,7 +698,7 @@ void mp_close(struct mp *m)
 void mp_abandon(struct mp *m)
 {
     if (m)
-        free_mp(m); /* the handlers' buffers and z_streams here are the child's copies */
+        free_mp(m); /* the handlers' buffers and decompressors here are the child's copies */
 }
 
 void *mp_base(const struct mp *m) { return m->base; }
