@@ -14,11 +14,15 @@ vRDMA heartbeats already detect a dead peer in ~50 ms for the read path, the lea
 decides when its chunks are re-replicated). A lease lost anyway (etcd restored from a
 snapshot, a long partition) is re-granted and the keys put again.
 
-Rails. Every keep-alive and every put on the lease is *raced* on all etcd endpoints
-(``EtcdStore.race``: one endpoint per rail, first answer wins), each attempt bounded by
-``store.etcd_attempt_timeout``. So a cut NIC or a whole rail down costs no refresh, for
-any length of time, while one rail reaches etcd; the timeout arithmetic against the
-TTL is in docs/design.md ("etcd across rails").
+Rails. Every keep-alive and every put on the lease goes to one etcd endpoint, the last
+one that answered (``EtcdStore.call``), and to the next after
+``store.etcd_attempt_timeout`` without an answer; a keep-alive's whole budget is one
+refresh period. So a cut NIC, a whole rail down or a stopped member costs one attempt
+timeout (shorter than a period) once, and no refresh, for any length of time, while one
+endpoint reaches etcd; the timeout arithmetic against the TTL is in docs/design.md
+("etcd across rails"). They used to be raced on every endpoint, and with every etcd
+member an endpoint etcd applied each put three times (docs/design.md, "1,000 nodes,
+simulated").
 
 Flaps. A node whose record disappears stays a member (placement unchanged, nothing
 re-replicated) for ``cluster.leave_grace`` seconds; back within that, nobody noticed.
@@ -231,7 +235,7 @@ class Registration:
         for k, v in keys.items():
             def put(c: Any, k: str = k, v: bytes = v) -> Any:
                 return c.put(k, v, lease=lease.id)
-            self.store.race(put)
+            self.store.call(put)
         log.info("etcd lease %x granted (ttl %ds); %d keys attached", self.lease_id, self.ttl, len(keys))
 
     def put(self, key: str, value: bytes) -> None:
@@ -243,7 +247,7 @@ class Registration:
                 self._grant()                # puts every remembered key, this one too
                 return
         lease_id = self.lease_id             # granted by whoever got here first
-        self.store.race(lambda c: c.put(key, value, lease=lease_id))
+        self.store.call(lambda c: c.put(key, value, lease=lease_id))
 
     def forget(self, key: str) -> None:
         """Stop re-attaching ``key`` after a re-grant (no etcd request: whoever removed
@@ -258,9 +262,10 @@ class Registration:
                     self._grant()
             return
         lease_id = self.lease_id
-        # every rail at once; a refresh that no rail answers within a period is retried
-        # by the next one (docs/design.md: two periods fit in the TTL)
-        responses = self.store.race(lambda c: list(c.refresh_lease(lease_id)), budget=self.period)
+        # one member, the next one after an attempt timeout (A <= P); a refresh that no
+        # member answers within a period is retried by the next one (docs/design.md,
+        # "etcd across rails": two periods fit in the TTL)
+        responses = self.store.call(lambda c: list(c.refresh_lease(lease_id)), budget=self.period)
         if not responses or responses[0].TTL <= 0:
             log.warning("etcd lease %x expired; registering again", lease_id)
             with self._granting:

@@ -108,11 +108,11 @@ class EtcdStore(MetadataStore):
 
     # -- requests (etcd_client.py) ------------------------------------------------------------
 
-    def call(self, op: Callable[[Any], T]) -> T:
+    def call(self, op: Callable[[Any], T], budget: float | None = None) -> T:
         """``op(client)`` one endpoint at a time (:meth:`EtcdClient.call`). Membership,
         preload and status share the store's endpoints, credentials and ``etcd_prefix``
         through this and :meth:`race` (``cluster/membership.py``)."""
-        return self.client.call(op)
+        return self.client.call(op, budget)
 
     def race(self, op: Callable[[Any], T], budget: float | None = None) -> T:
         """An idempotent ``op(client)`` on every endpoint at once (:meth:`EtcdClient.race`)."""

@@ -9,10 +9,11 @@ then costs one attempt, not ``etcd_timeout``. Two ways to send (see "two ways to
 round after round (short sleeps) until ``store.etcd_timeout`` seconds have passed and
 every endpoint has been tried, then raises ``StoreUnavailable`` naming the endpoints;
 ``race`` sends an idempotent request to every endpoint at once and takes the first
-answer (the membership lease keep-alive, puts on the lease, listings), as
-``rdma/vrdma/dial.py`` dials a peer's NICs. Why: with the whole budget per attempt on
-the first endpoint, a cut rail held each lease refresh 5 s, longer than the 5 s lease,
-and a healthy node left the cluster. The arithmetic is in docs/design.md ("etcd
+answer, as ``rdma/vrdma/dial.py`` dials a peer's NICs (only where latency matters more
+than etcd's load: each raced request is served E times, and a put applied E times).
+Why a deadline per attempt: with the whole budget per attempt on the first endpoint,
+a cut rail held each lease refresh 5 s, longer than the 5 s lease, and a healthy node
+left the cluster. The arithmetic is in docs/design.md ("etcd
 across rails"). A TLS failure on every endpoint is reported as a TLS error at once.
 The retry loop also rides out an etcd restart: gRPC's reconnect backoff is capped at
 1 s here (its default grows to 120 s, which would keep a channel failing long after
@@ -314,11 +315,11 @@ class EtcdClient:
     # Two ways to send a request, both bounded by ``etcd_attempt_timeout`` per endpoint:
     #
     #   call(op)  one endpoint at a time, the last one that answered first: for writes
-    #             that must not run twice at once (allocate, seal, remove, lease grant).
+    #             that must not run twice at once (allocate, seal, remove, lease grant),
+    #             and for lease keep-alives and puts on the lease, whose budget (a
+    #             refresh period) holds one attempt timeout and the next endpoint's answer.
     #   race(op)  every endpoint at once, the first answer wins: for idempotent requests
-    #             whose latency matters (lease keep-alive, puts on the lease, listings).
-    #             Endpoints are one per rail, so a cut rail costs nothing: the live
-    #             rail's answer arrives while the dead one's attempt runs out.
+    #             whose latency matters more than etcd's load (each is served E times).
     #
     # Error classes (``_classify``): no answer, a closed or cancelled channel, a TLS
     # failure -> _Unreachable (next endpoint; a TLS failure everywhere is reported as
@@ -428,9 +429,9 @@ class EtcdClient:
             raise StoreUnavailable(f"etcd unreachable after {elapsed:.1f}s (store.etcd_timeout="
                                    f"{self.timeout:g}): {detail}")
 
-    def _rpc(self, op: Callable[[etcd3.Etcd3Client], T]) -> T:
+    def _rpc(self, op: Callable[[etcd3.Etcd3Client], T], budget: float) -> T:
         """Run ``op`` with failover: last good endpoint first, then the others in order,
-        round after round until ``etcd_timeout`` has passed (each endpoint tried once
+        round after round until ``budget`` seconds have passed (each endpoint tried once
         at least). Why keep retrying: a restarting etcd or a leader election makes a
         server refuse for a second; the caller should not see that as "down"."""
         start = time.monotonic()
@@ -457,15 +458,15 @@ class EtcdClient:
                     self._prefer(ep)
                 self.reachable = True
                 return result
-            self._give_up(start, self.timeout, errors)
+            self._give_up(start, budget, errors)
             time.sleep(min(delay * random.uniform(0.5, 1.5),
-                           max(0.0, self.timeout - (time.monotonic() - start))))
+                           max(0.0, budget - (time.monotonic() - start))))
             delay = min(delay * 2, 0.5)
 
-    def call(self, op: Callable[[etcd3.Etcd3Client], T]) -> T:
+    def call(self, op: Callable[[etcd3.Etcd3Client], T], budget: float | None = None) -> T:
         """Run ``op(client)`` with failover, retries and error mapping, one endpoint at a
-        time (see :meth:`_rpc`)."""
-        return self._rpc(op)
+        time (see :meth:`_rpc`), for ``budget`` seconds (default ``etcd_timeout``)."""
+        return self._rpc(op, self.timeout if budget is None else budget)
 
     def race(self, op: Callable[[etcd3.Etcd3Client], T], budget: float | None = None) -> T:
         """Run an idempotent ``op(client)`` on every endpoint at once; the first answer
