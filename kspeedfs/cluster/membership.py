@@ -265,8 +265,7 @@ class Registration:
         # one member, the next one after an attempt timeout (A <= P); a refresh that no
         # member answers within a period is retried by the next one (docs/design.md,
         # "etcd across rails": two periods fit in the TTL)
-        responses = self.store.call(lambda c: list(c.refresh_lease(lease_id)), budget=self.period)
-        if not responses or responses[0].TTL <= 0:
+        if self.store.keep_alive(lease_id, budget=self.period) <= 0:
             log.warning("etcd lease %x expired; registering again", lease_id)
             with self._granting:
                 if self.lease_id == lease_id:

@@ -21,6 +21,7 @@ import trio
 from kspeedfs.cluster.membership import Registration
 from kspeedfs.config import StoreConfig
 from kspeedfs.manifest.store.etcd import EtcdStore
+from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.etcd_cluster import EtcdCluster
 
 TTL = 3                  # s: a refresh every second
@@ -92,8 +93,9 @@ async def test_registrations_keep_their_leases_with_a_member_stopped(
             try:
                 for _ in range(3 * TTL * 2):
                     await trio.sleep(0.5)
-                    resp = await trio.to_thread.run_sync(
-                        lambda: watcher.call(lambda c: c.get_prefix_response(prefix)))
+                    # serializable: a follower answers while its stopped leader is replaced
+                    resp = await trio.to_thread.run_sync(lambda: watcher.call(
+                        lambda c: c.get_prefix_response(prefix, serializable=True)))
                     assert len(resp.kvs) == len(keys), "a key went with its lease"
             finally:
                 os.kill(stopped, signal.SIGCONT)
@@ -103,3 +105,72 @@ async def test_registrations_keep_their_leases_with_a_member_stopped(
     finally:
         store.close()
         watcher.close()
+
+
+def _streams(cluster: EtcdCluster) -> float:
+    return sum(_counter(cluster, "grpc_server_started_total", 'grpc_method="LeaseKeepAlive"'))
+
+
+async def test_keep_alives_share_one_stream(cluster: EtcdCluster) -> None:
+    """5 leases refreshed 4 times each: one LeaseKeepAlive stream, not 20 (etcd3's
+    ``refresh_lease`` opens one per keep-alive)."""
+    prefix = f"/kst-{uuid.uuid4().hex[:12]}/"
+    store = _store(cluster.endpoints, prefix)
+    try:
+        regs = [Registration(store, TTL) for _ in range(5)]
+        for i, reg in enumerate(regs):
+            await trio.to_thread.run_sync(reg.put, f"{prefix}k{i}", b"v")
+        streams0, alive0 = _streams(cluster), _keepalives(cluster)
+        async with trio.open_nursery() as n:
+            for reg in regs:
+                n.start_soon(reg.run)
+            await trio.sleep(3.5)
+            n.cancel_scope.cancel()
+        streams, alives = _streams(cluster) - streams0, _keepalives(cluster) - alive0
+    finally:
+        store.close()
+    assert alives >= 15, alives
+    assert streams == 1, f"{alives:g} keep-alives opened {streams:g} streams"
+
+
+async def test_a_revoked_lease_is_granted_again(cluster: EtcdCluster) -> None:
+    """The stream answers TTL 0 for a lease etcd no longer has: registered again."""
+    prefix = f"/kst-{uuid.uuid4().hex[:12]}/"
+    store = _store(cluster.endpoints, prefix)
+    try:
+        reg = Registration(store, TTL)
+        await trio.to_thread.run_sync(reg.put, prefix + "k", b"v")
+        first = reg.lease_id
+        assert first is not None
+        await trio.to_thread.run_sync(lambda: store.call(lambda c: c.revoke_lease(first)))
+        with trio.move_on_after(0.5):
+            await reg.run()
+        resp = await trio.to_thread.run_sync(lambda: store.call(lambda c: c.get_response(prefix + "k")))
+    finally:
+        store.close()
+    assert reg.lease_id not in (None, first)
+    assert resp.kvs and resp.kvs[0].lease == reg.lease_id
+
+
+async def test_keep_alives_go_on_after_an_etcd_restart(
+        etcd_server_private: EtcdServer, caplog: pytest.LogCaptureFixture) -> None:
+    """The stream dies with etcd; the next keep-alive opens another, on a channel that
+    was released only after the old stream ended, and the lease holds."""
+    prefix = f"/kst-{uuid.uuid4().hex[:12]}/"
+    store = _store([etcd_server_private.endpoint], prefix)
+    caplog.set_level(logging.WARNING, "kspeedfs.cluster.membership")
+    try:
+        reg = Registration(store, TTL)
+        await trio.to_thread.run_sync(reg.put, prefix + "k", b"v")
+        lease = reg.lease_id
+        async with trio.open_nursery() as n:
+            n.start_soon(reg.run)
+            await trio.sleep(1.5)
+            await trio.to_thread.run_sync(etcd_server_private.restart)
+            await trio.sleep(2 * TTL)
+            n.cancel_scope.cancel()
+        resp = await trio.to_thread.run_sync(lambda: store.call(lambda c: c.get_response(prefix + "k")))
+    finally:
+        store.close()
+    assert reg.lease_id == lease and resp.kvs and resp.kvs[0].lease == lease
+    assert not [r for r in caplog.records if "expired" in r.getMessage()]

@@ -118,6 +118,11 @@ class EtcdStore(MetadataStore):
         """An idempotent ``op(client)`` on every endpoint at once (:meth:`EtcdClient.race`)."""
         return self.client.race(op, budget)
 
+    def keep_alive(self, lease_id: int, budget: float) -> int:
+        """A keep-alive of ``lease_id`` within ``budget`` s; the TTL etcd answered (0: the
+        lease is gone). One stream per endpoint for the process (:meth:`EtcdClient.keep_alive`)."""
+        return self.client.keep_alive(lease_id, budget)
+
     def watch_prefix(self, prefix: str, start_revision: int, timeout: float) -> bool:
         """Block until a key under ``prefix`` (a full key) changes at or after
         ``start_revision`` (True), or ``timeout`` s pass with no change (False); a bounded

@@ -55,7 +55,9 @@ The etcd3 import is lazy (``open_store`` imports this module only for backend et
 so a broken client never affects the embedded store.
 
 The store (``etcd.py``: datasets and manifests) and membership (``cluster/membership.py``: leases,
-watches) send every request through one :class:`EtcdClient`.
+watches) send every request through one :class:`EtcdClient`. Lease keep-alives
+(:meth:`EtcdClient.keep_alive`) travel on one long-lived stream per endpoint
+(``etcd_keepalive.py``), not on a stream per keep-alive as etcd3's ``refresh_lease``.
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ from etcd3 import etcdrpc
 from ...config import StoreConfig
 from ...errors import ConfigError, StoreError, StoreUnavailable
 from ...tuning import ETCD_MIN_CHANNEL_AGE
+from .etcd_keepalive import KeepAlives
 
 log = logging.getLogger(__name__)
 
@@ -135,13 +138,24 @@ class _Endpoint:
         try:
             yield client
         finally:
-            with self.lock:
-                left = self._users.pop(id(client)) - 1
-                if left:
-                    self._users[id(client)] = left
-                done = None if left else self._retired.pop(id(client), None)
-            if done is not None:
-                _close(done)
+            self._release(client)
+
+    def hold(self, client: etcd3.Etcd3Client) -> Callable[[], None]:
+        """One more user of ``client``, which the caller holds already (inside
+        :meth:`using`), until the returned function is called: a stream that outlives
+        the call that opened it (``etcd_keepalive.py``)."""
+        with self.lock:
+            self._users[id(client)] += 1
+        return lambda: self._release(client)
+
+    def _release(self, client: etcd3.Etcd3Client) -> None:
+        with self.lock:
+            left = self._users.pop(id(client)) - 1
+            if left:
+                self._users[id(client)] = left
+            done = None if left else self._retired.pop(id(client), None)
+        if done is not None:
+            _close(done)
 
     def _dial(self, connect: Callable[[_Endpoint], etcd3.Etcd3Client]) -> etcd3.Etcd3Client:
         """``connect``, unless the last dial failed less than a backoff ago (0.25 s,
@@ -305,6 +319,7 @@ class EtcdClient:
         # race() workers: an attempt on a dead rail holds one for an attempt timeout
         self._pool = ThreadPoolExecutor(max_workers=4 * len(self._endpoints),
                                         thread_name_prefix="etcd-race")
+        self._keepalives = KeepAlives()
 
     @property
     def urls(self) -> list[str]:
@@ -429,7 +444,8 @@ class EtcdClient:
             raise StoreUnavailable(f"etcd unreachable after {elapsed:.1f}s (store.etcd_timeout="
                                    f"{self.timeout:g}): {detail}")
 
-    def _rpc(self, op: Callable[[etcd3.Etcd3Client], T], budget: float) -> T:
+    def _rpc(self, op_on: Callable[[_Endpoint], Callable[[etcd3.Etcd3Client], T]],
+             budget: float) -> T:
         """Run ``op`` with failover: last good endpoint first, then the others in order,
         round after round until ``budget`` seconds have passed (each endpoint tried once
         at least). Why keep retrying: a restarting etcd or a leader election makes a
@@ -444,7 +460,7 @@ class EtcdClient:
             for k in range(n):
                 ep = self._endpoints[(first + k) % n]
                 try:
-                    result = self._call_one(ep, op)
+                    result = self._call_one(ep, op_on(ep))
                 except _Unreachable as e:
                     errors[ep.url] = e
                     if k == 0 and n > 1 and ep.url not in self._said_down:
@@ -466,7 +482,17 @@ class EtcdClient:
     def call(self, op: Callable[[etcd3.Etcd3Client], T], budget: float | None = None) -> T:
         """Run ``op(client)`` with failover, retries and error mapping, one endpoint at a
         time (see :meth:`_rpc`), for ``budget`` seconds (default ``etcd_timeout``)."""
-        return self._rpc(op, self.timeout if budget is None else budget)
+        return self._rpc(lambda _: op, self.timeout if budget is None else budget)
+
+    def keep_alive(self, lease_id: int, budget: float) -> int:
+        """A keep-alive of ``lease_id`` as :meth:`call` sends a request, within ``budget``
+        seconds; the TTL etcd answered (0: the lease is gone). Sent on the process's one
+        LeaseKeepAlive stream to that endpoint (``etcd_keepalive.py``), not on a stream
+        of its own as etcd3's ``refresh_lease`` does."""
+        def on(ep: _Endpoint) -> Callable[[etcd3.Etcd3Client], int]:
+            return lambda c: self._keepalives.send(ep.url, c, lambda: ep.hold(c), lease_id,
+                                                   self.attempt_timeout)
+        return self._rpc(on, budget)
 
     def race(self, op: Callable[[etcd3.Etcd3Client], T], budget: float | None = None) -> T:
         """Run an idempotent ``op(client)`` on every endpoint at once; the first answer
@@ -509,6 +535,7 @@ class EtcdClient:
     def close(self) -> None:
         """Retire every channel (each closed by its last user) and stop the racers."""
         self._closed = True
+        self._keepalives.close()
         for ep in self._endpoints:
             ep.retire()
         self._pool.shutdown(wait=False)
