@@ -6,7 +6,7 @@
 What runs (``bench/sim/``): a 3-member etcd on loopback (``tests/fixtures/etcd_cluster.py``,
 data in /dev/shm); ``--workers`` agent processes (``bench/sim/agents.py``) holding N node
 agents and N × mounts-per-node mount agents between them, each with the real membership
-code: Registration (a lease, keep-alives every ttl/3, raced on every endpoint), the signed
+code: Registration (a lease, keep-alives every ttl/3), the signed
 NodeRecord, ``Node.publish_stats_forever`` (``stats/<node>`` every 2 s) and
 ``daemon._hold`` (``mounts/`` every 5 s); and ``--views`` Membership views (the ``nodes/``
 watch) spread over nodes and mounts: a *sample*, because every view re-lists and
@@ -66,6 +66,7 @@ COUNTERS = (
     ("proposals", "etcd_server_proposals_committed_total", "", "max"),
     ("ranges", "etcd_mvcc_range_total", "", "sum"),
     ("keepalives", "grpc_server_msg_received_total", 'grpc_method="LeaseKeepAlive"', "sum"),
+    ("keepalive_streams", "grpc_server_started_total", 'grpc_method="LeaseKeepAlive"', "sum"),
     ("watches", "grpc_server_started_total", 'grpc_method="Watch"', "sum"),
     ("sent_bytes", "etcd_network_client_grpc_sent_bytes_total", "", "sum"),
     ("recv_bytes", "etcd_network_client_grpc_received_bytes_total", "", "sum"),
@@ -379,7 +380,8 @@ def report(base: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             f"ttl {r['ttl']}s, stats every {r['stats_interval']:g}s",
             f"  register {r['register_s']:.1f}s, views listed in {r['views_listed_s']:.1f}s",
             f"  steady: puts {s['puts_s']:.0f}/s, txns {s['txns_s']:.0f}/s, proposals "
-            f"{s['proposals_s']:.0f}/s, keep-alive msgs {s['keepalives_s']:.0f}/s, ranges "
+            f"{s['proposals_s']:.0f}/s, keep-alive msgs {s['keepalives_s']:.0f}/s (streams "
+            f"{s['keepalive_streams_s']:.0f}/s), ranges "
             f"{s['ranges_s']:.0f}/s, etcd in {s['recv_bytes_s'] / 1e6:.2f} MB/s out "
             f"{s['sent_bytes_s'] / 1e6:.2f} MB/s",
             f"          etcd CPU {s['etcd_cpu']:.2f} cores (leader {s['etcd_cpu_leader']:.2f}), "

@@ -55,7 +55,7 @@ def emit(**ev: Any) -> None:
 
 @dataclass
 class ViewCounts:
-    """What one view's store saw: listings (each a race: one range per endpoint),
+    """What one view's store saw: listings (raced: one range per endpoint; now one),
     watch wake-ups by an event, watch returns at the resync deadline."""
 
     lists: int = 0
@@ -75,8 +75,12 @@ class CountingStore:
         return getattr(self._store, name)
 
     def race(self, op: Any, budget: float | None = None) -> Any:
-        self.counts.lists += 1                 # PrefixView._list is the view's only race
+        self.counts.lists += 1                 # PrefixView._list (raced before) ...
         return self._store.race(op, budget)
+
+    def call(self, op: Any, budget: float | None = None) -> Any:
+        self.counts.lists += 1                 # ... or sent to one endpoint: its only call
+        return self._store.call(op, budget)
 
     def watch_prefix(self, prefix: str, start_revision: int, timeout: float) -> Any:
         t = time.monotonic()

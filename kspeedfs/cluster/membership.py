@@ -32,13 +32,17 @@ share. The cost: a node that really died keeps R-1 live copies of its chunks for
 meanwhile on their own (a refused or silent peer is a failed replica).
 
 Views (:class:`PrefixView`) watch a prefix: list it (remembering the revision), then
-block on a watch from the next revision; any event lists again. Every ``resync`` seconds
-the watch is renewed, from the same revision: a quiet watch missed nothing (etcd sends
-every event after it, or says it was compacted, and a compaction lists again), so a
-quiet period costs a one-key read (etcd's revision: a restored etcd going back in time
-lists again), not a listing of the whole prefix. Listing on every resync was the
-cluster's largest etcd load: N views × N records every 10 s, 3 × with every member an
-endpoint (``bench.cluster_sim``; docs/design.md, "1,000 nodes, simulated"). Readers
+block on a watch from the next revision and apply its events (each carries the key's
+new value, or its deletion) to the listed values; they list again only when etcd says
+the watch's revision was compacted, on an error, or on a response that is not what was
+asked for. Every ``resync`` seconds the watch is renewed, from the same revision: a
+quiet watch missed nothing, so a quiet period costs a one-key read (etcd's revision: a
+restored etcd going back in time lists again), not a listing of the whole prefix.
+Listing on every resync, then on every change, was the cluster's largest etcd load:
+N views × N records every 10 s, and each change cost 2N listings of N records, 3 × with
+every member an endpoint (``bench.cluster_sim``; docs/design.md, "1,000 nodes,
+simulated"). Values from events reach ``on_change`` exactly as listed ones do, so node
+records from either pass the same signature and checks (:meth:`NodeRecord.verified`). Readers
 consult the view's in-memory copy; nothing on the read path talks to etcd. If etcd is
 unreachable the view keeps the last membership it saw and says so in the log once; it
 catches up when etcd is back. A mount's view also keeps the last values it saw in a file
@@ -300,6 +304,28 @@ class Registration:
                 log.warning("cannot revoke lease %x: %s", lease_id, e)
 
 
+def apply_events(values: dict[str, bytes], prefix: str,
+                 events: list[tuple[bytes, bytes | None]]) -> dict[str, bytes]:
+    """``values`` (by key suffix) with each etcd key under ``prefix`` set to its value
+    (None: deleted), as a new dict; keys come from etcd (untrusted). A key that is not
+    UTF-8 or not under ``prefix`` is left out: no record can name it (a non-UTF-8 key
+    used to make every listing fail)."""
+    out = dict(values)
+    for key, value in events:
+        try:
+            name = key.decode()
+        except UnicodeDecodeError:
+            log.warning("ignoring etcd key %r: not UTF-8", key[:200])
+            continue
+        if not name.startswith(prefix):
+            continue
+        if value is None:
+            out.pop(name[len(prefix):], None)
+        else:
+            out[name[len(prefix):]] = value
+    return out
+
+
 class PrefixView:
     """An in-memory copy of every key under a prefix, kept current by a watch.
 
@@ -330,10 +356,29 @@ class PrefixView:
         self._token: trio.lowlevel.TrioToken | None = None
 
     def _list(self) -> tuple[dict[str, bytes], int]:
-        # raced: the winner becomes the store's preferred endpoint, where the watch goes
-        resp = self.store.race(lambda c: c.get_prefix_response(self.prefix))
-        n = len(self.prefix)
-        return {kv.key.decode()[n:]: kv.value for kv in resp.kvs}, resp.header.revision
+        # one endpoint, as the watch: a listing is rare now (the watch's events are
+        # applied), and raced it was served by every etcd member
+        resp = self.store.call(lambda c: c.get_prefix_response(self.prefix))
+        listed = [(kv.key, kv.value) for kv in resp.kvs]
+        return apply_events({}, self.prefix, listed), resp.header.revision
+
+    def _follow(self, values: dict[str, bytes], rev: int) -> None:
+        """Watch from ``rev`` + 1 and apply each batch of events to ``values``, until
+        something asks for a listing (a compaction, a surprising response, etcd gone back
+        in time) or the view stops; errors propagate. A quiet watch missed nothing: it is
+        renewed from the same revision after a one-key read of etcd's revision."""
+        while not self._stop.is_set():
+            batch = self.store.watch_prefix(self.prefix, rev + 1, self.resync)
+            if batch is None:
+                if self.store.revision() < rev:
+                    return                   # restored from a snapshot: list again
+                continue
+            if batch.relist:
+                return
+            values = apply_events(values, self.prefix, batch.events)
+            rev = batch.revision
+            assert self._token is not None
+            trio.from_thread.run_sync(self._publish, values, trio_token=self._token)
 
     def _publish(self, values: dict[str, bytes]) -> None:
         self.listed.set()
@@ -415,12 +460,7 @@ class PrefixView:
                 down = False
                 assert self._token is not None
                 trio.from_thread.run_sync(self._publish, values, trio_token=self._token)
-                # a quiet watch from rev + 1 missed nothing: watch again without listing,
-                # unless etcd went back in time (restored from a snapshot: list again)
-                while (not self._stop.is_set()
-                       and not self.store.watch_prefix(self.prefix, rev + 1, self.resync)
-                       and self.store.revision() >= rev):
-                    pass
+                self._follow(values, rev)
             except trio.RunFinishedError:
                 return
             except Exception as e:          # StoreError, or an etcd3 client bug

@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 from ...config import StoreConfig
 from ...errors import DatasetNotFound
 from .base import DatasetInfo, MetadataStore, check_name, verify_blob
-from .etcd_client import EtcdClient, watch_once
+from .etcd_client import EtcdClient, WatchBatch, watch_once
 from .etcd_parts import ManifestParts
 from .etcd_versions import VersionRecords
 from .signature import RecordSigner
@@ -123,11 +123,12 @@ class EtcdStore(MetadataStore):
         lease is gone). One stream per endpoint for the process (:meth:`EtcdClient.keep_alive`)."""
         return self.client.keep_alive(lease_id, budget)
 
-    def watch_prefix(self, prefix: str, start_revision: int, timeout: float) -> bool:
+    def watch_prefix(self, prefix: str, start_revision: int,
+                     timeout: float) -> WatchBatch | None:
         """Block until a key under ``prefix`` (a full key) changes at or after
-        ``start_revision`` (True), or ``timeout`` s pass with no change (False); a bounded
-        watch (:func:`watch_once`) sent like any :meth:`call`, so a cut rail costs one
-        attempt timeout."""
+        ``start_revision`` (the changes: a :class:`WatchBatch`), or ``timeout`` s pass
+        with no change (None); a bounded watch (:func:`watch_once`) sent like any
+        :meth:`call`, so a cut rail costs one attempt timeout."""
         return self.client.call(lambda c: watch_once(c, prefix, start_revision, timeout,
                                                      self.client.attempt_timeout))
 

@@ -70,6 +70,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -98,6 +99,7 @@ _GRPC_OPTIONS = [
 _UNREACHABLE = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError)
 _UNREACHABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _DIAL_BACKOFF_MIN, _DIAL_BACKOFF_MAX = 0.25, 4.0    # s, after a failed dial (_Endpoint._dial)
+_PUT, _DELETE = 0, 1                                 # mvccpb.Event.EventType
 
 
 class _Endpoint:
@@ -211,10 +213,45 @@ def _close(client: etcd3.Etcd3Client) -> None:
     client.close()
 
 
+@dataclass(frozen=True)
+class WatchBatch:
+    """The changes one watch response carried: ``events``, in etcd's order, each a key
+    and its new value (None: deleted), up to ``revision``. ``relist``: they cannot be
+    applied (the start revision was compacted, the stream ended early, or the response
+    is not what was asked for): the watcher lists the prefix again."""
+
+    events: list[tuple[bytes, bytes | None]]
+    revision: int = 0
+    relist: bool = False
+
+
+_RELIST = WatchBatch([], relist=True)
+
+
+def watch_batch(rs: Any, prefix: bytes, start_revision: int) -> WatchBatch:
+    """The :class:`WatchBatch` of a ``WatchResponse`` ``rs`` (from etcd: untrusted) to a
+    watch of ``prefix`` from ``start_revision``. An event outside the prefix, of an
+    unknown type or from before the start revision (etcd going back in time) makes
+    the whole batch ``relist``: a listing is the safe answer to a surprise."""
+    if rs.compact_revision:
+        return _RELIST
+    events: list[tuple[bytes, bytes | None]] = []
+    revision = 0
+    for ev in rs.events:
+        kv = ev.kv
+        if (not kv.key.startswith(prefix) or ev.type not in (_PUT, _DELETE)
+                or kv.mod_revision < start_revision):
+            return _RELIST
+        events.append((bytes(kv.key), bytes(kv.value) if ev.type == _PUT else None))
+        revision = max(revision, kv.mod_revision)
+    return WatchBatch(events, revision)
+
+
 def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, timeout: float,
-               create_timeout: float) -> bool:
-    """Block until a key under ``prefix`` changes at or after ``start_revision`` (True),
-    or for ``timeout`` seconds (False: nothing changed); meant to run as
+               create_timeout: float) -> WatchBatch | None:
+    """Block until a key under ``prefix`` changes at or after ``start_revision`` (the
+    changes of etcd's first response, :func:`watch_batch`), or for ``timeout`` seconds
+    (None: nothing changed); meant to run as
     ``EtcdClient.call(lambda c: watch_once(c, ...))``.
 
     One bounded gRPC stream per call, held like any unary request: the request side is
@@ -222,8 +259,8 @@ def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, time
     half-close), so gRPC's request-iterator thread ends at once; the stream's deadline is
     ``timeout``; it is cancelled before this returns. A watch not created within
     ``create_timeout`` (a cut rail) raises ``ConnectionTimeoutError``: the client tries
-    the next endpoint. A compacted start revision returns True (the caller lists again);
-    a failed stream raises its gRPC error for :meth:`EtcdClient._classify`."""
+    the next endpoint. A compacted start revision returns a ``relist`` batch; a failed
+    stream raises its gRPC error for :meth:`EtcdClient._classify`."""
     key = prefix.encode()
     create = etcdrpc.WatchCreateRequest(key=key, range_end=etcd3.utils.increment_last_byte(key),
                                         start_revision=start_revision)
@@ -243,7 +280,7 @@ def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, time
         for rs in stream:
             created.set()
             if rs.compact_revision or rs.events:
-                return True                  # compacted: list again; or a change
+                return watch_batch(rs, key, start_revision)   # a change, or compacted
             if rs.canceled:
                 raise StoreError(f"etcd refused a watch of {prefix!r}: {rs.cancel_reason}")
     except grpc.RpcError as e:
@@ -253,13 +290,13 @@ def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, time
         # first (then it answers UNKNOWN "context deadline exceeded"; seen in CI)
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
                 e.code() == grpc.StatusCode.UNKNOWN and "deadline exceeded" in (e.details() or "")):
-            return False
+            return None
         raise
     finally:
         timer.cancel()
         timer.join()                         # its cancel() has returned, if it ran
         stream.cancel()
-    return True                              # the stream ended early: list again to be sure
+    return _RELIST                           # the stream ended early: list again to be sure
 
 
 class _Unreachable(Exception):
