@@ -104,6 +104,9 @@ class NodeRecord:
     nslots: int
     slot_size: int
     nbuckets: int
+    # the SSD tier's bytes, for ``cluster_plan``; None: a node of an earlier version,
+    # which publishes it only in ``stats/<node>``
+    disk_capacity: int | None = None
     started: float = field(default_factory=time.time)
 
     def to_json(self) -> bytes:
@@ -130,7 +133,7 @@ class NodeRecord:
             raise ValueError("a node record must be a JSON object")
         fields = cls.__dataclass_fields__
         d = {k: v for k, v in d.items() if k in fields}
-        missing = sorted(set(fields) - set(d) - {"started"})
+        missing = sorted(set(fields) - set(d) - {"started", "disk_capacity"})
         if missing:
             raise ValueError(f"node record lacks {', '.join(missing)}")
         for key in ("node", "host"):
@@ -146,6 +149,9 @@ class NodeRecord:
                         ("nslots", _I64), ("slot_size", _I64), ("nbuckets", _I64)):
             if type(d[key]) is not int or not 0 <= d[key] <= hi:
                 raise ValueError(f"node record: {key} is not an integer in 0..{hi}")
+        disk = d.get("disk_capacity")
+        if disk is not None and (type(disk) is not int or not 0 <= disk <= _I64):
+            raise ValueError(f"node record: disk_capacity is not an integer in 0..{_I64}")
         started = d.get("started", 0.0)
         if not ((type(started) is int and abs(started) <= _I64)
                 or (type(started) is float and math.isfinite(started))):

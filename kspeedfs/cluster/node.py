@@ -251,7 +251,8 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
             record = NodeRecord(node=name, host=os.uname().nodename, nics=list(ep.nics), port=port,
                                 rpc_port=cfg.cluster.rpc_port, capacity=geometry.arena_bytes,
                                 nslots=geometry.nslots, slot_size=geometry.slot_size,
-                                nbuckets=geometry.nbuckets)
+                                nbuckets=geometry.nbuckets,
+                                disk_capacity=disk.capacity if disk is not None else 0)
             await trio.to_thread.run_sync(registration.put, NodeRecord.key(store, name),
                                           record.signed(store))
             nursery.start_soon(registration.run, name="lease")
