@@ -7,10 +7,10 @@ What runs (``bench/sim/``): a 3-member etcd on loopback (``tests/fixtures/etcd_c
 data in /dev/shm); ``--workers`` agent processes (``bench/sim/agents.py``) holding N node
 agents and N × mounts-per-node mount agents between them, each with the real membership
 code: Registration (a lease, keep-alives every ttl/3), the signed
-NodeRecord, ``Node.publish_stats_forever`` (``stats/<node>`` every 2 s) and
+NodeRecord, ``stats/<node>`` every 2 s (what nodes published before the stats RPC) and
 ``daemon._hold`` (``mounts/`` every 5 s); and ``--views`` Membership views (the ``nodes/``
-watch) spread over nodes and mounts: a *sample*, because every view re-lists and
-re-verifies all N records on every change (see below), which on 2 cores is the
+watch) spread over nodes and mounts: a *sample*, because every view checks
+all N records on every change (see below), which on 2 cores is the
 simulator's own limit long before etcd's. Their etcd load is counted per view and
 scaled to N + M views in the arithmetic.
 
@@ -440,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="each store lists all 3 members (production) or one")
     p.add_argument("--ttl", type=int, default=5, help="cluster.lease_ttl")
     p.add_argument("--stats-interval", type=float, default=2.0,
-                   help="Node.publish_stats_forever's interval")
+                   help="the stats/<node> publication's interval (nodes before the stats RPC)")
     p.add_argument("--ramp-rate", type=float, default=150.0,
                    help="agents registered per second per agent process")
     p.add_argument("--replicas", type=int, default=2)

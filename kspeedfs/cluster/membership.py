@@ -5,7 +5,8 @@ Keys (``P`` = ``store.etcd_prefix``)::
     P nodes/<node>                   NodeRecord JSON, attached to the node's lease
     P preload/<dataset>              {"version": N}: the cluster should hold this version
     P progress/<dataset>@<N>/<node>  a node's preload progress (also on its lease)
-    P stats/<node>                   a node's statistics for ``kspeedfs status`` (lease)
+    P stats/<node>                   a node's statistics, from nodes of earlier versions
+                                     only (now asked over the ``stats`` RPC)
 
 A node puts its record with a lease of ``cluster.lease_ttl`` seconds and refreshes it
 every third of that; when the node dies the lease expires and etcd deletes every key
