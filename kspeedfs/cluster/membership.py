@@ -73,6 +73,7 @@ import trio
 
 from ..errors import ConfigError, RecordUnverified, StoreError
 from ..manifest.store.etcd import EtcdStore
+from ..manifest.store.etcd_client import WatchBatch
 from ..manifest.store.signature import canonical_json, warn_refused
 from .placement import Member
 
@@ -370,22 +371,23 @@ class PrefixView:
         return apply_events({}, self.prefix, listed), resp.header.revision
 
     def _follow(self, values: dict[str, bytes], rev: int) -> None:
-        """Watch from ``rev`` + 1 and apply each batch of events to ``values``, until
-        something asks for a listing (a compaction, a surprising response, etcd gone back
-        in time) or the view stops; errors propagate. A quiet watch missed nothing: it is
-        renewed from the same revision after a one-key read of etcd's revision."""
-        while not self._stop.is_set():
-            batch = self.store.watch_prefix(self.prefix, rev + 1, self.resync)
-            if batch is None:
-                if self.store.revision() < rev:
-                    return                   # restored from a snapshot: list again
-                continue
-            if batch.relist:
-                return
+        """Watch from ``rev`` + 1 and apply each batch of events to ``values`` as it
+        comes, on one stream until the resync deadline, until something asks for a
+        listing (a compaction, a surprising response, etcd gone back in time) or the
+        view stops; errors propagate. A watch renewed at the deadline missed nothing: it
+        goes on from the last revision seen, after a one-key read of etcd's revision."""
+        def apply(batch: WatchBatch) -> None:
+            nonlocal values, rev
             values = apply_events(values, self.prefix, batch.events)
             rev = batch.revision
             assert self._token is not None
             trio.from_thread.run_sync(self._publish, values, trio_token=self._token)
+
+        while not self._stop.is_set():
+            if self.store.watch_prefix(self.prefix, rev + 1, self.resync, apply) is not None:
+                return                       # compacted or surprised: list again
+            if self.store.revision() < rev:
+                return                       # restored from a snapshot: list again
 
     def _publish(self, values: dict[str, bytes]) -> None:
         self.listed.set()

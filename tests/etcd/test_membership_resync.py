@@ -9,6 +9,7 @@ one-key read, and a change is one event per view."""
 from __future__ import annotations
 
 import os
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -117,3 +118,32 @@ async def test_etcd_going_back_in_time_lists_again(store: Counting) -> None:
         store.revision = lambda: 0                  # type: ignore[method-assign]  # restored
         await trio.sleep(0.7)
         assert store.lists >= 2
+
+
+def _watch_streams(server: EtcdServer) -> float:
+    with urllib.request.urlopen(f"{server.endpoint}/metrics", timeout=5) as r:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                   if line.startswith('grpc_server_started_total{grpc_method="Watch",'
+                                      'grpc_service="etcdserverpb.Watch"'))
+
+
+async def test_changes_arrive_on_one_watch_stream(etcd_server_private: EtcdServer) -> None:
+    """A view's watch stays open across changes until its resync deadline: 4 changes
+    cost no new stream (a stream per change before)."""
+    cfg = StoreConfig(backend="etcd", etcd=[etcd_server_private.endpoint],
+                      etcd_prefix=f"/ksf-{uuid.uuid4().hex[:12]}/")
+    with Counting(cfg, os.urandom(32)) as store:
+        view = PrefixView(store, "nodes/", resync=30.0)
+        async with trio.open_nursery() as n:
+            await n.start(view.run)
+            await trio.sleep(0.3)                   # the first watch is open
+            streams = _watch_streams(etcd_server_private)
+            for i in range(4):
+                changed = view.changed
+                await trio.to_thread.run_sync(_put, store, f"k{i}")
+                with trio.fail_after(5):
+                    await changed.wait()
+            assert set(view.values) == {"k0", "k1", "k2", "k3"}
+            assert _watch_streams(etcd_server_private) == streams
+            n.cancel_scope.cancel()
+        assert store.lists == 1

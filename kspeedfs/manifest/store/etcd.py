@@ -123,14 +123,24 @@ class EtcdStore(MetadataStore):
         lease is gone). One stream per endpoint for the process (:meth:`EtcdClient.keep_alive`)."""
         return self.client.keep_alive(lease_id, budget)
 
-    def watch_prefix(self, prefix: str, start_revision: int,
-                     timeout: float) -> WatchBatch | None:
+    def watch_prefix(self, prefix: str, start_revision: int, timeout: float,
+                     on_batch: Callable[[WatchBatch], None] | None = None) -> WatchBatch | None:
         """Block until a key under ``prefix`` (a full key) changes at or after
         ``start_revision`` (the changes: a :class:`WatchBatch`), or ``timeout`` s pass
         with no change (None); a bounded watch (:func:`watch_once`) sent like any
-        :meth:`call`, so a cut rail costs one attempt timeout."""
-        return self.client.call(lambda c: watch_once(c, prefix, start_revision, timeout,
-                                                     self.client.attempt_timeout))
+        :meth:`call`, so a cut rail costs one attempt timeout. With ``on_batch``: every
+        change goes to it until ``timeout`` (None) or a listing is asked for (that
+        batch); a stream that fails meanwhile is watched again from after the last
+        batch, never from ``start_revision`` (no change is applied twice)."""
+        after = [start_revision]
+
+        def seen(batch: WatchBatch) -> None:
+            after[0] = batch.revision + 1
+            assert on_batch is not None
+            on_batch(batch)
+        return self.client.call(lambda c: watch_once(
+            c, prefix, after[0], timeout, self.client.attempt_timeout,
+            seen if on_batch is not None else None))
 
     def revision(self) -> int:
         """etcd's current revision (a one-key read: its response header)."""

@@ -248,11 +248,15 @@ def watch_batch(rs: Any, prefix: bytes, start_revision: int) -> WatchBatch:
 
 
 def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, timeout: float,
-               create_timeout: float) -> WatchBatch | None:
+               create_timeout: float,
+               on_batch: Callable[[WatchBatch], None] | None = None) -> WatchBatch | None:
     """Block until a key under ``prefix`` changes at or after ``start_revision`` (the
     changes of etcd's first response, :func:`watch_batch`), or for ``timeout`` seconds
     (None: nothing changed); meant to run as
-    ``EtcdClient.call(lambda c: watch_once(c, ...))``.
+    ``EtcdClient.call(lambda c: watch_once(c, ...))``. With ``on_batch``, every batch
+    of changes goes to it and the same stream goes on until ``timeout`` (None) or a
+    batch asks for a listing (returned): a change costs a view one response, not a
+    stream of its own.
 
     One bounded gRPC stream per call, held like any unary request: the request side is
     one create request, then closed (etcd keeps a watch stream open after the client's
@@ -280,7 +284,12 @@ def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, time
         for rs in stream:
             created.set()
             if rs.compact_revision or rs.events:
-                return watch_batch(rs, key, start_revision)   # a change, or compacted
+                batch = watch_batch(rs, key, start_revision)  # a change, or compacted
+                if on_batch is None or batch.relist:
+                    return batch
+                on_batch(batch)
+                start_revision = batch.revision + 1
+                continue
             if rs.canceled:
                 raise StoreError(f"etcd refused a watch of {prefix!r}: {rs.cancel_reason}")
     except grpc.RpcError as e:
