@@ -33,18 +33,20 @@ share. The cost: a node that really died keeps R-1 live copies of its chunks for
 meanwhile on their own (a refused or silent peer is a failed replica).
 
 Views (:class:`PrefixView`) watch a prefix: list it (remembering the revision), then
-block on a watch from the next revision and apply its events (each carries the key's
-new value, or its deletion) to the listed values; they list again only when etcd says
-the watch's revision was compacted, on an error, or on a response that is not what was
-asked for. Every ``resync`` seconds the watch is renewed, from the same revision: a
+watch from the next revision and apply its events (each carries the key's new value,
+or its deletion) to the listed values as they arrive, on one stream until the resync
+deadline (a stream per change cost etcd 2N stream set-ups); they list again only when
+etcd says the watch's revision was compacted, on an error, or on a response that is not
+what was asked for. Every ``resync`` seconds the watch is renewed, from the last
+revision seen: a
 quiet watch missed nothing, so a quiet period costs a one-key read (etcd's revision: a
 restored etcd going back in time lists again), not a listing of the whole prefix.
 Listing on every resync, then on every change, was the cluster's largest etcd load:
 N views × N records every 10 s, and each change cost 2N listings of N records, 3 × with
 every member an endpoint (``bench.cluster_sim``; docs/design.md, "1,000 nodes,
 simulated"). Values from events reach ``on_change`` exactly as listed ones do, so node
-records from either pass the same signature and checks (:meth:`NodeRecord.verified`). Readers
-consult the view's in-memory copy; nothing on the read path talks to etcd. If etcd is
+records from either pass the same signature and checks (:meth:`NodeRecord.verified`).
+Readers consult the view's in-memory copy; nothing on the read path talks to etcd. If etcd is
 unreachable the view keeps the last membership it saw and says so in the log once; it
 catches up when etcd is back. A mount's view also keeps the last values it saw in a file
 (``keep``, under /run/kspeedfs/mounts, root only), and the daemon that takes the mount
