@@ -327,15 +327,34 @@ def _unreachable(code: Any, details: str) -> _Unreachable:
     return _Unreachable(f"{code.name}: {details}")
 
 
+# -- two ways to send --------------------------------------------------------------------
+#
+# Two ways to send a request, both bounded by ``etcd_attempt_timeout`` per endpoint:
+#
+#   call(op)  one endpoint at a time, the last one that answered first: for writes
+#             that must not run twice at once (allocate, seal, remove, lease grant),
+#             and for lease keep-alives and puts on the lease, whose budget (a
+#             refresh period) holds one attempt timeout and the next endpoint's answer.
+#   race(op)  every endpoint at once, the first answer wins: for idempotent requests
+#             whose latency matters more than etcd's load (each is served E times).
+#
+# Error classes (``_classify``): no answer, a closed or cancelled channel, a TLS
+# failure -> _Unreachable (next endpoint; a TLS failure everywhere is reported as
+# such at once, it is configuration, not an outage); an expired or rejected token ->
+# re-authenticate once; anything else etcd answered -> StoreError naming it.
+
+
 class EtcdClient:
     """Requests to an etcd cluster through every configured endpoint (one per rail).
 
     Contract: :meth:`call` and :meth:`race` run ``op(client)`` (an ``etcd3`` client call)
     and return its result, or raise ``StoreUnavailable`` once no endpoint answered within
-    ``store.etcd_timeout`` (each attempt bounded by ``store.etcd_attempt_timeout``),
-    ``StoreError`` for what etcd answered (a refusal, bad credentials) or a TLS failure
-    on every endpoint. Thread-safe: any thread may call; channels are shared and
-    replaced, never closed under a user. ``race`` is only for idempotent requests.
+    ``store.etcd_timeout`` or the budget given (each attempt bounded by
+    ``store.etcd_attempt_timeout``), ``StoreError`` for what etcd answered (a refusal,
+    bad credentials) or a TLS failure on every endpoint; :meth:`keep_alive` is a call
+    on the endpoint's standing keep-alive stream. Thread-safe: any thread may call;
+    channels are shared and replaced, never closed under a user (nor under a stream).
+    ``race`` is only for idempotent requests.
 
     Attributes: ``timeout`` and ``attempt_timeout`` (s); ``authenticated``, true once a
     channel authenticated as ``store.etcd_user``; ``urls``, the endpoints in order."""
@@ -370,22 +389,6 @@ class EtcdClient:
     @property
     def urls(self) -> list[str]:
         return [e.url for e in self._endpoints]
-
-    # -- two ways to send --------------------------------------------------------------------
-    #
-    # Two ways to send a request, both bounded by ``etcd_attempt_timeout`` per endpoint:
-    #
-    #   call(op)  one endpoint at a time, the last one that answered first: for writes
-    #             that must not run twice at once (allocate, seal, remove, lease grant),
-    #             and for lease keep-alives and puts on the lease, whose budget (a
-    #             refresh period) holds one attempt timeout and the next endpoint's answer.
-    #   race(op)  every endpoint at once, the first answer wins: for idempotent requests
-    #             whose latency matters more than etcd's load (each is served E times).
-    #
-    # Error classes (``_classify``): no answer, a closed or cancelled channel, a TLS
-    # failure -> _Unreachable (next endpoint; a TLS failure everywhere is reported as
-    # such at once, it is configuration, not an outage); an expired or rejected token ->
-    # re-authenticate once; anything else etcd answered -> StoreError naming it.
 
     def _connect(self, ep: _Endpoint) -> etcd3.Etcd3Client:
         ca = cert = key = None
