@@ -108,10 +108,10 @@ class NodeRecord:
     nslots: int
     slot_size: int
     nbuckets: int
+    started: float = field(default_factory=time.time)
     # the SSD tier's bytes, for ``cluster_plan``; None: a node of an earlier version,
     # which publishes it only in ``stats/<node>``
     disk_capacity: int | None = None
-    started: float = field(default_factory=time.time)
 
     def to_json(self) -> bytes:
         return canonical_json(asdict(self))
