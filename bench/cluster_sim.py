@@ -6,11 +6,11 @@
 What runs (``bench/sim/``): a 3-member etcd on loopback (``tests/fixtures/etcd_cluster.py``,
 data in /dev/shm); ``--workers`` agent processes (``bench/sim/agents.py``) holding N node
 agents and N × mounts-per-node mount agents between them, each with the real membership
-code: Registration (a lease, keep-alives every ttl/3, raced on every endpoint), the signed
-NodeRecord, ``Node.publish_stats_forever`` (``stats/<node>`` every 2 s) and
+code: Registration (a lease, keep-alives every ttl/3), the signed
+NodeRecord, ``stats/<node>`` every 2 s (what nodes published before the stats RPC) and
 ``daemon._hold`` (``mounts/`` every 5 s); and ``--views`` Membership views (the ``nodes/``
-watch) spread over nodes and mounts: a *sample*, because every view re-lists and
-re-verifies all N records on every change (see below), which on 2 cores is the
+watch) spread over nodes and mounts: a *sample*, because every view checks
+all N records on every change (see below), which on 2 cores is the
 simulator's own limit long before etcd's. Their etcd load is counted per view and
 scaled to N + M views in the arithmetic.
 
@@ -66,6 +66,7 @@ COUNTERS = (
     ("proposals", "etcd_server_proposals_committed_total", "", "max"),
     ("ranges", "etcd_mvcc_range_total", "", "sum"),
     ("keepalives", "grpc_server_msg_received_total", 'grpc_method="LeaseKeepAlive"', "sum"),
+    ("keepalive_streams", "grpc_server_started_total", 'grpc_method="LeaseKeepAlive"', "sum"),
     ("watches", "grpc_server_started_total", 'grpc_method="Watch"', "sum"),
     ("sent_bytes", "etcd_network_client_grpc_sent_bytes_total", "", "sum"),
     ("recv_bytes", "etcd_network_client_grpc_received_bytes_total", "", "sum"),
@@ -379,7 +380,8 @@ def report(base: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             f"ttl {r['ttl']}s, stats every {r['stats_interval']:g}s",
             f"  register {r['register_s']:.1f}s, views listed in {r['views_listed_s']:.1f}s",
             f"  steady: puts {s['puts_s']:.0f}/s, txns {s['txns_s']:.0f}/s, proposals "
-            f"{s['proposals_s']:.0f}/s, keep-alive msgs {s['keepalives_s']:.0f}/s, ranges "
+            f"{s['proposals_s']:.0f}/s, keep-alive msgs {s['keepalives_s']:.0f}/s (streams "
+            f"{s['keepalive_streams_s']:.0f}/s), ranges "
             f"{s['ranges_s']:.0f}/s, etcd in {s['recv_bytes_s'] / 1e6:.2f} MB/s out "
             f"{s['sent_bytes_s'] / 1e6:.2f} MB/s",
             f"          etcd CPU {s['etcd_cpu']:.2f} cores (leader {s['etcd_cpu_leader']:.2f}), "
@@ -438,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="each store lists all 3 members (production) or one")
     p.add_argument("--ttl", type=int, default=5, help="cluster.lease_ttl")
     p.add_argument("--stats-interval", type=float, default=2.0,
-                   help="Node.publish_stats_forever's interval")
+                   help="the stats/<node> publication's interval (nodes before the stats RPC)")
     p.add_argument("--ramp-rate", type=float, default=150.0,
                    help="agents registered per second per agent process")
     p.add_argument("--replicas", type=int, default=2)

@@ -11,7 +11,7 @@ is made from it with ``dataclasses.asdict`` only where it leaves the process:
     PeerStatistics      cluster/fetch   Peers.statistics()     reads from peer arenas
     ArenaStatistics     cluster/arena   Arena.statistics()     a node's memory arena
     NodeStatistics      cluster/node_stats  Node.statistics()      a node: the ``stats`` RPC
-                                                               and ``stats/<node>`` in etcd
+                                                               (``kspeedfs status``)
 """
 from __future__ import annotations
 

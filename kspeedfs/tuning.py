@@ -143,6 +143,10 @@ CAS_ATTEMPTS = 200
 #: a failing etcd channel is dialled again at most this often (s)
 ETCD_MIN_CHANNEL_AGE = 3.0
 
+#: an ending keep-alive stream waits this long (s) for gRPC to leave its request
+#: iterator before it releases the channel (``etcd_keepalive.py``)
+ETCD_KEEPALIVE_ITERATOR_EXIT = 1.0
+
 # -- import (manifest/importer.py, manifest/spill.py) ----------------------------------
 
 #: entries the importer's arrays hold in memory before they are written to their spill

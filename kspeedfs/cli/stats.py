@@ -7,7 +7,7 @@ Where the numbers come from (this command keeps no counters of its own):
                  ``--interval`` s over the daemon's control socket (root-only:
                  ``fuse/registry.py`` ``ask``), or, where that cannot be reached (not
                  root), as the ``user.kspeedfs.stats`` xattr of a ``fuse.xattrs=true`` mount
-    --cluster    the ``stats/<node>`` records the live nodes publish to etcd every 2 s
+    --cluster    every live node's ``stats`` RPC answer, asked at each sample
                  (``cluster/node_stats.py`` NodeStatistics: arena, counters, reads, endpoint)
 
 A sample is the difference of two readings over the time between them, so the first
@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args)
         store = cluster_store(cfg, "stats --cluster")
         try:
-            return _watch(ClusterReader(store), ClusterRates(), _cluster_view, args)
+            return _watch(ClusterReader(store, cfg.cluster.secret()), ClusterRates(),
+                          _cluster_view, args)
         finally:
             store.close()
     load_config(args)                   # a bad --set or --config is an error here too
@@ -346,28 +347,30 @@ def _peer_line(p: dict[str, Any]) -> str:
 # -- the cluster -------------------------------------------------------------------------
 
 class ClusterReader:
-    """The live nodes (signed ``nodes/`` records) and their ``stats/`` records (in the
-    shape ``lifecycle.node_stats`` gives them, whatever etcd holds)."""
+    """The live nodes (signed ``nodes/`` records) and their ``stats`` RPC answers (in the
+    shape ``lifecycle.node_stats`` gives them, whatever a node answered)."""
 
     title = "the cluster"
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, secret: bytes) -> None:
         self.store = store
+        self.secret = secret
 
     def __call__(self) -> dict[str, Any]:
+        from ..cluster import node_stats as asking
         from ..cluster.lifecycle import node_stats
-        from ..cluster.membership import NodeRecord, list_json
+        from ..cluster.membership import NodeRecord
 
         live = NodeRecord.list_verified(self.store)
-        stats = list_json(self.store, "stats/")
+        stats = asking.gather(self.secret, list(live.values()))
         return {"time": time.time(), "live": {n: r.capacity for n, r in live.items()},
                 "stats": {n: node_stats(s) for n, s in stats.items()
                           if n in live and isinstance(s, dict)}}
 
 
 class ClusterRates:
-    """Per-node rates from successive ``stats/<node>`` records, each over the time
-    between the two records' own ``time`` stamps."""
+    """Per-node rates from successive ``stats`` answers, each over the time between the
+    two answers' own ``time`` stamps."""
 
     def __init__(self) -> None:
         self.prev: dict[str, dict[str, Any]] = {}

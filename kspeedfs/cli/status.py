@@ -1,5 +1,7 @@
-"""``kspeedfs status``: the cluster at a glance, from etcd only (nodes publish every 2 s);
-on a single machine (the embedded store), this machine's live mounts of the store
+"""``kspeedfs status``: the cluster at a glance: the live nodes, preloads, progress and
+mounts from etcd, each node's statistics from its ``stats`` RPC, asked at once
+(``node_stats.gather``; a node that does not answer in 3 s shows none). On a single
+machine (the embedded store), this machine's live mounts of the store
 (``fuse/registry.py``) with their tier use, each asked over its control socket."""
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from ..cluster import lifecycle
+    from ..cluster import lifecycle, node_stats
     from ..cluster.membership import NodeRecord
     from ..cluster.membership import list_json as _prefix
 
@@ -34,8 +36,9 @@ def run(args: argparse.Namespace) -> int:
         return _single_machine(cfg, args.json)
     store = cluster_store(cfg, "status")
     # only nodes whose record is signed with the cluster secret (others: one warning each)
-    nodes = {n: asdict(r) for n, r in NodeRecord.list_verified(store).items()}
-    stats = _prefix(store, "stats/")
+    records = NodeRecord.list_verified(store)
+    nodes = {n: asdict(r) for n, r in records.items()}
+    stats = node_stats.gather(cfg.cluster.secret(), list(records.values()))
     preload = {name: asdict(req) for name, req in lifecycle.preloads(store).items()}
     progress = _prefix(store, "progress/")
     held = {tag: [asdict(r) for r in recs] for tag, recs in lifecycle.mounts(store).items()}

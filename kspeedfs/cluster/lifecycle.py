@@ -407,7 +407,8 @@ def plan(new: Holding, held: list[Holding], replicas: int, slot_size: int,
 def cluster_plan(store: Any, name: str, version: int, chunks: int, priority: int,
                  replicas: int) -> CapacityPlan:
     """Blocking: the plan of preloading ``name@version`` against the live cluster
-    (node records for arenas, ``stats/`` for SSD tiers, ``preload/`` for what is held)."""
+    (node records for arenas and SSD tiers, ``preload/`` for what is held). A record of
+    an earlier node version has no SSD capacity: its ``stats/`` record's is read."""
     from .membership import NodeRecord, list_json
 
     nodes = NodeRecord.list_verified(store)
@@ -415,8 +416,12 @@ def cluster_plan(store: Any, name: str, version: int, chunks: int, priority: int
         raise StoreError("no live nodes (start `kspeedfs node` on the training nodes)")
     slot = min(r.slot_size for r in nodes.values())
     memory_slots = sum(r.nslots for r in nodes.values())
-    stats = list_json(store, "stats/")
-    disk = sum(node_stats(s)["disk"].get("capacity", 0) for n, s in stats.items() if n in nodes)
+    disk = sum(r.disk_capacity or 0 for r in nodes.values())
+    earlier = {n for n, r in nodes.items() if r.disk_capacity is None}
+    if earlier:
+        stats = list_json(store, "stats/")
+        disk += sum(node_stats(s)["disk"].get("capacity", 0) for n, s in stats.items()
+                    if n in earlier)
     held = []
     for other, req in preloads(store).items():
         if other == name:

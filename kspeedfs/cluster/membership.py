@@ -5,7 +5,8 @@ Keys (``P`` = ``store.etcd_prefix``)::
     P nodes/<node>                   NodeRecord JSON, attached to the node's lease
     P preload/<dataset>              {"version": N}: the cluster should hold this version
     P progress/<dataset>@<N>/<node>  a node's preload progress (also on its lease)
-    P stats/<node>                   a node's statistics for ``kspeedfs status`` (lease)
+    P stats/<node>                   a node's statistics, from nodes of earlier versions
+                                     only (now asked over the ``stats`` RPC)
 
 A node puts its record with a lease of ``cluster.lease_ttl`` seconds and refreshes it
 every third of that; when the node dies the lease expires and etcd deletes every key
@@ -14,11 +15,15 @@ vRDMA heartbeats already detect a dead peer in ~50 ms for the read path, the lea
 decides when its chunks are re-replicated). A lease lost anyway (etcd restored from a
 snapshot, a long partition) is re-granted and the keys put again.
 
-Rails. Every keep-alive and every put on the lease is *raced* on all etcd endpoints
-(``EtcdStore.race``: one endpoint per rail, first answer wins), each attempt bounded by
-``store.etcd_attempt_timeout``. So a cut NIC or a whole rail down costs no refresh, for
-any length of time, while one rail reaches etcd; the timeout arithmetic against the
-TTL is in docs/design.md ("etcd across rails").
+Rails. Every keep-alive and every put on the lease goes to one etcd endpoint, the last
+one that answered (``EtcdStore.call``), and to the next after
+``store.etcd_attempt_timeout`` without an answer; a keep-alive's whole budget is one
+refresh period. So a cut NIC, a whole rail down or a stopped member costs one attempt
+timeout (shorter than a period) once, and no refresh, for any length of time, while one
+endpoint reaches etcd; the timeout arithmetic against the TTL is in docs/design.md
+("etcd across rails"). They used to be raced on every endpoint, and with every etcd
+member an endpoint etcd applied each put three times (docs/design.md, "1,000 nodes,
+simulated").
 
 Flaps. A node whose record disappears stays a member (placement unchanged, nothing
 re-replicated) for ``cluster.leave_grace`` seconds; back within that, nobody noticed.
@@ -28,14 +33,20 @@ share. The cost: a node that really died keeps R-1 live copies of its chunks for
 meanwhile on their own (a refused or silent peer is a failed replica).
 
 Views (:class:`PrefixView`) watch a prefix: list it (remembering the revision), then
-block on a watch from the next revision; any event lists again. Every ``resync`` seconds
-the watch is renewed, from the same revision: a quiet watch missed nothing (etcd sends
-every event after it, or says it was compacted, and a compaction lists again), so a
-quiet period costs a one-key read (etcd's revision: a restored etcd going back in time
-lists again), not a listing of the whole prefix. Listing on every resync was the
-cluster's largest etcd load: N views × N records every 10 s, 3 × with every member an
-endpoint (``bench.cluster_sim``; docs/design.md, "1,000 nodes, simulated"). Readers
-consult the view's in-memory copy; nothing on the read path talks to etcd. If etcd is
+watch from the next revision and apply its events (each carries the key's new value,
+or its deletion) to the listed values as they arrive, on one stream until the resync
+deadline (a stream per change cost etcd 2N stream set-ups); they list again only when
+etcd says the watch's revision was compacted, on an error, or on a response that is not
+what was asked for. Every ``resync`` seconds the watch is renewed, from the last
+revision seen: a
+quiet watch missed nothing, so a quiet period costs a one-key read (etcd's revision: a
+restored etcd going back in time lists again), not a listing of the whole prefix.
+Listing on every resync, then on every change, was the cluster's largest etcd load:
+N views × N records every 10 s, and each change cost 2N listings of N records, 3 × with
+every member an endpoint (``bench.cluster_sim``; docs/design.md, "1,000 nodes,
+simulated"). Values from events reach ``on_change`` exactly as listed ones do, so node
+records from either pass the same signature and checks (:meth:`NodeRecord.verified`).
+Readers consult the view's in-memory copy; nothing on the read path talks to etcd. If etcd is
 unreachable the view keeps the last membership it saw and says so in the log once; it
 catches up when etcd is back. A mount's view also keeps the last values it saw in a file
 (``keep``, under /run/kspeedfs/mounts, root only), and the daemon that takes the mount
@@ -64,6 +75,7 @@ import trio
 
 from ..errors import ConfigError, RecordUnverified, StoreError
 from ..manifest.store.etcd import EtcdStore
+from ..manifest.store.etcd_client import WatchBatch
 from ..manifest.store.signature import canonical_json, warn_refused
 from .placement import Member
 
@@ -97,6 +109,9 @@ class NodeRecord:
     slot_size: int
     nbuckets: int
     started: float = field(default_factory=time.time)
+    # the SSD tier's bytes, for ``cluster_plan``; None: a node of an earlier version,
+    # which publishes it only in ``stats/<node>``
+    disk_capacity: int | None = None
 
     def to_json(self) -> bytes:
         return canonical_json(asdict(self))
@@ -122,7 +137,7 @@ class NodeRecord:
             raise ValueError("a node record must be a JSON object")
         fields = cls.__dataclass_fields__
         d = {k: v for k, v in d.items() if k in fields}
-        missing = sorted(set(fields) - set(d) - {"started"})
+        missing = sorted(set(fields) - set(d) - {"started", "disk_capacity"})
         if missing:
             raise ValueError(f"node record lacks {', '.join(missing)}")
         for key in ("node", "host"):
@@ -138,6 +153,9 @@ class NodeRecord:
                         ("nslots", _I64), ("slot_size", _I64), ("nbuckets", _I64)):
             if type(d[key]) is not int or not 0 <= d[key] <= hi:
                 raise ValueError(f"node record: {key} is not an integer in 0..{hi}")
+        disk = d.get("disk_capacity")
+        if disk is not None and (type(disk) is not int or not 0 <= disk <= _I64):
+            raise ValueError(f"node record: disk_capacity is not an integer in 0..{_I64}")
         started = d.get("started", 0.0)
         if not ((type(started) is int and abs(started) <= _I64)
                 or (type(started) is float and math.isfinite(started))):
@@ -231,7 +249,7 @@ class Registration:
         for k, v in keys.items():
             def put(c: Any, k: str = k, v: bytes = v) -> Any:
                 return c.put(k, v, lease=lease.id)
-            self.store.race(put)
+            self.store.call(put)
         log.info("etcd lease %x granted (ttl %ds); %d keys attached", self.lease_id, self.ttl, len(keys))
 
     def put(self, key: str, value: bytes) -> None:
@@ -243,7 +261,7 @@ class Registration:
                 self._grant()                # puts every remembered key, this one too
                 return
         lease_id = self.lease_id             # granted by whoever got here first
-        self.store.race(lambda c: c.put(key, value, lease=lease_id))
+        self.store.call(lambda c: c.put(key, value, lease=lease_id))
 
     def forget(self, key: str) -> None:
         """Stop re-attaching ``key`` after a re-grant (no etcd request: whoever removed
@@ -258,10 +276,10 @@ class Registration:
                     self._grant()
             return
         lease_id = self.lease_id
-        # every rail at once; a refresh that no rail answers within a period is retried
-        # by the next one (docs/design.md: two periods fit in the TTL)
-        responses = self.store.race(lambda c: list(c.refresh_lease(lease_id)), budget=self.period)
-        if not responses or responses[0].TTL <= 0:
+        # one member, the next one after an attempt timeout (A <= P); a refresh that no
+        # member answers within a period is retried by the next one (docs/design.md,
+        # "etcd across rails": two periods fit in the TTL)
+        if self.store.keep_alive(lease_id, budget=self.period) <= 0:
             log.warning("etcd lease %x expired; registering again", lease_id)
             with self._granting:
                 if self.lease_id == lease_id:
@@ -296,6 +314,28 @@ class Registration:
                 log.warning("cannot revoke lease %x: %s", lease_id, e)
 
 
+def apply_events(values: dict[str, bytes], prefix: str,
+                 events: list[tuple[bytes, bytes | None]]) -> dict[str, bytes]:
+    """``values`` (by key suffix) with each etcd key under ``prefix`` set to its value
+    (None: deleted), as a new dict; keys come from etcd (untrusted). A key that is not
+    UTF-8 or not under ``prefix`` is left out: no record can name it (a non-UTF-8 key
+    used to make every listing fail)."""
+    out = dict(values)
+    for key, value in events:
+        try:
+            name = key.decode()
+        except UnicodeDecodeError:
+            log.warning("ignoring etcd key %r: not UTF-8", key[:200])
+            continue
+        if not name.startswith(prefix):
+            continue
+        if value is None:
+            out.pop(name[len(prefix):], None)
+        else:
+            out[name[len(prefix):]] = value
+    return out
+
+
 class PrefixView:
     """An in-memory copy of every key under a prefix, kept current by a watch.
 
@@ -326,10 +366,30 @@ class PrefixView:
         self._token: trio.lowlevel.TrioToken | None = None
 
     def _list(self) -> tuple[dict[str, bytes], int]:
-        # raced: the winner becomes the store's preferred endpoint, where the watch goes
-        resp = self.store.race(lambda c: c.get_prefix_response(self.prefix))
-        n = len(self.prefix)
-        return {kv.key.decode()[n:]: kv.value for kv in resp.kvs}, resp.header.revision
+        # one endpoint, as the watch: a listing is rare now (the watch's events are
+        # applied), and raced it was served by every etcd member
+        resp = self.store.call(lambda c: c.get_prefix_response(self.prefix))
+        listed = [(kv.key, kv.value) for kv in resp.kvs]
+        return apply_events({}, self.prefix, listed), resp.header.revision
+
+    def _follow(self, values: dict[str, bytes], rev: int) -> None:
+        """Watch from ``rev`` + 1 and apply each batch of events to ``values`` as it
+        comes, on one stream until the resync deadline, until something asks for a
+        listing (a compaction, a surprising response, etcd gone back in time) or the
+        view stops; errors propagate. A watch renewed at the deadline missed nothing: it
+        goes on from the last revision seen, after a one-key read of etcd's revision."""
+        def apply(batch: WatchBatch) -> None:
+            nonlocal values, rev
+            values = apply_events(values, self.prefix, batch.events)
+            rev = batch.revision
+            assert self._token is not None
+            trio.from_thread.run_sync(self._publish, values, trio_token=self._token)
+
+        while not self._stop.is_set():
+            if self.store.watch_prefix(self.prefix, rev + 1, self.resync, apply) is not None:
+                return                       # compacted or surprised: list again
+            if self.store.revision() < rev:
+                return                       # restored from a snapshot: list again
 
     def _publish(self, values: dict[str, bytes]) -> None:
         self.listed.set()
@@ -411,12 +471,7 @@ class PrefixView:
                 down = False
                 assert self._token is not None
                 trio.from_thread.run_sync(self._publish, values, trio_token=self._token)
-                # a quiet watch from rev + 1 missed nothing: watch again without listing,
-                # unless etcd went back in time (restored from a snapshot: list again)
-                while (not self._stop.is_set()
-                       and not self.store.watch_prefix(self.prefix, rev + 1, self.resync)
-                       and self.store.revision() >= rev):
-                    pass
+                self._follow(values, rev)
             except trio.RunFinishedError:
                 return
             except Exception as e:          # StoreError, or an etcd3 client bug

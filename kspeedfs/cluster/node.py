@@ -9,13 +9,12 @@ Composition (each resource's teardown is the ``async with`` that opened it)::
     Peers (to copy chunks from other replicas)
     Node ─┬─ Share          share.py: datasets, owns/has, load a chunk, the SSD spill queue
           ├─ Reconciler     reconcile.py: what the share should hold, progress/
-          └─ statistics     node_stats.py: counters, the stats/ snapshot
+          └─ statistics     node_stats.py: counters, the snapshot the stats RPC answers
     nursery ─┬─ rpc.serve(rpc_port)          Node.handle: load-on-demand, have, stats
-             ├─ Registration.run             lease keep-alive (nodes/, progress/, stats/)
+             ├─ Registration.run             lease keep-alive (nodes/, progress/)
              ├─ Reconciler.run               preload + re-replication + rejoin + unload, one loop
              ├─ release_forever              --unload-on-exit preloads no mount holds (lifecycle.py)
              ├─ SpillQueue.run               with an SSD tier: evicted owned chunks written to it
-             ├─ publish_stats_forever        every 2 s, for ``kspeedfs status``
              └─ metrics exporter             metrics.node_listen (metrics.py)
 
 Reconcile is the one mechanism behind preload, re-replication and a node taking its
@@ -67,8 +66,8 @@ class Node:
     (:class:`Share`: the datasets this node opened, which chunks it owns and holds,
     loading one into the arena, the SSD tier's spill queue), ``reconciler``
     (:class:`Reconciler`: the arena holds this node's owned chunks of every preloaded
-    dataset; preload, re-replication and rejoin are that one loop) and
-    :meth:`publish_stats_forever`. The node itself answers the RPCs (:meth:`handle`:
+    dataset; preload, re-replication and rejoin are that one loop). The node itself
+    answers the RPCs (:meth:`handle`:
     ``load`` a chunk on a reader's demand, ``have``, ``stats``) and takes the snapshot
     of them all (:meth:`statistics`). Every method runs in the trio thread and never
     blocks it (the parts' contracts: etcd, source and SSD I/O go to worker threads).
@@ -76,7 +75,7 @@ class Node:
     Attributes:
         cfg: the configuration; ``cluster.*`` sets replicas, workers and the arena.
         name: this node's name in ``nodes/`` and in placement.
-        store: the etcd store (manifests, ``preload/``, ``progress/``, ``stats/``).
+        store: the etcd store (manifests, ``preload/``, ``progress/``).
         ep: the vRDMA endpoint exporting ``arena`` and ``index`` to peers.
         arena: the memory arena (slots + index), READ by peers one-sided.
         disk: the SSD tier for evicted owned chunks, or None.
@@ -84,7 +83,7 @@ class Node:
             (anonymous memory).
         membership: live nodes; placement's input.
         peers: reads from other replicas' arenas (re-replication, demand loads).
-        registration: the lease keeping ``nodes/<name>`` alive; publishes progress/stats.
+        registration: the lease keeping ``nodes/<name>`` alive; publishes progress.
         counters: what was loaded and spilled (:class:`NodeCounters`), counted by the parts.
         preload: the ``preload/`` requests (dataset → version to hold).
         share: the chunks (:class:`Share`).
@@ -142,11 +141,6 @@ class Node:
                               disk={"capacity": self.disk.capacity if self.disk else 0,
                                     "used": self.disk.used if self.disk else 0},
                               files=self.files.usage() if self.files else {})
-
-    async def publish_stats_forever(self, interval: float = 2.0) -> None:
-        """``stats/<node>`` on the lease every ``interval`` s, for ``kspeedfs status``."""
-        await node_stats.publish_forever(self.registration, f"{self.store.prefix}stats/{self.name}",
-                                         self.statistics, interval)
 
 
 async def _export_metrics(cfg: Config, node: Node) -> None:
@@ -251,7 +245,8 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
             record = NodeRecord(node=name, host=os.uname().nodename, nics=list(ep.nics), port=port,
                                 rpc_port=cfg.cluster.rpc_port, capacity=geometry.arena_bytes,
                                 nslots=geometry.nslots, slot_size=geometry.slot_size,
-                                nbuckets=geometry.nbuckets)
+                                nbuckets=geometry.nbuckets,
+                                disk_capacity=disk.capacity if disk is not None else 0)
             await trio.to_thread.run_sync(registration.put, NodeRecord.key(store, name),
                                           record.signed(store))
             nursery.start_soon(registration.run, name="lease")
@@ -259,7 +254,6 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
             nursery.start_soon(node.reconciler.run, name="reconcile")
             nursery.start_soon(release_forever, store, name, membership, node.preload,
                                cfg.cluster.lease_ttl, name="release")
-            nursery.start_soon(node.publish_stats_forever, name="stats")
             if cfg.metrics.node_listen:
                 nursery.start_soon(_export_metrics, cfg, node, name="metrics")
             log.info("node %s up: NICs %s, port %d, rpc %d, arena %d slots of %d bytes",

@@ -1,28 +1,33 @@
-"""What a node reports about itself, and its publication for ``kspeedfs status``.
+"""What a node reports about itself, and how ``kspeedfs status`` asks for it.
 
     NodeCounters         chunks loaded, spilled and dropped since start (``share.py`` and
                          ``reconcile.py`` count them)
     NodeStatistics       one snapshot (``Node.statistics``): ``asdict`` of it is the JSON of
-                         the ``stats`` RPC and of ``stats/<node>``, which
-                         ``lifecycle.node_stats`` reads back
+                         the ``stats`` RPC, which ``lifecycle.node_stats`` reads back
     endpoint_statistics  the vQPs of the node's vRDMA endpoint, as the snapshot holds them
-    publish_forever      ``stats/<node>`` on the node's lease, every 2 s
+    gather               every live node's ``stats`` RPC answer, asked at once (the CLI)
+
+Statistics are asked of the nodes when a command wants them, not published to etcd:
+each node used to put its snapshot at ``stats/<node>`` every 2 s, 71 % of the
+cluster's etcd writes, and 1.2 kB + 195 B per peer link each time (docs/design.md,
+"1,000 nodes, simulated"). Nodes of earlier versions still publish it; ``cluster_plan``
+reads their SSD capacity there.
 """
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
+from rdma.errors import RdmaError
 from rdma.vrdma import Endpoint
 
-from ..errors import KspeedfsError
 from .arena import ArenaStatistics
 from .fetch import PeerStatistics
-from .membership import Registration
+from .membership import NodeRecord
+from .rpc import RpcClient, RpcUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +91,28 @@ def endpoint_statistics(ep: Endpoint) -> EndpointStatistics:
     return EndpointStatistics(list(ep.nics), peers)
 
 
-async def publish_forever(registration: Registration, key: str,
-                          snapshot: Callable[[], NodeStatistics], interval: float = 2.0) -> None:
-    """Put ``snapshot()`` at ``key`` on the node's lease every ``interval`` s, until
-    cancelled; a failure is a log line, never the node's."""
-    while True:
+async def ask_all(secret: bytes, records: list[NodeRecord], timeout: float) -> dict[str, Any]:
+    """Every node's answer to the ``stats`` RPC (``NodeStatistics`` as JSON: untrusted,
+    read through ``lifecycle.node_stats``), by node name, asked at once. A node that
+    does not answer within ``timeout`` s (down, cut, another secret) is left out."""
+    out: dict[str, Any] = {}
+
+    async def ask(rec: NodeRecord) -> None:
+        c = RpcClient(secret, "status", rec.nics, rec.rpc_port, timeout=timeout)
         try:
-            await trio.to_thread.run_sync(registration.put, key,
-                                          json.dumps(asdict(snapshot())).encode())
-        except KspeedfsError as e:
-            log.debug("cannot publish stats: %s", e)
-        except Exception:                   # statistics are never worth the node
-            log.exception("publishing statistics failed")
-        await trio.sleep(interval)
+            with trio.move_on_after(timeout):
+                out[rec.node] = await c.request({"op": "stats"})
+        except (RpcUnavailable, RdmaError, OSError) as e:
+            log.info("no statistics from %s: %s", rec.node, e)
+        finally:
+            await c.aclose()
+
+    async with trio.open_nursery() as n:
+        for rec in records:
+            n.start_soon(ask, rec)
+    return out
+
+
+def gather(secret: bytes, records: list[NodeRecord], timeout: float = 3.0) -> dict[str, Any]:
+    """Blocking, for the CLI: :func:`ask_all` in a trio run of its own."""
+    return trio.run(ask_all, secret, records, timeout)

@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 from ...config import StoreConfig
 from ...errors import DatasetNotFound
 from .base import DatasetInfo, MetadataStore, check_name, verify_blob
-from .etcd_client import EtcdClient, watch_once
+from .etcd_client import EtcdClient, WatchBatch, watch_once
 from .etcd_parts import ManifestParts
 from .etcd_versions import VersionRecords
 from .signature import RecordSigner
@@ -108,23 +108,39 @@ class EtcdStore(MetadataStore):
 
     # -- requests (etcd_client.py) ------------------------------------------------------------
 
-    def call(self, op: Callable[[Any], T]) -> T:
+    def call(self, op: Callable[[Any], T], budget: float | None = None) -> T:
         """``op(client)`` one endpoint at a time (:meth:`EtcdClient.call`). Membership,
         preload and status share the store's endpoints, credentials and ``etcd_prefix``
         through this and :meth:`race` (``cluster/membership.py``)."""
-        return self.client.call(op)
+        return self.client.call(op, budget)
 
     def race(self, op: Callable[[Any], T], budget: float | None = None) -> T:
         """An idempotent ``op(client)`` on every endpoint at once (:meth:`EtcdClient.race`)."""
         return self.client.race(op, budget)
 
-    def watch_prefix(self, prefix: str, start_revision: int, timeout: float) -> bool:
+    def keep_alive(self, lease_id: int, budget: float) -> int:
+        """A keep-alive of ``lease_id`` within ``budget`` s; the TTL etcd answered (0: the
+        lease is gone). One stream per endpoint for the process (:meth:`EtcdClient.keep_alive`)."""
+        return self.client.keep_alive(lease_id, budget)
+
+    def watch_prefix(self, prefix: str, start_revision: int, timeout: float,
+                     on_batch: Callable[[WatchBatch], None] | None = None) -> WatchBatch | None:
         """Block until a key under ``prefix`` (a full key) changes at or after
-        ``start_revision`` (True), or ``timeout`` s pass with no change (False); a bounded
-        watch (:func:`watch_once`) sent like any :meth:`call`, so a cut rail costs one
-        attempt timeout."""
-        return self.client.call(lambda c: watch_once(c, prefix, start_revision, timeout,
-                                                     self.client.attempt_timeout))
+        ``start_revision`` (the changes: a :class:`WatchBatch`), or ``timeout`` s pass
+        with no change (None); a bounded watch (:func:`watch_once`) sent like any
+        :meth:`call`, so a cut rail costs one attempt timeout. With ``on_batch``: every
+        change goes to it until ``timeout`` (None) or a listing is asked for (that
+        batch); a stream that fails meanwhile is watched again from after the last
+        batch, never from ``start_revision`` (no change is applied twice)."""
+        after = [start_revision]
+
+        def seen(batch: WatchBatch) -> None:
+            after[0] = batch.revision + 1
+            assert on_batch is not None
+            on_batch(batch)
+        return self.client.call(lambda c: watch_once(
+            c, prefix, after[0], timeout, self.client.attempt_timeout,
+            seen if on_batch is not None else None))
 
     def revision(self) -> int:
         """etcd's current revision (a one-key read: its response header)."""

@@ -9,10 +9,11 @@ then costs one attempt, not ``etcd_timeout``. Two ways to send (see "two ways to
 round after round (short sleeps) until ``store.etcd_timeout`` seconds have passed and
 every endpoint has been tried, then raises ``StoreUnavailable`` naming the endpoints;
 ``race`` sends an idempotent request to every endpoint at once and takes the first
-answer (the membership lease keep-alive, puts on the lease, listings), as
-``rdma/vrdma/dial.py`` dials a peer's NICs. Why: with the whole budget per attempt on
-the first endpoint, a cut rail held each lease refresh 5 s, longer than the 5 s lease,
-and a healthy node left the cluster. The arithmetic is in docs/design.md ("etcd
+answer, as ``rdma/vrdma/dial.py`` dials a peer's NICs (only where latency matters more
+than etcd's load: each raced request is served E times, and a put applied E times).
+Why a deadline per attempt: with the whole budget per attempt on the first endpoint,
+a cut rail held each lease refresh 5 s, longer than the 5 s lease, and a healthy node
+left the cluster. The arithmetic is in docs/design.md ("etcd
 across rails"). A TLS failure on every endpoint is reported as a TLS error at once.
 The retry loop also rides out an etcd restart: gRPC's reconnect backoff is capped at
 1 s here (its default grows to 120 s, which would keep a channel failing long after
@@ -54,7 +55,9 @@ The etcd3 import is lazy (``open_store`` imports this module only for backend et
 so a broken client never affects the embedded store.
 
 The store (``etcd.py``: datasets and manifests) and membership (``cluster/membership.py``: leases,
-watches) send every request through one :class:`EtcdClient`.
+watches) send every request through one :class:`EtcdClient`. Lease keep-alives
+(:meth:`EtcdClient.keep_alive`) travel on one long-lived stream per endpoint
+(``etcd_keepalive.py``), not on a stream per keep-alive as etcd3's ``refresh_lease``.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -79,6 +83,7 @@ from etcd3 import etcdrpc
 from ...config import StoreConfig
 from ...errors import ConfigError, StoreError, StoreUnavailable
 from ...tuning import ETCD_MIN_CHANNEL_AGE
+from .etcd_keepalive import KeepAlives
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +99,7 @@ _GRPC_OPTIONS = [
 _UNREACHABLE = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError)
 _UNREACHABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _DIAL_BACKOFF_MIN, _DIAL_BACKOFF_MAX = 0.25, 4.0    # s, after a failed dial (_Endpoint._dial)
+_PUT, _DELETE = 0, 1                                 # mvccpb.Event.EventType
 
 
 class _Endpoint:
@@ -134,13 +140,24 @@ class _Endpoint:
         try:
             yield client
         finally:
-            with self.lock:
-                left = self._users.pop(id(client)) - 1
-                if left:
-                    self._users[id(client)] = left
-                done = None if left else self._retired.pop(id(client), None)
-            if done is not None:
-                _close(done)
+            self._release(client)
+
+    def hold(self, client: etcd3.Etcd3Client) -> Callable[[], None]:
+        """One more user of ``client``, which the caller holds already (inside
+        :meth:`using`), until the returned function is called: a stream that outlives
+        the call that opened it (``etcd_keepalive.py``)."""
+        with self.lock:
+            self._users[id(client)] += 1
+        return lambda: self._release(client)
+
+    def _release(self, client: etcd3.Etcd3Client) -> None:
+        with self.lock:
+            left = self._users.pop(id(client)) - 1
+            if left:
+                self._users[id(client)] = left
+            done = None if left else self._retired.pop(id(client), None)
+        if done is not None:
+            _close(done)
 
     def _dial(self, connect: Callable[[_Endpoint], etcd3.Etcd3Client]) -> etcd3.Etcd3Client:
         """``connect``, unless the last dial failed less than a backoff ago (0.25 s,
@@ -196,19 +213,58 @@ def _close(client: etcd3.Etcd3Client) -> None:
     client.close()
 
 
+@dataclass(frozen=True)
+class WatchBatch:
+    """The changes one watch response carried: ``events``, in etcd's order, each a key
+    and its new value (None: deleted), up to ``revision``. ``relist``: they cannot be
+    applied (the start revision was compacted, the stream ended early, or the response
+    is not what was asked for): the watcher lists the prefix again."""
+
+    events: list[tuple[bytes, bytes | None]]
+    revision: int = 0
+    relist: bool = False
+
+
+_RELIST = WatchBatch([], relist=True)
+
+
+def watch_batch(rs: Any, prefix: bytes, start_revision: int) -> WatchBatch:
+    """The :class:`WatchBatch` of a ``WatchResponse`` ``rs`` (from etcd: untrusted) to a
+    watch of ``prefix`` from ``start_revision``. An event outside the prefix, of an
+    unknown type or from before the start revision (etcd going back in time) makes
+    the whole batch ``relist``: a listing is the safe answer to a surprise."""
+    if rs.compact_revision:
+        return _RELIST
+    events: list[tuple[bytes, bytes | None]] = []
+    revision = 0
+    for ev in rs.events:
+        kv = ev.kv
+        if (not kv.key.startswith(prefix) or ev.type not in (_PUT, _DELETE)
+                or kv.mod_revision < start_revision):
+            return _RELIST
+        events.append((bytes(kv.key), bytes(kv.value) if ev.type == _PUT else None))
+        revision = max(revision, kv.mod_revision)
+    return WatchBatch(events, revision)
+
+
 def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, timeout: float,
-               create_timeout: float) -> bool:
-    """Block until a key under ``prefix`` changes at or after ``start_revision`` (True),
-    or for ``timeout`` seconds (False: nothing changed); meant to run as
-    ``EtcdClient.call(lambda c: watch_once(c, ...))``.
+               create_timeout: float,
+               on_batch: Callable[[WatchBatch], None] | None = None) -> WatchBatch | None:
+    """Block until a key under ``prefix`` changes at or after ``start_revision`` (the
+    changes of etcd's first response, :func:`watch_batch`), or for ``timeout`` seconds
+    (None: nothing changed); meant to run as
+    ``EtcdClient.call(lambda c: watch_once(c, ...))``. With ``on_batch``, every batch
+    of changes goes to it and the same stream goes on until ``timeout`` (None) or a
+    batch asks for a listing (returned): a change costs a view one response, not a
+    stream of its own.
 
     One bounded gRPC stream per call, held like any unary request: the request side is
     one create request, then closed (etcd keeps a watch stream open after the client's
     half-close), so gRPC's request-iterator thread ends at once; the stream's deadline is
     ``timeout``; it is cancelled before this returns. A watch not created within
     ``create_timeout`` (a cut rail) raises ``ConnectionTimeoutError``: the client tries
-    the next endpoint. A compacted start revision returns True (the caller lists again);
-    a failed stream raises its gRPC error for :meth:`EtcdClient._classify`."""
+    the next endpoint. A compacted start revision returns a ``relist`` batch; a failed
+    stream raises its gRPC error for :meth:`EtcdClient._classify`."""
     key = prefix.encode()
     create = etcdrpc.WatchCreateRequest(key=key, range_end=etcd3.utils.increment_last_byte(key),
                                         start_revision=start_revision)
@@ -228,7 +284,12 @@ def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, time
         for rs in stream:
             created.set()
             if rs.compact_revision or rs.events:
-                return True                  # compacted: list again; or a change
+                batch = watch_batch(rs, key, start_revision)  # a change, or compacted
+                if on_batch is None or batch.relist:
+                    return batch
+                on_batch(batch)
+                start_revision = batch.revision + 1
+                continue
             if rs.canceled:
                 raise StoreError(f"etcd refused a watch of {prefix!r}: {rs.cancel_reason}")
     except grpc.RpcError as e:
@@ -238,13 +299,13 @@ def watch_once(client: etcd3.Etcd3Client, prefix: str, start_revision: int, time
         # first (then it answers UNKNOWN "context deadline exceeded"; seen in CI)
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
                 e.code() == grpc.StatusCode.UNKNOWN and "deadline exceeded" in (e.details() or "")):
-            return False
+            return None
         raise
     finally:
         timer.cancel()
         timer.join()                         # its cancel() has returned, if it ran
         stream.cancel()
-    return True                              # the stream ended early: list again to be sure
+    return _RELIST                           # the stream ended early: list again to be sure
 
 
 class _Unreachable(Exception):
@@ -266,15 +327,34 @@ def _unreachable(code: Any, details: str) -> _Unreachable:
     return _Unreachable(f"{code.name}: {details}")
 
 
+# -- two ways to send --------------------------------------------------------------------
+#
+# Two ways to send a request, both bounded by ``etcd_attempt_timeout`` per endpoint:
+#
+#   call(op)  one endpoint at a time, the last one that answered first: for writes
+#             that must not run twice at once (allocate, seal, remove, lease grant),
+#             and for lease keep-alives and puts on the lease, whose budget (a
+#             refresh period) holds one attempt timeout and the next endpoint's answer.
+#   race(op)  every endpoint at once, the first answer wins: for idempotent requests
+#             whose latency matters more than etcd's load (each is served E times).
+#
+# Error classes (``_classify``): no answer, a closed or cancelled channel, a TLS
+# failure -> _Unreachable (next endpoint; a TLS failure everywhere is reported as
+# such at once, it is configuration, not an outage); an expired or rejected token ->
+# re-authenticate once; anything else etcd answered -> StoreError naming it.
+
+
 class EtcdClient:
     """Requests to an etcd cluster through every configured endpoint (one per rail).
 
     Contract: :meth:`call` and :meth:`race` run ``op(client)`` (an ``etcd3`` client call)
     and return its result, or raise ``StoreUnavailable`` once no endpoint answered within
-    ``store.etcd_timeout`` (each attempt bounded by ``store.etcd_attempt_timeout``),
-    ``StoreError`` for what etcd answered (a refusal, bad credentials) or a TLS failure
-    on every endpoint. Thread-safe: any thread may call; channels are shared and
-    replaced, never closed under a user. ``race`` is only for idempotent requests.
+    ``store.etcd_timeout`` or the budget given (each attempt bounded by
+    ``store.etcd_attempt_timeout``), ``StoreError`` for what etcd answered (a refusal,
+    bad credentials) or a TLS failure on every endpoint; :meth:`keep_alive` is a call
+    on the endpoint's standing keep-alive stream. Thread-safe: any thread may call;
+    channels are shared and replaced, never closed under a user (nor under a stream).
+    ``race`` is only for idempotent requests.
 
     Attributes: ``timeout`` and ``attempt_timeout`` (s); ``authenticated``, true once a
     channel authenticated as ``store.etcd_user``; ``urls``, the endpoints in order."""
@@ -304,26 +384,11 @@ class EtcdClient:
         # race() workers: an attempt on a dead rail holds one for an attempt timeout
         self._pool = ThreadPoolExecutor(max_workers=4 * len(self._endpoints),
                                         thread_name_prefix="etcd-race")
+        self._keepalives = KeepAlives()
 
     @property
     def urls(self) -> list[str]:
         return [e.url for e in self._endpoints]
-
-    # -- two ways to send --------------------------------------------------------------------
-    #
-    # Two ways to send a request, both bounded by ``etcd_attempt_timeout`` per endpoint:
-    #
-    #   call(op)  one endpoint at a time, the last one that answered first: for writes
-    #             that must not run twice at once (allocate, seal, remove, lease grant).
-    #   race(op)  every endpoint at once, the first answer wins: for idempotent requests
-    #             whose latency matters (lease keep-alive, puts on the lease, listings).
-    #             Endpoints are one per rail, so a cut rail costs nothing: the live
-    #             rail's answer arrives while the dead one's attempt runs out.
-    #
-    # Error classes (``_classify``): no answer, a closed or cancelled channel, a TLS
-    # failure -> _Unreachable (next endpoint; a TLS failure everywhere is reported as
-    # such at once, it is configuration, not an outage); an expired or rejected token ->
-    # re-authenticate once; anything else etcd answered -> StoreError naming it.
 
     def _connect(self, ep: _Endpoint) -> etcd3.Etcd3Client:
         ca = cert = key = None
@@ -428,9 +493,10 @@ class EtcdClient:
             raise StoreUnavailable(f"etcd unreachable after {elapsed:.1f}s (store.etcd_timeout="
                                    f"{self.timeout:g}): {detail}")
 
-    def _rpc(self, op: Callable[[etcd3.Etcd3Client], T]) -> T:
+    def _rpc(self, op_on: Callable[[_Endpoint], Callable[[etcd3.Etcd3Client], T]],
+             budget: float) -> T:
         """Run ``op`` with failover: last good endpoint first, then the others in order,
-        round after round until ``etcd_timeout`` has passed (each endpoint tried once
+        round after round until ``budget`` seconds have passed (each endpoint tried once
         at least). Why keep retrying: a restarting etcd or a leader election makes a
         server refuse for a second; the caller should not see that as "down"."""
         start = time.monotonic()
@@ -443,7 +509,7 @@ class EtcdClient:
             for k in range(n):
                 ep = self._endpoints[(first + k) % n]
                 try:
-                    result = self._call_one(ep, op)
+                    result = self._call_one(ep, op_on(ep))
                 except _Unreachable as e:
                     errors[ep.url] = e
                     if k == 0 and n > 1 and ep.url not in self._said_down:
@@ -457,15 +523,25 @@ class EtcdClient:
                     self._prefer(ep)
                 self.reachable = True
                 return result
-            self._give_up(start, self.timeout, errors)
+            self._give_up(start, budget, errors)
             time.sleep(min(delay * random.uniform(0.5, 1.5),
-                           max(0.0, self.timeout - (time.monotonic() - start))))
+                           max(0.0, budget - (time.monotonic() - start))))
             delay = min(delay * 2, 0.5)
 
-    def call(self, op: Callable[[etcd3.Etcd3Client], T]) -> T:
+    def call(self, op: Callable[[etcd3.Etcd3Client], T], budget: float | None = None) -> T:
         """Run ``op(client)`` with failover, retries and error mapping, one endpoint at a
-        time (see :meth:`_rpc`)."""
-        return self._rpc(op)
+        time (see :meth:`_rpc`), for ``budget`` seconds (default ``etcd_timeout``)."""
+        return self._rpc(lambda _: op, self.timeout if budget is None else budget)
+
+    def keep_alive(self, lease_id: int, budget: float) -> int:
+        """A keep-alive of ``lease_id`` as :meth:`call` sends a request, within ``budget``
+        seconds; the TTL etcd answered (0: the lease is gone). Sent on the process's one
+        LeaseKeepAlive stream to that endpoint (``etcd_keepalive.py``), not on a stream
+        of its own as etcd3's ``refresh_lease`` does."""
+        def on(ep: _Endpoint) -> Callable[[etcd3.Etcd3Client], int]:
+            return lambda c: self._keepalives.send(ep.url, c, lambda: ep.hold(c), lease_id,
+                                                   self.attempt_timeout)
+        return self._rpc(on, budget)
 
     def race(self, op: Callable[[etcd3.Etcd3Client], T], budget: float | None = None) -> T:
         """Run an idempotent ``op(client)`` on every endpoint at once; the first answer
@@ -508,6 +584,7 @@ class EtcdClient:
     def close(self) -> None:
         """Retire every channel (each closed by its last user) and stop the racers."""
         self._closed = True
+        self._keepalives.close()
         for ep in self._endpoints:
             ep.retire()
         self._pool.shutdown(wait=False)
