@@ -447,3 +447,25 @@ def test_etcd_mutual_tls(tmp_path: Path) -> None:
                 store.datasets()
         with pytest.raises(ConfigError):
             open_store(replace(cfg, etcd_key=""))
+
+
+# -- paged manifests (manifest/pages.py) -----------------------------------------------
+
+def test_a_paged_manifest_keeps_its_root_in_the_store(store: MetadataStore,
+                                                      tmp_path: Path) -> None:
+    from kspeedfs.manifest.pages import Root, is_root, read_all, read_table
+
+    pages = tmp_path / "pages"
+    store.page_dir, store.paged_above = str(pages), 1000
+    raw = b"".join(i.to_bytes(4, "little") for i in range(3 * MiB // 4))
+    sealed = store.publish_stream(make_info(), [raw[i:i + 70_000] for i in range(0, len(raw), 70_000)],
+                                  len(raw))
+    blob = store.manifest("imagenet", sealed.version)
+    assert is_root(blob) and len(blob) < 100 and sealed.inflated_size == len(raw)
+    root = Root.parse(blob)
+    assert read_all(root, read_table(root, [str(pages)]), [str(pages)]) == raw
+    small = store.publish_stream(make_info(), [b"x" * 999], 999)       # not past paged_above
+    assert not is_root(store.manifest("imagenet", small.version))
+    store.remove("imagenet", sealed.version)
+    assert store.sweep_pages(grace=0) == root.pages + len(root.tables)
+    assert not [p for p in pages.rglob("*") if p.is_file()]
