@@ -137,13 +137,12 @@ class S3Bed:
 
     def opened(self) -> None:
         """The imported manifest: which chunks are whose (after ``store.ensure``)."""
-        from kspeedfs.manifest.index import ManifestIndex
+        from kspeedfs.manifest.load import load_index
         from kspeedfs.manifest.store.embedded import EmbeddedStore
 
         with EmbeddedStore(self.store.dir / "store") as st:
             info = st.dataset(self.store.name)
-            self.index = ix = ManifestIndex.from_blob(st.manifest(info.name, info.version),
-                                                      info.inflated_size)
+            self.index = ix = load_index(st, info)
             self.source = info.source
         for e in ix.walk():
             if ix.is_file(e):
