@@ -191,18 +191,21 @@ class EtcdStore(MetadataStore):
         return verify_blob(info, b"".join(pieces))
 
     def remove(self, name: str, version: int | None = None) -> None:
+        self._remove(name, version)
+        self._sweep_after_remove()
+
+    def _remove(self, name: str, version: int | None) -> None:
         if version is None:
             self.records.versions(name)     # DatasetNotFound if there is nothing to remove
         elif self.records.remove_version(name, version):
             self.parts.delete(name, version)
             log.info("removed %s v%d", name, version)
-        else:
-            # the whole dataset (or its last version); metadata first: once it is gone
-            # nobody starts reading the parts
-            self.records.remove_all(name)
-            self.parts.delete_all(name)
-            log.info("removed dataset %s", name)
-        self._sweep_after_remove()
+            return
+        # the whole dataset (or its last version); metadata first: once it is gone nobody
+        # starts reading the parts
+        self.records.remove_all(name)
+        self.parts.delete_all(name)
+        log.info("removed dataset %s", name)
 
     def close(self) -> None:
         self.client.close()
