@@ -62,6 +62,13 @@ class Bucket(Protocol):
         """Let go of the client's connections."""
 
 
+def connections(max_inflight: int) -> int:
+    """Requests one client keeps connections for: an origin's GETs (``max_inflight`` a
+    chunk, and the single extents and blocks its callers read at the same time, all on
+    its pool, ``origin.py``); past the pool, clients drop connections."""
+    return 2 * max_inflight + 16
+
+
 def unquoted(etag: str) -> str:
     """An ETag without its quotes or weak mark: listings and headers differ in both."""
     return etag.strip('"').removeprefix("W/").strip('"')

@@ -33,7 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SourceError
-from .bucket import ObjectInfo, Read, unquoted
+from .bucket import ObjectInfo, Read, connections, unquoted
 from .url import ObjectUrl
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def client_settings(cfg: SourceConfig, endpoint: str) -> tuple[ClientConfig, Ret
         "connect_timeout": timedelta(seconds=cfg.timeout),
         "read_timeout": timedelta(seconds=cfg.timeout),
         "timeout": timedelta(seconds=10 * cfg.timeout),
-        "pool_max_idle_per_host": str(2 * cfg.max_inflight + 16),
+        "pool_max_idle_per_host": str(connections(cfg.max_inflight)),
     }
     retry: RetryConfig = {
         "max_retries": cfg.retries - 1,

@@ -35,7 +35,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SourceError
-from .bucket import ObjectInfo, Read
+from .bucket import ObjectInfo, Read, connections
 from .url import ObjectUrl
 
 if TYPE_CHECKING:
@@ -64,14 +64,12 @@ def connect(url: ObjectUrl, cfg: SourceConfig, record: dict[str, str] | None = N
             aws_secret_access_key=cfg.secret_access_key or None,
             aws_session_token=cfg.session_token or None)
         configured = cfg.endpoint or session._session.get_config_variable("endpoint_url")
-        # connections: an origin's max_inflight extent reads plus the threads that call it
-        # (preload workers, a mount's worker threads); past the pool urllib3 drops them
         client = session.client(
             "s3", endpoint_url=cfg.endpoint or (None if configured else record.get("endpoint") or None),
             region_name=session.region_name or record.get("region") or DEFAULT_REGION,
             config=Config(retries={"mode": "standard", "max_attempts": cfg.retries},
                           connect_timeout=cfg.timeout, read_timeout=cfg.timeout,
-                          max_pool_connections=2 * cfg.max_inflight + 16))
+                          max_pool_connections=connections(cfg.max_inflight)))
     except botocore.exceptions.BotoCoreError as e:
         raise SourceError(f"S3 client: {e}", errno=errno.EINVAL) from None
     return S3Bucket(url, client, cfg.retries)
