@@ -65,8 +65,8 @@ class _Listing:
     waits on the server (module docstring). Not reusable.
 
     The calling thread wakes for the head's first page, a range's end, and the head's
-    wait, never per page: a thread taking every page off a queue cost small listings
-    ~20 % in GIL hand-offs (docs/design.md "Object-store sources", listing)."""
+    wait, never per page: a GIL hand-off a page is a cost a one-response listing of 10^4
+    keys shows (docs/design.md "Object-store sources", "Listing")."""
 
     def __init__(self, bucket: Bucket, workers: int,
                  progress: Callable[[int, int], None] | None) -> None:
