@@ -52,6 +52,10 @@ class Bucket(Protocol):
         the keys the caller guesses it wants (0: unknown), for a store that can size its
         pages to end one past them. ``SourceError`` (one line) as ``list_level``."""
 
+    def splits(self) -> bool:
+        """Whether ``list_keys`` from ``start_after`` can start a key range: every key
+        after it, none skipped."""
+
     def list_level(self, prefix: str) -> tuple[list[ObjectInfo], list[str]]:
         """The objects directly under ``prefix`` (a key ending in ``/``, or "") and its
         common prefixes (its "subdirectories", each ending in ``/``); ``SourceError``

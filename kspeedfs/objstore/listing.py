@@ -20,7 +20,8 @@ key space is cut into ranges instead, each a flat listing from its first key
 * A range owns the keys ``lo <= key < hi`` and stops on the page that passes ``hi``; a
   store that ignores the offset costs pages, never a key twice.
 
-A prefix whose keys are all in one "directory" never splits (nothing to split at): the
+A prefix whose keys are all in one "directory" never splits (nothing to split at), nor
+does a store whose offset may skip keys (``Bucket.splits``: a versioned S3 bucket): the
 plain loop's speed. Keys become paths in ``source.py``; this module only collects them,
 with what the manifest records of each (``ObjectInfo``). Figures: docs/design.md
 "Object-store sources".
@@ -164,6 +165,9 @@ class _Listing:
         keeps the first), unless there is nothing to split at."""
         with self._lock:
             last = head.last
+        if not self.bucket.splits():
+            self._asked = True
+            return
         points = self._points(last)
         with self._lock:
             points = [(p, n) for p, n in points if p > head.last]    # past its pages meanwhile

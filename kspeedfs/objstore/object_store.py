@@ -169,6 +169,9 @@ class ObjectStoreBucket:
         except (obstore.exceptions.BaseError, ValueError) as e:
             raise self._listing_error(e, prefix) from None
 
+    def splits(self) -> bool:
+        return True
+
     def _marker(self, info: ObjectInfo) -> ObjectInfo:
         """``info`` as listed, or as the marker ``key/`` when no object has its key."""
         import obstore

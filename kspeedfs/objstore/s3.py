@@ -18,7 +18,8 @@ retries that itself, as often.
 
 Listing: ``ListObjectsV2`` from ``StartAfter`` (a key range, ``listing.py``) or with
 ``Delimiter='/'`` (one level), or, in a versioned bucket, ``ListObjectVersions``
-(``KeyMarker``; the latest version of each key that is not a delete marker):
+(the latest version of each key that is not a delete marker; never split into key
+ranges, ``S3Bucket.splits``):
 the origin then reads that version, which stays readable after the key is overwritten.
 Versioning suspended counts as versioned (older versions keep their ids).
 
@@ -187,6 +188,11 @@ class S3Bucket:
         for objects, _ in self._pages(prefix, expect,
                                       **({"StartAfter": start_after} if start_after else {})):
             yield objects
+
+    def splits(self) -> bool:
+        """Not in a versioned bucket: ``KeyMarker`` on a key that does not exist is read
+        differently by servers (moto skips the first key after it; S3 starts after it)."""
+        return not self.versioned()
 
     def list_level(self, prefix: str) -> tuple[list[ObjectInfo], list[str]]:
         objects: list[ObjectInfo] = []

@@ -80,3 +80,23 @@ def test_a_store_ignoring_the_offset_lists_each_key_once(layout: str, slow_pages
     b = _bucket(slow_pages, layout, monkeypatch)
     keys = _listed(IgnoresStartAfter(b.url, b.client, b.attempts), caplog)
     assert sorted(keys) == sorted(KEYS)
+
+
+def test_a_versioned_bucket_lists_flat(s3_server: S3Server, slow_pages: FaultProxy,
+                                       caplog: pytest.LogCaptureFixture,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """ListObjectVersions is not split (``S3Bucket.splits``: moto's ``KeyMarker`` on a key
+    that does not exist skips the key after it): each key once, as its latest version."""
+    c = s3_server.client()
+    c.create_bucket(Bucket="kst-listing-v")
+    c.put_bucket_versioning(Bucket="kst-listing-v", VersioningConfiguration={"Status": "Enabled"})
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: c.put_object(Bucket="kst-listing-v", Key=k, Body=b"x"), KEYS))
+    latest = {k: c.put_object(Bucket="kst-listing-v", Key=k, Body=b"yy")["VersionId"]
+              for k in KEYS[::97]}            # a second version of some keys, all over
+    with caplog.at_level(logging.DEBUG, logger="kspeedfs.objstore.listing"):
+        got = list_objects(_bucket(slow_pages, "s3://kst-listing-v", monkeypatch), 8)
+    assert "listing split after" not in caplog.text
+    assert sorted(o.key for o in got) == sorted(KEYS)
+    assert all({o.key: o.version_id for o in got}[k] == v for k, v in latest.items())
+    assert all(o.size == (2 if o.key in latest else 1) for o in got if not o.key.endswith("/"))
