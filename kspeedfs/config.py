@@ -508,6 +508,9 @@ class SourceConfig:
     retries: int = _opt(5, "attempts per request: the client retries 5xx, SlowDown, 429, "
                         "timeouts and resets with jittered exponential backoff")
     timeout: float = _opt(10.0, "connect and read timeout of one attempt, s")
+    read_deadline: float = _opt(60.0, "one read from the source end to end, s: every request's "
+                                "attempts, timeouts and backoff; past it the reader gets "
+                                "ETIMEDOUT and the next read tries again")
 
     def validate(self) -> None:
         for key in ("endpoint", "gcs_endpoint", "azure_endpoint"):
@@ -521,6 +524,7 @@ class SourceConfig:
         _range("source.max_inflight", self.max_inflight, 1, 256)
         _range("source.retries", self.retries, 1, 20)
         _positive("source.timeout", self.timeout, 3600)
+        _positive("source.read_deadline", self.read_deadline, 3600)
 
 
 @dataclass

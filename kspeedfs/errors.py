@@ -110,6 +110,13 @@ class ChunkUnavailable(KspeedfsError):
     """No tier could produce verified bytes for a chunk: the reader gets EIO."""
 
 
+class SourceTimeout(ChunkUnavailable, errno=_errno.ETIMEDOUT):
+    """A read from an object store outlasted ``source.read_deadline`` (all its requests'
+    attempts and backoff): ETIMEDOUT, as an NFS ``softerr`` mount answers a server that
+    stopped answering, so a reader tells "the source is slow" from EIO's "no bytes"; the
+    next read tries again."""
+
+
 class LoadCancelled(KspeedfsError, errno=_errno.EINTR):
     """A shared load was cancelled before it finished (its nursery is closing): what
     the waiters of a single-flight get instead of a result."""

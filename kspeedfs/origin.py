@@ -102,7 +102,11 @@ class Origin:
 
     def _read_extent(self, e: Extent, part: memoryview) -> str | None:
         """Fill ``part`` with extent ``e`` from its source file; why it failed, or None."""
-        why = self._pread(e.entry, e.file_offset, part)
+        return self._checked(e, part, self._pread(e.entry, e.file_offset, part))
+
+    @staticmethod
+    def _checked(e: Extent, part: memoryview, why: str | None) -> str | None:
+        """``why`` the read of ``e`` into ``part`` failed, else whether it matches its digest."""
         if why is None and xxhash.xxh3_128_digest(part) != e.digest:
             return f"bytes {e.file_offset}..{e.file_offset + e.length} differ from the snapshot"
         return why

@@ -43,6 +43,24 @@ MAX_READ_BLOCKS = 4
 #: chunks whose block loads are counted at once (the oldest count is dropped)
 PROMOTE_TRACKED = 1 << 16
 
+# -- object-store sources (objstore/) -------------------------------------------------
+
+#: keys one listing page holds (S3's and GCS's; Azure's 5,000): key ranges are sized in
+#: pages (docs/design.md, "Object-store sources", listing)
+LIST_PAGE = 1000
+#: a key range is planned to fill this share of its last page, so that the key ending it
+#: comes on that page rather than on one more request
+LIST_RANGE_FILL = 0.9
+#: the listing splits once its first range has waited this share of its first page's
+#: time for the next: pages that come faster were one response (fake-gcs-server answers
+#: a listing whole), where more requests only repeat the server's work
+LIST_SPLIT_WAIT = 0.25
+#: ... and at least this long (s): a page of a response already in hand takes ~2 ms to
+#: convert, a page from a server a round trip
+LIST_SPLIT_WAIT_MIN = 0.02
+#: levels of common prefixes the split looks down for its points, one request each
+LIST_SPLIT_DEPTH = 3
+
 # -- the library (client/) ------------------------------------------------------------
 
 #: concurrent file reads of one ``read_many`` (each file's chunks load concurrently too)

@@ -3,8 +3,8 @@
     kspeedfs import s3://BUCKET/PREFIX | gs://BUCKET/PREFIX | az://CONTAINER/PREFIX
       url.py          ObjectUrl: the scheme, the bucket and the prefix below which keys
                       are paths
-      bucket.py       Bucket: what every store gives (list_level, get_range pinned to
-                      an identity, record); ObjectInfo, Read
+      bucket.py       Bucket: what every store gives (list_keys, list_level,
+                      get_range pinned to an identity, record); ObjectInfo, Read
       s3.py           S3Bucket over boto3: the AWS settings chain, versioned listings,
                       If-Match + VersionId
       object_store.py ObjectStoreBucket over obstore (Rust object_store), for the two
@@ -13,8 +13,8 @@
                       STORAGE_EMULATOR_HOST) into an obstore GCSStore
       azure.py        az://: Azure's settings (connection string, account + key or
                       SAS) into an obstore AzureStore
-      listing.py      list_objects(): the prefix listed in parallel (one task per
-                      common prefix), the same for every store
+      listing.py      list_objects(): the prefix listed in parallel (key ranges
+                      split at common prefixes), the same for every store
       source.py       ObjectSource: the importer's ImportSource (keys → the entry
                       tree, ranges read by ranged GETs); the manifest is format 3
       origin.py       ObjectOrigin: ``origin.Origin`` reading extents by ranged GETs

@@ -1,6 +1,7 @@
-"""What every store gives the importer and the origin: :class:`Bucket`, three calls.
+"""What every store gives the importer and the origin: :class:`Bucket`, four calls.
 
-``list_level``, one "directory" of keys (``listing.py`` fans those out); ``get_range``,
+``list_keys``, keys in order from a point (``listing.py`` lists key ranges with it in
+parallel) and ``list_level``, one "directory" (where to split them); ``get_range``,
 bytes of one object pinned to the identity recorded at import; ``record``, where the
 bucket is (never a credential) for the manifest. ``s3.py`` (boto3) and
 ``object_store.py`` (obstore, for ``gs://`` and ``az://``) implement it, so ``source.py``
@@ -14,6 +15,7 @@ and every later GET pins it.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple, Protocol
 
 from .url import ObjectUrl
@@ -43,6 +45,17 @@ class Bucket(Protocol):
     url: ObjectUrl
     endpoint: str          # where requests go, for logs and the record
 
+    def list_keys(self, prefix: str, start_after: str = "", expect: int = 0) -> Iterator[list[ObjectInfo]]:
+        """The objects below ``prefix`` whose keys sort after ``start_after`` (all when
+        ""), in key order, a page at a time (no delimiter: every level); a store may give
+        keys before ``start_after`` too (fake-gcs-server and Azurite ignore it). ``expect``:
+        the keys the caller guesses it wants (0: unknown), for a store that can size its
+        pages to end one past them. ``SourceError`` (one line) as ``list_level``."""
+
+    def splits(self) -> bool:
+        """Whether ``list_keys`` from ``start_after`` can start a key range: every key
+        after it, none skipped."""
+
     def list_level(self, prefix: str) -> tuple[list[ObjectInfo], list[str]]:
         """The objects directly under ``prefix`` (a key ending in ``/``, or "") and its
         common prefixes (its "subdirectories", each ending in ``/``); ``SourceError``
@@ -60,6 +73,13 @@ class Bucket(Protocol):
 
     def close(self) -> None:
         """Let go of the client's connections."""
+
+
+def connections(max_inflight: int) -> int:
+    """Requests one client keeps connections for: an origin's GETs (``max_inflight`` a
+    chunk, and the single extents and blocks its callers read at the same time, all on
+    its pool, ``origin.py``); past the pool, clients drop connections."""
+    return 2 * max_inflight + 16
 
 
 def unquoted(etag: str) -> str:

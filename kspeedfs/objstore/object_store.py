@@ -1,9 +1,11 @@
 """``gs://`` and ``az://``: the :class:`~.bucket.Bucket` over obstore (Rust ``object_store``).
 
 One client for both stores (``gcs.py`` and ``azure.py`` only turn each platform's
-settings into an obstore store): listing is ``list_with_delimiter`` per prefix (its
-pagination inside), a ranged read is ``get`` with ``if_match`` (the ETag) and
-``version`` (GCS's generation, Azure's version id) when recorded. The response's own
+settings into an obstore store): a key range is ``list`` from an ``offset`` (GCS's
+``start-after``, Azure's ``startFrom``; the emulators ignore it), one level
+``list_with_delimiter`` (pagination inside both); a ranged read is ``get`` with
+``if_match`` (the ETag) and ``version`` (GCS's generation, Azure's version id) when
+recorded. The response's own
 ETag and version are checked against the record too, so a server that ignores
 ``If-Match`` (fake-gcs-server does) still never hands over another object's bytes.
 
@@ -15,8 +17,9 @@ object_store's paths cannot hold an empty, ``.`` or ``..`` component: a key such
 ``a//b`` makes the listing of its prefix fail (one line naming the prefix), where
 boto3 lists it and the S3 import skips it. It also drops a "directory marker"'s
 trailing ``/`` (GCS lists ``d/`` as ``d`` inside ``d/``; Azure not at all): a listed
-prefix with nothing under it but its marker is given back as the marker, so the
-directory exists as it does from S3.
+prefix with nothing under it but its marker is given back as the marker, and an empty
+object of a flat listing that a HEAD does not find is one (a HEAD per empty object), so
+the directory exists as it does from S3.
 
 Errors: obstore's exceptions become one line, ``URL: Code (HTTP status): Message``
 when the server answered (EACCES for 401/403, EIO otherwise), else the client's first line;
@@ -30,13 +33,16 @@ import logging
 import random
 import re
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SourceError
-from .bucket import ObjectInfo, Read, unquoted
+from ..tuning import LIST_PAGE
+from .bucket import ObjectInfo, Read, connections, unquoted
 from .url import ObjectUrl
 
 if TYPE_CHECKING:
+    from obstore import ObjectMeta
     from obstore.store import ClientConfig, RetryConfig
 
     from ..config import SourceConfig
@@ -59,7 +65,7 @@ def client_settings(cfg: SourceConfig, endpoint: str) -> tuple[ClientConfig, Ret
         "connect_timeout": timedelta(seconds=cfg.timeout),
         "read_timeout": timedelta(seconds=cfg.timeout),
         "timeout": timedelta(seconds=10 * cfg.timeout),
-        "pool_max_idle_per_host": str(2 * cfg.max_inflight + 16),
+        "pool_max_idle_per_host": str(connections(cfg.max_inflight)),
     }
     retry: RetryConfig = {
         "max_retries": cfg.retries - 1,
@@ -117,6 +123,11 @@ def open_bucket(url: ObjectUrl, kind: type[Any], config: dict[str, Any], cfg: So
     return ObjectStoreBucket(url, store, endpoint, cfg.retries, record)
 
 
+def _info(o: ObjectMeta) -> ObjectInfo:
+    return ObjectInfo(o["path"], o["size"], o["e_tag"] or "", int(o["last_modified"].timestamp() * 1e9),
+                      o["version"] or "")
+
+
 class ObjectStoreBucket:
     """An obstore store on one bucket (container), and where it points (never its
     credentials: obstore holds them)."""
@@ -135,21 +146,51 @@ class ObjectStoreBucket:
     def close(self) -> None:
         """obstore closes its connections when the store is dropped."""
 
+    def _listing_error(self, e: Exception, prefix: str) -> SourceError:
+        import obstore
+
+        if isinstance(e, obstore.exceptions.InvalidPathError | ValueError):
+            return SourceError(f"{self.url.name(prefix)}: a key below it has an empty, . or .. "
+                               f"component, which the client cannot list ({first_line(e)})",
+                               errno=errno.EIO)
+        return store_error(e, self.url.name(prefix))
+
+    def list_keys(self, prefix: str, start_after: str = "", expect: int = 0) -> Iterator[list[ObjectInfo]]:
+        """As ``Bucket.list_keys`` (``expect`` unused: object_store sets no page size); a
+        listed empty object that a HEAD does not find was a directory marker (its ``/``
+        dropped by object_store) and is given back as one."""
+        import obstore
+
+        try:
+            for chunk in obstore.list(self.store, prefix or None, offset=start_after or None,
+                                      chunk_size=LIST_PAGE):
+                yield [self._marker(info) if info.size == 0 else info
+                       for info in (_info(o) for o in chunk)]
+        except (obstore.exceptions.BaseError, ValueError) as e:
+            raise self._listing_error(e, prefix) from None
+
+    def splits(self) -> bool:
+        return True
+
+    def _marker(self, info: ObjectInfo) -> ObjectInfo:
+        """``info`` as listed, or as the marker ``key/`` when no object has its key."""
+        import obstore
+
+        try:
+            obstore.head(self.store, info.key)
+        except FileNotFoundError:
+            return info._replace(key=info.key + "/")
+        return info
+
     def list_level(self, prefix: str) -> tuple[list[ObjectInfo], list[str]]:
         import obstore
 
         try:
             level = obstore.list_with_delimiter(self.store, prefix or None)
         except (obstore.exceptions.BaseError, ValueError) as e:
-            if isinstance(e, obstore.exceptions.InvalidPathError | ValueError):
-                raise SourceError(f"{self.url.name(prefix)}: a key below it has an empty, . or .. "
-                                  f"component, which the client cannot list ({first_line(e)})",
-                                  errno=errno.EIO) from None
-            raise store_error(e, self.url.name(prefix)) from None
-        objects = [ObjectInfo(prefix if o["path"] + "/" == prefix else o["path"], o["size"],
-                              o["e_tag"] or "", int(o["last_modified"].timestamp() * 1e9),
-                              o["version"] or "")
-                   for o in level["objects"]]
+            raise self._listing_error(e, prefix) from None
+        objects = [_info(o) for o in level["objects"]]
+        objects = [o._replace(key=prefix) if o.key + "/" == prefix else o for o in objects]
         prefixes = [p + "/" for p in level["common_prefixes"]]
         if prefix != self.url.prefix and not objects and not prefixes:   # a marker it hid
             objects.append(ObjectInfo(prefix, 0, "", 0))

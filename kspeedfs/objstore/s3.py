@@ -16,8 +16,10 @@ retries x (timeout + backoff). A body cut short after the headers arrived is not
 retried by botocore (the response was already returned), so :meth:`S3Bucket.get_range`
 retries that itself, as often.
 
-Listing: ``ListObjectsV2`` per prefix with ``Delimiter='/'``, or, in a versioned bucket,
-``ListObjectVersions`` (the latest version of each key that is not a delete marker):
+Listing: ``ListObjectsV2`` from ``StartAfter`` (a key range, ``listing.py``) or with
+``Delimiter='/'`` (one level), or, in a versioned bucket, ``ListObjectVersions``
+(the latest version of each key that is not a delete marker; never split into key
+ranges, ``S3Bucket.splits``):
 the origin then reads that version, which stays readable after the key is overwritten.
 Versioning suspended counts as versioned (older versions keep their ids).
 
@@ -32,10 +34,12 @@ import errno
 import logging
 import random
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SourceError
-from .bucket import ObjectInfo, Read
+from ..tuning import LIST_PAGE
+from .bucket import ObjectInfo, Read, connections
 from .url import ObjectUrl
 
 if TYPE_CHECKING:
@@ -64,14 +68,12 @@ def connect(url: ObjectUrl, cfg: SourceConfig, record: dict[str, str] | None = N
             aws_secret_access_key=cfg.secret_access_key or None,
             aws_session_token=cfg.session_token or None)
         configured = cfg.endpoint or session._session.get_config_variable("endpoint_url")
-        # connections: an origin's max_inflight extent reads plus the threads that call it
-        # (preload workers, a mount's worker threads); past the pool urllib3 drops them
         client = session.client(
             "s3", endpoint_url=cfg.endpoint or (None if configured else record.get("endpoint") or None),
             region_name=session.region_name or record.get("region") or DEFAULT_REGION,
             config=Config(retries={"mode": "standard", "max_attempts": cfg.retries},
                           connect_timeout=cfg.timeout, read_timeout=cfg.timeout,
-                          max_pool_connections=2 * cfg.max_inflight + 16))
+                          max_pool_connections=connections(cfg.max_inflight)))
     except botocore.exceptions.BotoCoreError as e:
         raise SourceError(f"S3 client: {e}", errno=errno.EINVAL) from None
     return S3Bucket(url, client, cfg.retries)
@@ -148,25 +150,56 @@ class S3Bucket:
         self._versioned = status in ("Enabled", "Suspended")
         return self._versioned
 
-    def list_level(self, prefix: str) -> tuple[list[ObjectInfo], list[str]]:
+    def _pages(self, prefix: str, expect: int = 0,
+               **kw: str) -> Iterator[tuple[list[ObjectInfo], list[str]]]:
+        """Each listing page's latest objects and common prefixes (``kw``: ``Delimiter``,
+        ``StartAfter``, the latter as ``KeyMarker`` in a versioned bucket); with ``expect``,
+        pages end one key past that many, where a key range's end is (``listing.py``)."""
         import botocore.exceptions
 
         versions = self.versioned()
-        objects: list[ObjectInfo] = []
-        prefixes: list[str] = []
-        op, field = ("list_object_versions", "Versions") if versions else ("list_objects_v2", "Contents")
+        op = self.client.list_object_versions if versions else self.client.list_objects_v2
+        if versions and "StartAfter" in kw:
+            kw["KeyMarker"] = kw.pop("StartAfter")
+        given = 0
         try:
-            for page in self.client.get_paginator(op).paginate(Bucket=self.url.bucket, Prefix=prefix,
-                                                               Delimiter="/"):
-                for o in page.get(field, ()):
-                    if versions and not o["IsLatest"]:
-                        continue    # older versions; a deleted key (latest: a delete marker) has none
-                    objects.append(ObjectInfo(o["Key"], o["Size"], o["ETag"],
-                                              int(o["LastModified"].timestamp() * 1e9),
-                                              o.get("VersionId", "") if versions else ""))
-                prefixes.extend(p["Prefix"] for p in page.get("CommonPrefixes", ()))
+            while True:
+                left = expect + 1 - given
+                page = op(Bucket=self.url.bucket, Prefix=prefix, **kw,
+                          MaxKeys=min(LIST_PAGE, left) if expect and left > 0 else LIST_PAGE)
+                objects = [ObjectInfo(o["Key"], o["Size"], o["ETag"],
+                                      int(o["LastModified"].timestamp() * 1e9),
+                                      o.get("VersionId", "") if versions else "")
+                           # older versions skipped; a deleted key (latest: a delete marker) has none
+                           for o in page.get("Versions" if versions else "Contents", ())
+                           if not versions or o["IsLatest"]]
+                given += len(objects)
+                yield objects, [p["Prefix"] for p in page.get("CommonPrefixes", ())]
+                if not page.get("IsTruncated"):
+                    return
+                if versions:
+                    kw.update(KeyMarker=page["NextKeyMarker"], VersionIdMarker=page["NextVersionIdMarker"])
+                else:
+                    kw["ContinuationToken"] = page["NextContinuationToken"]
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
             raise client_error(e, str(self.url)) from None
+
+    def list_keys(self, prefix: str, start_after: str = "", expect: int = 0) -> Iterator[list[ObjectInfo]]:
+        for objects, _ in self._pages(prefix, expect,
+                                      **({"StartAfter": start_after} if start_after else {})):
+            yield objects
+
+    def splits(self) -> bool:
+        """Not in a versioned bucket: ``KeyMarker`` on a key that does not exist is read
+        differently by servers (moto skips the first key after it; S3 starts after it)."""
+        return not self.versioned()
+
+    def list_level(self, prefix: str) -> tuple[list[ObjectInfo], list[str]]:
+        objects: list[ObjectInfo] = []
+        prefixes: list[str] = []
+        for page, under in self._pages(prefix, Delimiter="/"):
+            objects += page
+            prefixes += under
         return objects, prefixes
 
     def get_range(self, key: str, offset: int, out: memoryview, etag: str,

@@ -1,9 +1,11 @@
 """What moto does not do, injected by a proxy in front of it (tests/fixtures/s3.py,
 ``FaultProxy``): error bursts, bodies cut by resets, slow first bytes, the endpoint down.
-Import and the origin get through the transient ones with verified bytes, and give up
-on a dead endpoint within a bounded time, as EIO (``ChunkUnavailable``)."""
+Import and the origin get through the transient ones with verified bytes, give up on a
+dead endpoint within a bounded time, as EIO (``ChunkUnavailable``), and on a stalled one
+within ``source.read_deadline``, as ETIMEDOUT (``SourceTimeout``)."""
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 import xxhash
 
 from kspeedfs import config
-from kspeedfs.errors import ChunkUnavailable
+from kspeedfs.errors import ChunkUnavailable, SourceTimeout
 from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.index import ManifestIndex
 from kspeedfs.manifest.store.embedded import EmbeddedStore
@@ -105,3 +107,26 @@ def test_dead_endpoint_is_eio_within_the_deadline_then_reads_again(
     assert time.monotonic() - t0 < 8 and "s3://" in str(err.value)
     proxy.start()                           # back on the same port
     _read_all(ix, origin)
+
+
+def test_a_stalled_source_is_etimedout_within_read_deadline(
+        proxy: FaultProxy, bucket: tuple[Any, str], tmp_path: Path) -> None:
+    """Each attempt may wait 10 s and there are 5: only ``source.read_deadline`` bounds a
+    read of a source that stopped answering, chunk, extent or block alike."""
+    c, b = bucket
+    _dataset(c, b)
+    ix, origin = _import(b, tmp_path, timeout=10.0, retries=5, read_deadline=1.0)
+    proxy.delay(1000, 6.0)                  # every GET's answer, 6 s late
+    extent = next(iter(ix.chunk_extents(0)))
+    for read in (lambda: origin.load(0), lambda: origin.load_extent(extent),
+                 lambda: origin.load_block(1, 0)):
+        t0 = time.monotonic()
+        with pytest.raises(SourceTimeout) as err:
+            read()
+        took = time.monotonic() - t0
+        assert 1.0 <= took < 1.5, took
+        assert err.value.errno == errno.ETIMEDOUT
+        assert f"s3://{b}/d/" in str(err.value) and "source.read_deadline (1 s)" in str(err.value)
+    proxy.clear()
+    origin.read_deadline = 30.0             # 1 s is tight for a chunk's 40 GETs on a busy machine
+    _read_all(ix, origin)                   # answered again: the next reads get their bytes

@@ -1,18 +1,20 @@
 """A bucket prefix imported and mounted (node-less, the embedded store): every byte read
-through the kernel comes from ranged GETs checked against the manifest, and an object
-overwritten after import is EIO for its readers only."""
+through the kernel comes from ranged GETs checked against the manifest, an object
+overwritten after import is EIO for its readers only, and a stalled source ETIMEDOUT
+within ``source.read_deadline``."""
 from __future__ import annotations
 
 import errno
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.fixtures.mounts import assert_files, cluster1
-from tests.fixtures.s3 import S3Server
+from tests.fixtures.s3 import FaultProxy, S3Server
 
 
 def _put(c: Any, b: str, objects: dict[str, bytes]) -> None:
@@ -65,3 +67,28 @@ def test_object_overwritten_after_import(aws_env: S3Server, bucket: tuple[Any, s
         with pytest.raises(OSError):        # and it stays EIO, never the new bytes
             (mnt / "img07.jpg").read_bytes()
         assert f"s3://{b}/p/img07.jpg no longer has the ETag recorded at import" in node.log_text()
+
+
+def test_stalled_source_read_is_etimedout_within_the_deadline(
+        aws_env: S3Server, bucket: tuple[Any, str], tmp_path: Path) -> None:
+    """The mount reads through a proxy that holds every GET 8 s (each attempt may wait 10 s):
+    a reader gets ETIMEDOUT after ``source.read_deadline``, and its bytes once the source
+    answers again."""
+    c, b = bucket
+    objects = {f"p/f{i}.bin": bytes([i]) * (300 << 10) for i in range(3)}     # a chunk or two each
+    _put(c, b, objects)
+    with cluster1(tmp_path) as node, FaultProxy(aws_env) as proxy:
+        node.import_(f"s3://{b}/p", "ds")               # type: ignore[arg-type]
+        mnt = node.mount("ds", None, "--set", f"source.endpoint={proxy.endpoint}",
+                         "--set", "source.timeout=10", "--set", "source.read_deadline=1.5")
+        proxy.delay(1000, 8.0)
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as err:
+            (mnt / "f1.bin").read_bytes()
+        took = time.monotonic() - t0
+        # each READ ends at the deadline; when the kernel's readahead READ failed it asks
+        # again for the page: two READs at most
+        assert err.value.errno == errno.ETIMEDOUT and 1.5 <= took < 2 * 1.5 + 0.5, (err.value, took)
+        assert f"s3://{b}/p/f1.bin: no answer within source.read_deadline (1.5 s)" in node.log_text()
+        proxy.clear()
+        assert (mnt / "f1.bin").read_bytes() == objects["p/f1.bin"]

@@ -41,6 +41,7 @@ ERRNO = {
     "ChunkCorrupt": errno.EIO,
     "SourceChanged": errno.EIO,
     "ChunkUnavailable": errno.EIO,
+    "SourceTimeout": errno.ETIMEDOUT,       # added since, with its own errno
     "LoadCancelled": errno.EINTR,
     "ReadOnly": errno.EROFS,
     # rdma.errors
