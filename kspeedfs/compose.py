@@ -48,8 +48,7 @@ def fetch_manifest(cfg: Config, name: str, version: int | None) -> tuple[Dataset
     """Blocking: the dataset's info record and manifest blob from the configured store
     (etcd: records verified with the cluster secret). ``version`` None: the newest."""
     with open_configured(cfg) as store:
-        info = store.dataset(name, version)
-        return info, store.manifest(info.name, info.version)
+        return store.fetch(name, version)
 
 
 def local_tiers(cfg: Config, info: DatasetInfo, index: ManifestIndex,

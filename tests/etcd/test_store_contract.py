@@ -469,3 +469,12 @@ def test_a_paged_manifest_keeps_its_root_in_the_store(store: MetadataStore,
     store.remove("imagenet", sealed.version)
     assert store.sweep_pages(grace=0) == root.pages + len(root.tables)
     assert not [p for p in pages.rglob("*") if p.is_file()]
+
+
+def test_fetch_is_the_record_and_its_blob(store: MetadataStore) -> None:
+    first = store.publish(make_info(), b"one")
+    second = store.publish(make_info(files=9), b"two")
+    assert store.fetch("imagenet") == (second, b"two")
+    assert store.fetch("imagenet", first.version) == (first, b"one")
+    with pytest.raises(DatasetNotFound):
+        store.fetch("imagenet", 99)

@@ -235,6 +235,12 @@ class MetadataStore(abc.ABC):
     def manifest(self, name: str, version: int) -> bytes:
         """The blob of one version, verified against its digest."""
 
+    def fetch(self, name: str, version: int | None = None) -> tuple[DatasetInfo, bytes]:
+        """:meth:`dataset` and :meth:`manifest` of one version (a mount's one store
+        access); a backend may do it in fewer requests."""
+        info = self.dataset(name, version)
+        return info, self.manifest(info.name, info.version)
+
     @abc.abstractmethod
     def remove(self, name: str, version: int | None = None) -> None:
         """Delete one version, or the whole dataset when ``version`` is None. Removing

@@ -178,8 +178,17 @@ class EtcdStore(MetadataStore):
         return self.records.versions(name)
 
     def manifest(self, name: str, version: int) -> bytes:
-        record = self.records.resolve(name, version)     # verified: signature, parts, sha256
+        return self._blob(self.records.resolve(name, version))
+
+    def fetch(self, name: str, version: int | None = None) -> tuple[DatasetInfo, bytes]:
+        # the record read once: a job-start storm's etcd bytes are per request
+        record = self.records.resolve(name, version)
+        return DatasetInfo.from_json(record), self._blob(record)
+
+    def _blob(self, record: dict[str, Any]) -> bytes:
+        """The blob a resolved (verified: signature, parts, sha256) record names."""
         info = DatasetInfo.from_json(record)
+        name, version = info.name, info.version
         pieces = []
         for key, value in self.parts.read(name, version, record["parts"]):
             if value is None:
