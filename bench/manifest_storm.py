@@ -74,7 +74,7 @@ def agent(endpoint: str, pages: str, paged: bool, name: str) -> None:
     sys.stdin.readline()
     t0, c0 = time.perf_counter(), time.process_time()
     info, blob = compose.fetch_manifest(cfg, name, None)
-    index = open_index(blob, info, [pages] if paged else [], cfg.store.page_cache)
+    index = open_index(blob, info, pages if paged else None, cfg.store.page_cache)
     d = random.randrange(index.size[0])
     entry = index.lookup(0, index.name(index.data[0] + d))
     assert entry is not None

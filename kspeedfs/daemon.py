@@ -88,8 +88,7 @@ def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, bytes, Ma
             log.warning("resume: %s; loading it from the store", e)
     if info is None or blob is None:
         info, blob = compose.fetch_manifest(cfg, req.dataset, req.version)
-    dirs = page_dir(cfg.store)
-    return info, blob, open_index(blob, info, [dirs] if dirs else [], cfg.store.page_cache)
+    return info, blob, open_index(blob, info, page_dir(cfg.store), cfg.store.page_cache)
 
 
 async def _served_version(req: MountRequest, path: str) -> MountRequest:

@@ -35,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
         if store.page_dir is None:
             raise ConfigError("store.pages: this store has no page directory to migrate to "
                               "(set store.pages to a directory every node and mount reads)")
-        info = store.dataset(name, version)
-        blob = store.manifest(info.name, info.version)
+        info, blob = store.fetch(name, version)
         if is_root(blob):
             raise ConfigError(f"{name}@{info.version} is paged already")
         raw = inflate(blob, info.inflated_size)

@@ -93,8 +93,7 @@ def open_dataset(name: str, version: int | None = None, *, etcd: Sequence[str] |
     with boundary(name):
         cfg = _config(etcd, config)
         info, blob = compose.fetch_manifest(cfg, name, version)
-        dirs = page_dir(cfg.store)
-        index = open_index(blob, info, [dirs] if dirs else [], cfg.store.page_cache)
+        index = open_index(blob, info, page_dir(cfg.store), cfg.store.page_cache)
         del blob
         return Dataset(cfg, info, index, source)
 

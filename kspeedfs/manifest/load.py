@@ -10,7 +10,6 @@ front, with a warning: the mount works, with a whole manifest's memory.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 from ..errors import ManifestCorrupt
 from .index import ManifestIndex
@@ -20,20 +19,21 @@ from .store.base import DatasetInfo, MetadataStore
 log = logging.getLogger(__name__)
 
 
-def open_index(blob: bytes, info: DatasetInfo, page_dirs: Sequence[str],
+def open_index(blob: bytes, info: DatasetInfo, page_dir: str | None,
                cache_bytes: int) -> ManifestIndex:
     """The index of ``info``'s version from its (verified) store blob; a paged one's pages
-    come from ``page_dirs`` (``ManifestCorrupt`` when the root or a table page is bad or
-    missing)."""
+    come from ``page_dir`` (``ManifestCorrupt`` when there is none, or the root or a table
+    page is bad or missing)."""
     if not is_root(blob):
         return ManifestIndex.from_blob(blob, info.inflated_size)
     root = Root.parse(blob)
     if info.inflated_size and root.raw_size != info.inflated_size:
         raise ManifestCorrupt(f"manifest of {info.name} v{info.version}: its root maps "
                               f"{root.raw_size} bytes, the record declares {info.inflated_size}")
-    if not page_dirs:
+    if page_dir is None:
         raise ManifestCorrupt(f"manifest of {info.name} v{info.version} is paged, and no page "
                               "directory is configured (store.pages)")
+    page_dirs = [page_dir]
     hashes = read_table(root, page_dirs)
     try:
         from .pager import PageMap
@@ -52,4 +52,4 @@ def load_index(store: MetadataStore, info: DatasetInfo,
                cache_bytes: int = 1 << 30) -> ManifestIndex:
     """:func:`open_index` of a version fetched from ``store`` (its own page directory)."""
     blob = store.manifest(info.name, info.version)
-    return open_index(blob, info, [store.page_dir] if store.page_dir else [], cache_bytes)
+    return open_index(blob, info, store.page_dir, cache_bytes)
