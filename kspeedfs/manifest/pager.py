@@ -25,7 +25,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .pages import HASH_SIZE, page_path
+from .pages import HASH_SIZE, page_count, page_path
 
 __all__ = ["HASH_LEN", "MAX_THREADS", "PageMap", "page_count", "page_path"]
 
@@ -41,11 +41,6 @@ else:
 HASH_LEN = HASH_SIZE
 #: the most handler threads one map may have (native/manifest_pager.h MP_MAX_THREADS)
 MAX_THREADS = 64
-
-
-def page_count(size: int, page_size: int) -> int:
-    """Pages of a blob of ``size`` bytes: the last may be short."""
-    return -(-size // page_size)
 
 
 class PageMap:

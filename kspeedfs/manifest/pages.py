@@ -56,6 +56,11 @@ def is_root(blob: bytes | memoryview) -> bool:
     return bytes(blob[:4]) == ROOT_MAGIC
 
 
+def page_count(size: int, page_size: int) -> int:
+    """Pages of ``size`` bytes: the last may be short."""
+    return -(-size // page_size)
+
+
 def page_path(directory: str, digest: bytes) -> str:
     h = digest.hex()
     return os.path.join(directory, h[:2], h)
@@ -95,9 +100,9 @@ class Root:
         if not MIN_PAGE <= page_size <= MAX_PAGE or page_size & (page_size - 1):
             raise ManifestCorrupt(f"manifest root: page size {page_size} is not a power of 2 "
                                   f"in {MIN_PAGE}..{MAX_PAGE}")
-        if raw_size < 1 or pages != -(-raw_size // page_size):
+        if raw_size < 1 or pages != page_count(raw_size, page_size):
             raise ManifestCorrupt(f"manifest root: {pages} pages for {raw_size} bytes")
-        if ntables != -(-pages * HASH_SIZE // page_size):
+        if ntables != page_count(pages * HASH_SIZE, page_size):
             raise ManifestCorrupt(f"manifest root: {ntables} table pages for {pages} pages")
         if len(blob) != ROOT_HEADER.size + HASH_SIZE * ntables:
             raise ManifestCorrupt(f"manifest root is {len(blob)} bytes, expected "
