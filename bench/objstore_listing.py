@@ -1,14 +1,15 @@
 """Issue 44 item 1: kspeedfs's parallel listing against a plain paginated listing loop
 with the same client on the same server, for ``gs://`` (obstore, fake-gcs-server) and
-``s3://`` (boto3, moto's server: ``--store s3``, which fills 10^5 keys in minutes).
+``s3://`` (boto3, moto's server: ``--store s3``, a bucket per layout filled in its
+backend before it listens, :mod:`.moto_filled`).
 
 ``python -m bench.objstore_listing [--objects 5000] [--rounds 3] [--store gs|s3]`` lays
 out three prefixes of N one-byte objects: ``flat/`` (N keys in one "directory"),
 ``wide/`` (1,000 keys a directory) and ``small/`` (50 keys a directory), and starts
-fake-gcs-server loading them as files (``tests/fixtures/gcs.py``), or moto's server
-(puts). Issue 44 asks for 10^5 keys; no emulator here fills that fast: fake-gcs-server
-loads 10^4 files in ~30 s but 4 x 10^4 in ~400 s (superlinear), its uploads run at
-~250 objects/s, Azurite's fall from ~400/s to ~130/s as it fills. Each round,
+fake-gcs-server loading them as files (``tests/fixtures/gcs.py``), or moto's server.
+Issue 44 asks for 10^5 keys; only moto fills that fast here (its backend, directly):
+fake-gcs-server loads 10^4 files in ~30 s but 4 x 10^4 in ~400 s (superlinear), its
+uploads run at ~250 objects/s, Azurite's fall from ~400/s to ~130/s as it fills. Each round,
 alternating, lists each prefix with
 
 * the plain loop: ``obstore.list(store, prefix)``, one page after another, counting; and
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,11 +41,16 @@ BUCKET = "bench-listing"
 LAYOUTS = {"flat": 0, "wide": 1000, "small": 50}   # prefix: objects a directory (0: none)
 
 
+def layout_keys(prefix: str, n: int) -> list[str]:
+    """n keys of one layout: ``flat/NNNNNNN``, ``wide/dDDDDD/NNNNNNN`` (1,000 a
+    directory) or ``small/dDDDDD/NNNNNNN`` (50 a directory)."""
+    per = LAYOUTS[prefix]
+    return [f"{prefix}/d{i // per:05d}/{i:07d}" if per else f"{prefix}/{i:07d}" for i in range(n)]
+
+
 def keys(n: int) -> list[str]:
-    """``flat/NNNNNNN``, ``wide/dDDDDD/NNNNNNN`` (1,000 a directory) and
-    ``small/dDDDDD/NNNNNNN`` (50 a directory), n each."""
-    return [f"{prefix}/d{i // per:05d}/{i:07d}" if per else f"{prefix}/{i:07d}"
-            for prefix, per in LAYOUTS.items() for i in range(n)]
+    """Every layout's :func:`layout_keys`, n each."""
+    return [key for prefix in LAYOUTS for key in layout_keys(prefix, n)]
 
 
 def lay_out(root: Path, n: int) -> None:
@@ -64,31 +71,40 @@ def report(n: int, rates: dict[str, list[float]]) -> None:
         print(f"{prefix}: kspeedfs / plain loop = {med[prefix + ' kspeedfs'] / med[prefix + ' plain']:.2f}x")
 
 
-def s3_main(args: argparse.Namespace) -> None:
-    """The same two layouts on moto's server: put with 32 threads, then the rounds with
-    boto3's paginator (list_objects_v2, 1,000 a page) as the plain loop."""
-    from concurrent.futures import ThreadPoolExecutor
+class FilledS3Server(S3Server):
+    """moto's server with the layouts already in it, a bucket each (:mod:`.moto_filled`)."""
 
-    with S3Server() as server:
+    def __init__(self, objects: int) -> None:
+        super().__init__(start_timeout=1800)
+        self.objects = objects
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "bench.moto_filled", "--port", str(self.port),
+                "--objects", str(self.objects)]
+
+
+def s3_main(args: argparse.Namespace) -> None:
+    """The same layouts on moto's server, a bucket each, filled before it listens; the
+    rounds with boto3's paginator (list_objects_v2, 1,000 a page) as the plain loop."""
+    from .moto_filled import bucket_name
+
+    t0 = time.perf_counter()
+    with FilledS3Server(args.objects) as server:
+        print(f"{len(LAYOUTS) * args.objects:,} objects filled in {time.perf_counter() - t0:.0f}s")
         client = server.client()
-        client.create_bucket(Bucket=BUCKET)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(32) as pool:
-            list(pool.map(lambda k: client.put_object(Bucket=BUCKET, Key=k, Body=b"x"),
-                          keys(args.objects)))
-        print(f"{len(LAYOUTS) * args.objects:,} objects put in {time.perf_counter() - t0:.0f}s")
         os.environ.update(server.env())
         cfg = config.load(environ={}).source
         rates: dict[str, list[float]] = {}
         pages = client.get_paginator("list_objects_v2")
         for _ in range(args.rounds):
             for prefix in LAYOUTS:
+                name = bucket_name(prefix)
                 t = time.perf_counter()
-                got = sum(len(p.get("Contents", ())) for p in pages.paginate(Bucket=BUCKET,
+                got = sum(len(p.get("Contents", ())) for p in pages.paginate(Bucket=name,
                                                                               Prefix=prefix + "/"))
                 rates.setdefault(f"{prefix} plain", []).append(got / (time.perf_counter() - t))
                 assert got == args.objects, got
-                bucket = connect(f"s3://{BUCKET}/{prefix}", cfg)
+                bucket = connect(f"s3://{name}/{prefix}", cfg)
                 t = time.perf_counter()
                 got = len(list_objects(bucket, cfg.max_inflight))
                 rates.setdefault(f"{prefix} kspeedfs", []).append(got / (time.perf_counter() - t))
