@@ -20,6 +20,7 @@ trio thread) plus the mount's daemon. Benchmarks are not tests: nothing is asser
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import resource
@@ -37,6 +38,8 @@ from .targets import Kspeedfs, KspeedfsStore, Target
 
 #: the open datasets of the Library targets, by the path the suite hands each case
 _HANDLES: dict[Path, object] = {}
+#: the Library targets by that path, for cases that read in other processes
+_TARGETS: dict[Path, Library] = {}
 RATIOS = [("library", "kspeedfs-warm"), ("library-cold", "kspeedfs-cold"),
           ("library", "ramfs-c"), ("kspeedfs-warm", "ramfs-c")]
 
@@ -50,10 +53,14 @@ class Library(Target):
 
     holds_dataset = True
 
-    def __init__(self, ds: Dataset, store: KspeedfsStore, warm: bool = True) -> None:
+    def __init__(self, ds: Dataset, store: KspeedfsStore, warm: bool = True,
+                 in_process: bool = True) -> None:
+        """``in_process=False``: no handle in the bench process (the cases read in
+        processes of their own, :meth:`loader_args`)."""
         super().__init__(ds)
         self.store = store
         self.warm = warm
+        self.in_process = in_process
         self.name = "library" if warm else "library-cold"
         self.handle = None
 
@@ -61,20 +68,29 @@ class Library(Target):
         self.store.ensure()
         self.path = work / "library" / f"{self.ds.root.name}-{self.name}"
         self.path.mkdir(parents=True, exist_ok=True)
+        _TARGETS[self.path] = self
         # closed with the workload's mounts: the suite calls this "pid" function then
         mounts.add(self.path, self._close)
-        if self.warm:
+        if self.warm and self.in_process:
             self._open()
             paths = self.ds.paths()
             for i in range(0, len(paths), 64):
                 self.handle.read_many(paths[i:i + 64])     # type: ignore[attr-defined]
 
+    def config(self) -> dict[str, str]:
+        """The library's config: this store, a memory tier the dataset fits."""
+        return {"store.path": str(self.store.dir / "store"),
+                "cache.memory": str(max(256 << 20, int(self.ds.bytes * 1.3) + (64 << 20)))}
+
+    def loader_args(self) -> list[str]:
+        """``bench.dataloader``'s arguments that read this target's dataset."""
+        return ["--library", self.store.name, "--config", json.dumps(self.config()),
+                "--warm-epochs", "1"]
+
     def _open(self) -> None:
         import kspeedfs
 
-        self.handle = kspeedfs.open_dataset(self.store.name, config={
-            "store.path": str(self.store.dir / "store"),
-            "cache.memory": str(max(256 << 20, int(self.ds.bytes * 1.3) + (64 << 20)))})
+        self.handle = kspeedfs.open_dataset(self.store.name, config=self.config())
         _HANDLES[self.path] = self.handle
 
     def _close(self) -> None:
@@ -84,7 +100,8 @@ class Library(Target):
             self.handle = None
 
     def prepare(self) -> None:
-        if not self.warm:                   # the source's pages too: a cold read is a disk read
+        # cold: the source's pages too (a cold read is a disk read)
+        if not self.warm and self.in_process:
             self._close()
             drop_caches()
             self._open()
@@ -97,6 +114,21 @@ class Library(Target):
 def handle(path: Path):
     """The open dataset of the Library target at ``path``, or None (a mount or a directory)."""
     return _HANDLES.get(path)
+
+
+def target(path: Path) -> Library | None:
+    """The Library target at ``path``, or None (a mount or a directory)."""
+    return _TARGETS.get(path)
+
+
+def loader_targets(ds: Dataset, ctx: object) -> list[Target]:
+    """The DataLoader through the library (each worker its own handle) beside the warm
+    mount and the C ceiling."""
+    from .workloads import ramfs_c_targets
+
+    store = KspeedfsStore(ctx.work, ds)          # type: ignore[attr-defined]
+    return [Kspeedfs(ds, store, warm=True), Library(ds, store, in_process=False),
+            *ramfs_c_targets(ds, ctx)]
 
 
 def targets(ds: Dataset, ctx: object) -> list[Target]:

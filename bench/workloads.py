@@ -25,6 +25,8 @@ workload           dataset                    cases (primary figure)
 ``library``        imagenet                   the Python library in 8 threads (``ds.read``)
                                               vs the mount (``open().read()``), warm and cold
                                               (files/s)
+``library-dataloader`` imagenet               torch DataLoader, 4 workers, through
+                                              ``kspeedfs.torch`` vs the native mount
 ``library-4k``     files                      random 4 KiB, one thread: ``readinto`` of the
                                               library vs ``pread`` on the mount, warm and
                                               cold (IOPS)
@@ -316,12 +318,15 @@ def _dataloader_cases(ds: Dataset, ctx: Context) -> list[Case]:
     listing = ds.listing()
 
     def run(path: Path) -> dict:
+        lib = library.target(path)
         p = subprocess.run([sys.executable, "-m", "bench.dataloader", str(path), str(listing),
-                            "--workers", "4"], capture_output=True, text=True, cwd=REPO)
+                            "--workers", "4", *(lib.loader_args() if lib else ())],
+                           capture_output=True, text=True, cwd=REPO)
         if p.returncode:
             raise RuntimeError(f"dataloader failed: {p.stderr.strip()[-2000:]}")
         return json.loads(p.stdout.strip().splitlines()[-1])
-    return [Case("torch-4-workers", run, "files/s")]
+    return [Case("torch-4-workers", run, "files/s",
+                 also=("loader_cpu_us_per_file", "host_cpu_us_per_file"))]
 
 
 # -- sweeps: kspeedfs alone, one knob at a time, ratio to the configured default ----------
@@ -454,6 +459,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     Workload("library", "the Python library, 8 threads, vs the native mount: every ImageNet-like "
              "file whole, warm and cold", _imagenet, library.imagenet_cases, library.targets,
              ratios=library.RATIOS),
+    Workload("library-dataloader", "a torch DataLoader, 4 workers, through the library "
+             "(kspeedfs.torch) vs through the native mount, warm", _imagenet, _dataloader_cases,
+             library.loader_targets, ratios=library.RATIOS, needs=ensure_torch),
     Workload("library-4k", "the Python library vs the native mount: random 4 KiB, one thread, warm and cold",
              _files, library.rand_cases, library.targets, ratios=library.RATIOS),
     Workload("transport", "soft RDMA READ vs plain TCP between two netns hosts (rdma.perf)",
