@@ -70,6 +70,10 @@ chunks evicted, spilled to the SSD tier if there is one). With no grants every k
 in group None, there is one group, and all of this is the rules above. Adopted chunks
 (``adopt``) cannot be told apart by dataset yet: their segments are owned by None,
 which is never granted.
+
+A segment handed to a local reader (``pin``) stays its group's until the node exits,
+even when empty: the reader's mapping cannot be taken back, so a segment it maps must
+never hold another group's chunks. Its chunks may still be evicted, for its own group's.
 """
 from __future__ import annotations
 
@@ -217,6 +221,7 @@ class Arena:
         self._open: dict[Group, set[int]] = {None: {i for i in self._owned[None]
                                                     if self._seg_free[i]}}
         self._empty = {i for i in range(n) if not self._seg_used[i]}
+        self._pinned: set[int] = set()           # handed to a reader: its owner's for good
 
     def _segment(self, slot: int) -> int:
         return slot // self.g.per_segment
@@ -242,7 +247,7 @@ class Arena:
         g = self._owner[seg]
         self._seg_free[seg].append(slot)
         self._seg_used[seg] -= 1
-        if self._seg_used[seg]:
+        if self._seg_used[seg] or seg in self._pinned:
             self._open.setdefault(g, set()).add(seg)
             return
         self._open[g].discard(seg)
@@ -253,6 +258,13 @@ class Arena:
     def segments(self, group: Group) -> list[int]:
         """The segments ``group`` owns now (those holding its keys), ascending."""
         return sorted(self._owned.get(group, ()))
+
+    def pin(self, seg: int) -> None:
+        """Segment ``seg`` (owned by a group, not None) is handed to a reader: it stays
+        that group's from now on (module docstring)."""
+        if self._owner[seg] is None:
+            raise ValueError(f"arena segment {seg} is not owned by a granted group")
+        self._pinned.add(seg)
 
     def locate(self, key: bytes, group: Group) -> tuple[int, int] | None:
         """(slot, length) of ``key`` when it is held in a segment ``group`` owns; None
@@ -351,7 +363,8 @@ class Arena:
         if self._open.get(g) or self._empty:
             return True
         segs = Counter(self._segment(self._slots[k][0]) for k in freeing)
-        return any(self._owner[s] == g or self._seg_used[s] == n for s, n in segs.items())
+        return any(self._owner[s] == g or (self._seg_used[s] == n and s not in self._pinned)
+                   for s, n in segs.items())
 
     def _slot_victims(self, key: bytes, g: Group) -> list[bytes] | None:
         """What to evict for a slot of group ``g``: its own lowest-ranked chunk, or a
@@ -376,7 +389,7 @@ class Arena:
         by_seg: dict[int, list[bytes]] = {}
         for k, hit in self._slots.items():
             seg = self._segment(hit[0])
-            if self._owner[seg] != g:
+            if self._owner[seg] != g and seg not in self._pinned:
                 by_seg.setdefault(seg, []).append(k)
         best: tuple[int, int, list[bytes]] | None = None
         for keys in by_seg.values():

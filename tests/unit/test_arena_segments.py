@@ -38,6 +38,7 @@ class SegmentModel(RuleBasedStateMachine):
                            on_evict=(lambda k, d: None) if self.ssd else None,
                            group=lambda k: self.groups.get(k))
         self.blobs: dict[bytes, bytes] = {}
+        self.pinned: dict[int, str] = {}
 
     @rule(seed=st.integers(0, 40), size=st.integers(1, 64), rank=st.integers(-1, 2),
           group=st.sampled_from(GROUPS))
@@ -62,6 +63,14 @@ class SegmentModel(RuleBasedStateMachine):
         key, _ = _key(seed, size)
         self.arena.drop(key)
 
+    @rule(group=st.sampled_from(("a", "b")))
+    def pin(self, group: str) -> None:
+        """A reader is handed ``group``'s first segment: it stays ``group``'s."""
+        segs = self.arena.segments(group)
+        if segs:
+            self.arena.pin(segs[0])
+            self.pinned[segs[0]] = group
+
     @rule(group=st.sampled_from(GROUPS))
     def regroup(self, group: str | None) -> None:
         """The group function changes (a grant added, a share moved): held keys stay."""
@@ -80,8 +89,12 @@ class SegmentModel(RuleBasedStateMachine):
                 want = (slot, length) if g is not None and g == self.put_for[key] else None
                 assert self.arena.locate(key, g) == want
         assert all(len(gs) == 1 for gs in holding.values()), holding
+        for seg, g in self.pinned.items():
+            assert holding.get(seg, {g}) == {g} and seg in self.arena.segments(g)
         for g in GROUPS:
-            assert self.arena.segments(g) == sorted(s for s, gs in holding.items() if g in gs)
+            held = {s for s, gs in holding.items() if g in gs}
+            assert self.arena.segments(g) == sorted(held | {s for s, p in self.pinned.items()
+                                                            if p == g})
 
 
 def remote_lookup_slot(m: SegmentModel, key: bytes) -> tuple[int, int]:
@@ -208,3 +221,16 @@ def test_geometry_of_segments() -> None:
     assert [g.segment_span(i) for i in range(3)] == [(0, 256), (256, 256), (512, 128)]
     one = Geometry.for_memory(10 * 64, 64)
     assert (one.nsegments, one.segment_span(0)) == (1, (0, 640))
+
+
+def test_a_pinned_segment_stays_its_groups_when_empty() -> None:
+    """Handed to a reader, segment 0 of "a" is never another group's, even emptied."""
+    arena, ranks, groups = _arena()
+    a = _put(arena, ranks, groups, 1, 0, "a")
+    arena.pin(0)
+    arena.drop(a)
+    assert arena.segments("a") == [0]
+    b = [_put(arena, ranks, groups, 10 + i, 0, "b") for i in range(5)]
+    assert arena.segments("b") == [1] and sum(k in arena for k in b) == 4
+    a2 = _put(arena, ranks, groups, 2, 0, "a")
+    assert arena.locate(a2, "a") is not None and arena.locate(a2, "a")[0] < 4
