@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 INDEX = ".index"
 LEGACY = ".arena"                 # the whole arena in one file, before segments
+GRANTED = ".granted"              # segments were handed to local readers (grant.py)
 
 
 def _lock(fd: int, wait: float) -> bool:
@@ -157,6 +158,44 @@ def _sized(fd: int, length: int) -> bool:
     return kept
 
 
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _new_inode(dir_fd: int, name: str, fd: int, length: int) -> int:
+    """``name`` (open as ``fd``, which is closed) replaced by a new file of the same
+    bytes, holes kept; the new file's fd. Under the node's lock, in its private
+    directory: nobody else renames there."""
+    new = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        os.ftruncate(new, length)
+        offset = 0
+        while True:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+                break                                  # nothing but holes from here
+            offset = os.lseek(fd, start, os.SEEK_HOLE)
+            while start < offset:
+                n = os.copy_file_range(fd, new, offset - start, start, start)
+                if not n:
+                    break
+                start += n
+        os.unlink(name, dir_fd=dir_fd)
+        os.link(f"/proc/self/fd/{new}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+    except BaseException:
+        os.close(new)
+        raise
+    os.close(fd)
+    return new
+
+
 def _map(fd: int, length: int) -> tuple[mmap.mmap, bool]:
     """``length`` bytes of the file ``fd`` mapped shared, and whether its content was
     kept (``_sized``)."""
@@ -183,7 +222,7 @@ class ArenaFile:
 def _parse(name: str) -> tuple[str, str] | None:
     """(stem, kind) of an arena file's name: kind ``index``, ``arena`` (an older node's
     single file) or ``arena.<i>`` (segment i); None for any other name."""
-    for suffix in (INDEX, LEGACY):
+    for suffix in (INDEX, LEGACY, GRANTED):
         if name.endswith(suffix):
             return name[:-len(suffix)], suffix[1:]
     rest, dot, i = name.rpartition(".")
@@ -200,6 +239,10 @@ class ArenaFiles:
     what an earlier layout left (an older single ``.arena``, segments past the last) and
     maps them: the segments as one range (:class:`SegmentMemory`, ``segments``); the
     lock and the mappings last until :meth:`close` (or the process's end).
+    A segment handed to a local reader stays mapped by it past this node's exit, so a
+    run that handed any out leaves ``<stem>.granted`` (:meth:`mark_granted`) and the next
+    :meth:`open` gives every segment a new inode with the same bytes (the old ones live
+    on only in those readers' mappings, and never see another chunk).
     :meth:`usage` is what ``kspeedfs status`` shows of them."""
 
     def __init__(self, directory: str, cluster: str, node: str) -> None:
@@ -209,6 +252,7 @@ class ArenaFiles:
         self.nsegments = 1
         self.segments: SegmentMemory | None = None
         self._index_fd = -1
+        self._granted = False
 
     @property
     def index_path(self) -> str:
@@ -238,8 +282,11 @@ class ArenaFiles:
             if not _lock(self._index_fd, wait):
                 raise DatasetInUse(f"node {self.node} of this cluster already runs on this "
                                    f"host (it holds {self.index_path})")
-            self._remove_stale(dir_fd)
             kept = all([_sized(fd, n) for fd, n in zip(fds, lengths, strict=True)])
+            if _exists(dir_fd, self.stem + GRANTED):
+                for i, n in enumerate(lengths):       # (fds stays whole if one fails)
+                    fds[i] = _new_inode(dir_fd, os.path.basename(self.paths[i]), fds[i], n)
+            self._remove_stale(dir_fd)
             if not kept:                    # an index of other slots: never adopted
                 os.ftruncate(self._index_fd, 0)
             self.segments = SegmentMemory(fds, lengths)
@@ -262,6 +309,18 @@ class ArenaFiles:
                 log.info("removing %s: left by an earlier arena layout",
                          os.path.join(self.directory, name))
                 os.unlink(name, dir_fd=dir_fd)
+
+    def mark_granted(self) -> None:
+        """Segments are being handed to a local reader: leave ``<stem>.granted`` (class
+        docstring) before the first is."""
+        if self._granted:
+            return
+        dir_fd = private_directory(self.directory)
+        try:
+            os.close(_open_private(dir_fd, self.directory, self.stem + GRANTED, create=True))
+        finally:
+            os.close(dir_fd)
+        self._granted = True
 
     def usage(self) -> dict[str, int]:
         """Each file's path → the bytes of RAM it holds now."""

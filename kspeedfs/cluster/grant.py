@@ -262,14 +262,16 @@ class GrantServer:
         arena: the slots and their segments' owners (``segments``, ``locate``, ``pin``).
         memory: the segments' fds (``readonly``).
         readers: ``cluster.host_readers``.
+        on_grant: called before segments are handed out (``ArenaFiles.mark_granted``).
         connections: how many are open now.
     """
 
-    def __init__(self, arena: Arena, memory: SegmentMemory,
-                 readers: Mapping[str, list[str]]) -> None:
+    def __init__(self, arena: Arena, memory: SegmentMemory, readers: Mapping[str, list[str]],
+                 on_grant: Callable[[], None] | None = None) -> None:
         self.arena = arena
         self.memory = memory
         self.readers = readers
+        self.on_grant = on_grant                 # before an fd is first sent (ArenaFiles)
         self.connections = 0
 
     async def serve(self, path: str, *,
@@ -329,6 +331,8 @@ class GrantServer:
                 reply, segs = error_reply(_refuse(e.errno or errno.EIO, str(e))), []
             for s in segs:
                 self.arena.pin(s)
+            if segs and self.on_grant is not None:
+                self.on_grant()
             await _send(sock, reply, fds)
             conn.sent.update(segs)
         finally:

@@ -349,3 +349,34 @@ def test_memfd_segments_are_one_range_too() -> None:
     finally:
         seg.close()
         seg.memory.close()
+
+
+def test_a_restart_after_a_grant_gives_the_segments_new_inodes(shm: Path) -> None:
+    """A reader granted a segment before the restart keeps its mapping of the old inode:
+    the new run keeps the bytes (and holes) in new inodes, which it never sees."""
+    import mmap
+
+    files, d = _segmented(shm)
+    arena, index, _ = files.open(ARENA, INDEX, segment_bytes=SEGMENT)
+    arena[5:10] = b"chunk"
+    files.mark_granted()
+    assert files.segments is not None
+    ro = files.segments.readonly(0)
+    old_reader = mmap.mmap(ro, SEGMENT, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    os.close(ro)
+    listed = {os.path.basename(f.path) for f in arena_files.listing(str(d))}
+    assert files.stem + ".granted" in listed
+    files.close()
+    arena.close()
+    index.close()
+    again = _files(d)
+    arena, index, kept = again.open(ARENA, INDEX, segment_bytes=SEGMENT)
+    assert kept and arena[5:10] == b"chunk"
+    assert os.stat(again.paths[1]).st_blocks == 0                   # a hole stays one
+    arena[5:10] = b"other"
+    assert old_reader[5:10] == b"chunk"                             # never sees the new run
+    assert not (d / (files.stem + ".granted")).exists()
+    old_reader.close()
+    again.close()
+    arena.close()
+    index.close()

@@ -28,6 +28,7 @@ from kspeedfs.cluster import grant
 from kspeedfs.cluster.arena import Arena, Geometry
 from kspeedfs.cluster.arena_segments import SegmentMemory
 from kspeedfs.cluster.grant import Connection, GrantServer, Peer, allows, answer, parse_request
+from tests.fixtures import grant_client
 
 from .test_arena import Mem
 
@@ -94,18 +95,14 @@ async def _server(arena: Arena, memory: SegmentMemory, readers: dict[str, list[s
 
 
 CLIENT = r'''
-import array, json, mmap, os, socket, sys
+import json, mmap, os, socket, sys
+from tests.fixtures.grant_client import ask
 path, requests = sys.argv[1], json.loads(sys.argv[2])
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(path)
 out, maps = [], {}
 for req in requests:
-    s.send(json.dumps(req).encode())
-    data, anc, flags, _ = s.recvmsg(65536, socket.CMSG_SPACE(253 * 4))
-    reply = json.loads(data)
-    fds = array.array("i")
-    for level, kind, payload in anc:
-        fds.frombytes(payload[:len(payload) - len(payload) % 4])
+    reply, fds = ask(s, req)
     checks = {}
     for seg, fd in zip(reply.get("segments", []), fds):
         size = os.fstat(fd).st_size
@@ -138,6 +135,7 @@ async def _client(path: str, requests: list[dict[str, Any]], uid: int = NOBODY,
     def run() -> str:
         return subprocess.run([sys.executable, "-c", CLIENT, path, json.dumps(requests)],
                               user=uid, group=uid, extra_groups=groups or [], cwd="/",
+                              env=grant_client.script_env(),
                               capture_output=True, text=True, check=True, timeout=30).stdout
     result: list[dict[str, Any]] = json.loads(await trio.to_thread.run_sync(run))
     return result
