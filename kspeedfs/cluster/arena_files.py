@@ -323,10 +323,13 @@ class ArenaFiles:
         self._granted = True
 
     def usage(self) -> dict[str, int]:
-        """Each file's path → the bytes of RAM it holds now."""
-        fds = (self.segments.fds if self.segments else []) + [self._index_fd]
-        return {path: os.fstat(fd).st_blocks * 512
-                for path, fd in zip(self.paths, fds, strict=False) if fd >= 0}
+        """The bytes of RAM the files hold now: the segments' together (as
+        ``<stem>.arena.*``: thousands in a large arena) and the index's."""
+        ram = {os.path.join(self.directory, self.stem + LEGACY + ".*"):
+               sum(os.fstat(fd).st_blocks * 512 for fd in self.segments.fds)} if self.segments else {}
+        if self._index_fd >= 0:
+            ram[self.index_path] = os.fstat(self._index_fd).st_blocks * 512
+        return ram
 
     def close(self) -> None:
         """Close the files; the lock goes with the last of them and of the mappings
