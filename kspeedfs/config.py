@@ -75,6 +75,8 @@ def _size(default: str, doc: str) -> Any:
 def _opt(default: Any, doc: str) -> Any:
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"doc": doc})
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"doc": doc})
     return field(default=default, metadata={"doc": doc})
 
 
@@ -288,6 +290,23 @@ class FuseConfig:
         _range("fuse.workers", self.workers, 1, 1024)
 
 
+#: a principal of ``cluster.host_readers`` (user and group names as useradd allows them)
+PRINCIPAL = re.compile(r"^(?:\*|uid:\d{1,10}|gid:\d{1,10}"
+                       r"|(?:user|group):[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}\$?)$")
+
+
+def _host_readers(readers: dict[str, list[str]]) -> None:
+    """``cluster.host_readers``: dataset names to lists of principals (``PRINCIPAL``)."""
+    for dataset, principals in readers.items():
+        if not dataset or not isinstance(principals, list):
+            raise ConfigError(f"cluster.host_readers: {dataset!r} must name a dataset and map "
+                              "to a list of principals")
+        for p in principals:
+            if not isinstance(p, str) or not PRINCIPAL.match(p):
+                raise ConfigError(f"cluster.host_readers: {p!r} (for {dataset}) is not "
+                                  "'uid:N', 'gid:N', 'user:NAME', 'group:NAME' or '*'")
+
+
 @dataclass
 class ClusterConfig:
     """The cluster (``cluster/``): node daemons pooling memory, mounts reading peers.
@@ -308,6 +327,20 @@ class ClusterConfig:
                           "here (<cluster>-<node>.arena/.index), so a restarted node re-adopts "
                           "its verified chunks instead of reloading them; made 0700, refused "
                           "unless private to the node's user; '' = anonymous memory")
+    segment_bytes: int = _size("64MiB", "node: the arena is cut into segments of this size (a "
+                               "multiple of slot_size; the last may be shorter), each its own "
+                               "file or memfd: what a local reader is granted (cluster/grant.py)")
+    host_readers: dict[str, list[str]] = _opt({}, "node: dataset -> local principals who may map "
+                                              "its chunks from this node's memory over "
+                                              "grant_socket: 'uid:N', 'gid:N', 'user:NAME', "
+                                              "'group:NAME' or '*' (any local user); root always "
+                                              "may; a dataset listed (even with []) gets "
+                                              "segments of its own, one not listed none")
+    grant_socket: str = _opt("/run/kspeedfs/{cluster}-{node}.grant",
+                             "node: the unix socket granting host_readers their datasets' "
+                             "segments ({cluster}: the cluster's tag as in arena_dir's names, "
+                             "{node}: the node's name); served only when host_readers is set; "
+                             "'' = none")
     lease_ttl: int = _opt(5, "node: membership lease TTL, s (a dead node leaves after this)")
     leave_grace: float = _opt(5.0, "a node whose lease lapsed keeps its placement this long, s; "
                               "back within it, nothing is re-replicated (membership.py)")
@@ -340,6 +373,13 @@ class ClusterConfig:
             raise ConfigError(f"cluster.slot_size: {self.slot_size} must be a multiple of 4 KiB "
                               "in 64KiB..1GiB")
         _memory("cluster.memory", self.memory, self.slot_size * 2)
+        if self.segment_bytes < self.slot_size or self.segment_bytes % self.slot_size:
+            raise ConfigError(f"cluster.segment_bytes: {self.segment_bytes} must be a multiple "
+                              f"of cluster.slot_size ({self.slot_size})")
+        _host_readers(self.host_readers)
+        if self.grant_socket and not self.grant_socket.startswith("/"):
+            raise ConfigError(f"cluster.grant_socket: {self.grant_socket!r} must be an absolute "
+                              "path (or '' for none)")
         _range("cluster.port", self.port, 1, 65535)
         _range("cluster.rpc_port", self.rpc_port, 1, 65535)
         if self.rpc_port == self.port:
@@ -635,6 +675,8 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -714,6 +756,8 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any, source: str) -> Any
             if not math.isfinite(number):
                 raise ValueError("expected a finite number")
             return number
+        if typ.startswith("dict"):
+            return _coerce_readers(value)
         if typ.startswith("list"):
             if isinstance(value, str):
                 return [x.strip() for x in value.split(",") if x.strip()]
@@ -725,6 +769,22 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any, source: str) -> Any
         return str(value)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key} = {value!r} (from {source}): {e}") from None
+
+
+def _coerce_readers(value: Any) -> dict[str, list[str]]:
+    """``{"ds": ["uid:1000"]}`` (TOML) or ``"ds=uid:1000,gid:100;other=*"`` (environment,
+    flags) → dataset → principals (checked by ``validate``)."""
+    if isinstance(value, str):
+        out: dict[str, list[str]] = {}
+        for part in filter(None, (p.strip() for p in value.split(";"))):
+            dataset, sep, principals = part.partition("=")
+            if not sep or not dataset.strip():
+                raise ValueError("expected 'dataset=principal,...;dataset=...'")
+            out[dataset.strip()] = [x.strip() for x in principals.split(",") if x.strip()]
+        return out
+    if not isinstance(value, dict) or not all(isinstance(v, list) for v in value.values()):
+        raise ValueError("expected a table of dataset = [principals]")
+    return {str(k): [str(x) for x in v] for k, v in value.items()}
 
 
 def apply(cfg: Config, values: Mapping[str, Any], source: str) -> None:

@@ -39,6 +39,12 @@ class UnsafePath(ConfigError, errno=_errno.EPERM):
     reached or replaced by another user: refused before it is opened or mapped."""
 
 
+class GrantRefused(KspeedfsError, errno=_errno.EACCES):
+    """A request on a node's grant socket (``cluster/grant.py``) is not answered: the
+    peer may not read the dataset (EACCES), or the request is malformed (EINVAL) or out
+    of order (EALREADY, ENOENT): the errno names which, in the error reply."""
+
+
 class MountError(KspeedfsError, errno=_errno.EINVAL):
     """The mount cannot be made (mountpoint missing, not empty, already mounted, ...)."""
 

@@ -55,12 +55,31 @@ goes there: still held by the node, the arena its memory part, oldest first.) Fi
 victim is a scan, oldest first, that stops at the first chunk outside the share; when
 every slot is in the share it reads every rank (one dict lookup each, ~5 ms per 10^5
 slots; only when the share exceeds the arena).
+
+Segments and groups (``docs/design.md``, "Zero-copy on the node's host"): the slots are
+cut into segments of ``Geometry.segment_slots`` (the last may be shorter), each its own
+file or memfd (``arena_segments.py``) so one segment can be handed, read-only, to a
+local process granted one dataset. ``group(key)`` names the dataset a key is stored for
+(None: no grant applies). A segment holding keys is *owned* by the group of the first
+of them and only ever holds keys of that group; an empty segment is unowned. A key's
+slot comes from its group's segments first, then from an empty one. When neither has
+a free slot: the key's group's own lowest-ranked chunk goes (the rules above) — unless
+it is in the share (rank >= 0) and a whole segment of another group holds only chunks
+that may go and rank no higher: then that segment is emptied for the group (its
+chunks evicted, spilled to the SSD tier if there is one). With no grants every key is
+in group None, there is one group, and all of this is the rules above. Adopted chunks
+(``adopt``) cannot be told apart by dataset yet: their segments are owned by None,
+which is never granted.
+
+A segment handed to a local reader (``pin``) stays its group's until the node exits,
+even when empty: the reader's mapping cannot be taken back, so a segment it maps must
+never hold another group's chunks. Its chunks may still be evicted, for its own group's.
 """
 from __future__ import annotations
 
 import logging
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -110,14 +129,33 @@ class Geometry:
     nslots: int
     slot_size: int
     nbuckets: int
+    segment_slots: int = 0       # slots a segment (0: the whole arena is one segment)
 
     @classmethod
-    def for_memory(cls, memory: int, slot_size: int) -> Geometry:
+    def for_memory(cls, memory: int, slot_size: int, segment_bytes: int = 0) -> Geometry:
         nslots = memory // slot_size
         # half the index ways in use on average at a full arena; with two buckets a key
         # (module docstring), none full
         nbuckets = max(1, (2 * nslots + WAYS - 1) // WAYS)
-        return cls(nslots, slot_size, nbuckets)
+        return cls(nslots, slot_size, nbuckets, min(nslots, segment_bytes // slot_size))
+
+    @property
+    def per_segment(self) -> int:
+        """Slots in a segment (the last may hold fewer)."""
+        return self.segment_slots or max(self.nslots, 1)
+
+    @property
+    def segment_bytes(self) -> int:
+        return self.per_segment * self.slot_size
+
+    @property
+    def nsegments(self) -> int:
+        return -(-self.nslots // self.per_segment)
+
+    def segment_span(self, i: int) -> tuple[int, int]:
+        """(offset in the arena, length) of segment ``i``."""
+        first = i * self.per_segment
+        return first * self.slot_size, (min(self.nslots, first + self.per_segment) - first) * self.slot_size
 
     @property
     def arena_bytes(self) -> int:
@@ -139,18 +177,28 @@ class ArenaStatistics:
     refused: int = 0                 # chunks not stored: room would evict a higher rank
 
 
+Group = str | None
+
+
 class Arena:
-    """The owner's side: ``put``/``get``/``evict``. Single-threaded (the node's trio loop)."""
+    """The owner's side: ``put``/``get``/``evict``. Single-threaded (the node's trio loop).
+
+    Contract (module docstring): a key is stored data first, index entry second, and
+    cleared entry first, slot second; a segment owned by group G holds only keys put
+    while ``group(key)`` was G (``segments``, ``locate``: what a grant may see); an
+    empty segment is owned by nobody."""
 
     def __init__(self, geometry: Geometry, data: Buffer, index: Buffer,
                  rank: Callable[[bytes], int] = lambda key: 0,
-                 on_evict: Callable[[bytes, bytes], None] | None = None) -> None:
+                 on_evict: Callable[[bytes, bytes], None] | None = None,
+                 group: Callable[[bytes], Group] = lambda key: None) -> None:
         self.g = geometry
         self.data = data
         self.index = index
         self.rank = rank                         # eviction class of a key: < 0 first
         self.on_evict = on_evict                 # (key, bytes) of an evicted chunk: SSD tier
-        self._free = list(range(geometry.nslots - 1, -1, -1))
+        self.group = group                       # the dataset a key is stored for (grants)
+        self._reset_segments(set())
         # key → (slot, length, bucket, way), oldest first
         self._slots: OrderedDict[bytes, tuple[int, int, int, int]] = OrderedDict()
         self._ways: dict[int, list[bytes | None]] = {}     # bucket → keys by way
@@ -158,6 +206,73 @@ class Arena:
         self.refused = 0                         # puts not stored: see put()
         self.puts = 0
         self.used_bytes = 0
+
+    # ------------------------------------------------------------------ segments
+    def _reset_segments(self, used: set[int]) -> None:
+        """Every slot free but ``used``; segments holding any owned by None."""
+        per, n = self.g.per_segment, self.g.nsegments
+        self._seg_free = [[s for s in range(min(self.g.nslots, (i + 1) * per) - 1, i * per - 1, -1)
+                           if s not in used] for i in range(n)]   # a stack: lowest slot on top
+        self._seg_used = [0] * n
+        for s in used:
+            self._seg_used[s // per] += 1
+        self._owner: list[Group] = [None] * n
+        self._owned: dict[Group, set[int]] = {None: {i for i in range(n) if self._seg_used[i]}}
+        self._open: dict[Group, set[int]] = {None: {i for i in self._owned[None]
+                                                    if self._seg_free[i]}}
+        self._empty = {i for i in range(n) if not self._seg_used[i]}
+        self._pinned: set[int] = set()           # handed to a reader: its owner's for good
+
+    def _segment(self, slot: int) -> int:
+        return slot // self.g.per_segment
+
+    def _take_slot(self, g: Group) -> int:
+        """A free slot of ``g``'s segments, else of an empty one (then ``g``'s)."""
+        mine = self._open.get(g)
+        seg = next(iter(mine)) if mine else min(self._empty)
+        if not self._seg_used[seg]:
+            self._empty.discard(seg)
+            self._owner[seg] = g
+            self._owned.setdefault(g, set()).add(seg)
+        slot = self._seg_free[seg].pop()
+        self._seg_used[seg] += 1
+        if self._seg_free[seg]:
+            self._open.setdefault(g, set()).add(seg)
+        else:
+            self._open.get(g, set()).discard(seg)
+        return slot
+
+    def _release_slot(self, slot: int) -> None:
+        seg = self._segment(slot)
+        g = self._owner[seg]
+        self._seg_free[seg].append(slot)
+        self._seg_used[seg] -= 1
+        if self._seg_used[seg] or seg in self._pinned:
+            self._open.setdefault(g, set()).add(seg)
+            return
+        self._open[g].discard(seg)
+        self._owned[g].discard(seg)
+        self._owner[seg] = None
+        self._empty.add(seg)
+
+    def segments(self, group: Group) -> list[int]:
+        """The segments ``group`` owns now (those holding its keys), ascending."""
+        return sorted(self._owned.get(group, ()))
+
+    def pin(self, seg: int) -> None:
+        """Segment ``seg`` (owned by a group, not None) is handed to a reader: it stays
+        that group's from now on (module docstring)."""
+        if self._owner[seg] is None:
+            raise ValueError(f"arena segment {seg} is not owned by a granted group")
+        self._pinned.add(seg)
+
+    def locate(self, key: bytes, group: Group) -> tuple[int, int] | None:
+        """(slot, length) of ``key`` when it is held in a segment ``group`` owns; None
+        otherwise, and always for group None (never granted)."""
+        hit = self._slots.get(key)
+        if hit is None or group is None or self._owner[self._segment(hit[0])] != group:
+            return None
+        return hit[0], hit[1]
 
     def adopt(self, verify: Callable[[bytes, memoryview | bytes], bool]) -> tuple[int, int]:
         """Take over what a previous process left in ``data``/``index`` (files that
@@ -186,7 +301,7 @@ class Arena:
                 self._slots[key] = (slot, length, b, way)
                 self.used_bytes += length
                 kept += 1
-        self._free = [s for s in range(self.g.nslots - 1, -1, -1) if s not in used]
+        self._reset_segments(used)
         return kept, dropped
 
     def __contains__(self, key: bytes) -> bool:
@@ -211,10 +326,11 @@ class Arena:
         node asked to load a chunk it would refuse answers at once, without reading it."""
         return key in self._slots or self._room(key)[0]
 
-    def _room(self, key: bytes) -> tuple[bool, bytes | None]:
-        """Whether ``key`` may be stored, and the chunk that must go first to make room
-        (None: there is room). One victim frees what is short: its way (and slot) in a
-        full bucket (both of the key's full: a way in either), or a slot. Refused when
+    def _room(self, key: bytes) -> tuple[bool, list[bytes]]:
+        """Whether ``key`` may be stored, and the chunks that must go first to make room
+        (none: there is room). A victim frees what is short: its way (and slot) in a
+        full bucket (both of the key's full: a way in either), or a slot of the key's
+        group (module docstring: or a whole segment of another group). Refused when
         the victim outranks the key, or ranks the same within the share (rank >= 0) in
         full buckets, or, with no SSD tier (``on_evict``), in a full arena: chunks of
         one share that do not all fit evicted one another whenever a reader missed one
@@ -223,16 +339,66 @@ class Arena:
         suite's 4-reader case). With an SSD tier the arena is the memory part of the
         node's copy: the oldest of the rank goes to the SSD, still held here. Outside
         the share (rank < 0) the oldest goes."""
-        full = self._bucket_for(key) is None
-        if not full and self._free:
-            return True, None
-        victim = self._victim([k for b in buckets_of(key, self.g.nbuckets)
-                               for k in self._ways[b] if k is not None] if full
-                              else list(self._slots))
-        theirs, mine = self.rank(victim), self.rank(key)
-        if theirs > mine or (theirs == mine >= 0 and (full or self.on_evict is None)):
-            return False, victim
-        return True, victim
+        g = self.group(key)
+        victims: list[bytes] = []
+        if self._bucket_for(key) is None:
+            victim = self._victim([k for b in buckets_of(key, self.g.nbuckets)
+                                   for k in self._ways[b] if k is not None])
+            if not self._may_evict(self.rank(victim), self.rank(key), full=True):
+                return False, []
+            victims.append(victim)
+        if self._has_slot(g, victims):
+            return True, victims
+        more = self._slot_victims(key, g)
+        if more is None:
+            return False, []
+        return True, list(dict.fromkeys(victims + more))
+
+    def _may_evict(self, theirs: int, mine: int, full: bool) -> bool:
+        """Whether a chunk of rank ``theirs`` may go for one of rank ``mine`` (``_room``)."""
+        return not (theirs > mine or (theirs == mine >= 0 and (full or self.on_evict is None)))
+
+    def _has_slot(self, g: Group, freeing: list[bytes]) -> bool:
+        """Whether a slot for group ``g`` is free once ``freeing`` is evicted."""
+        if self._open.get(g) or self._empty:
+            return True
+        segs = Counter(self._segment(self._slots[k][0]) for k in freeing)
+        return any(self._owner[s] == g or (self._seg_used[s] == n and s not in self._pinned)
+                   for s, n in segs.items())
+
+    def _slot_victims(self, key: bytes, g: Group) -> list[bytes] | None:
+        """What to evict for a slot of group ``g``: its own lowest-ranked chunk, or a
+        whole segment of another group (module docstring); None: refused."""
+        alone = len(self._owned.get(g, ())) == self.g.nsegments - len(self._empty)
+        mine = list(self._slots) if alone else [
+            k for k, hit in self._slots.items() if self._owner[self._segment(hit[0])] == g]
+        rank = self.rank(key)
+        victim = self._victim(mine) if mine else None
+        theirs = self.rank(victim) if victim is not None else 0
+        if victim is not None and theirs < 0:
+            return [victim]
+        whole = None if alone else self._whole_segment(g, rank)
+        if victim is not None and self._may_evict(theirs, rank, full=False) and (
+                whole is None or theirs <= whole[0]):
+            return [victim]
+        return whole[1] if whole is not None else None
+
+    def _whole_segment(self, g: Group, mine: int) -> tuple[int, list[bytes]] | None:
+        """(highest rank, keys) of the segment of another group whose chunks may all go
+        for a key of rank ``mine``: the lowest highest rank, then the fewest chunks."""
+        by_seg: dict[int, list[bytes]] = {}
+        for k, hit in self._slots.items():
+            seg = self._segment(hit[0])
+            if self._owner[seg] != g and seg not in self._pinned:
+                by_seg.setdefault(seg, []).append(k)
+        best: tuple[int, int, list[bytes]] | None = None
+        for keys in by_seg.values():
+            ranks = [self.rank(k) for k in keys]
+            if all(self._may_evict(r, mine, full=False) for r in ranks):
+                top = max(ranks)
+                if best is None or (top, len(keys)) < best[:2]:
+                    best = (top, len(keys), keys)
+        return (best[0], best[2]) if best is not None else None
 
     def _bucket_for(self, key: bytes) -> int | None:
         """The bucket ``key`` goes to now: its first while that holds fewer than SPILL
@@ -257,18 +423,18 @@ class Arena:
             return True
         if len(data) > self.g.slot_size:
             raise ValueError(f"chunk of {len(data)} bytes does not fit a {self.g.slot_size}-byte slot")
-        ok, victim = self._room(key)
+        ok, victims = self._room(key)
         if not ok:
             self.refused += 1
             if self.on_evict is not None:         # as if stored and evicted: the SSD tier
                 self.on_evict(key, bytes(data))
             return False
-        if victim is not None:
+        for victim in victims:
             self._evict(victim)
         b = self._bucket_for(key)
         assert b is not None                     # (_room: a way was free, or the victim's)
         ways = self._ways.setdefault(b, [None] * WAYS)
-        slot = self._free.pop()
+        slot = self._take_slot(self.group(key))
         way = ways.index(None)
         self.data.write(data, slot * self.g.slot_size)
         self.index.write(ENTRY.pack(key, slot, len(data), 0), (b * WAYS + way) * ENTRY.size)
@@ -297,7 +463,7 @@ class Arena:
         del self._slots[key]
         self.index.write(bytes(ENTRY.size), (b * WAYS + way) * ENTRY.size)   # entry first ...
         self._ways[b][way] = None
-        self._free.append(slot)                                              # ... then the slot
+        self._release_slot(slot)                                             # ... then the slot
         self.used_bytes -= length
         self.evictions += 1
 

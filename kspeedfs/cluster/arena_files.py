@@ -15,7 +15,9 @@ checked here whatever the host's ``fs.protected_symlinks``/``protected_regular``
   with ``O_NOFOLLOW``, then checked with ``fstat`` before anything is truncated or
   mapped: a regular file of ours, no access for group or others, one link. Anything
   else is :class:`~kspeedfs.errors.UnsafePath`, one line naming the file;
-* **the names** carry the cluster and the node, ``<cluster>-<node>.arena``/``.index``:
+* **the names** carry the cluster and the node, ``<cluster>-<node>.arena.<i>`` (segment
+  i of the arena, ``arena_segments.py``; an older node's single ``.arena`` is removed
+  by the next node of its name) and ``.index``:
   the cluster is a digest of its shared secret and etcd prefix (:func:`cluster_tag`),
   so two clusters on one host, each with a node ``n1``, never adopt each other's slots;
 * **one owner at a time**: a running node holds an exclusive ``flock`` on its index, so
@@ -37,10 +39,13 @@ from dataclasses import dataclass
 
 from ..errors import DatasetInUse, UnsafePath
 from ..tuning import ARENA_LOCK_WAIT
+from .arena_segments import SegmentMemory, segment_lengths
 
 log = logging.getLogger(__name__)
 
-SUFFIXES = (".arena", ".index")
+INDEX = ".index"
+LEGACY = ".arena"                 # the whole arena in one file, before segments
+GRANTED = ".granted"              # segments were handed to local readers (grant.py)
 
 
 def _lock(fd: int, wait: float) -> bool:
@@ -143,13 +148,58 @@ def _open_private(dir_fd: int, directory: str, name: str, create: bool) -> int:
         raise
 
 
-def _map(fd: int, length: int) -> tuple[mmap.mmap, bool]:
-    """``length`` bytes of the file ``fd`` mapped shared, and whether its content was
-    kept (it had this length; else it is emptied and sized anew)."""
+def _sized(fd: int, length: int) -> bool:
+    """Whether the file ``fd`` kept its content (it had this length; else it is emptied
+    and sized anew)."""
     kept = os.fstat(fd).st_size == length
     if not kept:
         os.ftruncate(fd, 0)
         os.ftruncate(fd, length)
+    return kept
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _new_inode(dir_fd: int, name: str, fd: int, length: int) -> int:
+    """``name`` (open as ``fd``, which is closed) replaced by a new file of the same
+    bytes, holes kept; the new file's fd. Under the node's lock, in its private
+    directory: nobody else renames there."""
+    new = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        os.ftruncate(new, length)
+        offset = 0
+        while True:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+                break                                  # nothing but holes from here
+            offset = os.lseek(fd, start, os.SEEK_HOLE)
+            while start < offset:
+                n = os.copy_file_range(fd, new, offset - start, start, start)
+                if not n:
+                    break
+                start += n
+        os.unlink(name, dir_fd=dir_fd)
+        os.link(f"/proc/self/fd/{new}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+    except BaseException:
+        os.close(new)
+        raise
+    os.close(fd)
+    return new
+
+
+def _map(fd: int, length: int) -> tuple[mmap.mmap, bool]:
+    """``length`` bytes of the file ``fd`` mapped shared, and whether its content was
+    kept (``_sized``)."""
+    kept = _sized(fd, length)
     buf = mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
     from rdma.buffer import advise_huge
 
@@ -169,56 +219,127 @@ class ArenaFile:
     in_use: bool
 
 
-class ArenaFiles:
-    """The arena and index files of node ``node`` of cluster ``cluster`` in ``directory``.
+def _parse(name: str) -> tuple[str, str] | None:
+    """(stem, kind) of an arena file's name: kind ``index``, ``arena`` (an older node's
+    single file) or ``arena.<i>`` (segment i); None for any other name."""
+    for suffix in (INDEX, LEGACY, GRANTED):
+        if name.endswith(suffix):
+            return name[:-len(suffix)], suffix[1:]
+    rest, dot, i = name.rpartition(".")
+    if dot and i.isdigit() and i == str(int(i)) and rest.endswith(LEGACY):
+        return rest[:-len(LEGACY)], "arena." + i
+    return None
 
-    :meth:`open` checks the directory and both files, takes the node's lock and maps them;
-    the lock and the mappings last until :meth:`close` (or the process's end).
+
+class ArenaFiles:
+    """The arena segment files and the index file of node ``node`` of cluster ``cluster``
+    in ``directory``.
+
+    :meth:`open` checks the directory and every file, takes the node's lock, removes
+    what an earlier layout left (an older single ``.arena``, segments past the last) and
+    maps them: the segments as one range (:class:`SegmentMemory`, ``segments``); the
+    lock and the mappings last until :meth:`close` (or the process's end).
+    A segment handed to a local reader stays mapped by it past this node's exit, so a
+    run that handed any out leaves ``<stem>.granted`` (:meth:`mark_granted`) and the next
+    :meth:`open` gives every segment a new inode with the same bytes (the old ones live
+    on only in those readers' mappings, and never see another chunk).
     :meth:`usage` is what ``kspeedfs status`` shows of them."""
 
     def __init__(self, directory: str, cluster: str, node: str) -> None:
         self.directory = directory
         self.stem = f"{cluster}-{node}"
         self.node = node
-        self._fds: list[int] = []
+        self.nsegments = 1
+        self.segments: SegmentMemory | None = None
+        self._index_fd = -1
+        self._granted = False
+
+    @property
+    def index_path(self) -> str:
+        return os.path.join(self.directory, self.stem + INDEX)
 
     @property
     def paths(self) -> list[str]:
-        return [os.path.join(self.directory, self.stem + s) for s in SUFFIXES]
+        """The segments' paths, then the index's."""
+        return [os.path.join(self.directory, f"{self.stem}{LEGACY}.{i}")
+                for i in range(self.nsegments)] + [self.index_path]
 
-    def open(self, arena_bytes: int, index_bytes: int,
-             wait: float = ARENA_LOCK_WAIT) -> tuple[mmap.mmap, mmap.mmap, bool]:
-        """The arena's and the index's memory, and whether both kept their content (an
-        arena without its index is fresh). :class:`UnsafePath` if a check fails,
-        :class:`DatasetInUse` if another node of this name and cluster still holds them
-        after ``wait`` seconds."""
+    def open(self, arena_bytes: int, index_bytes: int, wait: float = ARENA_LOCK_WAIT,
+             segment_bytes: int = 0) -> tuple[mmap.mmap, mmap.mmap, bool]:
+        """The arena's memory (segments of ``segment_bytes``, 0: one) and the index's, and
+        whether all kept their content (an arena without its index is fresh).
+        :class:`UnsafePath` if a check fails, :class:`DatasetInUse` if another node of
+        this name and cluster still holds them after ``wait`` seconds."""
+        lengths = segment_lengths(arena_bytes, segment_bytes)
+        self.nsegments = len(lengths)
+        fds: list[int] = []
         dir_fd = private_directory(self.directory)
         try:
-            arena_fd = _open_private(dir_fd, self.directory, self.stem + ".arena", create=True)
-            self._fds.append(arena_fd)
-            index_fd = _open_private(dir_fd, self.directory, self.stem + ".index", create=True)
-            self._fds.append(index_fd)
+            self._index_fd = _open_private(dir_fd, self.directory, self.stem + INDEX, create=True)
+            for path in self.paths[:-1]:
+                fds.append(_open_private(dir_fd, self.directory, os.path.basename(path),
+                                         create=True))
+            if not _lock(self._index_fd, wait):
+                raise DatasetInUse(f"node {self.node} of this cluster already runs on this "
+                                   f"host (it holds {self.index_path})")
+            kept = all([_sized(fd, n) for fd, n in zip(fds, lengths, strict=True)])
+            if _exists(dir_fd, self.stem + GRANTED):
+                for i, n in enumerate(lengths):       # (fds stays whole if one fails)
+                    fds[i] = _new_inode(dir_fd, os.path.basename(self.paths[i]), fds[i], n)
+            self._remove_stale(dir_fd)
+            if not kept:                    # an index of other slots: never adopted
+                os.ftruncate(self._index_fd, 0)
+            self.segments = SegmentMemory(fds, lengths)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            self.close()
+            raise
         finally:
             os.close(dir_fd)
-        if not _lock(index_fd, wait):
-            self.close()
-            raise DatasetInUse(f"node {self.node} of this cluster already runs on this host "
-                               f"(it holds {self.paths[1]})")
-        arena, arena_kept = _map(arena_fd, arena_bytes)
-        index, index_kept = _map(index_fd, index_bytes)
-        return arena, index, arena_kept and index_kept
+        index, index_kept = _map(self._index_fd, index_bytes)
+        return self.segments.memory, index, kept and index_kept
+
+    def _remove_stale(self, dir_fd: int) -> None:
+        """Under the lock: an older single arena file, and segments past the last."""
+        ours = {os.path.basename(p) for p in self.paths}
+        for name in os.listdir(dir_fd):
+            parsed = _parse(name)
+            if parsed and parsed[0] == self.stem and name not in ours:
+                log.info("removing %s: left by an earlier arena layout",
+                         os.path.join(self.directory, name))
+                os.unlink(name, dir_fd=dir_fd)
+
+    def mark_granted(self) -> None:
+        """Segments are being handed to a local reader: leave ``<stem>.granted`` (class
+        docstring) before the first is."""
+        if self._granted:
+            return
+        dir_fd = private_directory(self.directory)
+        try:
+            os.close(_open_private(dir_fd, self.directory, self.stem + GRANTED, create=True))
+        finally:
+            os.close(dir_fd)
+        self._granted = True
 
     def usage(self) -> dict[str, int]:
-        """Each file's path → the bytes of RAM it holds now."""
-        return {os.path.join(self.directory, self.stem + s): os.fstat(fd).st_blocks * 512
-                for s, fd in zip(SUFFIXES, self._fds, strict=False)}
+        """The bytes of RAM the files hold now: the segments' together (as
+        ``<stem>.arena.*``: thousands in a large arena) and the index's."""
+        ram = {os.path.join(self.directory, self.stem + LEGACY + ".*"):
+               sum(os.fstat(fd).st_blocks * 512 for fd in self.segments.fds)} if self.segments else {}
+        if self._index_fd >= 0:
+            ram[self.index_path] = os.fstat(self._index_fd).st_blocks * 512
+        return ram
 
     def close(self) -> None:
         """Close the files; the lock goes with the last of them and of the mappings
         (``mmap`` holds a duplicate of the fd), i.e. when the node's arena is gone."""
-        for fd in self._fds:
-            os.close(fd)
-        self._fds.clear()
+        if self.segments is not None:
+            self.segments.close()
+            self.segments = None
+        if self._index_fd >= 0:
+            os.close(self._index_fd)
+            self._index_fd = -1
 
 
 def listing(directory: str) -> list[ArenaFile]:
@@ -228,9 +349,10 @@ def listing(directory: str) -> list[ArenaFile]:
     out = []
     try:
         for name in sorted(os.listdir(dir_fd)):
-            stem, suffix = os.path.splitext(name)
+            parsed = _parse(name)
+            stem = parsed[0] if parsed else ""
             cluster, sep, node = stem.partition("-")
-            if suffix not in SUFFIXES or not sep:
+            if not sep:
                 continue
             try:
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -239,7 +361,7 @@ def listing(directory: str) -> list[ArenaFile]:
             if not stat.S_ISREG(st.st_mode):
                 continue
             out.append(ArenaFile(os.path.join(directory, name), cluster, node,
-                                 st.st_blocks * 512, _locked(dir_fd, stem + ".index")))
+                                 st.st_blocks * 512, _locked(dir_fd, stem + INDEX)))
     finally:
         os.close(dir_fd)
     return out
@@ -261,16 +383,17 @@ def _locked(dir_fd: int, index: str) -> bool:
 
 
 def drop(directory: str, cluster: str, node: str) -> list[ArenaFile]:
-    """Remove node ``node``'s arena and index of cluster ``cluster`` (their RAM comes back),
+    """Remove node ``node``'s arena (segments, or an older single file) and index of
+    cluster ``cluster`` (their RAM comes back),
     refused with :class:`DatasetInUse` while a node holds them; what was removed. The
     node's lock is taken first and held across the unlinks, so a node starting meanwhile
     is refused, or starts on fresh files."""
     mine = [f for f in listing(directory) if f.cluster == cluster and f.node == node]
-    files = ArenaFiles(directory, cluster, node)
+    stem = f"{cluster}-{node}"
     dir_fd = private_directory(directory)
     try:
         try:
-            fd = _open_private(dir_fd, directory, files.stem + ".index", create=False)
+            fd = _open_private(dir_fd, directory, stem + INDEX, create=False)
         except FileNotFoundError:
             fd = -1
         try:
@@ -280,11 +403,13 @@ def drop(directory: str, cluster: str, node: str) -> list[ArenaFile]:
                 except BlockingIOError:
                     raise DatasetInUse(f"node {node}'s arena in {directory} is in use by a "
                                        "running node: stop it first") from None
-            for s in SUFFIXES:
-                try:
-                    os.unlink(files.stem + s, dir_fd=dir_fd)
-                except FileNotFoundError:
-                    pass
+            for name in os.listdir(dir_fd):
+                parsed = _parse(name)
+                if parsed and parsed[0] == stem:
+                    try:
+                        os.unlink(name, dir_fd=dir_fd)
+                    except FileNotFoundError:
+                        pass
         finally:
             if fd >= 0:
                 os.close(fd)

@@ -15,6 +15,8 @@ Composition (each resource's teardown is the ``async with`` that opened it)::
              ├─ Reconciler.run               preload + re-replication + rejoin + unload, one loop
              ├─ release_forever              --unload-on-exit preloads no mount holds (lifecycle.py)
              ├─ SpillQueue.run               with an SSD tier: evicted owned chunks written to it
+             ├─ GrantServer.serve            cluster.host_readers: local readers map their
+             │                               datasets' arena segments (grant.py)
              └─ metrics exporter             metrics.node_listen (metrics.py)
 
 Reconcile is the one mechanism behind preload, re-replication and a node taking its
@@ -46,9 +48,10 @@ from ..cache.disk import DiskCache
 from ..config import Config
 from ..errors import ConfigError, KspeedfsError, StoreUnavailable
 from ..manifest.store.etcd import EtcdStore
-from . import node_stats, rpc
+from . import grant, node_stats, rpc
 from .arena import Arena, Geometry
 from .arena_files import ArenaFiles, cluster_tag
+from .arena_segments import SegmentMemory
 from .fetch import Peers
 from .hedge import from_config as hedge_from_config
 from .membership import Membership, NodeRecord, PrefixView, Registration
@@ -171,17 +174,26 @@ def _arena_files(cfg: Config, name: str, secret: bytes) -> ArenaFiles | None:
     return ArenaFiles(cfg.cluster.arena_dir, cluster_tag(secret, cfg.store.etcd_prefix), name)
 
 
-def _export_arena(ep: Endpoint, geometry: Geometry,
-                  files: ArenaFiles | None) -> tuple[Arena, bool]:
-    """The arena and its index as vMRs exported to peers (in ``files`` when given), and
-    whether the files kept a previous run's chunks (then :func:`_adopt` them)."""
-    arena_mem, index_mem, kept = (files.open(geometry.arena_bytes, geometry.index_bytes)
-                                  if files else (None, None, False))
+def _export_arena(ep: Endpoint, geometry: Geometry, files: ArenaFiles | None,
+                  segmented: bool) -> tuple[Arena, SegmentMemory | None, bool]:
+    """The arena and its index as vMRs exported to peers (in ``files`` when given, else
+    in memfd segments when ``segmented``, else anonymous memory), the arena's segments,
+    and whether the files kept a previous run's chunks (then :func:`_adopt` them)."""
+    segments, arena_mem, index_mem, kept = None, None, None, False
+    if files:
+        arena_mem, index_mem, kept = files.open(geometry.arena_bytes, geometry.index_bytes,
+                                                segment_bytes=geometry.segment_bytes)
+        segments = files.segments
+    elif segmented:
+        # memfds only when something may be granted: shmem gets transparent huge pages
+        # only where shmem_enabled allows, anonymous memory always (docs/operations.md)
+        segments = SegmentMemory.anonymous(geometry, ep.node)
+        arena_mem = segments.memory
     arena_mr = ep.alloc(geometry.arena_bytes, name="arena", remote_read=True, memory=arena_mem)
     index_mr = ep.alloc(geometry.index_bytes, name="index", remote_read=True, memory=index_mem)
     ep.export("arena", arena_mr)
     ep.export("index", index_mr)
-    return Arena(geometry, arena_mr, index_mr), kept
+    return Arena(geometry, arena_mr, index_mr), segments, kept
 
 
 def _slot_ok(key: bytes, data: memoryview | bytes) -> bool:
@@ -217,11 +229,13 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
         raise ConfigError("kspeedfs node needs the etcd store (--etcd URL)")
     secret = cfg.cluster.secret()
     store = EtcdStore(cfg.store, secret)      # signs our record, verifies everyone's
-    geometry = Geometry.for_memory(cfg.cluster.memory, cfg.cluster.slot_size)
+    geometry = Geometry.for_memory(cfg.cluster.memory, cfg.cluster.slot_size,
+                                   cfg.cluster.segment_bytes)
+    granting = bool(cfg.cluster.host_readers and cfg.cluster.grant_socket)
     async with Endpoint(secret, node=name, addrs=cfg.cluster.nics or None,
                         provider=cfg.cluster.provider or None, cfg=cfg.cluster.heartbeat()) as ep:
         files = _arena_files(cfg, name, secret)
-        arena, kept = _export_arena(ep, geometry, files)
+        arena, segments, kept = _export_arena(ep, geometry, files, granting)
         port = await ep.listen(port=cfg.cluster.port)
         membership = Membership(store, leave_grace=cfg.cluster.leave_grace)
         registration = Registration(store, cfg.cluster.lease_ttl)
@@ -236,6 +250,13 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
             node = Node(cfg, name, store, ep, arena, membership, peers, registration, nursery,
                         source_override, disk, files)
             arena.rank = node.reconciler.rank
+            arena.group = node.reconciler.group
+            if granting and segments is not None:
+                path = grant.socket_path(cfg.cluster.grant_socket,
+                                         cluster_tag(secret, cfg.store.etcd_prefix), name)
+                server = grant.GrantServer(arena, segments, cfg.cluster.host_readers,
+                                           on_grant=files.mark_granted if files else None)
+                await nursery.start(server.serve, path)
             if node.share.spill is not None:
                 arena.on_evict = node.share.evicted
                 nursery.start_soon(node.share.spill.run, name="ssd-tier")

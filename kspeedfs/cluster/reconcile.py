@@ -59,12 +59,20 @@ class Reconciler:
         self.progress: dict[str, dict[str, int]] = {}
         self._last_members: list[str] = []
         self._rank: dict[bytes, int] = {}    # my share: key -> priority of its dataset
+        self._group: dict[bytes, str] = {}   # my share: key -> its granted dataset (grant.py)
         self._held: dict[str, int] = {}      # dataset -> version reconcile last filled
 
     def rank(self, key: bytes) -> int:
         """The arena's eviction class of ``key``: the highest priority of the preloaded
         datasets in my share that hold it; -1 outside my share (evicted first)."""
         return self._rank.get(key, -1)
+
+    def group(self, key: bytes) -> str | None:
+        """The arena's group of ``key`` (``arena.py``, "Segments and groups"): the
+        preloaded dataset with a ``cluster.host_readers`` entry whose share here holds
+        it, the highest priority one when several do (the first by name on a tie);
+        None when none does (never granted)."""
+        return self._group.get(key)
 
     async def run(self) -> None:
         while True:
@@ -101,16 +109,22 @@ class Reconciler:
         if self.name not in members:
             return                                   # not registered (yet): own nothing
         rank: dict[bytes, int] = {}
+        group: dict[bytes, str] = {}
         datasets, shares = {}, {}
         member_list = list(self.membership.members)     # one placement for the whole pass
-        for name, req in wanted.items():
+        # by priority, then name: the first dataset to claim a key for its group keeps it
+        for name, req in sorted(wanted.items(), key=lambda nr: (-nr[1].priority, nr[0])):
             ds = datasets[name] = await self.share.dataset(name, req.version)
             ix = ds.index
             mine = shares[name] = await trio.to_thread.run_sync(self._mine, ix, member_list)
+            granted = name in self.cfg.cluster.host_readers
             for k in mine:
                 key = ix.chunk_digest(k)
                 rank[key] = max(rank.get(key, req.priority), req.priority)
+                if granted:
+                    group.setdefault(key, name)
         self._rank = rank
+        self._group = group
         self._drop_unloaded({n: r.version for n, r in wanted.items()})
         # highest priority first: when memory is short, what matters most is loaded first
         for name, req in sorted(wanted.items(), key=lambda nr: (-nr[1].priority, nr[0])):

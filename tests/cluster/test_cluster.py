@@ -629,15 +629,16 @@ def test_node_restart_keeps_its_arena(world) -> None:
 
     # corrupt one held chunk while the node is down
     c.kill_node(2)
-    arena_file, index_file = (next(c.arena_dir.glob(f"*-n2{s}")) for s in (".arena", ".index"))
-    index = index_file.read_bytes()
+    index = next(c.arena_dir.glob("*-n2.index")).read_bytes()
     slot_size = 256 << 10
     assert c.chunk_size == "256KiB"
     slot = next(slot for _, slot, length, _ in ENTRY.iter_unpack(index) if length)
+    per = (64 << 20) // slot_size                  # slots a segment (cluster.segment_bytes)
+    arena_file = next(c.arena_dir.glob(f"*-n2.arena.{slot // per}"))
     with open(arena_file, "r+b") as f:
-        f.seek(slot * slot_size + 100)
+        f.seek(slot % per * slot_size + 100)
         b = f.read(1)
-        f.seek(slot * slot_size + 100)
+        f.seek(slot % per * slot_size + 100)
         f.write(bytes([b[0] ^ 0xFF]))
     mark = log.stat().st_size
     c.start_node(2)

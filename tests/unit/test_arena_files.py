@@ -164,7 +164,7 @@ def test_listing_and_drop(shm: Path) -> None:
     arena, index, _ = files.open(ARENA, INDEX)
     arena[: 256 << 10] = b"y" * (256 << 10)
     usage = files.usage()
-    assert usage[files.paths[0]] >= 256 << 10
+    assert usage[str(d / (files.stem + ".arena.*"))] >= 256 << 10 and files.index_path in usage
     listed = {f.path: f for f in arena_files.listing(str(d))}
     assert set(listed) == set(files.paths) and all(f.in_use for f in listed.values())
     tag = cluster_tag(b"s" * 32, "/kspeedfs/")
@@ -229,3 +229,154 @@ time.sleep(60)
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+SEGMENT = 256 << 10
+
+
+def _segmented(shm: Path) -> tuple[ArenaFiles, Path]:
+    d = shm / "kspeedfs"
+    return _files(d), d
+
+
+def test_segments_are_files_mapped_as_one_range(shm: Path) -> None:
+    """Segment i's file and the arena at i × segment_bytes are the same bytes, both ways;
+    the last segment is shorter; a restart keeps them."""
+    files, d = _segmented(shm)
+    arena, index, _ = files.open(ARENA - SEGMENT // 2, INDEX, segment_bytes=SEGMENT)
+    assert len(arena) == ARENA - SEGMENT // 2 and files.nsegments == 4
+    assert [os.path.getsize(p) for p in files.paths[:-1]] == [SEGMENT] * 3 + [SEGMENT // 2]
+    arena[2 * SEGMENT + 5: 2 * SEGMENT + 10] = b"hello"
+    with open(files.paths[2], "rb") as f:
+        assert f.read(10)[5:] == b"hello"
+    with open(files.paths[3], "r+b") as f:
+        f.seek(7)
+        f.write(b"world")
+    assert arena[3 * SEGMENT + 7: 3 * SEGMENT + 12] == b"world"
+    assert files.segments is not None
+    ro = files.segments.readonly(3)
+    try:
+        assert os.pread(ro, 5, 7) == b"world"
+    finally:
+        os.close(ro)
+    files.close()
+    arena.close()
+    index.close()
+    again = _files(d)
+    arena, index, kept = again.open(ARENA - SEGMENT // 2, INDEX, segment_bytes=SEGMENT)
+    assert kept and arena[2 * SEGMENT + 5: 2 * SEGMENT + 10] == b"hello"
+    again.close()
+    arena.close()
+    index.close()
+
+
+def test_a_readonly_segment_fd_cannot_write(shm: Path) -> None:
+    import mmap
+
+    files, _ = _segmented(shm)
+    arena, index, _ = files.open(ARENA, INDEX, segment_bytes=SEGMENT)
+    assert files.segments is not None
+    ro = files.segments.readonly(1)
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(ro, SEGMENT, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(OSError):
+            os.write(ro, b"x")
+        with pytest.raises(OSError):
+            os.ftruncate(ro, 0)
+        view = mmap.mmap(ro, SEGMENT, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        arena[SEGMENT:SEGMENT + 3] = b"abc"
+        assert view[:3] == b"abc"
+        view.close()
+    finally:
+        os.close(ro)
+        files.close()
+        arena.close()
+        index.close()
+
+
+def test_a_symlink_at_a_later_segment_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "arena"
+    os.close(private_directory(str(d)))
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    files = _files(d)
+    os.symlink(victim, d / (files.stem + ".arena.2"))
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        files.open(ARENA, INDEX, segment_bytes=SEGMENT)
+    assert victim.read_bytes() == b"precious"
+
+
+def test_an_older_single_arena_and_stale_segments_are_removed_and_dropped(shm: Path) -> None:
+    """A node of an older layout left ``.arena``; a node with a larger segment count
+    left ``.arena.<i>`` past the last: the next open removes them, fresh (nothing
+    adopted from an index of other slots); listing and drop see every kind."""
+    files, d = _segmented(shm)
+    d.mkdir(mode=0o700)
+    for name in (files.stem + ".arena", files.stem + ".arena.9", files.stem + ".index"):
+        (d / name).write_bytes(b"z" * 4096)
+        (d / name).chmod(0o600)
+    listed = {os.path.basename(f.path) for f in arena_files.listing(str(d))}
+    assert listed == {files.stem + s for s in (".arena", ".arena.9", ".index")}
+    arena, index, kept = files.open(ARENA, INDEX, segment_bytes=SEGMENT)
+    assert not kept and index[:4096] == bytes(4096)
+    assert sorted(os.listdir(d)) == sorted(os.path.basename(p) for p in files.paths)
+    files.close()
+    arena.close()
+    index.close()
+    (d / (files.stem + ".arena")).write_bytes(b"old")
+    (d / (files.stem + ".arena")).chmod(0o600)
+    gone = arena_files.drop(str(d), cluster_tag(b"s" * 32, "/kspeedfs/"), "n1")
+    assert len(gone) == 4 + 1 + 1 and os.listdir(d) == []
+
+
+def test_memfd_segments_are_one_range_too() -> None:
+    from kspeedfs.cluster.arena import Geometry
+    from kspeedfs.cluster.arena_segments import SegmentMemory
+
+    g = Geometry.for_memory(10 * 65536, 65536, segment_bytes=4 * 65536)
+    seg = SegmentMemory.anonymous(g, "n1")
+    try:
+        assert len(seg.fds) == 3 and len(seg.memory) == g.arena_bytes
+        seg.memory[9 * 65536: 9 * 65536 + 4] = b"tail"
+        assert os.pread(seg.fds[2], 4, 65536) == b"tail"
+        os.pwrite(seg.fds[0], b"head", 100)
+        assert seg.memory[100:104] == b"head"
+        assert stat.S_IMODE(os.fstat(seg.fds[1]).st_mode) == 0o600
+        ro = seg.readonly(2)
+        assert os.pread(ro, 4, 65536) == b"tail"
+        os.close(ro)
+    finally:
+        seg.close()
+        seg.memory.close()
+
+
+def test_a_restart_after_a_grant_gives_the_segments_new_inodes(shm: Path) -> None:
+    """A reader granted a segment before the restart keeps its mapping of the old inode:
+    the new run keeps the bytes (and holes) in new inodes, which it never sees."""
+    import mmap
+
+    files, d = _segmented(shm)
+    arena, index, _ = files.open(ARENA, INDEX, segment_bytes=SEGMENT)
+    arena[5:10] = b"chunk"
+    files.mark_granted()
+    assert files.segments is not None
+    ro = files.segments.readonly(0)
+    old_reader = mmap.mmap(ro, SEGMENT, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    os.close(ro)
+    listed = {os.path.basename(f.path) for f in arena_files.listing(str(d))}
+    assert files.stem + ".granted" in listed
+    files.close()
+    arena.close()
+    index.close()
+    again = _files(d)
+    arena, index, kept = again.open(ARENA, INDEX, segment_bytes=SEGMENT)
+    assert kept and arena[5:10] == b"chunk"
+    assert os.stat(again.paths[1]).st_blocks == 0                   # a hole stays one
+    arena[5:10] = b"other"
+    assert old_reader[5:10] == b"chunk"                             # never sees the new run
+    assert not (d / (files.stem + ".granted")).exists()
+    old_reader.close()
+    again.close()
+    arena.close()
+    index.close()

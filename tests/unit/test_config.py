@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -218,3 +219,31 @@ def test_cluster_heartbeat_is_built_from_the_hb_keys() -> None:
 def test_a_quiet_heartbeat_interval_below_the_idle_one_or_absurd_is_refused(value: str) -> None:
     with pytest.raises(config.ConfigError, match="cluster.hb_quiet_interval"):
         config.load(path=None, environ={"KSPEEDFS_CLUSTER_HB_QUIET_INTERVAL": value})
+
+
+def test_host_readers_from_a_file_the_environment_and_back(tmp_path: Path) -> None:
+    """``cluster.host_readers`` as a TOML table, as the environment's string, and as
+    ``kspeedfs config`` prints it (read back the same)."""
+    f = tmp_path / "k.toml"
+    f.write_text('[cluster.host_readers]\nimgs = ["uid:1000", "group:ml"]\ntext = []\n')
+    cfg = config.load(f, environ={"KSPEEDFS_CLUSTER_GRANT_SOCKET": "/run/x/{node}.grant"})
+    assert cfg.cluster.host_readers == {"imgs": ["uid:1000", "group:ml"], "text": []}
+    assert cfg.cluster.grant_socket == "/run/x/{node}.grant"
+    again = tmp_path / "again.toml"
+    again.write_text(cfg.to_toml())
+    assert config.load(again, environ={}).cluster.host_readers == cfg.cluster.host_readers
+    env = config.load(path=None, environ={"KSPEEDFS_CLUSTER_HOST_READERS": "a=*;b=user:alice,gid:7"})
+    assert env.cluster.host_readers == {"a": ["*"], "b": ["user:alice", "gid:7"]}
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("cluster.host_readers", "imgs=uid:alice", "'uid:alice' (for imgs) is not 'uid:N'"),
+    ("cluster.host_readers", "imgs=root", "'root' (for imgs)"),
+    ("cluster.host_readers", "nonsense", "expected 'dataset=principal"),
+    ("cluster.segment_bytes", "6MiB", "multiple of cluster.slot_size"),
+    ("cluster.grant_socket", "run/x.grant", "absolute path"),
+])
+def test_grant_keys_are_checked(key: str, value: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle)) as e:
+        config.load(path=None, overrides={key: value}, environ={})
+    assert "\n" not in str(e.value)
