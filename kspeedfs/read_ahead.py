@@ -81,7 +81,15 @@ class ReadAhead:
         ``stream``, and prefetch the chunks ``Prefetcher.advise`` says come next."""
         ix = self.index
         last = (ix.data[entry] + ix.size[entry] - 1) // ix.chunk_size   # the file's last chunk
-        for k in self.prefetcher.advise(stream, offset, size, chunks, last):
+        ahead = self.prefetcher.advise(stream, offset, size, chunks, last)
+        if ahead:
+            self.nursery.start_soon(self._prefetch_after, entry, ahead)
+
+    async def _prefetch_after(self, entry: int, ahead: range) -> None:
+        """Prefetch ``ahead`` once the read that advised it has started its own loads:
+        its caller goes on to them before this task runs. (Started first, the chunks
+        ahead took the source's first GETs, and the reader waited behind them.)"""
+        for k in ahead:
             self.prefetch(entry, k)
 
     def prefetch(self, entry: int, k: int) -> None:

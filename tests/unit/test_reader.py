@@ -78,6 +78,30 @@ async def test_sequential_reader_gets_prefetch(dataset) -> None:
     assert s.source_loads == 21                      # every chunk loaded exactly once
 
 
+async def test_a_readers_own_chunk_starts_loading_before_its_prefetches(dataset) -> None:
+    """The chunks ahead are started after the chunk a read waits for: started first, they
+    took the source's first GETs and the reader waited behind them (an object store's
+    cold sequential read)."""
+    src, ix, big = dataset
+    entry = ix.lookup(0, b"big")
+    started: list[int] = []
+
+    class Recording(Origin):
+        def load(self, chunk: int) -> tuple[memoryview, int]:
+            started.append(chunk)
+            return super().load(chunk)
+
+    async with trio.open_nursery() as n:
+        r = Reader(index=ix, origin=Recording(src, ix, "ds"), memory=MemoryCache(8 << 20),
+                   disk=None, nursery=n, workers=1, prefetch_depth=4)
+        stream = Stream()
+        first = ix.chunk_range(entry, 0, 1)[0]
+        await r.read(entry, 0, C, stream)            # chunk 0: not sequential yet
+        await r.read(entry, C, C, stream)            # chunk 1, and 2..5 ahead
+        n.cancel_scope.cancel()
+    assert started[:2] == [first, first + 1], started
+
+
 async def test_prefetch_of_all_streams_is_held_to_half_the_memory_tier(dataset) -> None:
     """Four sequential readers, a tier of 4 chunks, depth 4: without a shared budget
     their windows (16 chunks) evict one another's chunks unread, and those are loaded
