@@ -22,6 +22,10 @@ SMALL_BLKSIZE = 4096
 #: not counted in the tier's bytes) is then at most ~3 % of a buffer; below it the saving
 #: is a few short copies. native/fuse_fetch.c's FE_ALIGN_MIN is the same value.
 ALIGN_MIN = 64 << 10
+#: chunk buffers at least this large get their own mapping, faulted in without the GIL
+#: (cache/memory.py ``_populated``); smaller ones stay bytearrays: a mapping each for
+#: small extents would spend the process's map count (vm.max_map_count)
+POPULATE_MIN = 1 << 20
 #: default share of the memory tier kept as an LRU for what the resident part has no
 #: room for ...
 TRANSIENT_FRACTION = 0.25

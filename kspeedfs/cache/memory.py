@@ -33,14 +33,16 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import weakref
 from collections import OrderedDict
 from typing import Any, Protocol
 
-from ..tuning import ALIGN_MIN, TRANSIENT_FRACTION, TRANSIENT_MIN
+from ..tuning import ALIGN_MIN, POPULATE_MIN, TRANSIENT_FRACTION, TRANSIENT_MIN
 
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 
 
 def page_aligned(n: int) -> memoryview:
@@ -56,9 +58,36 @@ def page_aligned(n: int) -> memoryview:
     files start anywhere in theirs."""
     if n < ALIGN_MIN:
         return memoryview(bytearray(n))
+    if n >= POPULATE_MIN and (mapped := _populated(n)) is not None:
+        return mapped
     raw = bytearray(n + PAGE - 1)
     pad = -ctypes.addressof(ctypes.c_char.from_buffer(raw)) % PAGE
     return memoryview(raw)[pad:pad + n]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _populated(n: int) -> memoryview | None:
+    """``n`` zeroed bytes of their own anonymous mapping (page-aligned), its pages faulted
+    in by ``MAP_POPULATE`` inside a ctypes call, which runs without the GIL; unmapped when
+    the last view of it goes. None when the kernel refuses a mapping (the process's map
+    count, ``vm.max_map_count``, spent): the caller takes a bytearray. Why (docs/design.md,
+    "Chunk buffers faulted in without the GIL"): ``bytearray(n)`` zeroes its fresh pages
+    holding the GIL, ~3 ms a 4 MiB chunk here, so the source's GETs of a sequential
+    reader's chunks started one after another."""
+    addr = _libc.mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE,
+                      mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_POPULATE, -1, 0)
+    if addr is None or addr == _MAP_FAILED:
+        return None
+    pages = (ctypes.c_ubyte * n).from_address(addr)
+    weakref.finalize(pages, _libc.munmap, addr, n)
+    return memoryview(pages).cast("B")
 
 
 class Mirror(Protocol):

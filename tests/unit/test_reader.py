@@ -3,6 +3,7 @@ prefetch, bounded memory."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import shutil
 import subprocess
@@ -484,3 +485,31 @@ def test_tier_buffers_from_the_source_and_the_disk_start_on_a_page(tmp_path) -> 
     for n in (ALIGN_MIN, (4 << 20) + 3):
         buf = page_aligned(n)
         assert len(buf) == n and _address(buf) % PAGE == 0 and not any(buf[:4096])
+
+
+def test_chunk_sized_buffers_are_mappings_of_their_own_unmapped_with_their_last_view(
+        monkeypatch) -> None:
+    from kspeedfs.cache import memory
+    from kspeedfs.tuning import POPULATE_MIN
+
+    def mapped(addr: int) -> bool:
+        with open("/proc/self/maps") as f:
+            spans = (line.split()[0].split("-") for line in f)
+            return any(int(lo, 16) <= addr < int(hi, 16) for lo, hi in spans)
+
+    buf = page_aligned(POPULATE_MIN + 3)
+    assert len(buf) == POPULATE_MIN + 3 and not buf.readonly and buf.format == "B"
+    assert _address(buf) % PAGE == 0 and not any(buf)
+    buf[-1] = 7
+    ro = buf.toreadonly()[-4:]              # a view of a view keeps the mapping
+    addr = _address(buf)
+    del buf
+    gc.collect()
+    assert ro[-1] == 7 and mapped(addr)
+    del ro
+    gc.collect()
+    assert not mapped(addr)
+    # the kernel refusing a mapping (the map count spent): a bytearray's buffer instead
+    monkeypatch.setattr(memory, "_populated", lambda n: None)
+    buf = page_aligned(POPULATE_MIN)
+    assert len(buf) == POPULATE_MIN and _address(buf) % PAGE == 0 and not any(buf)
