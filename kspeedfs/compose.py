@@ -6,6 +6,8 @@ FUSE request and for ``Dataset.read``.
     fetch_manifest(cfg, name, version)   store → DatasetInfo, manifest blob (blocking)
     local_tiers(cfg, info, index)        origin (source) · memory tier · disk tier?
     cluster(cfg, index)                  peers over vRDMA + the etcd store, or (None, None)
+    host_grant(cfg, info, index, peers)  the granted segments of the node on this host, or
+                                         None (the library's; asked before the peers)
     new_reader(..., nursery, peers)      the Reader (loads and prefetches run in ``nursery``)
 
 What stays in each host: the daemon's engines, page-cache pushes, supervisor and holds;
@@ -23,6 +25,7 @@ import trio
 
 from .cache.disk import DiskCache
 from .cache.memory import MemoryCache
+from .cache.tiers import HostReader
 from .config import Config
 from .manifest.index import ManifestIndex
 from .manifest.store import open_configured
@@ -64,11 +67,44 @@ def local_tiers(cfg: Config, info: DatasetInfo, index: ManifestIndex,
 
 
 def new_reader(cfg: Config, info: DatasetInfo, index: ManifestIndex, tiers: LocalTiers,
-               nursery: trio.Nursery, peers: Peers | None, push: Push | None = None) -> Reader:
-    """The Reader of one dataset version over ``tiers`` and ``peers``; trio thread only."""
+               nursery: trio.Nursery, peers: Peers | None, push: Push | None = None,
+               host: HostReader | None = None) -> Reader:
+    """The Reader of one dataset version over ``tiers``, ``host`` and ``peers``; trio
+    thread only."""
     return Reader(index=index, origin=tiers.origin, memory=tiers.memory, disk=tiers.disk,
                   nursery=nursery, peers=peers, dataset=(info.name, info.version),
-                  workers=cfg.fuse.workers, prefetch_depth=cfg.fuse.prefetch_chunks, push=push)
+                  workers=cfg.fuse.workers, prefetch_depth=cfg.fuse.prefetch_chunks, push=push,
+                  host=host)
+
+
+@asynccontextmanager
+async def host_grant(cfg: Config, info: DatasetInfo, index: ManifestIndex,
+                     peers: Peers | None) -> AsyncIterator[HostReader | None]:
+    """The segments of ``info``'s dataset granted by a node on this host, mapped (the
+    grant socket: ``cluster/granted.py``), or None: not in a cluster, no such node, or
+    no grant for this process (logged once; reads go to the peers as before).
+
+    Which node: the live members whose ``cluster.grant_socket`` exists here, in this
+    order: the member with one of this endpoint's NICs, those whose record names this
+    host, the rest (by name). In production only the local node's socket exists; in
+    the test bed every node's does, and any of them is "on this host"."""
+    if peers is None or not cfg.cluster.grant_socket:
+        yield None
+        return
+    from .cluster.arena_files import cluster_tag
+    from .cluster.granted import find_grant
+
+    nodes = peers.membership.nodes
+    here, local = os.uname().nodename, peers.local_member()
+    order = sorted(nodes, key=lambda n: (n != local, nodes[n].host != here, n))
+    granted = await find_grant(cfg.cluster.grant_socket,
+                               cluster_tag(cfg.cluster.secret(), cfg.store.etcd_prefix),
+                               order, info.name, index, lambda n: n in peers.membership.nodes)
+    try:
+        yield granted
+    finally:
+        if granted is not None:
+            granted.close()
 
 
 @asynccontextmanager

@@ -4,6 +4,7 @@
                                          is built, as a mount builds it (compose.py):
       compose.local_tiers                origin, memory tier, disk tier (worker thread)
       compose.cluster → peers?           vRDMA endpoint and membership, in a cluster
+      compose.host_grant → host?         the node on this host's granted segments, mapped
       compose.new_reader                 the Reader, its loads in this thread's nursery
     call(afn, *args)                     ``await afn(*args)`` here, from a caller's thread
     close()                              stops the loop; the tiers and the cluster go
@@ -96,8 +97,10 @@ class ReadLoop:
         """The read path's lifetime: built as a mount builds it, torn down on close."""
         cfg, info, index = self._cfg, self.info, self._index
         tiers = await trio.to_thread.run_sync(compose.local_tiers, cfg, info, index, self._source)
-        async with compose.cluster(cfg, index) as (peers, _store), trio.open_nursery() as nursery:
-            self.reader = compose.new_reader(cfg, info, index, tiers, nursery, peers)
+        async with compose.cluster(cfg, index) as (peers, _store), \
+                compose.host_grant(cfg, info, index, peers) as host, \
+                trio.open_nursery() as nursery:
+            self.reader = compose.new_reader(cfg, info, index, tiers, nursery, peers, host=host)
             self.reader.served_elsewhere = self._served_outside
             self.memory = tiers.memory
             self._token = trio.lowlevel.current_trio_token()

@@ -1,0 +1,156 @@
+"""The reader's side of the grant socket (``cluster/granted.py``) against a real grant
+server over a real arena in memfd segments (``test_grant.py``'s fixtures): chunks and
+parts copied out of the mapped segments and verified; a slot rewritten under a kept
+answer is a miss, never wrong bytes; a node that goes away drops the grant, and reads
+return None (the next step) instead of raising."""
+from __future__ import annotations
+
+import os
+import socket
+
+import trio
+import xxhash
+
+from kspeedfs.cluster import granted as granted_mod
+from kspeedfs.cluster.granted import GrantedArena, find_grant
+
+from .test_grant import SLOT, _blob, _server, arena, pytestmark, socket_dir  # noqa: F401
+
+
+class Keys:
+    """The manifest's chunk keys, as ``GrantedArena`` asks them (``ManifestIndex``'s
+    ``chunks`` and ``chunk_digest``)."""
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = keys
+        self.chunks = len(keys)
+
+    def chunk_digest(self, k: int) -> bytes:
+        return self.keys[k]
+
+
+def _ordered(keys: dict[str, bytes]) -> list[bytes]:
+    return [keys[str(i)] for i in range(9)]
+
+
+async def _granted(path: str, keys: list[bytes], dataset: str = "imgs") -> GrantedArena:
+    found = await find_grant(os.path.join(os.path.dirname(path), "c-{node}.grant"), "c",
+                             ["n0", "n1"], dataset, Keys(keys), lambda n: True)  # type: ignore[arg-type]
+    assert found is not None and found.node == "n1"      # n0 has no socket here
+    return found
+
+
+async def test_chunks_and_parts_come_verified_from_the_mapping(arena, socket_dir) -> None:  # noqa: F811
+    a, memory, keys = arena
+    ordered = _ordered(keys)
+    async with _server(a, memory, {"imgs": ["*"], "text": ["*"]}, socket_dir) as path:
+        g = await _granted(path, ordered)
+        try:
+            for i, key in enumerate(ordered):
+                blob = _blob(i)[1]
+                data = await g.read(i, key, len(blob))
+                assert data == (blob if i < 5 else None)     # only imgs is granted here
+            part = (100, 200, xxhash.xxh3_64_digest(_blob(3)[1][100:300]))
+            assert await g.read(3, ordered[3], len(_blob(3)[1]), part) == _blob(3)[1][100:300]
+            bad_part = (100, 200, bytes(8))
+            assert await g.read(3, ordered[3], len(_blob(3)[1]), bad_part) is None
+            assert await g.read(0, ordered[0], 12345) is None   # not the manifest's length
+            assert g.segments == 2 and not g.closed
+        finally:
+            g.close()
+
+
+async def test_a_locate_answers_the_next_chunks_too(arena, socket_dir, monkeypatch) -> None:  # noqa: F811
+    a, memory, keys = arena
+    ordered = _ordered(keys)
+    asked: list[int] = []
+    locate = GrantedArena._locate
+
+    async def counting(self: GrantedArena, batch: list[bytes]) -> None:
+        asked.append(len(batch))
+        await locate(self, batch)
+
+    monkeypatch.setattr(GrantedArena, "_locate", counting)
+    async with _server(a, memory, {"imgs": ["*"]}, socket_dir) as path:
+        g = await _granted(path, ordered)
+        async with trio.open_nursery() as n:             # concurrent reads share a locate
+            for i in range(5):
+                n.start_soon(g.read, i, ordered[i], len(_blob(i)[1]))
+        assert sum(asked) == 9 and len(asked) <= 5        # each key asked about once
+        n_asked = len(asked)
+        for i in range(5):
+            assert await g.read(i, ordered[i], len(_blob(i)[1])) == _blob(i)[1]
+        assert len(asked) == n_asked                      # kept answers, no more locates
+        g.close()
+
+
+async def test_a_rewritten_slot_is_a_miss_then_found_again(arena, socket_dir) -> None:  # noqa: F811
+    a, memory, keys = arena
+    ordered = _ordered(keys)
+    blob = _blob(2)[1]
+    async with _server(a, memory, {"imgs": ["*"]}, socket_dir) as path:
+        g = await _granted(path, ordered)
+        assert await g.read(2, ordered[2], len(blob)) == blob
+        slot = a.locate(ordered[2], "imgs")
+        assert slot is not None
+        at = slot[0] * SLOT
+        memory.memory[at:at + 10] = b"x" * 10           # the node reuses the slot mid-read
+        assert await g.read(2, ordered[2], len(blob)) is None
+        assert g.stale == 2 and not g.closed            # copied twice, located again once
+        memory.memory[at:at + 10] = blob[:10]
+        assert await g.read(2, ordered[2], len(blob)) == blob
+        g.close()
+
+
+async def test_a_node_gone_drops_the_grant_and_reads_go_on(arena, socket_dir) -> None:  # noqa: F811
+    a, memory, keys = arena
+    ordered = _ordered(keys)
+    async with _server(a, memory, {"imgs": ["*"]}, socket_dir) as path:
+        g = await _granted(path, ordered[:1])            # locates key 0 alone
+        assert await g.read(0, ordered[0], len(_blob(0)[1])) == _blob(0)[1]
+    assert await g.read(0, ordered[0], len(_blob(0)[1])) == _blob(0)[1]   # kept: verified
+    g._index = Keys(ordered)                             # (the socket is gone now)
+    assert await g.read(1, ordered[1], len(_blob(1)[1])) is None
+    assert g.closed and g.segments == 0
+    assert await g.read(0, ordered[0], len(_blob(0)[1])) is None
+
+
+async def test_a_member_no_more_drops_the_grant(arena, socket_dir) -> None:  # noqa: F811
+    a, memory, keys = arena
+    ordered = _ordered(keys)
+    alive = [True]
+    async with _server(a, memory, {"imgs": ["*"]}, socket_dir) as path:
+        g = await find_grant(os.path.join(os.path.dirname(path), "c-{node}.grant"), "c",
+                             ["n1"], "imgs", Keys(ordered), lambda n: alive[0])  # type: ignore[arg-type]
+        assert g is not None
+        assert await g.read(0, ordered[0], len(_blob(0)[1])) == _blob(0)[1]
+        alive[0] = False
+        assert await g.read(0, ordered[0], len(_blob(0)[1])) is None and g.closed
+
+
+async def test_no_socket_or_a_server_that_talks_nonsense_is_no_grant(socket_dir) -> None:  # noqa: F811
+    assert await find_grant(os.path.join(socket_dir, "{node}.grant"), "c", ["n1"], "imgs",
+                            Keys([]), lambda n: True) is None       # type: ignore[arg-type]
+    path = os.path.join(socket_dir, "n1.grant")
+    listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    await listener.bind(path)
+    listener.listen(1)
+
+    async def nonsense() -> None:
+        conn, _ = await listener.accept()
+        with conn:
+            await conn.recv(65536)
+            await conn.send(b'{"ok": true, "slot_size": "big"}')
+            await conn.recv(65536)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(nonsense)
+        found = await find_grant(os.path.join(socket_dir, "{node}.grant"), "c", ["n1"], "imgs",
+                                 Keys([]), lambda n: True)  # type: ignore[arg-type]
+        assert found is None
+        n.cancel_scope.cancel()
+    listener.close()
+
+
+def test_locate_batches_fit_the_servers_limit() -> None:
+    assert granted_mod.LOCATE_BATCH <= 1024
