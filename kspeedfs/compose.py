@@ -36,6 +36,7 @@ from .tuning import RESUME_FIRST_WAIT
 
 if TYPE_CHECKING:
     from .cluster.fetch import Peers
+    from .cluster.granted import GrantedArena
     from .manifest.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def new_reader(cfg: Config, info: DatasetInfo, index: ManifestIndex, tiers: Loca
 
 @asynccontextmanager
 async def host_grant(cfg: Config, info: DatasetInfo, index: ManifestIndex,
-                     peers: Peers | None) -> AsyncIterator[HostReader | None]:
+                     peers: Peers | None) -> AsyncIterator[GrantedArena | None]:
     """The segments of ``info``'s dataset granted by a node on this host, mapped (the
     grant socket: ``cluster/granted.py``), or None: not in a cluster, no such node, or
     no grant for this process (logged once; reads go to the peers as before).

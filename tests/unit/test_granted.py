@@ -154,3 +154,19 @@ async def test_no_socket_or_a_server_that_talks_nonsense_is_no_grant(socket_dir)
 
 def test_locate_batches_fit_the_servers_limit() -> None:
     assert granted_mod.LOCATE_BATCH <= 1024
+
+
+async def test_copy_nowait_only_copies_a_located_slot_and_verifies_it(arena, socket_dir) -> None:  # noqa: F811
+    a, memory, keys = arena
+    ordered = _ordered(keys)
+    blob = _blob(1)[1]
+    part = (10, 500, xxhash.xxh3_128_digest(blob[10:510]))
+    async with _server(a, memory, {"imgs": ["*"]}, socket_dir) as path:
+        g = await _granted(path, ordered)
+        assert g.copy_nowait(ordered[1], len(blob), part) is None       # not located yet
+        assert await g.read(0, ordered[0], len(_blob(0)[1])) == _blob(0)[1]   # locates 0-8
+        got = await trio.to_thread.run_sync(g.copy_nowait, ordered[1], len(blob), part)
+        assert got == blob[10:510] and isinstance(got, bytes)
+        assert g.copy_nowait(ordered[1], len(blob), (10, 500, bytes(16))) is None
+        g.close()
+        assert g.copy_nowait(ordered[1], len(blob), part) is None
