@@ -31,6 +31,7 @@ import logging
 import mmap
 import os
 import socket
+import stat
 from collections.abc import Callable, Sequence
 
 import trio
@@ -313,12 +314,33 @@ async def find_grant(template: str, tag: str, nodes: Sequence[str], dataset: str
     return None
 
 
+def untrusted(path: str, server_uid: int) -> str | None:
+    """Why the grant socket at ``path``, served by ``server_uid``, may be someone's
+    decoy, or None. Bytes from a grant are checked against xxh3, which is no defence
+    against a crafted collision, so the server must be the node: its directory is not
+    writable by others, the server is root or the directory's owner, and a directory
+    not owned by root sits in one only privileged users could make it in (in ``/tmp``
+    anyone could make a directory of their own and serve a socket in it)."""
+    directory = os.path.dirname(path)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_mode & 0o022:
+        return f"{directory} is not a directory others cannot write"
+    if server_uid not in (0, st.st_uid):
+        return f"served by uid {server_uid}, not by {directory}'s owner"
+    if st.st_uid != 0 and os.stat(os.path.dirname(directory) or "/").st_mode & 0o022:
+        return f"{directory} is not root's and others may write its parent"
+    return None
+
+
 async def _connect(path: str, node: str, dataset: str, index: ManifestIndex,
                    alive: Callable[[str], bool]) -> GrantedArena:
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     granted = GrantedArena(sock, node, path, dataset, index, lambda: alive(node))
     try:
         await sock.connect(path)
+        why = untrusted(path, grant.peer_of(sock).uid)
+        if why is not None:
+            raise GrantLost(f"refusing {path}: {why}")
         await granted.ask_grant()
     except BaseException:
         granted.close()

@@ -12,9 +12,9 @@ import trio
 import xxhash
 
 from kspeedfs.cluster import granted as granted_mod
-from kspeedfs.cluster.granted import GrantedArena, find_grant
+from kspeedfs.cluster.granted import GrantedArena, find_grant, untrusted
 
-from .test_grant import SLOT, _blob, _server, arena, pytestmark, socket_dir  # noqa: F401
+from .test_grant import NOBODY, SLOT, _blob, _server, arena, pytestmark, socket_dir  # noqa: F401
 
 
 class Keys:
@@ -170,3 +170,29 @@ async def test_copy_nowait_only_copies_a_located_slot_and_verifies_it(arena, soc
         assert g.copy_nowait(ordered[1], len(blob), (10, 500, bytes(16))) is None
         g.close()
         assert g.copy_nowait(ordered[1], len(blob), part) is None
+
+
+def test_a_socket_someone_else_could_have_planted_is_not_trusted(socket_dir) -> None:  # noqa: F811
+    """xxh3 is no defence against a crafted collision: the server must be the node."""
+    mine = os.path.join(socket_dir, "run")
+    os.mkdir(mine, 0o755)
+    path = os.path.join(mine, "c-n1.grant")
+    assert untrusted(path, 0) is None                    # root's directory, root serving
+    assert untrusted(path, NOBODY) is not None           # served by someone else
+    os.chmod(mine, 0o777)
+    assert untrusted(path, 0) is not None                # anyone could have put it there
+    os.chmod(mine, 0o755)
+    os.chown(mine, NOBODY, NOBODY)
+    assert untrusted(path, NOBODY) is None               # a node running as its owner ...
+    os.chmod(socket_dir, 0o1777)
+    assert untrusted(path, NOBODY) is not None           # ... unless anyone could make it
+
+
+async def test_a_server_in_a_directory_others_may_write_is_no_grant(arena, socket_dir) -> None:  # noqa: F811
+    a, memory, keys = arena
+    async with _server(a, memory, {"imgs": ["*"]}, socket_dir) as path:
+        os.chmod(os.path.dirname(path), 0o777)
+        found = await find_grant(os.path.join(os.path.dirname(path), "c-{node}.grant"), "c",
+                                 ["n1"], "imgs", Keys(_ordered(keys)), lambda n: True)  # type: ignore[arg-type]
+        assert found is None
+        os.chmod(os.path.dirname(path), 0o755)
