@@ -44,6 +44,7 @@ from . import grant
 log = logging.getLogger(__name__)
 
 LOCATE_BATCH = grant.MAX_KEYS          # keys a locate asks: the one wanted, then the next chunks'
+LOCATE_SCAN = 4 * LOCATE_BATCH         # chunks looked at for them (bounded: most may be known)
 ABSENT_AGAIN = 5.0                     # s: a key the node did not hold is asked about again after
 ABSENT_KEPT = 1 << 16                  # null answers kept at most (then forgotten at once)
 _ANCILLARY = socket.CMSG_SPACE(253 * 4)  # SCM_MAX_FD fds
@@ -195,7 +196,7 @@ class GrantedArena:
         k+1 next, or soon (an epoch reads them all)."""
         ix, now = self._index, trio.current_time()
         keys = [key]
-        for j in range(k + 1, ix.chunks):
+        for j in range(k + 1, min(ix.chunks, k + 1 + LOCATE_SCAN)):
             if len(keys) == LOCATE_BATCH:
                 break
             other = ix.chunk_digest(j)
