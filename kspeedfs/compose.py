@@ -6,7 +6,7 @@ FUSE request and for ``Dataset.read``.
     fetch_manifest(cfg, name, version)   store → DatasetInfo, manifest blob (blocking)
     local_tiers(cfg, info, index)        origin (source) · memory tier · disk tier?
     cluster(cfg, index)                  peers over vRDMA + the etcd store, or (None, None)
-    host_grant(cfg, info, index, peers)  the granted segments of the node on this host, or
+    host_grant(cfg, info, index, peers)  the grant of the node on this host (HostGrant), or
                                          None (the library's; asked before the peers)
     new_reader(..., nursery, peers)      the Reader (loads and prefetches run in ``nursery``)
 
@@ -36,7 +36,7 @@ from .tuning import RESUME_FIRST_WAIT
 
 if TYPE_CHECKING:
     from .cluster.fetch import Peers
-    from .cluster.granted import GrantedArena
+    from .cluster.granted import HostGrant
     from .manifest.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,11 @@ def new_reader(cfg: Config, info: DatasetInfo, index: ManifestIndex, tiers: Loca
 
 @asynccontextmanager
 async def host_grant(cfg: Config, info: DatasetInfo, index: ManifestIndex,
-                     peers: Peers | None) -> AsyncIterator[GrantedArena | None]:
-    """The segments of ``info``'s dataset granted by a node on this host, mapped (the
-    grant socket: ``cluster/granted.py``), or None: not in a cluster, no such node, or
-    no grant for this process (logged once; reads go to the peers as before).
+                     peers: Peers | None) -> AsyncIterator[HostGrant | None]:
+    """The grant of ``info``'s dataset by the node on this host (``cluster/granted.py``
+    ``HostGrant``: looked for now, and again on membership changes while there is none;
+    without one, reads go to the peers as before), or None: not in a cluster, or
+    ``cluster.grant_socket`` is empty. Its search runs in a nursery of its own.
 
     Which node: the live members whose ``cluster.grant_socket`` exists here, in this
     order: the member with one of this endpoint's NICs, those whose record names this
@@ -93,19 +94,24 @@ async def host_grant(cfg: Config, info: DatasetInfo, index: ManifestIndex,
         yield None
         return
     from .cluster.arena_files import cluster_tag
-    from .cluster.granted import find_grant
+    from .cluster.granted import HostGrant
 
-    nodes = peers.membership.nodes
-    here, local = os.uname().nodename, peers.local_member()
-    order = sorted(nodes, key=lambda n: (n != local, nodes[n].host != here, n))
-    granted = await find_grant(cfg.cluster.grant_socket,
-                               cluster_tag(cfg.cluster.secret(), cfg.store.etcd_prefix),
-                               order, info.name, index, lambda n: n in peers.membership.nodes)
-    try:
-        yield granted
-    finally:
-        if granted is not None:
-            granted.close()
+    here = os.uname().nodename
+
+    def order() -> list[str]:
+        nodes, local = peers.membership.nodes, peers.local_member()
+        return sorted(nodes, key=lambda n: (n != local, nodes[n].host != here, n))
+
+    host = HostGrant(cfg.cluster.grant_socket,
+                     cluster_tag(cfg.cluster.secret(), cfg.store.etcd_prefix), info.name,
+                     index, peers.membership, order)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.run)
+        try:
+            yield host
+        finally:
+            nursery.cancel_scope.cancel()
+            host.close()
 
 
 @asynccontextmanager

@@ -35,7 +35,7 @@ from ..stats import ReadStatistics
 from .errors import PathLike, boundary
 
 if TYPE_CHECKING:
-    from ..cluster.granted import GrantedArena
+    from ..cluster.granted import HostGrant
 
 __all__ = ["ReadLoop"]
 
@@ -60,12 +60,12 @@ class ReadLoop:
         reader: the Reader (use it in the loop only: ``call``).
         memory: the memory tier (its resident part may be read from any thread).
         host: the granted segments of the node on this host, or None
-            (``GrantedArena.copy_nowait`` may be called from any thread).
+            (``HostGrant.copy_nowait`` may be called from any thread).
     """
 
     reader: Reader
     memory: MemoryCache
-    host: GrantedArena | None = None
+    host: HostGrant | None = None
 
     def __init__(self, cfg: Config, info: DatasetInfo, index: ManifestIndex,
                  source: str | None = None) -> None:

@@ -5,9 +5,11 @@ A library process on a node's host asks that node for a grant of its dataset
 node holds straight out of read-only mappings of the granted segments, instead of
 READing them over loopback vRDMA (``docs/design.md``, "Zero-copy on the node's host")::
 
-    find_grant(template, tag, nodes, dataset)   discovery: the live nodes whose socket
-                                                exists here (this host's first), one grant
-      GrantedArena.read(k, key, length, part)   TierChain.from_peers' first step:
+    HostGrant.run()                             discovery, at open and on membership changes
+      find_grant(template, tag, nodes, dataset) while there is no grant: the live nodes whose
+                                                socket exists here (this host's first)
+      HostGrant.read → GrantedArena.read(k, key, length, part)
+                                                TierChain.from_peers' first step:
         slot hint for key?                      else one ``locate`` of key and the next
                                                 chunks' keys (LOCATE_BATCH), answers kept
         copy slot (or the part) out of its      a copy, never a view: the node reuses slots
@@ -16,7 +18,8 @@ READing them over loopback vRDMA (``docs/design.md``, "Zero-copy on the node's h
                                                 once, then None (the next step: peers)
 
 Never the reader's error: a refusal, a protocol error or a lost socket is logged once
-and the grant is dropped (its mappings closed); every read then goes on as without one.
+and the grant is dropped (its mappings closed); every read then goes on as without one,
+until the next change of the membership finds a grant again.
 The socket and ``read`` belong to the trio thread (a copy runs in the task that wants
 it: a 4 MiB copy and its hash take about 0.3 ms, as a peer READ's hash does);
 ``copy_nowait`` copies a slot already located from any thread (the library answers a
@@ -40,6 +43,7 @@ from .. import checksum
 from ..errors import GrantRefused
 from ..manifest.index import ManifestIndex
 from . import grant
+from .membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -290,11 +294,71 @@ def _reply(raw: bytes) -> dict[str, object]:
     return reply
 
 
+class HostGrant:
+    """The grant of one dataset by the node on this host, looked for again when there
+    is none: the ``HostReader`` the library's tier chain asks (``cache/tiers.py``).
+
+    Contract: ``read`` and ``copy_nowait`` are the current grant's (``GrantedArena``),
+    None while there is none. ``run`` (in a nursery) looks for one at once, then again
+    on each change of the membership while it has none, or once its node has left (so
+    a node that starts on this host after the dataset was opened, or comes back, is
+    found; a refusal is asked again only then). ``order()``: the members to try, this
+    host's first. ``close`` closes the current grant. Trio thread only, but for
+    ``copy_nowait``.
+
+    Attributes:
+        current: the grant in use, or None.
+    """
+
+    def __init__(self, template: str, tag: str, dataset: str, index: ManifestIndex,
+                 membership: Membership, order: Callable[[], list[str]]) -> None:
+        self.template, self.tag, self.dataset = template, tag, dataset
+        self._index = index
+        self.membership = membership
+        self._order = order
+        self.current: GrantedArena | None = None
+        self._tried = False
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Look for a grant now (then ``task_status.started``), and on every change."""
+        changed = self.membership.changed
+        await self._find()
+        task_status.started()
+        while True:
+            await changed.wait()
+            changed = self.membership.changed       # before looking: a change meanwhile counts
+            await self._find()
+
+    async def _find(self) -> None:
+        current = self.current
+        if current is not None and not current.closed and current.node not in self.membership.nodes:
+            current.drop("the node left the cluster")
+        if current is None or current.closed:
+            self.current = await find_grant(self.template, self.tag, self._order(), self.dataset,
+                                            self._index, lambda n: n in self.membership.nodes,
+                                            quiet=self._tried)
+            self._tried = True
+
+    async def read(self, k: int, key: bytes, length: int, part: Part | None = None) -> bytes | None:
+        current = self.current
+        return None if current is None else await current.read(k, key, length, part)
+
+    def copy_nowait(self, key: bytes, length: int, part: Part) -> bytes | None:
+        current = self.current
+        return None if current is None else current.copy_nowait(key, length, part)
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+
+
 async def find_grant(template: str, tag: str, nodes: Sequence[str], dataset: str,
-                     index: ManifestIndex, alive: Callable[[str], bool]) -> GrantedArena | None:
+                     index: ManifestIndex, alive: Callable[[str], bool],
+                     quiet: bool = False) -> GrantedArena | None:
     """A grant of ``dataset`` from the first of ``nodes`` (this host's node first: the
     caller's order) whose grant socket exists here and grants it; None when none does
-    (logged once). ``alive(node)``: whether the node is still a member."""
+    (logged at info, at debug when ``quiet``). ``alive(node)``: whether the node is
+    still a member."""
     reasons = []
     for node in nodes:
         path = grant.socket_path(template, tag, node)
@@ -308,10 +372,13 @@ async def find_grant(template: str, tag: str, nodes: Sequence[str], dataset: str
         log.info("host grant: %s from node %s (%s): %d segments mapped", dataset, node, path,
                  granted.segments)
         return granted
+    level = logging.DEBUG if quiet else logging.INFO
     if reasons:
-        log.info("host grant of %s: none (%s); reading over vRDMA", dataset, "; ".join(reasons))
+        log.log(level, "host grant of %s: none (%s); reading over vRDMA", dataset,
+                "; ".join(reasons))
     else:
-        log.info("host grant of %s: no grant socket of a node here; reading over vRDMA", dataset)
+        log.log(level, "host grant of %s: no grant socket of a node here; reading over vRDMA",
+                dataset)
     return None
 
 

@@ -9,10 +9,11 @@ import os
 import socket
 
 import trio
+import trio.testing
 import xxhash
 
 from kspeedfs.cluster import granted as granted_mod
-from kspeedfs.cluster.granted import GrantedArena, find_grant, untrusted
+from kspeedfs.cluster.granted import GrantedArena, HostGrant, find_grant, untrusted
 
 from .test_grant import NOBODY, SLOT, _blob, _server, arena, pytestmark, socket_dir  # noqa: F401
 
@@ -196,3 +197,47 @@ async def test_a_server_in_a_directory_others_may_write_is_no_grant(arena, socke
                                  ["n1"], "imgs", Keys(_ordered(keys)), lambda n: True)  # type: ignore[arg-type]
         assert found is None
         os.chmod(os.path.dirname(path), 0o755)
+
+
+class Members:
+    """The membership ``HostGrant`` follows: ``nodes`` and the ``changed`` event."""
+
+    def __init__(self, *nodes: str) -> None:
+        self.nodes = dict.fromkeys(nodes)
+        self.changed = trio.Event()
+
+    def change(self, *nodes: str) -> None:
+        self.nodes = dict.fromkeys(nodes)
+        old, self.changed = self.changed, trio.Event()
+        old.set()
+
+
+async def test_a_host_grant_is_found_again_after_a_membership_change(arena, socket_dir) -> None:  # noqa: F811
+    """No node at open, then one on this host; it leaves (its grant dropped) and comes
+    back: each change of the membership looks again while there is no grant."""
+    a, memory, keys = arena
+    ordered = _ordered(keys)
+    blob = _blob(0)[1]
+    members = Members()
+    template = os.path.join(socket_dir, "run", "c-{node}.grant")
+    host = HostGrant(template, "c", "imgs", Keys(ordered), members,  # type: ignore[arg-type]
+                     lambda: sorted(members.nodes))
+    async with trio.open_nursery() as n:
+        await n.start(host.run)
+        assert host.current is None and await host.read(0, ordered[0], len(blob)) is None
+        async with _server(a, memory, {"imgs": ["*"]}, socket_dir):
+            members.change("n1")                         # the node on this host starts
+            await trio.testing.wait_all_tasks_blocked()
+            assert await host.read(0, ordered[0], len(blob)) == blob
+            first = host.current
+            members.change()                             # it leaves: the grant is dropped
+            await trio.testing.wait_all_tasks_blocked()
+            assert first is not None and first.closed and host.current is None
+            members.change("n1")                         # and is back
+            await trio.testing.wait_all_tasks_blocked()
+            assert host.current is not None and host.current is not first
+            assert host.copy_nowait(ordered[0], len(blob), (0, len(blob), ordered[0])) is None
+            assert await host.read(0, ordered[0], len(blob)) == blob    # located again
+            assert host.copy_nowait(ordered[0], len(blob), (0, len(blob), ordered[0])) == blob
+        n.cancel_scope.cancel()
+    host.close()
