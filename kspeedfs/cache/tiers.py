@@ -7,7 +7,7 @@
                                           nothing others wait for)
         disk tier, worker thread          chunk digest checked; a mismatch is discarded,
                                           logged ("failed its checksum"), counted
-        host: the node on this host       ``HostReader`` (a library's grant) copies and verifies
+        the node on this host             ``HostReader`` (a library's grant) copies, verifies
         peers: vRDMA READ of a replica    ``PeerReader`` (a cluster's) verifies what it READs
         source, worker thread             origin.py verifies per extent (retried once)
       → memory tier, then ``landed``      and, on a mount, the disk tier in the background
@@ -124,7 +124,8 @@ class TierChain:
         limiter: bounds the worker threads doing disk and source I/O and hashing.
         counters: read-path counters (``stats.ReadStatistics`` names) this chain adds to:
             memory_hits, waited_in_flight, disk_hits, corrupt_discarded, host_hits,
-            host_bytes, peer_hits, peer_bytes, source_loads, source_bytes, source_mismatches, source_changed.
+            host_bytes, peer_hits, peer_bytes, source_loads, source_bytes,
+            source_mismatches, source_changed.
         node: the cluster node this chain runs in, or None on a mount.
         landed: ``landed(k, key, loaded)``, called once per load from a farther tier,
             after the memory tier has the chunk.

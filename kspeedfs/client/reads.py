@@ -124,7 +124,7 @@ class FileReads:
     def _hosted(self, entry: int, offset: int, size: int) -> bytes | None:
         """Bytes [offset, offset + size) of small file ``entry`` (one extent in one
         chunk) copied out of the host node's grant and verified against the extent's
-        digest, when its slot is known (``GrantedArena.copy_nowait``); else None. Only
+        digest, when its slot is known (``HostGrant.copy_nowait``); else None. Only
         for a read of at least half the file: smaller pieces would copy and hash the
         whole extent each time, where the loop keeps it in the memory tier."""
         host, ix = self.loop.host, self.index

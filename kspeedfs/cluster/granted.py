@@ -20,6 +20,7 @@ READing them over loopback vRDMA (``docs/design.md``, "Zero-copy on the node's h
 Never the reader's error: a refusal, a protocol error or a lost socket is logged once
 and the grant is dropped (its mappings closed); every read then goes on as without one,
 until the next change of the membership finds a grant again.
+
 The socket and ``read`` belong to the trio thread (a copy runs in the task that wants
 it: a 4 MiB copy and its hash take about 0.3 ms, as a peer READ's hash does);
 ``copy_nowait`` copies a slot already located from any thread (the library answers a
@@ -40,7 +41,7 @@ from collections.abc import Callable, Sequence
 import trio
 
 from .. import checksum
-from ..errors import GrantRefused
+from ..errors import GrantLost, GrantRefused
 from ..manifest.index import ManifestIndex
 from . import grant
 from .membership import Membership
@@ -55,10 +56,6 @@ _ANCILLARY = socket.CMSG_SPACE(253 * 4)  # SCM_MAX_FD fds
 
 #: (offset, length, digest) of a small file's extent or a block inside its chunk
 Part = tuple[int, int, bytes]
-
-
-class GrantLost(Exception):
-    """The grant connection failed (the node is gone, or it answered nonsense)."""
 
 
 class GrantedArena:
