@@ -52,6 +52,10 @@ LOCATE_BATCH = grant.MAX_KEYS          # keys a locate asks: the one wanted, the
 LOCATE_SCAN = 4 * LOCATE_BATCH         # chunks looked at for them (bounded: most may be known)
 ABSENT_AGAIN = 5.0                     # s: a key the node did not hold is asked about again after
 ABSENT_KEPT = 1 << 16                  # null answers kept at most (then forgotten at once)
+# s a request may wait for its reply: the node answers from memory in well under a
+# millisecond, so a node that takes this long is stopped or swamped, and reads go to the
+# peers (whose READs hedge) rather than wait on it
+ASK_TIMEOUT = 2.0
 _ANCILLARY = socket.CMSG_SPACE(253 * 4)  # SCM_MAX_FD fds
 
 #: (offset, length, digest) of a small file's extent or a block inside its chunk
@@ -109,10 +113,14 @@ class GrantedArena:
         """One request and its reply; the fds that came with it mapped."""
         async with self._lock:
             try:
-                await self._sock.send(json.dumps(request, separators=(",", ":")).encode())
-                raw, ancillary, flags, _ = await self._sock.recvmsg(grant.MAX_MESSAGE, _ANCILLARY)
+                with trio.fail_after(ASK_TIMEOUT):
+                    await self._sock.send(json.dumps(request, separators=(",", ":")).encode())
+                    raw, ancillary, flags, _ = await self._sock.recvmsg(grant.MAX_MESSAGE,
+                                                                        _ANCILLARY)
             except OSError as e:
                 raise GrantLost(f"grant socket: {e}") from e
+            except trio.TooSlowError:
+                raise GrantLost(f"no reply within {ASK_TIMEOUT:g} s") from None
             fds = _fds(ancillary)
             try:
                 if not raw or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 import trio
 import trio.testing
@@ -132,25 +133,13 @@ async def test_a_member_no_more_drops_the_grant(arena, socket_dir) -> None:  # n
 async def test_no_socket_or_a_server_that_talks_nonsense_is_no_grant(socket_dir) -> None:  # noqa: F811
     assert await find_grant(os.path.join(socket_dir, "{node}.grant"), "c", ["n1"], "imgs",
                             Keys([]), lambda n: True) is None       # type: ignore[arg-type]
-    path = os.path.join(socket_dir, "n1.grant")
-    listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    await listener.bind(path)
-    listener.listen(1)
 
-    async def nonsense() -> None:
-        conn, _ = await listener.accept()
-        with conn:
-            await conn.recv(65536)
-            await conn.send(b'{"ok": true, "slot_size": "big"}')
-            await conn.recv(65536)
+    async def nonsense(conn: trio.socket.SocketType) -> None:
+        await conn.recv(65536)
+        await conn.send(b'{"ok": true, "slot_size": "big"}')
+        await conn.recv(65536)
 
-    async with trio.open_nursery() as n:
-        n.start_soon(nonsense)
-        found = await find_grant(os.path.join(socket_dir, "{node}.grant"), "c", ["n1"], "imgs",
-                                 Keys([]), lambda n: True)  # type: ignore[arg-type]
-        assert found is None
-        n.cancel_scope.cancel()
-    listener.close()
+    assert await _one_server(socket_dir, nonsense) is None
 
 
 def test_locate_batches_fit_the_servers_limit() -> None:
@@ -241,3 +230,51 @@ async def test_a_host_grant_is_found_again_after_a_membership_change(arena, sock
             assert host.copy_nowait(ordered[0], len(blob), (0, len(blob), ordered[0])) == blob
         n.cancel_scope.cancel()
     host.close()
+
+
+async def test_a_node_that_does_not_answer_is_no_grant_and_stalls_no_read(
+        arena, socket_dir, monkeypatch) -> None:  # noqa: F811
+    """A stopped node (connected, never replying) costs a request ``ASK_TIMEOUT`` once:
+    at the grant, no grant; at a locate, the grant is dropped and the read goes on."""
+    monkeypatch.setattr(granted_mod, "ASK_TIMEOUT", 0.2)
+
+    async def silent(conn: trio.socket.SocketType) -> None:
+        await trio.sleep_forever()
+
+    with trio.fail_after(5):
+        assert await _one_server(socket_dir, silent) is None
+    a, memory, keys = arena
+    ordered = _ordered(keys)
+    async with _server(a, memory, {"imgs": ["*"]}, socket_dir) as served:
+        g = await _granted(served, ordered[:1])
+        g._sock.send = _never                           # the node stops answering  # type: ignore[method-assign]
+        g._index = Keys(ordered)
+        with trio.fail_after(5):
+            assert await g.read(1, ordered[1], len(_blob(1)[1])) is None
+        assert g.closed
+
+
+async def _never(data: bytes) -> int:
+    await trio.sleep_forever()
+    return 0
+
+
+async def _one_server(directory: str, serve: Any) -> GrantedArena | None:
+    """``find_grant`` against a server at ``directory``/n1.grant that runs
+    ``serve(connection)`` on its one connection (a server that is not the node's)."""
+    listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    await listener.bind(os.path.join(directory, "n1.grant"))
+    listener.listen(1)
+
+    async def one() -> None:
+        conn, _ = await listener.accept()
+        with conn:
+            await serve(conn)
+
+    with listener:
+        async with trio.open_nursery() as n:
+            n.start_soon(one)
+            found = await find_grant(os.path.join(directory, "{node}.grant"), "c", ["n1"],
+                                     "imgs", Keys([]), lambda n: True)  # type: ignore[arg-type]
+            n.cancel_scope.cancel()
+    return found
