@@ -6,6 +6,8 @@ FUSE request and for ``Dataset.read``.
     fetch_manifest(cfg, name, version)   store → DatasetInfo, manifest blob (blocking)
     local_tiers(cfg, info, index)        origin (source) · memory tier · disk tier?
     cluster(cfg, index)                  peers over vRDMA + the etcd store, or (None, None)
+    host_grant(cfg, info, index, peers)  the grant of the node on this host (HostGrant), or
+                                         None (the library's; asked before the peers)
     new_reader(..., nursery, peers)      the Reader (loads and prefetches run in ``nursery``)
 
 What stays in each host: the daemon's engines, page-cache pushes, supervisor and holds;
@@ -23,6 +25,7 @@ import trio
 
 from .cache.disk import DiskCache
 from .cache.memory import MemoryCache
+from .cache.tiers import HostReader
 from .config import Config
 from .manifest.index import ManifestIndex
 from .manifest.store import open_configured
@@ -33,6 +36,7 @@ from .tuning import RESUME_FIRST_WAIT
 
 if TYPE_CHECKING:
     from .cluster.fetch import Peers
+    from .cluster.granted import HostGrant
     from .manifest.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -64,11 +68,50 @@ def local_tiers(cfg: Config, info: DatasetInfo, index: ManifestIndex,
 
 
 def new_reader(cfg: Config, info: DatasetInfo, index: ManifestIndex, tiers: LocalTiers,
-               nursery: trio.Nursery, peers: Peers | None, push: Push | None = None) -> Reader:
-    """The Reader of one dataset version over ``tiers`` and ``peers``; trio thread only."""
+               nursery: trio.Nursery, peers: Peers | None, push: Push | None = None,
+               host: HostReader | None = None) -> Reader:
+    """The Reader of one dataset version over ``tiers``, ``host`` and ``peers``; trio
+    thread only."""
     return Reader(index=index, origin=tiers.origin, memory=tiers.memory, disk=tiers.disk,
                   nursery=nursery, peers=peers, dataset=(info.name, info.version),
-                  workers=cfg.fuse.workers, prefetch_depth=cfg.fuse.prefetch_chunks, push=push)
+                  workers=cfg.fuse.workers, prefetch_depth=cfg.fuse.prefetch_chunks, push=push,
+                  host=host)
+
+
+@asynccontextmanager
+async def host_grant(cfg: Config, info: DatasetInfo, index: ManifestIndex,
+                     peers: Peers | None) -> AsyncIterator[HostGrant | None]:
+    """The grant of ``info``'s dataset by the node on this host (``cluster/granted.py``
+    ``HostGrant``: looked for now, and again on membership changes while there is none;
+    without one, reads go to the peers as before), or None: not in a cluster, or
+    ``cluster.grant_socket`` is empty. Its search runs in a nursery of its own.
+
+    Which node: the live members whose ``cluster.grant_socket`` exists here, in this
+    order: the member with one of this endpoint's NICs, those whose record names this
+    host, the rest (by name). In production only the local node's socket exists; in
+    the test bed every node's does, and any of them is "on this host"."""
+    if peers is None or not cfg.cluster.grant_socket:
+        yield None
+        return
+    from .cluster.arena_files import cluster_tag
+    from .cluster.granted import HostGrant
+
+    here = os.uname().nodename
+
+    def order() -> list[str]:
+        nodes, local = peers.membership.nodes, peers.local_member()
+        return sorted(nodes, key=lambda n: (n != local, nodes[n].host != here, n))
+
+    host = HostGrant(cfg.cluster.grant_socket,
+                     cluster_tag(cfg.cluster.secret(), cfg.store.etcd_prefix), info.name,
+                     index, peers.membership, order)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.run)
+        try:
+            yield host
+        finally:
+            nursery.cancel_scope.cancel()
+            host.close()
 
 
 @asynccontextmanager

@@ -45,6 +45,12 @@ class GrantRefused(KspeedfsError, errno=_errno.EACCES):
     of order (EALREADY, ENOENT): the errno names which, in the error reply."""
 
 
+class GrantLost(KspeedfsError):
+    """The grant connection of a library on a node's host failed: the node is gone, or
+    it answered outside the protocol (``cluster/granted.py``). Never a reader's error:
+    the grant is dropped and reads go to the peers."""
+
+
 class MountError(KspeedfsError, errno=_errno.EINVAL):
     """The mount cannot be made (mountpoint missing, not empty, already mounted, ...)."""
 

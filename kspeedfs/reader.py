@@ -9,6 +9,8 @@ docs/design.md, "The steps of a read").
           memory tier hit?                  ③ local cache (verified, immutable)
           else single-flight load:          cache/tiers.py TierChain (a node's too)
             disk tier, verified             ③ (chunk digest; discard on mismatch)
+            the node on this host           ④′ a library's grant: cluster/granted.py, copied
+                                               out of its mapped segments and verified
             replicas by vRDMA READ          ④⑤ cluster/placement.py + cluster/fetch.py
             origin, verified per extent     ⑤′ last resort; SourceChanged → EIO
           → memory (and disk) tier
@@ -32,7 +34,7 @@ from .cache.disk import DiskCache
 from .cache.memory import MemoryCache
 from .cache.prefetch import Stream
 from .cache.singleflight import SingleFlight
-from .cache.tiers import Data, Loaded, TierChain
+from .cache.tiers import Data, HostReader, Loaded, TierChain
 from .errors import SourceChanged
 from .fanout import each
 from .manifest.index import ManifestIndex
@@ -68,6 +70,7 @@ class Reader:
         origin: the source, last resort.
         memory, disk: the local tiers (``disk`` may be None).
         peers: replicas over vRDMA, or None (no cluster).
+        host: the node on this host's granted segments (asked before ``peers``), or None.
         dataset: ``(name, version)`` as peers know it.
         nursery: runs loads, prefetches and page-cache pushes.
         counters: read-path counters, shared with ``tiers``, ``blocks`` and ``ahead``
@@ -84,12 +87,14 @@ class Reader:
     def __init__(self, *, index: ManifestIndex, origin: Origin, memory: MemoryCache,
                  nursery: trio.Nursery, disk: DiskCache | None = None,
                  peers: Peers | None = None, dataset: tuple[str, int] = ("", 0),
-                 workers: int = 16, prefetch_depth: int = 4, push: Push | None = None) -> None:
+                 workers: int = 16, prefetch_depth: int = 4, push: Push | None = None,
+                 host: HostReader | None = None) -> None:
         self.index = index
         self.origin = origin
         self.memory = memory
         self.disk = disk
         self.peers = peers
+        self.host = host
         self.dataset = dataset
         self.nursery = nursery
         self.counters = Counters()
@@ -98,7 +103,8 @@ class Reader:
             chunk_size=index.chunk_size, block_size=index.block_size, chunks=index.chunks,
             tier_bytes=memory.capacity + (disk.capacity if disk is not None else 0))
         self.tiers = TierChain(index=index, origin=origin, dataset=dataset, memory=memory,
-                               disk=disk, peers=peers, flights=SingleFlight(nursery),
+                               disk=disk, peers=peers, host=host,
+                               flights=SingleFlight(nursery),
                                limiter=trio.CapacityLimiter(workers), counters=self.counters,
                                landed=self._landed)
         self.blocks = BlockReads(index=index, origin=origin, memory=memory, disk=disk,

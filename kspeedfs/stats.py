@@ -30,6 +30,8 @@ class ReadStatistics:
     disk_hit_bytes: int = 0
     peer_hits: int = 0             # ... READ from a replica's arena over vRDMA (verified)
     peer_bytes: int = 0
+    host_hits: int = 0             # ... (or extents, blocks) copied from the granted segments of
+    host_bytes: int = 0            #     the node on this host (verified; cluster/granted.py)
     source_loads: int = 0          # chunks assembled from the source
     source_bytes: int = 0
     source_extents: int = 0        # small files read alone from the source (dataset > tiers)

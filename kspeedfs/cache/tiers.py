@@ -7,6 +7,7 @@
                                           nothing others wait for)
         disk tier, worker thread          chunk digest checked; a mismatch is discarded,
                                           logged ("failed its checksum"), counted
+        the node on this host             ``HostReader`` (a library's grant) copies, verifies
         peers: vRDMA READ of a replica    ``PeerReader`` (a cluster's) verifies what it READs
         source, worker thread             origin.py verifies per extent (retried once)
       → memory tier, then ``landed``      and, on a mount, the disk tier in the background
@@ -82,11 +83,21 @@ class PeerReader(Protocol):
                          budgeted: bool = False) -> Data | None: ...
 
 
+class HostReader(Protocol):
+    """Chunks (or a part of one) copied from the node on this host: a granted arena
+    (``cluster/granted.py``), consulted before the peers; verified bytes or None (go on
+    to the peers). Never raises for the node's behaviour."""
+
+    async def read(self, k: int, key: bytes, length: int,
+                   part: tuple[int, int, bytes] | None = None) -> Data | None: ...
+
+
 class TierChain:
     """Verified bytes of chunk ``k`` of one dataset version from the nearest tier.
 
     Order: memory, then disk (read in a worker thread, checked against the chunk digest,
-    discarded on mismatch), then peers (``Peers.read_chunk``, which verifies), then the
+    discarded on mismatch), then the node on this host (``host``: a granted arena,
+    which verifies), then peers (``Peers.read_chunk``, which verifies), then the
     source (``Origin``, in a worker thread, verified per extent and retried once). A chunk
     from a farther tier is put into the memory tier before ``landed`` is called and any
     waiter returns; one from the source is also written to the disk tier in the
@@ -107,13 +118,14 @@ class TierChain:
     Attributes:
         index, origin: the dataset version's manifest and source.
         dataset: ``(name, version)`` as peers know it.
-        memory, disk, peers: the tiers (``disk`` and ``peers`` may be None).
+        memory, disk, host, peers: the tiers (``disk``, ``host`` and ``peers`` may be None).
         native: the hand-offs to C (``attach_native``: ``handoff.NativeHandoff``), or None.
         flights: the single-flight of chunk (and block, extent) loads.
         limiter: bounds the worker threads doing disk and source I/O and hashing.
         counters: read-path counters (``stats.ReadStatistics`` names) this chain adds to:
-            memory_hits, waited_in_flight, disk_hits, corrupt_discarded, peer_hits,
-            peer_bytes, source_loads, source_bytes, source_mismatches, source_changed.
+            memory_hits, waited_in_flight, disk_hits, corrupt_discarded, host_hits,
+            host_bytes, peer_hits, peer_bytes, source_loads, source_bytes,
+            source_mismatches, source_changed.
         node: the cluster node this chain runs in, or None on a mount.
         landed: ``landed(k, key, loaded)``, called once per load from a farther tier,
             after the memory tier has the chunk.
@@ -122,6 +134,7 @@ class TierChain:
     def __init__(self, *, index: ManifestIndex, origin: Origin, memory: MemoryTier,
                  flights: SingleFlight[Loaded], limiter: trio.CapacityLimiter,
                  disk: DiskCache | None = None, peers: PeerReader | None = None,
+                 host: HostReader | None = None,
                  dataset: tuple[str, int] = ("", 0), counters: Counters | None = None,
                  node: str | None = None,
                  landed: Callable[[int, bytes, Loaded], None] | None = None) -> None:
@@ -131,6 +144,7 @@ class TierChain:
         self.memory = memory
         self.disk = disk
         self.peers = peers
+        self.host = host
         self.flights = flights
         self.limiter = limiter
         self.counters = counters if counters is not None else Counters()
@@ -273,8 +287,15 @@ class TierChain:
 
     async def from_peers(self, k: int, key: bytes,
                          part: tuple[int, int, bytes] | None = None) -> Data | None:
-        """Chunk ``k`` (or ``part = (offset, length, digest)`` of it) READ from a replica
-        and verified, or None: no replica has it (or there are no peers)."""
+        """Chunk ``k`` (or ``part = (offset, length, digest)`` of it) copied from the node
+        on this host, else READ from a replica, verified; or None: no replica has it (or
+        there are no peers)."""
+        if self.host is not None:
+            data = await self.host.read(k, key, self.index.chunk_len[k], part)
+            if data is not None:
+                self.counters.add("host_hits")
+                self.counters.add("host_bytes", len(data))
+                return data
         if self.peers is None:
             return None
         data = await self.peers.read_chunk(self.dataset[0], self.dataset[1], k, key,

@@ -4,6 +4,7 @@
                                          is built, as a mount builds it (compose.py):
       compose.local_tiers                origin, memory tier, disk tier (worker thread)
       compose.cluster → peers?           vRDMA endpoint and membership, in a cluster
+      compose.host_grant → host?         the node on this host's granted segments, mapped
       compose.new_reader                 the Reader, its loads in this thread's nursery
     call(afn, *args)                     ``await afn(*args)`` here, from a caller's thread
     close()                              stops the loop; the tiers and the cluster go
@@ -14,12 +15,13 @@ library".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -31,6 +33,9 @@ from ..manifest.store.base import DatasetInfo
 from ..reader import Reader
 from ..stats import ReadStatistics
 from .errors import PathLike, boundary
+
+if TYPE_CHECKING:
+    from ..cluster.granted import HostGrant
 
 __all__ = ["ReadLoop"]
 
@@ -47,16 +52,20 @@ class ReadLoop:
     every call, and ``check``, raises ValueError once closed and RuntimeError in a forked
     child (the thread, and a cluster's channels and endpoint, are not there). Reads
     answered outside the loop are added with ``count`` so ``statistics()`` includes them
-    (``Reader.served_elsewhere``); ``count`` is thread-safe.
+    (``Reader.served_elsewhere``), those copied from the host's grant as host hits;
+    ``count`` is thread-safe.
 
     Attributes:
         info: the dataset's record.
         reader: the Reader (use it in the loop only: ``call``).
         memory: the memory tier (its resident part may be read from any thread).
+        host: the granted segments of the node on this host, or None
+            (``HostGrant.copy_nowait`` may be called from any thread).
     """
 
     reader: Reader
     memory: MemoryCache
+    host: HostGrant | None = None
 
     def __init__(self, cfg: Config, info: DatasetInfo, index: ManifestIndex,
                  source: str | None = None) -> None:
@@ -65,7 +74,8 @@ class ReadLoop:
         self._index = index
         self._source = source
         self._pid = os.getpid()
-        self._served = [0, 0, 0]            # reads, bytes, hits answered outside; under _lock
+        # reads, bytes, memory hits, host hits, host bytes answered outside; under _lock
+        self._served = [0, 0, 0, 0, 0]
         self._lock = threading.Lock()
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
@@ -96,10 +106,13 @@ class ReadLoop:
         """The read path's lifetime: built as a mount builds it, torn down on close."""
         cfg, info, index = self._cfg, self.info, self._index
         tiers = await trio.to_thread.run_sync(compose.local_tiers, cfg, info, index, self._source)
-        async with compose.cluster(cfg, index) as (peers, _store), trio.open_nursery() as nursery:
-            self.reader = compose.new_reader(cfg, info, index, tiers, nursery, peers)
+        async with compose.cluster(cfg, index) as (peers, _store), \
+                compose.host_grant(cfg, info, index, peers) as host, \
+                trio.open_nursery() as nursery:
+            self.reader = compose.new_reader(cfg, info, index, tiers, nursery, peers, host=host)
             self.reader.served_elsewhere = self._served_outside
             self.memory = tiers.memory
+            self.host = host
             self._token = trio.lowlevel.current_trio_token()
             self._stop = trio.Event()
             self._started.set()
@@ -144,20 +157,25 @@ class ReadLoop:
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join()
 
-    def count(self, nbytes: int, hits: int) -> None:
+    def count(self, nbytes: int, hits: int, host_bytes: int = 0) -> None:
         """One read of ``nbytes`` answered outside the loop from ``hits`` memory-tier
-        buffers (any thread)."""
+        buffers, or from one copy of ``host_bytes`` out of the host's grant (any thread)."""
         with self._lock:
             self._served[0] += 1
             self._served[1] += nbytes
             self._served[2] += hits
+            self._served[3] += host_bytes > 0
+            self._served[4] += host_bytes
 
     def _served_outside(self) -> tuple[int, int, int]:
-        reads, nbytes, hits = self._served
+        reads, nbytes, hits, _, _ = self._served
         return reads, nbytes, hits
 
     def statistics(self) -> ReadStatistics:
         """The Reader's counters, reads answered outside the loop included."""
         self.check()
         with boundary():
-            return trio.from_thread.run_sync(self.reader.statistics, trio_token=self._token)
+            s = trio.from_thread.run_sync(self.reader.statistics, trio_token=self._token)
+        with self._lock:
+            hits, nbytes = self._served[3], self._served[4]
+        return dataclasses.replace(s, host_hits=s.host_hits + hits, host_bytes=s.host_bytes + nbytes)

@@ -44,6 +44,8 @@ ERRNO = {
     "SourceTimeout": errno.ETIMEDOUT,       # added since, with its own errno
     "LoadCancelled": errno.EINTR,
     "ReadOnly": errno.EROFS,
+    "GrantRefused": errno.EACCES,           # added since: the grant socket (cluster/grant.py)
+    "GrantLost": errno.EIO,                 # ... and its reader's side (cluster/granted.py)
     # rdma.errors
     "RdmaError": errno.EIO,
     "RdmaUserError": errno.EINVAL,
