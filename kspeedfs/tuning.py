@@ -26,6 +26,9 @@ ALIGN_MIN = 64 << 10
 #: (cache/memory.py ``_populated``); smaller ones stay bytearrays: a mapping each for
 #: small extents would spend the process's map count (vm.max_map_count)
 POPULATE_MIN = 1 << 20
+#: such mappings kept for reuse once no view holds them (zeroed again, not faulted in
+#: again): a process's chunk loads past a full memory tier reuse what it evicted
+SPARE_BYTES = 64 << 20
 #: default share of the memory tier kept as an LRU for what the resident part has no
 #: room for ...
 TRANSIENT_FRACTION = 0.25

@@ -33,11 +33,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Any, Protocol
 
-from ..tuning import ALIGN_MIN, POPULATE_MIN, TRANSIENT_FRACTION, TRANSIENT_MIN
+from ..tuning import ALIGN_MIN, POPULATE_MIN, SPARE_BYTES, TRANSIENT_FRACTION, TRANSIENT_MIN
 
 log = logging.getLogger(__name__)
 
@@ -74,20 +75,47 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _populated(n: int) -> memoryview | None:
-    """``n`` zeroed bytes of their own anonymous mapping (page-aligned), its pages faulted
-    in by ``MAP_POPULATE`` inside a ctypes call, which runs without the GIL; unmapped when
-    the last view of it goes. None when the kernel refuses a mapping (the process's map
-    count, ``vm.max_map_count``, spent): the caller takes a bytearray. Why (docs/design.md,
-    "Chunk buffers faulted in without the GIL"): ``bytearray(n)`` zeroes its fresh pages
-    holding the GIL, ~3 ms a 4 MiB chunk here, so the source's GETs of a sequential
-    reader's chunks started one after another."""
-    addr = _libc.mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE,
-                      mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_POPULATE, -1, 0)
-    if addr is None or addr == _MAP_FAILED:
-        return None
+    """``n`` zeroed bytes of their own anonymous mapping (page-aligned), faulted in without
+    the GIL: a spare mapping of that size zeroed by a ctypes ``memset``, else a new one
+    ``MAP_POPULATE``'d inside a ctypes call. When its last view goes the mapping becomes a
+    spare, up to ``SPARE_BYTES`` of them, else it is unmapped. None when the kernel refuses
+    a mapping (the process's map count, ``vm.max_map_count``, spent): the caller takes a
+    bytearray. Why (docs/design.md, "Chunk buffers faulted in without the GIL"):
+    ``bytearray(n)`` zeroes fresh pages holding the GIL, ~3 ms a 4 MiB chunk here, so the
+    source's GETs of a sequential reader's chunks started one after another; a spare
+    skips the faults too."""
+    global _spare_bytes
+    with _spare_lock:
+        free = _spare.get(n)
+        addr = free.pop() if free else None
+        if addr is not None:
+            _spare_bytes -= n
+    if addr is not None:
+        ctypes.memset(addr, 0, n)
+    else:
+        addr = _libc.mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE,
+                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_POPULATE, -1, 0)
+        if addr is None or addr == _MAP_FAILED:
+            return None
     pages = (ctypes.c_ubyte * n).from_address(addr)
-    weakref.finalize(pages, _libc.munmap, addr, n)
+    weakref.finalize(pages, _release, addr, n)
     return memoryview(pages).cast("B")
+
+
+_spare: dict[int, list[int]] = {}        # mapping size -> addresses no view holds
+_spare_bytes = 0
+_spare_lock = threading.Lock()           # the last view may go in any thread
+
+
+def _release(addr: int, n: int) -> None:
+    """The last view of mapping ``addr`` went: keep it as a spare, or unmap it."""
+    global _spare_bytes
+    with _spare_lock:
+        if _spare_bytes + n <= SPARE_BYTES:
+            _spare.setdefault(n, []).append(addr)
+            _spare_bytes += n
+            return
+    _libc.munmap(addr, n)
 
 
 class Mirror(Protocol):

@@ -487,7 +487,7 @@ def test_tier_buffers_from_the_source_and_the_disk_start_on_a_page(tmp_path) -> 
         assert len(buf) == n and _address(buf) % PAGE == 0 and not any(buf[:4096])
 
 
-def test_chunk_sized_buffers_are_mappings_of_their_own_unmapped_with_their_last_view(
+def test_chunk_sized_buffers_are_mappings_reused_or_unmapped_after_their_last_view(
         monkeypatch) -> None:
     from kspeedfs.cache import memory
     from kspeedfs.tuning import POPULATE_MIN
@@ -497,17 +497,28 @@ def test_chunk_sized_buffers_are_mappings_of_their_own_unmapped_with_their_last_
             spans = (line.split()[0].split("-") for line in f)
             return any(int(lo, 16) <= addr < int(hi, 16) for lo, hi in spans)
 
-    buf = page_aligned(POPULATE_MIN + 3)
-    assert len(buf) == POPULATE_MIN + 3 and not buf.readonly and buf.format == "B"
+    n = POPULATE_MIN + 3
+    buf = page_aligned(n)
+    assert len(buf) == n and not buf.readonly and buf.format == "B"
     assert _address(buf) % PAGE == 0 and not any(buf)
     buf[-1] = 7
     ro = buf.toreadonly()[-4:]              # a view of a view keeps the mapping
     addr = _address(buf)
     del buf
     gc.collect()
-    assert ro[-1] == 7 and mapped(addr)
+    assert ro[-1] == 7 and page_aligned(n) is not None and _address(page_aligned(n)) != addr
     del ro
-    gc.collect()
+    gc.collect()                            # a spare now: the next buffer of its size, zeroed
+    again = page_aligned(n)
+    assert _address(again) == addr and not any(again)
+    del again
+    monkeypatch.setattr(memory, "SPARE_BYTES", 0)
+    monkeypatch.setattr(memory, "_spare", {})
+    monkeypatch.setattr(memory, "_spare_bytes", 0)
+    buf = page_aligned(n)
+    addr = _address(buf)
+    del buf
+    gc.collect()                            # no room for spares: unmapped
     assert not mapped(addr)
     # the kernel refusing a mapping (the map count spent): a bytearray's buffer instead
     monkeypatch.setattr(memory, "_populated", lambda n: None)
