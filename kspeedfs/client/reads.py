@@ -143,7 +143,9 @@ class FileReads:
         if data is None:
             return None
         self.loop.count(size, 0, len(data))
-        return data[offset:offset + size] if offset or size < len(data) else data
+        if offset or size < len(data):
+            data = data[offset:offset + size]
+        return bytes(data) if isinstance(data, memoryview) else data   # a part of 1 MiB+
 
     def _resident(self, entry: int, offset: int, size: int) -> list[memoryview] | None:
         """Bytes [offset, offset + size) of file ``entry`` (``size`` > 0, inside the file)

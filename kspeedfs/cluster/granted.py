@@ -41,8 +41,10 @@ from collections.abc import Callable, Sequence
 import trio
 
 from .. import checksum
+from ..cache.memory import page_aligned
 from ..errors import GrantLost, GrantRefused
 from ..manifest.index import ManifestIndex
+from ..tuning import POPULATE_MIN
 from . import grant
 from .membership import Membership
 
@@ -149,7 +151,8 @@ class GrantedArena:
 
     # -- reads -------------------------------------------------------------------------------
 
-    async def read(self, k: int, key: bytes, length: int, part: Part | None = None) -> bytes | None:
+    async def read(self, k: int, key: bytes, length: int,
+                   part: Part | None = None) -> bytes | memoryview | None:
         """Chunk ``k`` (digest ``key``, ``length`` bytes), or ``part`` of it, verified; or
         None (class docstring)."""
         if self.closed:
@@ -172,7 +175,7 @@ class GrantedArena:
             self.drop(str(e))
             return None
 
-    def copy_nowait(self, key: bytes, length: int, part: Part) -> bytes | None:
+    def copy_nowait(self, key: bytes, length: int, part: Part) -> bytes | memoryview | None:
         """``part`` of the chunk with digest ``key`` (``length`` bytes) copied out of its
         slot and verified, from any thread, when its slot is known: no locate, no retry
         (None: ask ``read`` in the trio thread). Safe against ``close`` in the trio
@@ -240,7 +243,7 @@ class GrantedArena:
                 del self._asking[key]
             done.set()
 
-    def _copy(self, slot: tuple[int, int], length: int, part: Part) -> bytes | None:
+    def _copy(self, slot: tuple[int, int], length: int, part: Part) -> bytes | memoryview | None:
         """The part's bytes copied out of ``slot`` and verified, or None."""
         s, held = slot
         offset, want, digest = part
@@ -250,7 +253,15 @@ class GrantedArena:
         at = (s % self.per_segment) * self.slot_size + offset
         if at + want > len(m):
             return None
-        data = m[at:at + want]                   # a copy: the node may reuse the slot
+        # a copy, never a view: the node may reuse the slot; a chunk into a buffer faulted
+        # in without the GIL, or a spare (cache/memory.py), a small part as bytes
+        data: bytes | memoryview
+        if want >= POPULATE_MIN:
+            buf = page_aligned(want)
+            buf[:] = memoryview(m)[at:at + want]
+            data = buf.toreadonly()
+        else:
+            data = m[at:at + want]
         return data if checksum.matches(data, digest) else None
 
     @property
@@ -344,11 +355,12 @@ class HostGrant:
                                             quiet=self._tried)
             self._tried = True
 
-    async def read(self, k: int, key: bytes, length: int, part: Part | None = None) -> bytes | None:
+    async def read(self, k: int, key: bytes, length: int,
+                   part: Part | None = None) -> bytes | memoryview | None:
         current = self.current
         return None if current is None else await current.read(k, key, length, part)
 
-    def copy_nowait(self, key: bytes, length: int, part: Part) -> bytes | None:
+    def copy_nowait(self, key: bytes, length: int, part: Part) -> bytes | memoryview | None:
         current = self.current
         return None if current is None else current.copy_nowait(key, length, part)
 
