@@ -14,11 +14,16 @@ Each round, alternating, a fresh ``kspeedfs.open_dataset`` handle (empty chunk c
   finds n1's socket (the test bed shares one filesystem: every node is "on this host")
   and copies chunks out of its mapped segments (``cluster/granted.py``);
 * **vrdma**: the same process with ``cluster.grant_socket = ""``: every chunk READ from
-  the nodes over the soft vRDMA provider, as before.
+  the nodes over the soft vRDMA provider, as before;
+* **mount**: a fresh kspeedfs mount of the client host (the native engine, the same
+  config and chunk cache; a mount takes no grant), read with ``open()``/``readinto``
+  by a process in the same namespace: what the library is held against.
 
-CPU per GB: the reader process (all its threads: the trio thread, the vRDMA endpoint's)
-and, beside it, that plus both nodes' CPU over the same case (a node answers ``locate``
-for the grant; its soft provider serves READs for vRDMA). Nothing is asserted.
+``--modes`` picks some (``vrdma,mount``: the library against the mount, both from the
+peers). CPU per GB: the reader process (all its threads: the trio thread, the vRDMA
+endpoint's), plus the mount's daemon for ``mount``; beside it, that plus both nodes'
+CPU over the same case (a node answers ``locate`` for the grant; its soft provider
+serves READs for vRDMA). Nothing is asserted.
 """
 from __future__ import annotations
 
@@ -33,14 +38,27 @@ from typing import Any
 
 from . import datasets
 from .cluster import CLIENT_CACHE, _fixtures
-from .system import REPO, drop_caches, process_cpu
+from .system import REPO, daemon_pid, drop_caches, process_cpu
 
 #: one reader process; argv: spec.json. One JSON line per case, then waits for a line.
 READER = r"""
-import json, random, resource, sys, threading, time
-import kspeedfs
+import json, os, random, resource, sys, threading, time
 spec = json.load(open(sys.argv[1]))
-ds = kspeedfs.open_dataset(spec["dataset"], etcd=spec["etcd"], config=spec["config"])
+if spec["root"]:                  # a mount
+    class Files:
+        def open(self, rel, buffering=0):
+            return open(os.path.join(spec["root"], rel), "rb", buffering=buffering)
+        def read(self, rel):
+            with self.open(rel) as f:
+                return f.read()
+        def statistics(self):
+            return None
+        def close(self):
+            pass
+    ds = Files()
+else:
+    import kspeedfs
+    ds = kspeedfs.open_dataset(spec["dataset"], etcd=spec["etcd"], config=spec["config"])
 
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -66,7 +84,8 @@ def seq(rel):
 def report(case, nbytes, ops, dt, c):
     s = ds.statistics()
     print(json.dumps({"case": case, "bytes": nbytes, "ops": ops, "seconds": dt, "cpu": c,
-                      "host_hits": s.host_hits, "peer_hits": s.peer_hits}), flush=True)
+                      "host_hits": s.host_hits if s else 0, "peer_hits": s.peer_hits if s else 0}),
+          flush=True)
     sys.stdin.readline()          # the bench reads the nodes' CPU between cases
 
 small = list(spec["small"])
@@ -87,29 +106,34 @@ def _run(c: Any, mode: str, spec: dict[str, Any], work: Path) -> dict[str, dict[
     config = dict(spec["config"])
     if mode == "vrdma":
         config["cluster.grant_socket"] = ""
+    mp = c.mount("bench", "--cache-mem", CLIENT_CACHE) if mode == "mount" else None
     path = work / f"spec-{mode}.json"
-    path.write_text(json.dumps({**spec, "config": config}))
+    path.write_text(json.dumps({**spec, "config": config, "root": str(mp or "")}))
     drop_caches()
     nodes = [p.pid for name, p in c.procs.items() if name.startswith("n")]
+    daemon = daemon_pid(mp) if mp is not None else None
     proc = subprocess.Popen(c.client_argv([sys.executable, "-c", READER, str(path)]),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
     assert proc.stdin is not None and proc.stdout is not None
     out: dict[str, dict[str, float]] = {}
-    n0 = sum(process_cpu(pid) or 0.0 for pid in nodes)
+    n0, d0 = sum(process_cpu(pid) or 0.0 for pid in nodes), process_cpu(daemon) or 0.0
     for line in proc.stdout:
         fig = json.loads(line)
-        n1 = sum(process_cpu(pid) or 0.0 for pid in nodes)
+        n1, d1 = sum(process_cpu(pid) or 0.0 for pid in nodes), process_cpu(daemon) or 0.0
         gb = fig["bytes"] / 1e9
         per = dict(CASES)[fig["case"]]
         rate = fig["ops"] / fig["seconds"] if per == "files/s" else fig["bytes"] / fig["seconds"] / 1e6
-        out[fig["case"]] = {per: rate, "cpu_s_per_GB": fig["cpu"] / gb,
-                            "with_nodes_cpu_s_per_GB": (fig["cpu"] + n1 - n0) / gb,
+        mine = fig["cpu"] + d1 - d0
+        out[fig["case"]] = {per: rate, "cpu_s_per_GB": mine / gb,
+                            "with_nodes_cpu_s_per_GB": (mine + n1 - n0) / gb,
                             "host_hits": fig["host_hits"], "peer_hits": fig["peer_hits"]}
         proc.stdin.write("\n")
         proc.stdin.flush()
-        n0 = sum(process_cpu(pid) or 0.0 for pid in nodes)
+        n0, d0 = sum(process_cpu(pid) or 0.0 for pid in nodes), process_cpu(daemon) or 0.0
     if proc.wait() != 0:
         raise RuntimeError(f"{mode} reader failed ({proc.returncode})")
+    if mp is not None:
+        c.unmount(mp)
     return out
 
 
@@ -126,7 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--files", type=int, default=2000, help="ImageNet-like small files")
     ap.add_argument("--big-mb", type=int, default=64, help="size of each of the 4 large files")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--modes", default="grant,vrdma,mount",
+                    help="comma-separated: grant, vrdma, mount (the first is the ratios' numerator)")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
     _fixtures()
     from tests.fixtures.cluster import Cluster
 
@@ -149,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
             config["cache.memory"] = CLIENT_CACHE
             spec = {"dataset": "bench", "etcd": c.etcd_urls, "config": config,
                     "small": small, "big": big}
-            runs: dict[str, list[dict[str, dict[str, float]]]] = {"grant": [], "vrdma": []}
+            runs: dict[str, list[dict[str, dict[str, float]]]] = {m: [] for m in modes}
             for _ in range(args.reps):
                 for mode in runs:
                     runs[mode].append(_run(c, mode, spec, work))
@@ -161,14 +188,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _report(runs: dict[str, list[dict[str, dict[str, float]]]]) -> None:
+    first, *others = list(runs)
     for case, per in CASES:
         for fig in (per, "cpu_s_per_GB", "with_nodes_cpu_s_per_GB"):
-            ratios = sorted(g[case][fig] / v[case][fig]
-                            for g, v in zip(runs["grant"], runs["vrdma"], strict=True))
             med = {m: statistics.median(r[case][fig] for r in runs[m]) for m in runs}
-            print(f"{case} {fig}: grant {med['grant']:,.3g}, vrdma {med['vrdma']:,.3g}, "
-                  f"grant / vrdma {statistics.median(ratios):.2f} "
-                  f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+            line = f"{case} {fig}: " + ", ".join(f"{m} {v:,.3g}" for m, v in med.items())
+            for other in others:
+                ratios = sorted(a[case][fig] / b[case][fig]
+                                for a, b in zip(runs[first], runs[other], strict=True))
+                line += (f"; {first} / {other} {statistics.median(ratios):.2f} "
+                         f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+            print(line)
 
 
 if __name__ == "__main__":
