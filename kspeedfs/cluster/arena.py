@@ -69,7 +69,8 @@ that may go and rank no higher: then that segment is emptied for the group (its
 chunks evicted, spilled to the SSD tier if there is one). With no grants every key is
 in group None, there is one group, and all of this is the rules above. Adopted chunks
 (``adopt``) cannot be told apart by dataset yet: their segments are owned by None,
-which is never granted.
+which is never granted, until ``regroup`` (after the node's first reconcile pass) gives
+each segment holding one granted dataset's chunks only back to that dataset.
 
 A segment handed to a local reader (``pin``) stays its group's until the node exits,
 even when empty: the reader's mapping cannot be taken back, so a segment it maps must
@@ -254,6 +255,32 @@ class Arena:
         self._owned[g].discard(seg)
         self._owner[seg] = None
         self._empty.add(seg)
+
+    def regroup(self) -> int:
+        """Give each segment of group None whose every key ``group`` now puts in one group
+        G to G; returns how many. Adopted chunks sit in None's segments (``adopt``: the
+        groups were unknown then), where no reader is granted them; once the node knows
+        its groups (its first reconcile pass) a segment that holds one dataset's chunks
+        only is that dataset's again, and the invariant holds: G's segments hold only
+        G's keys."""
+        keys: dict[int, list[bytes]] = {}
+        for key, hit in self._slots.items():
+            seg = self._segment(hit[0])
+            if self._owner[seg] is None:
+                keys.setdefault(seg, []).append(key)
+        moved = 0
+        for seg, held in keys.items():
+            groups = {self.group(k) for k in held}
+            if len(groups) != 1 or (g := groups.pop()) is None:
+                continue
+            self._owner[seg] = g
+            self._owned[None].discard(seg)
+            self._owned.setdefault(g, set()).add(seg)
+            if seg in self._open.get(None, ()):
+                self._open[None].discard(seg)
+                self._open.setdefault(g, set()).add(seg)
+            moved += 1
+        return moved
 
     def segments(self, group: Group) -> list[int]:
         """The segments ``group`` owns now (those holding its keys), ascending."""

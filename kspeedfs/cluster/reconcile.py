@@ -125,6 +125,11 @@ class Reconciler:
                     group.setdefault(key, name)
         self._rank = rank
         self._group = group
+        if group:                                    # adopted chunks: their datasets' again
+            moved = self.share.arena.regroup()
+            if moved:
+                log.info("arena: %d segment(s) of adopted chunks given back to their datasets",
+                         moved)
         self._drop_unloaded({n: r.version for n, r in wanted.items()})
         # highest priority first: when memory is short, what matters most is loaded first
         for name, req in sorted(wanted.items(), key=lambda nr: (-nr[1].priority, nr[0])):

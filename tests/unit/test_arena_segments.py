@@ -215,6 +215,27 @@ def test_adopted_chunks_are_in_segments_of_group_none() -> None:
     assert c in again and len(again.segments("c")) == 1 and len(again) == 2
 
 
+def test_adopted_segments_holding_one_datasets_chunks_are_regrouped() -> None:
+    arena, ranks, groups = _arena(nslots=12)
+    a1 = _put(arena, ranks, groups, 1, 0, "a")
+    a2 = _put(arena, ranks, groups, 2, 0, "a")
+    b = _put(arena, ranks, groups, 3, 0, "b")
+    none = _put(arena, ranks, groups, 4, 0, None)
+    (sa,), (sb,), (sn,) = arena.segments("a"), arena.segments("b"), arena.segments(None)
+    seg = {a1: sa, a2: sa, b: sb, none: sn}
+    again = Arena(arena.g, arena.data, arena.index, rank=lambda k: ranks.get(k, -1),
+                  group=lambda k: groups.get(k))
+    assert again.adopt(lambda k, d: xxhash.xxh3_128_digest(d) == k) == (4, 0)
+    assert again.locate(a1, "a") is None
+    groups[b] = "a"                          # b is now also an "a" chunk: its segment goes
+    groups[none] = None
+    assert again.regroup() == 2              # to "a"; the one holding a group-None key stays
+    assert again.segments("a") == sorted({seg[a1], seg[b]}) and again.segments("b") == []
+    assert again.segments(None) == [seg[none]]
+    assert again.locate(a1, "a") is not None and again.locate(b, "a") is not None
+    assert again.regroup() == 0
+
+
 def test_geometry_of_segments() -> None:
     g = Geometry.for_memory(10 * 64, 64, segment_bytes=4 * 64)
     assert (g.nslots, g.per_segment, g.nsegments) == (10, 4, 3)
