@@ -219,16 +219,19 @@ def referenced(root: Root, dirs: Sequence[str]) -> set[bytes]:
 def sweep(directory: str, keep: set[bytes], grace: float) -> int:
     """Delete the pages in ``directory`` that no kept root needs and that nothing wrote or
     reused for ``grace`` seconds (an import in progress writes and touches its pages
-    before its root is published); returns how many went."""
+    before its root is published), and writers' temporary files as old (a writer that
+    crashed between its write and its rename); returns how many went."""
     gone, now = 0, time.time()
     for sub in os.scandir(directory) if os.path.isdir(directory) else ():
         if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
             continue
         for f in os.scandir(sub.path):
             try:
-                digest = bytes.fromhex(f.name)
+                digest: bytes | None = bytes.fromhex(f.name)
             except ValueError:
-                continue      # a writer's temporary file: its own rename or crash
+                digest = None
+                if not f.name.endswith(".tmp"):
+                    continue                # not ours
             if digest in keep or now - f.stat(follow_symlinks=False).st_mtime < grace:
                 continue
             os.unlink(f.path)
