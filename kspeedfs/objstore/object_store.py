@@ -209,7 +209,7 @@ class ObjectStoreBucket:
         for attempt in range(self.attempts):
             try:
                 r = obstore.get(self.store, key, options=options)   # type: ignore[arg-type]
-                data = r.bytes()
+                got = _into(r, out)
             except obstore.exceptions.PreconditionError:
                 return Read("no longer has the ETag recorded at import (HTTP 412)")
             except FileNotFoundError:                   # obstore's NotFoundError
@@ -226,8 +226,26 @@ class ObjectStoreBucket:
                 return Read(f"no longer has the ETag recorded at import (served {meta['e_tag']})")
             if version and meta["version"] and meta["version"] != version:
                 return Read(f"is no longer version {version} (served {meta['version']})")
-            if len(data) != len(out):
-                return Read(f"is shorter than at import ({offset + len(data)} bytes)")
-            out[:] = memoryview(data)
+            if got != len(out):
+                return Read(f"is shorter than at import ({offset + got} bytes)")
             return Read(None, meta["version"] or "")
         raise AssertionError("unreachable")
+
+
+#: the body's pieces ``_into`` copies: a few a chunk (each crosses from Rust to Python),
+#: small enough that their buffers are reused memory, not fresh pages
+STREAM_PIECE = 256 << 10
+
+
+def _into(r: Any, out: memoryview) -> int:
+    """The body of GET result ``r`` copied into ``out`` as it arrives; how many bytes it
+    had (more than ``len(out)`` are counted, not copied). Why not ``r.bytes()``: that
+    gathers the body into a buffer of its own, one more copy into fresh pages, before
+    ours (``docs/design.md``, "Chunk buffers faulted in without the GIL")."""
+    got = 0
+    for piece in r.stream(min_chunk_size=STREAM_PIECE):
+        n = len(piece)
+        if got + n <= len(out):
+            out[got:got + n] = memoryview(piece)
+        got += n
+    return got
