@@ -72,6 +72,7 @@ in group None, there is one group, and all of this is the rules above. Adopted c
 which is never granted, until ``regroup`` (after the node's first reconcile pass) gives
 each segment holding one granted dataset's chunks only back to that dataset.
 
+Who owns which segment, and its free slots, are kept by ``arena_owners.SegmentOwners``.
 A segment handed to a local reader (``pin``) stays its group's until the node exits,
 even when empty: the reader's mapping cannot be taken back, so a segment it maps must
 never hold another group's chunks. Its chunks may still be evicted, for its own group's.
@@ -80,12 +81,13 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from ..tuning import SPILL
+from .arena_owners import Group, SegmentOwners
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +180,6 @@ class ArenaStatistics:
     refused: int = 0                 # chunks not stored: room would evict a higher rank
 
 
-Group = str | None
 
 
 class Arena:
@@ -199,7 +200,7 @@ class Arena:
         self.rank = rank                         # eviction class of a key: < 0 first
         self.on_evict = on_evict                 # (key, bytes) of an evicted chunk: SSD tier
         self.group = group                       # the dataset a key is stored for (grants)
-        self._reset_segments(set())
+        self.owners = SegmentOwners(geometry, set())
         # key → (slot, length, bucket, way), oldest first
         self._slots: OrderedDict[bytes, tuple[int, int, int, int]] = OrderedDict()
         self._ways: dict[int, list[bytes | None]] = {}     # bucket → keys by way
@@ -209,95 +210,25 @@ class Arena:
         self.used_bytes = 0
 
     # ------------------------------------------------------------------ segments
-    def _reset_segments(self, used: set[int]) -> None:
-        """Every slot free but ``used``; segments holding any owned by None."""
-        per, n = self.g.per_segment, self.g.nsegments
-        self._seg_free = [[s for s in range(min(self.g.nslots, (i + 1) * per) - 1, i * per - 1, -1)
-                           if s not in used] for i in range(n)]   # a stack: lowest slot on top
-        self._seg_used = [0] * n
-        for s in used:
-            self._seg_used[s // per] += 1
-        self._owner: list[Group] = [None] * n
-        self._owned: dict[Group, set[int]] = {None: {i for i in range(n) if self._seg_used[i]}}
-        self._open: dict[Group, set[int]] = {None: {i for i in self._owned[None]
-                                                    if self._seg_free[i]}}
-        self._empty = {i for i in range(n) if not self._seg_used[i]}
-        self._pinned: set[int] = set()           # handed to a reader: its owner's for good
-
-    def _segment(self, slot: int) -> int:
-        return slot // self.g.per_segment
-
-    def _take_slot(self, g: Group) -> int:
-        """A free slot of ``g``'s segments, else of an empty one (then ``g``'s)."""
-        mine = self._open.get(g)
-        seg = next(iter(mine)) if mine else min(self._empty)
-        if not self._seg_used[seg]:
-            self._empty.discard(seg)
-            self._owner[seg] = g
-            self._owned.setdefault(g, set()).add(seg)
-        slot = self._seg_free[seg].pop()
-        self._seg_used[seg] += 1
-        if self._seg_free[seg]:
-            self._open.setdefault(g, set()).add(seg)
-        else:
-            self._open.get(g, set()).discard(seg)
-        return slot
-
-    def _release_slot(self, slot: int) -> None:
-        seg = self._segment(slot)
-        g = self._owner[seg]
-        self._seg_free[seg].append(slot)
-        self._seg_used[seg] -= 1
-        if self._seg_used[seg] or seg in self._pinned:
-            self._open.setdefault(g, set()).add(seg)
-            return
-        self._open[g].discard(seg)
-        self._owned[g].discard(seg)
-        self._owner[seg] = None
-        self._empty.add(seg)
-
     def regroup(self) -> int:
-        """Give each segment of group None whose every key ``group`` now puts in one group
-        G to G; returns how many. Adopted chunks sit in None's segments (``adopt``: the
-        groups were unknown then), where no reader is granted them; once the node knows
-        its groups (its first reconcile pass) a segment that holds one dataset's chunks
-        only is that dataset's again, and the invariant holds: G's segments hold only
-        G's keys."""
-        keys: dict[int, list[bytes]] = {}
-        for key, hit in self._slots.items():
-            seg = self._segment(hit[0])
-            if self._owner[seg] is None:
-                keys.setdefault(seg, []).append(key)
-        moved = 0
-        for seg, held in keys.items():
-            groups = {self.group(k) for k in held}
-            if len(groups) != 1 or (g := groups.pop()) is None:
-                continue
-            self._owner[seg] = g
-            self._owned[None].discard(seg)
-            self._owned.setdefault(g, set()).add(seg)
-            if seg in self._open.get(None, ()):
-                self._open[None].discard(seg)
-                self._open.setdefault(g, set()).add(seg)
-            moved += 1
-        return moved
+        """Segments of adopted chunks given back to their dataset (``SegmentOwners.regroup``);
+        how many."""
+        return self.owners.regroup(self._held(), self.group)
 
     def segments(self, group: Group) -> list[int]:
         """The segments ``group`` owns now (those holding its keys), ascending."""
-        return sorted(self._owned.get(group, ()))
+        return self.owners.segments(group)
 
     def pin(self, seg: int) -> None:
         """Segment ``seg`` (owned by a group, not None) is handed to a reader: it stays
         that group's from now on (module docstring)."""
-        if self._owner[seg] is None:
-            raise ValueError(f"arena segment {seg} is not owned by a granted group")
-        self._pinned.add(seg)
+        self.owners.pin(seg)
 
     def locate(self, key: bytes, group: Group) -> tuple[int, int] | None:
         """(slot, length) of ``key`` when it is held in a segment ``group`` owns; None
         otherwise, and always for group None (never granted)."""
         hit = self._slots.get(key)
-        if hit is None or group is None or self._owner[self._segment(hit[0])] != group:
+        if hit is None or group is None or self.owners.slot_owner(hit[0]) != group:
             return None
         return hit[0], hit[1]
 
@@ -328,7 +259,7 @@ class Arena:
                 self._slots[key] = (slot, length, b, way)
                 self.used_bytes += length
                 kept += 1
-        self._reset_segments(used)
+        self.owners = SegmentOwners(self.g, used)
         return kept, dropped
 
     def __contains__(self, key: bytes) -> bool:
@@ -374,7 +305,7 @@ class Arena:
             if not self._may_evict(self.rank(victim), self.rank(key), full=True):
                 return False, []
             victims.append(victim)
-        if self._has_slot(g, victims):
+        if self.owners.has_slot(g, [self._slots[k][0] for k in victims]):
             return True, victims
         more = self._slot_victims(key, g)
         if more is None:
@@ -385,47 +316,27 @@ class Arena:
         """Whether a chunk of rank ``theirs`` may go for one of rank ``mine`` (``_room``)."""
         return not (theirs > mine or (theirs == mine >= 0 and (full or self.on_evict is None)))
 
-    def _has_slot(self, g: Group, freeing: list[bytes]) -> bool:
-        """Whether a slot for group ``g`` is free once ``freeing`` is evicted."""
-        if self._open.get(g) or self._empty:
-            return True
-        segs = Counter(self._segment(self._slots[k][0]) for k in freeing)
-        return any(self._owner[s] == g or (self._seg_used[s] == n and s not in self._pinned)
-                   for s, n in segs.items())
+    def _held(self) -> Iterator[tuple[bytes, int]]:
+        """(key, slot) of every chunk held, oldest first."""
+        return ((key, hit[0]) for key, hit in self._slots.items())
 
     def _slot_victims(self, key: bytes, g: Group) -> list[bytes] | None:
         """What to evict for a slot of group ``g``: its own lowest-ranked chunk, or a
         whole segment of another group (module docstring); None: refused."""
-        alone = len(self._owned.get(g, ())) == self.g.nsegments - len(self._empty)
-        mine = list(self._slots) if alone else [
-            k for k, hit in self._slots.items() if self._owner[self._segment(hit[0])] == g]
+        owners = self.owners
+        alone = owners.alone(g)
+        mine = list(self._slots) if alone else [k for k, s in self._held() if owners.slot_owner(s) == g]
         rank = self.rank(key)
         victim = self._victim(mine) if mine else None
         theirs = self.rank(victim) if victim is not None else 0
         if victim is not None and theirs < 0:
             return [victim]
-        whole = None if alone else self._whole_segment(g, rank)
+        whole = None if alone else owners.whole_segment(
+            self._held(), g, self.rank, lambda r: self._may_evict(r, rank, full=False))
         if victim is not None and self._may_evict(theirs, rank, full=False) and (
                 whole is None or theirs <= whole[0]):
             return [victim]
         return whole[1] if whole is not None else None
-
-    def _whole_segment(self, g: Group, mine: int) -> tuple[int, list[bytes]] | None:
-        """(highest rank, keys) of the segment of another group whose chunks may all go
-        for a key of rank ``mine``: the lowest highest rank, then the fewest chunks."""
-        by_seg: dict[int, list[bytes]] = {}
-        for k, hit in self._slots.items():
-            seg = self._segment(hit[0])
-            if self._owner[seg] != g and seg not in self._pinned:
-                by_seg.setdefault(seg, []).append(k)
-        best: tuple[int, int, list[bytes]] | None = None
-        for keys in by_seg.values():
-            ranks = [self.rank(k) for k in keys]
-            if all(self._may_evict(r, mine, full=False) for r in ranks):
-                top = max(ranks)
-                if best is None or (top, len(keys)) < best[:2]:
-                    best = (top, len(keys), keys)
-        return (best[0], best[2]) if best is not None else None
 
     def _bucket_for(self, key: bytes) -> int | None:
         """The bucket ``key`` goes to now: its first while that holds fewer than SPILL
@@ -461,7 +372,7 @@ class Arena:
         b = self._bucket_for(key)
         assert b is not None                     # (_room: a way was free, or the victim's)
         ways = self._ways.setdefault(b, [None] * WAYS)
-        slot = self._take_slot(self.group(key))
+        slot = self.owners.take(self.group(key))
         way = ways.index(None)
         self.data.write(data, slot * self.g.slot_size)
         self.index.write(ENTRY.pack(key, slot, len(data), 0), (b * WAYS + way) * ENTRY.size)
@@ -490,7 +401,7 @@ class Arena:
         del self._slots[key]
         self.index.write(bytes(ENTRY.size), (b * WAYS + way) * ENTRY.size)   # entry first ...
         self._ways[b][way] = None
-        self._release_slot(slot)                                             # ... then the slot
+        self.owners.release(slot)                                             # ... then the slot
         self.used_bytes -= length
         self.evictions += 1
 
