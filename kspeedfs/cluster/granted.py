@@ -305,8 +305,11 @@ def _reply(raw: bytes) -> dict[str, object]:
     if not isinstance(reply, dict):
         raise GrantLost("a reply that is not a JSON object")
     if reply.get("ok") is not True:
-        code = getattr(errno, str(reply.get("errno")), errno.EIO)
-        raise GrantRefused(str(reply.get("message", "refused"))[:200], errno=code)
+        code = getattr(errno, str(reply.get("errno")), None)
+        if not isinstance(code, int) or code <= 0:   # a name, but not an errno's (__doc__)
+            code = errno.EIO
+        message = " ".join(str(reply.get("message", "refused")).split())  # one log line
+        raise GrantRefused(message[:200] or "refused", errno=code)
     return reply
 
 
