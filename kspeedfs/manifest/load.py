@@ -6,35 +6,83 @@ root, ``pages.py``) is mapped: the table pages are read and verified, then
 so a mount holds what it touches, not the dataset. Where the page map cannot be made
 (no userfaultfd for this user, or the native module missing) every page is read up
 front, with a warning: the mount works, with a whole manifest's memory.
+
+Pages come from the directories :func:`page_dirs` lists, in order: the host's node's
+copy (``cluster.page_copy``, ``cluster/page_copy.py``) when it exists, then
+``store.pages``. With no ``store.pages``, a version the node has not copied yet is
+waited for (``PAGE_COPY_WAIT``): the node writes a version's table pages last, so
+once they are there every page is.
 """
 from __future__ import annotations
 
 import logging
+import os
+import time
+from collections.abc import Sequence
 
+from ..config import Config
 from ..errors import ManifestCorrupt
+from ..tuning import PAGE_COPY_WAIT
 from .index import ManifestIndex
 from .pages import Root, is_root, read_all, read_table
+from .store import page_dir
 from .store.base import DatasetInfo, MetadataStore
 
 log = logging.getLogger(__name__)
 
 
-def open_index(blob: bytes, info: DatasetInfo, page_dir: str | None,
-               cache_bytes: int) -> ManifestIndex:
+def page_dirs(cfg: Config) -> list[str]:
+    """Where a process on this host reads manifest pages, in order: the host's node's
+    copy (an etcd store's cluster, when the directory exists), then ``store.pages``."""
+    dirs = []
+    copy = cfg.cluster.page_copy
+    if cfg.store.backend == "etcd" and copy and os.path.isdir(copy):
+        dirs.append(copy)
+    shared = page_dir(cfg.store)
+    if shared:
+        dirs.append(shared)
+    return dirs
+
+
+def _table(root: Root, info: DatasetInfo, dirs: Sequence[str], wait: float) -> bytes:
+    """:func:`read_table`, waiting up to ``wait`` seconds for the pages to appear."""
+    deadline, said = time.monotonic() + wait, False
+    while True:
+        try:
+            return read_table(root, dirs)
+        except ManifestCorrupt as e:
+            if time.monotonic() >= deadline:
+                if not wait:
+                    raise
+                raise ManifestCorrupt(f"manifest of {info.name} v{info.version}: its pages are "
+                                      f"not in {', '.join(dirs)} after {wait:.0f}s ({e}); "
+                                      f"without store.pages a mount needs its host's node to "
+                                      f"have copied them: kspeedfs preload {info.name}") from None
+            if not said:
+                said = True
+                log.info("%s v%d: waiting up to %.0fs for this host's node to copy the "
+                         "manifest's pages into %s", info.name, info.version, wait, dirs[0])
+        time.sleep(0.5)
+
+
+def open_index(blob: bytes, info: DatasetInfo, page_dirs: str | Sequence[str] | None,
+               cache_bytes: int, wait: float = 0.0) -> ManifestIndex:
     """The index of ``info``'s version from its (verified) store blob; a paged one's pages
-    come from ``page_dir`` (``ManifestCorrupt`` when there is none, or the root or a table
-    page is bad or missing)."""
+    come from ``page_dirs``, in order (one directory, or None for none, as before
+    :func:`page_dirs`; ``ManifestCorrupt`` when there is none, or the root or a table
+    page is bad or missing after ``wait`` seconds)."""
     if not is_root(blob):
         return ManifestIndex.from_blob(blob, info.inflated_size)
     root = Root.parse(blob)
     if info.inflated_size and root.raw_size != info.inflated_size:
         raise ManifestCorrupt(f"manifest of {info.name} v{info.version}: its root maps "
                               f"{root.raw_size} bytes, the record declares {info.inflated_size}")
-    if page_dir is None:
+    page_dirs = [page_dirs] if isinstance(page_dirs, str) else list(page_dirs or ())
+    if not page_dirs:
         raise ManifestCorrupt(f"manifest of {info.name} v{info.version} is paged, and no page "
-                              "directory is configured (store.pages)")
-    page_dirs = [page_dir]
-    hashes = read_table(root, page_dirs)
+                              "directory is here (store.pages, or cluster.page_copy: the "
+                              "host's node's copy)")
+    hashes = _table(root, info, page_dirs, wait)
     try:
         from .pager import PageMap
 
@@ -48,8 +96,17 @@ def open_index(blob: bytes, info: DatasetInfo, page_dir: str | None,
     return ManifestIndex(pages.view(), pages=pages)
 
 
-def load_index(store: MetadataStore, info: DatasetInfo,
-               cache_bytes: int = 1 << 30) -> ManifestIndex:
-    """:func:`open_index` of a version fetched from ``store`` (its own page directory)."""
+def load_index(store: MetadataStore, info: DatasetInfo, cache_bytes: int = 1 << 30,
+               dirs: Sequence[str] | None = None) -> ManifestIndex:
+    """:func:`open_index` of a version fetched from ``store``; pages from ``dirs``
+    (default: the store's own page directory)."""
     blob = store.manifest(info.name, info.version)
-    return open_index(blob, info, store.page_dir, cache_bytes)
+    if dirs is None:
+        dirs = [store.page_dir] if store.page_dir else []
+    return open_index(blob, info, dirs, cache_bytes)
+
+
+def mount_wait(cfg: Config, dirs: Sequence[str]) -> float:
+    """How long a mount waits for a paged version's pages: ``PAGE_COPY_WAIT`` when its
+    only page directory is the host's node's copy, else not at all."""
+    return PAGE_COPY_WAIT if dirs and not page_dir(cfg.store) else 0.0
