@@ -251,11 +251,11 @@ class PageCopy:
         order = owners(digest, members, len(members))
         if self.store_pages:
             order = order[:PAGE_PEER_TRIES]
-        why = "no peer has it"
+        why, now = "no peer has it", time.monotonic()
         for node in order:
             rec = self.membership.nodes.get(node)
-            if rec is None:
-                continue
+            if rec is None or self.connections.skipped(node, now):
+                continue                 # (a dead node in its leave grace: not per page)
             try:
                 reply = await self.connections.rpc(rec).request(page_request(digest))
                 data = parse_page_reply(reply, digest, length)
@@ -265,6 +265,7 @@ class PageCopy:
                 continue
             except RpcUnavailable as e:
                 why = str(e)
+                self.connections.skip(node)
                 continue
             if data is not None:
                 self.counters.pages_from_peers += 1

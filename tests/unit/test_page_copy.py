@@ -8,6 +8,9 @@ import base64
 import hashlib
 import os
 import random
+import shutil
+import threading
+import time
 import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kspeedfs.cluster import page_copy, rpc
+from kspeedfs.cluster.connections import Connections
 from kspeedfs.cluster.membership import NodeRecord
 from kspeedfs.cluster.node_stats import NodeCounters
 from kspeedfs.cluster.page_copy import (
@@ -33,6 +37,7 @@ from kspeedfs.cluster.page_copy import (
 from kspeedfs.cluster.placement import Member
 from kspeedfs.config import Config
 from kspeedfs.errors import KspeedfsError, ManifestCorrupt, UnsafePath
+from kspeedfs.manifest import load
 from kspeedfs.manifest.load import mount_wait, open_index, page_dirs
 from kspeedfs.manifest.pages import Root, page_path, put_page, read_all, read_table, write_pages
 from kspeedfs.manifest.store.base import DatasetInfo
@@ -189,7 +194,8 @@ async def test_a_fill_takes_each_page_from_the_next_peer_when_one_lies(
         membership = SimpleNamespace(members=[Member(liar.node), Member(good.node), Member("me")],
                                      nodes={liar.node: liar, good.node: good})
         clients = {r.node: rpc.RpcClient(SECRET, "me", r.nics, r.rpc_port) for r in (liar, good)}
-        connections = SimpleNamespace(rpc=lambda rec: clients[rec.node])
+        connections = SimpleNamespace(rpc=lambda rec: clients[rec.node],
+                                      skipped=lambda node, now: False, skip=lambda node: None)
         store = SimpleNamespace(manifest=lambda name, version: blob)
         pc = _copy(tmp_path, None, store=store, membership=membership, connections=connections)
         await pc.fill("ds", 1)
@@ -200,6 +206,31 @@ async def test_a_fill_takes_each_page_from_the_next_peer_when_one_lies(
     assert order[-len(root.tables):] == ["table"] * len(root.tables)
     assert "table" not in order[:-len(root.tables)]
     assert read_all(root, read_table(root, [pc.directory]), [pc.directory]) == raw
+
+
+async def test_a_silent_peer_is_skipped_not_waited_for_page_after_page(tmp_path: Path) -> None:
+    """A member that accepts connections and never answers (a node dead in its leave
+    grace) costs one handshake deadline (2 s) per worker, then is skipped: 40 pages by
+    4 workers end in well under the ~5 waves x 2 s that asking it for each would cost."""
+    blob, _ = write_pages([_raw(39 * PS)], str(tmp_path / "store"), PS)
+    holder = _copy(tmp_path / "h", str(tmp_path / "store"))
+    async with trio.open_nursery() as n:
+        silent = (await n.start(trio.serve_tcp, lambda s: trio.sleep_forever(), 0))[0]
+        dead = NodeRecord(node="dead", host="h", nics=[LO], port=1,
+                          rpc_port=silent.socket.getsockname()[1], capacity=1, nslots=1,
+                          slot_size=1, nbuckets=1)
+        async with _node(_answering(holder)) as good:
+            membership = SimpleNamespace(members=[Member("dead"), Member(good.node)],
+                                         nodes={"dead": dead, good.node: good})
+            connections = Connections(None, SECRET, "me", 2.0, n)  # type: ignore[arg-type]
+            pc = _copy(tmp_path, None, store=SimpleNamespace(manifest=lambda nm, v: blob),
+                       membership=membership, connections=connections)
+            t0 = trio.current_time()
+            await pc.fill("ds", 1)
+            took = trio.current_time() - t0
+            await connections.aclose()
+        n.cancel_scope.cancel()
+    assert pc.counters.pages_from_peers == 40 and took < 6.0, took
 
 
 async def test_a_fill_with_no_peer_and_no_store_pages_fails_and_writes_no_table(tmp_path: Path) -> None:
@@ -266,6 +297,25 @@ def test_a_mount_whose_node_has_not_copied_the_pages_fails_with_one_line(tmp_pat
     assert "kspeedfs preload ds" in str(e.value)
     with pytest.raises(ManifestCorrupt, match="no page directory is here"):
         open_index(blob, info, [], 1 << 20)
+
+
+def test_a_mount_waits_for_its_nodes_copy_and_goes_on_once_the_tables_are_there(
+        tmp_path: Path) -> None:
+    blob, _ = write_pages([_raw(3 * PS)], str(tmp_path / "elsewhere"), PS)
+    info = DatasetInfo(name="ds", version=4, files=1, entries=1, bytes=1, chunks=1,
+                       chunk_size=PS, imported_at=0.0, source="/x", inflated_size=3 * PS)
+    copy = tmp_path / "copy"
+    timer = threading.Timer(0.8, shutil.copytree, (tmp_path / "elsewhere", copy),
+                            {"dirs_exist_ok": True})
+    copy.mkdir()
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        hashes = load._table(Root.parse(blob), info, [str(copy)], wait=20)
+        assert 0.7 < time.monotonic() - t0 < 10
+        assert hashes == read_table(Root.parse(blob), [str(tmp_path / "elsewhere")])
+    finally:
+        timer.join()
 
 
 def test_page_path_is_the_same_in_the_copy_as_in_store_pages(tmp_path: Path) -> None:
