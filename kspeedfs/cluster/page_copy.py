@@ -25,7 +25,8 @@ Python) reads it unchanged, listed before ``store.pages`` (``manifest/load.py``)
   base64'd in the JSON reply. Not verified on the way out (the asker verifies).
 * **Sweep** (:meth:`PageCopy.retain`): pages no preloaded version references go
   (``pages.sweep``, the store's own sweep), once the version has been gone
-  ``PAGE_COPY_GRACE`` seconds: a mount started on it may still fault pages in.
+  ``PAGE_COPY_GRACE`` seconds and no live mount holds it (``mounts/``): a mount
+  started on it faults pages in from the copy for as long as it runs.
 * **Cost.** The copy holds each page once per host, zlib'd: a version's manifest
   compressed (docs/design.md, "Paged manifests", pages from peers).
 """
@@ -56,6 +57,7 @@ from ..manifest.pages import (
 )
 from ..manifest.store.etcd import EtcdStore
 from ..tuning import PAGE_COPY_GRACE, PAGE_PEER_TRIES, PAGE_REPLY_MAX
+from . import lifecycle
 from .arena_files import private_directory
 from .connections import Connections
 from .membership import Membership
@@ -309,9 +311,10 @@ class PageCopy:
     # -- sweeping -----------------------------------------------------------------------------
 
     async def retain(self, tags: Sequence[str], grace: float = PAGE_COPY_GRACE) -> int:
-        """Keep the pages of the versions ``tags`` names ("<ds>@<v>") and of those gone
-        less than ``grace`` seconds; remove the others' from the copy (``pages.sweep``,
-        with the same grace for files). How many pages went."""
+        """Keep the pages of the versions ``tags`` names ("<ds>@<v>"), of those gone
+        less than ``grace`` seconds and of those a live mount holds (``mounts/``);
+        remove the others' from the copy (``pages.sweep``, with the same grace for
+        files). How many pages went."""
         now = time.monotonic()
         for tag in [t for t in self._roots if t not in tags]:
             root = self._roots.pop(tag)
@@ -320,8 +323,18 @@ class PageCopy:
         expired = [t for t, (_, since) in self._gone.items() if now - since >= grace]
         if not expired:
             return 0
+        try:
+            held = await trio.to_thread.run_sync(lifecycle.mounts, self.store)
+        except KspeedfsError as e:
+            log.warning("page copy: not swept, the mounts are unknown: %s", e)
+            return 0
         for tag in expired:
-            del self._gone[tag]
+            root, _ = self._gone.pop(tag)
+            if held.get(tag):                 # a mount reads it still: another grace
+                self._gone[tag] = (root, now)
+        expired = [t for t in expired if t not in self._gone]
+        if not expired:
+            return 0
         keep_roots = [r for r in self._roots.values() if r is not None]
         keep_roots += [r for r, _ in self._gone.values()]
         gone = await trio.to_thread.run_sync(self._sweep, keep_roots, grace)

@@ -246,7 +246,8 @@ async def test_a_fill_with_no_peer_and_no_store_pages_fails_and_writes_no_table(
 # -- the sweep --------------------------------------------------------------------------------
 
 
-async def test_a_version_no_longer_preloaded_loses_its_pages_after_the_grace(tmp_path: Path) -> None:
+async def test_a_version_no_longer_preloaded_loses_its_pages_after_the_grace_and_its_mounts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store_pages = str(tmp_path / "store")
     blob_a, _ = write_pages([_raw(6 * PS)], store_pages, PS)
     blob_b, _ = write_pages([_raw(6 * PS, seed=2)], store_pages, PS)
@@ -257,7 +258,12 @@ async def test_a_version_no_longer_preloaded_loses_its_pages_after_the_grace(tmp
     await pc.fill("ds", 1)
     await pc.fill("ds", 2)
     both = sum(len(files) for _, _, files in os.walk(pc.directory))
+    held: dict[str, list[object]] = {"ds@1": [object()]}
+    monkeypatch.setattr(page_copy.lifecycle, "mounts", lambda store: held)
     assert await pc.retain(["ds@2"], grace=3600) == 0           # gone, within the grace
+    assert await pc.retain(["ds@2"], grace=0) == 0              # gone, a mount holds it
+    assert sum(len(files) for _, _, files in os.walk(pc.directory)) == both
+    held.clear()
     assert await pc.retain(["ds@2"], grace=0) > 0
     left = sum(len(files) for _, _, files in os.walk(pc.directory))
     root_b = Root.parse(blob_b)
