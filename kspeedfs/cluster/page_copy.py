@@ -56,7 +56,7 @@ from ..manifest.pages import (
     sweep,
 )
 from ..manifest.store.etcd import EtcdStore
-from ..tuning import PAGE_COPY_GRACE, PAGE_PEER_TRIES, PAGE_REPLY_MAX
+from ..tuning import PAGE_COPY_GRACE, PAGE_PEER_TRIES, PAGE_REPLY_MAX, UNREACHABLE_SKIP
 from . import lifecycle
 from .arena_files import private_directory
 from .connections import Connections
@@ -165,6 +165,9 @@ class PageCopy:
         self._checked = False
         self._roots: dict[str, Root | None] = {}      # "<ds>@<v>" filled → its root (None: whole)
         self._gone: dict[str, tuple[Root, float]] = {}  # no longer preloaded → (root, since)
+        # members that failed a page request, skipped a while: our own, not Connections'
+        # skip, which chunk reads obey (an older node refusing the op is not down)
+        self._skip_until: dict[str, float] = {}
 
     @property
     def dirs(self) -> list[str]:
@@ -256,7 +259,7 @@ class PageCopy:
         why, now = "no peer has it", time.monotonic()
         for node in order:
             rec = self.membership.nodes.get(node)
-            if rec is None or self.connections.skipped(node, now):
+            if rec is None or self._skip_until.get(node, 0.0) > now:
                 continue                 # (a dead node in its leave grace: not per page)
             try:
                 reply = await self.connections.rpc(rec).request(page_request(digest))
@@ -267,7 +270,7 @@ class PageCopy:
                 continue
             except RpcUnavailable as e:
                 why = str(e)
-                self.connections.skip(node)
+                self._skip_until[node] = time.monotonic() + UNREACHABLE_SKIP
                 continue
             if data is not None:
                 self.counters.pages_from_peers += 1

@@ -194,8 +194,7 @@ async def test_a_fill_takes_each_page_from_the_next_peer_when_one_lies(
         membership = SimpleNamespace(members=[Member(liar.node), Member(good.node), Member("me")],
                                      nodes={liar.node: liar, good.node: good})
         clients = {r.node: rpc.RpcClient(SECRET, "me", r.nics, r.rpc_port) for r in (liar, good)}
-        connections = SimpleNamespace(rpc=lambda rec: clients[rec.node],
-                                      skipped=lambda node, now: False, skip=lambda node: None)
+        connections = SimpleNamespace(rpc=lambda rec: clients[rec.node])
         store = SimpleNamespace(manifest=lambda name, version: blob)
         pc = _copy(tmp_path, None, store=store, membership=membership, connections=connections)
         await pc.fill("ds", 1)
@@ -231,6 +230,7 @@ async def test_a_silent_peer_is_skipped_not_waited_for_page_after_page(tmp_path:
             await connections.aclose()
         n.cancel_scope.cancel()
     assert pc.counters.pages_from_peers == 40 and took < 6.0, took
+    assert not connections.skipped("dead", time.monotonic())      # chunk reads unaffected
 
 
 async def test_a_fill_with_no_peer_and_no_store_pages_fails_and_writes_no_table(tmp_path: Path) -> None:
