@@ -159,6 +159,15 @@ PAGE_COPY_GRACE = 3600.0
 #: seconds a mount with no store.pages waits for its host's node to copy a version's
 #: pages (the node writes the table pages last, so their presence means all are there)
 PAGE_COPY_WAIT = 60.0
+#: seconds a mount's page ask has to arrive whole at the node (40 bytes: a slow or
+#: silent client is closed) ...
+ASK_READ = 2.0
+#: ... and the node's time to get the page (peers, then store.pages); the page map waits
+#: ``ASK_MS`` for the answer
+ASK_DEADLINE = 8.0
+#: milliseconds the page map waits for the node at each step of an ask (connect, send,
+#: answer): more than ASK_DEADLINE, so the node's "no" arrives rather than a timeout
+ASK_MS = 10_000
 
 # -- mount supervision (fuse/supervisor.py, compose.py) -------------------------------
 

@@ -16,6 +16,7 @@ Composition (each resource's teardown is the ``async with`` that opened it)::
              ├─ Reconciler.run               preload + re-replication + rejoin + unload, one loop
              ├─ release_forever              --unload-on-exit preloads no mount holds (lifecycle.py)
              ├─ SpillQueue.run               with an SSD tier: evicted owned chunks written to it
+             ├─ PageAsks.serve               <page_copy>/.ask: mounts' page maps ask for pages
              ├─ GrantServer.serve            cluster.host_readers: local readers map their
              │                               datasets' arena segments (grant.py)
              └─ metrics exporter             metrics.node_listen (metrics.py)
@@ -58,6 +59,7 @@ from .fetch import Peers
 from .hedge import from_config as hedge_from_config
 from .membership import Membership, NodeRecord, PrefixView, Registration
 from .node_stats import NodeCounters, NodeStatistics
+from .page_ask import PageAsks
 from .page_copy import PageCopy
 from .reconcile import Reconciler, release_forever
 from .share import Share
@@ -271,6 +273,8 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
                 server = grant.GrantServer(arena, segments, cfg.cluster.host_readers,
                                            on_grant=files.mark_granted if files else None)
                 await nursery.start(server.serve, path)
+            if node.pages is not None:
+                nursery.start_soon(PageAsks(node.pages).serve, name="page-asks")
             if node.share.spill is not None:
                 arena.on_evict = node.share.evicted
                 nursery.start_soon(node.share.spill.run, name="ssd-tier")

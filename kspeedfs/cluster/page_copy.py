@@ -163,6 +163,7 @@ class PageCopy:
         self.counters = counters
         self.workers = workers
         self._checked = False
+        self.checked = trio.Event()        # the directory is made and checked (page_ask.py)
         self._roots: dict[str, Root | None] = {}      # "<ds>@<v>" filled → its root (None: whole)
         self._gone: dict[str, tuple[Root, float]] = {}  # no longer preloaded → (root, since)
         # members that failed a page request, skipped a while: our own, not Connections'
@@ -193,6 +194,7 @@ class PageCopy:
             return
         root = Root.parse(blob)
         await trio.to_thread.run_sync(self._check)
+        self.checked.set()
         t0, before = time.monotonic(), (self.counters.pages_from_peers,
                                         self.counters.pages_from_store)
         tables = await self._tables(root)
@@ -237,11 +239,9 @@ class PageCopy:
         async def worker() -> None:
             for digest, n in todo:
                 try:
-                    data = await self._get(digest, n)
+                    await self.fetch_one(digest, n)
                 except KspeedfsError as e:
                     failed.append(e)
-                    continue
-                await trio.to_thread.run_sync(put_page, self.directory, digest, data)
 
         async with trio.open_nursery() as nursery:
             for _ in range(self.workers):
@@ -293,6 +293,14 @@ class PageCopy:
             raise ManifestCorrupt(f"manifest page {digest.hex()} in {self.store_pages}: "
                                   f"{e}") from None
         return data
+
+    async def fetch_one(self, digest: bytes, length: int) -> None:
+        """Page ``digest`` (``length`` bytes inflated) into the copy, unless it is there:
+        a mount's page map asked for it (``page_ask.py``). ``KspeedfsError`` when
+        nobody has it."""
+        if not await trio.to_thread.run_sync(os.path.exists, page_path(self.directory, digest)):
+            data = await self._get(digest, length)
+            await trio.to_thread.run_sync(put_page, self.directory, digest, data)
 
     # -- answering peers ----------------------------------------------------------------------
 

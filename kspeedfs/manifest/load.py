@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from collections.abc import Sequence
 
 from ..config import Config
 from ..errors import ManifestCorrupt
-from ..tuning import PAGE_COPY_WAIT
+from ..tuning import ASK_MS, PAGE_COPY_WAIT
 from .index import ManifestIndex
 from .pages import Root, is_root, read_all, read_table
 from .store import page_dir
@@ -42,6 +43,19 @@ def page_dirs(cfg: Config) -> list[str]:
     if shared:
         dirs.append(shared)
     return dirs
+
+
+def ask_socket(cfg: Config) -> str | None:
+    """The host's node's ask socket (``cluster/page_ask.py``) when it listens here: a
+    page no directory holds is asked of the node by the page map."""
+    copy = cfg.cluster.page_copy
+    path = os.path.join(copy, ".ask") if cfg.store.backend == "etcd" and copy else ""
+    if len(os.fsencode(path)) >= 108:        # sun_path: the node could not bind it either
+        return None
+    try:
+        return path if path and stat.S_ISSOCK(os.stat(path).st_mode) else None
+    except OSError:
+        return None
 
 
 def _table(root: Root, info: DatasetInfo, dirs: Sequence[str], wait: float) -> bytes:
@@ -66,11 +80,12 @@ def _table(root: Root, info: DatasetInfo, dirs: Sequence[str], wait: float) -> b
 
 
 def open_index(blob: bytes, info: DatasetInfo, page_dirs: str | Sequence[str] | None,
-               cache_bytes: int, wait: float = 0.0) -> ManifestIndex:
+               cache_bytes: int, wait: float = 0.0, ask: str | None = None) -> ManifestIndex:
     """The index of ``info``'s version from its (verified) store blob; a paged one's pages
     come from ``page_dirs``, in order (one directory, or None for none, as before
     :func:`page_dirs`; ``ManifestCorrupt`` when there is none, or the root or a table
-    page is bad or missing after ``wait`` seconds)."""
+    page is bad or missing after ``wait`` seconds). ``ask``: the host's node's ask
+    socket, for the data pages no directory holds (:func:`ask_socket`)."""
     if not is_root(blob):
         return ManifestIndex.from_blob(blob, info.inflated_size)
     root = Root.parse(blob)
@@ -86,7 +101,8 @@ def open_index(blob: bytes, info: DatasetInfo, page_dirs: str | Sequence[str] | 
     try:
         from .pager import PageMap
 
-        pages = PageMap(root.raw_size, root.page_size, hashes, page_dirs, cache_bytes)
+        pages = PageMap(root.raw_size, root.page_size, hashes, page_dirs, cache_bytes,
+                        ask=ask, ask_ms=ASK_MS)
     except (ImportError, OSError) as e:
         log.warning("%s v%d: manifest pages cannot be mapped (%s); reading all %d of them",
                     info.name, info.version, e, root.pages)

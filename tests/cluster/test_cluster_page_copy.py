@@ -1,6 +1,7 @@
 """Paged manifests without a shared page directory: each node copies a preloaded
 version's pages to its host (cluster/page_copy.py), from peers, and a mount on that
-host reads them there.
+host reads them there; a page missing from the copy is asked of the node by the
+mount's page map (cluster/page_ask.py).
 
 Three nodes on test hosts; only n1 has ``store.pages`` (as the importing client does),
 n2 and n3 have none, each node its own ``cluster.page_copy``. The mounts have no
@@ -12,6 +13,7 @@ import json
 import os
 import random
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,20 @@ def _page_files(d: Path) -> set[str]:
     return {p.name for p in d.rglob("*") if p.is_file() and not p.name.endswith(".tmp")}
 
 
+def _remove_data_pages(copy: Path) -> int:
+    """Remove the data pages from ``copy``, keeping the table pages (those that list
+    other pages' hashes); how many went."""
+    files = {p.name: p for p in copy.rglob("*") if p.is_file() and len(p.name) == 64}
+    tables = set()
+    for name, p in files.items():
+        page = zlib.decompress(p.read_bytes())
+        if len(page) % 32 == 0 and all(page[i:i + 32].hex() in files for i in range(0, len(page), 32)):
+            tables.add(name)
+    for name in set(files) - tables:
+        files[name].unlink()
+    return len(files) - len(tables)
+
+
 def test_mounts_read_a_paged_manifest_from_their_nodes_copy_filled_by_peers(tmp_path: Path) -> None:
     src = tmp_path / "source"
     files = _source(src)
@@ -90,6 +106,15 @@ def test_mounts_read_a_paged_manifest_from_their_nodes_copy_filled_by_peers(tmp_
         for rel, data in files.items():
             assert (mnt / rel).read_bytes() == data, rel
         c.unmount(mnt)
+
+        removed = _remove_data_pages(c.copy(2))   # the page map asks n2 for them
+        mnt = c.mount("paged", "--set", f"cluster.page_copy={c.copy(2)}")
+        for rel, data in files.items():
+            assert (mnt / rel).read_bytes() == data, rel
+        c.unmount(mnt)
+        assert _page_files(c.copy(2)) == pages
+        again = _counters(c, len(pages) + removed)
+        assert again["n2"]["pages_from_peers"] == len(pages) + removed
 
         c.kill_node(1)                            # the only node with store.pages
         mnt = c.mount("paged", "--set", f"cluster.page_copy={c.copy(3)}")
