@@ -54,6 +54,7 @@ from ..manifest.pages import (
     read_page,
     referenced,
     sweep,
+    table_pages,
 )
 from ..manifest.store.etcd import EtcdStore
 from ..tuning import PAGE_COPY_GRACE, PAGE_PEER_TRIES, PAGE_REPLY_MAX, UNREACHABLE_SKIP
@@ -216,10 +217,7 @@ class PageCopy:
         """(digest, page, its file's bytes or None when the copy has it) of each table
         page of ``root``, verified."""
         out: list[tuple[bytes, bytes, bytes | None]] = []
-        left = root.pages * HASH_SIZE
-        for digest in root.tables:
-            n = min(root.page_size, left)
-            left -= n
+        for digest, n in table_pages(root):
             try:
                 page = await trio.to_thread.run_sync(read_page, [self.directory], digest, n)
                 out.append((digest, page, None))

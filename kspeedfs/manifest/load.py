@@ -9,14 +9,17 @@ front, with a warning: the mount works, with a whole manifest's memory.
 
 Pages come from the directories :func:`page_dirs` lists, in order: the host's node's
 copy (``cluster.page_copy``, ``cluster/page_copy.py``) when it exists, then
-``store.pages``. With no ``store.pages``, a version the node has not copied yet is
-waited for (``PAGE_COPY_WAIT``): the node writes a version's table pages last, so
-once they are there every page is.
+``store.pages``. A page none of them holds is asked of the node (its ask socket,
+``cluster/page_ask.py``): the table pages here, the data pages by the page map in C.
+With no node to ask and no ``store.pages``, a version the node has not copied yet is
+waited for (``PAGE_COPY_WAIT``): the node writes a version's table pages last, so once
+they are there every page is.
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
 import time
 from collections.abc import Sequence
@@ -25,7 +28,7 @@ from ..config import Config
 from ..errors import ManifestCorrupt
 from ..tuning import ASK_MS, PAGE_COPY_WAIT
 from .index import ManifestIndex
-from .pages import Root, is_root, read_all, read_table
+from .pages import Root, is_root, read_all, read_table, table_pages
 from .store import page_dir
 from .store.base import DatasetInfo, MetadataStore
 
@@ -58,20 +61,41 @@ def ask_socket(cfg: Config) -> str | None:
         return None
 
 
-def _table(root: Root, info: DatasetInfo, dirs: Sequence[str], wait: float) -> bytes:
-    """:func:`read_table`, waiting up to ``wait`` seconds for the pages to appear."""
+def ask_page(ask: str, digest: bytes, length: int, timeout: float = ASK_MS / 1000) -> bool:
+    """Ask the host's node to put page ``digest`` (``length`` bytes) in its copy, as the
+    page map does in C (``cluster/page_ask.py``): whether it says it did."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(ask)
+            s.sendall(digest + length.to_bytes(8, "little"))
+            return s.recv(1) == b"\0"
+    except OSError as e:
+        log.warning("asking the node for manifest page %s: %s", digest.hex(), e)
+        return False
+
+
+def _table(root: Root, info: DatasetInfo, dirs: Sequence[str], wait: float,
+           ask: str | None = None) -> bytes:
+    """:func:`read_table`, the table pages asked of the host's node (``ask``) if they are
+    missing, else waited for up to ``wait`` seconds."""
     deadline, said = time.monotonic() + wait, False
     while True:
         try:
             return read_table(root, dirs)
         except ManifestCorrupt as e:
+            if ask:
+                for digest, n in table_pages(root):
+                    ask_page(ask, digest, n)
+                ask = None                   # once: then as without a node to ask
+                continue
             if time.monotonic() >= deadline:
                 if not wait:
                     raise
                 raise ManifestCorrupt(f"manifest of {info.name} v{info.version}: its pages are "
                                       f"not in {', '.join(dirs)} after {wait:.0f}s ({e}); "
-                                      f"without store.pages a mount needs its host's node to "
-                                      f"have copied them: kspeedfs preload {info.name}") from None
+                                      f"without store.pages a mount needs its host's node "
+                                      f"(running? kspeedfs preload {info.name})") from None
             if not said:
                 said = True
                 log.info("%s v%d: waiting up to %.0fs for this host's node to copy the "
@@ -97,7 +121,7 @@ def open_index(blob: bytes, info: DatasetInfo, page_dirs: str | Sequence[str] | 
         raise ManifestCorrupt(f"manifest of {info.name} v{info.version} is paged, and no page "
                               "directory is here (store.pages, or cluster.page_copy: the "
                               "host's node's copy)")
-    hashes = _table(root, info, page_dirs, wait)
+    hashes = _table(root, info, page_dirs, wait, ask)
     try:
         from .pager import PageMap
 

@@ -212,15 +212,16 @@ def read_page(dirs: Sequence[str], digest: bytes, length: int) -> bytes:
     raise ManifestCorrupt(f"manifest page {digest.hex()} is {why}")
 
 
+def table_pages(root: Root) -> list[tuple[bytes, int]]:
+    """(hash, length) of each table page of ``root``: all full but the last."""
+    total = root.pages * HASH_SIZE
+    return [(digest, min(root.page_size, total - i * root.page_size))
+            for i, digest in enumerate(root.tables)]
+
+
 def read_table(root: Root, dirs: Sequence[str]) -> bytes:
     """The SHA-256 of every data page, in order (from the verified table pages)."""
-    out = bytearray()
-    left = root.pages * HASH_SIZE
-    for digest in root.tables:
-        n = min(root.page_size, left)
-        out += read_page(dirs, digest, n)
-        left -= n
-    return bytes(out)
+    return b"".join(read_page(dirs, digest, n) for digest, n in table_pages(root))
 
 
 def read_all(root: Root, hashes: bytes, dirs: Sequence[str]) -> bytes:

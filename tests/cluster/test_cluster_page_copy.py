@@ -116,6 +116,18 @@ def test_mounts_read_a_paged_manifest_from_their_nodes_copy_filled_by_peers(tmp_
         again = _counters(c, len(pages) + removed)
         assert again["n2"]["pages_from_peers"] == len(pages) + removed
 
+        # a version no node preloads: its table pages asked of n2 by the mount, its data
+        # pages by the mount's page map, n2 getting each from a peer
+        c.ks(["import", str(src / "d3"), "--name", "cold", "--chunk-size", c.chunk_size, "-q",
+              *shared])
+        cold = {rel[3:]: data for rel, data in files.items() if rel.startswith("d3/")}
+        before = _page_files(c.copy(2))
+        mnt = c.mount("cold", "--set", f"cluster.page_copy={c.copy(2)}")
+        for rel, data in cold.items():
+            assert (mnt / rel).read_bytes() == data, rel
+        c.unmount(mnt)
+        assert _page_files(c.copy(2)) - before == _page_files(c.shared) - pages
+
         c.kill_node(1)                            # the only node with store.pages
         mnt = c.mount("paged", "--set", f"cluster.page_copy={c.copy(3)}")
         for rel, data in list(files.items())[::7]:

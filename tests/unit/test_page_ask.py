@@ -108,3 +108,26 @@ def test_fuzz_parse_ask_takes_only_a_hash_and_a_page_length(raw: bytes) -> None:
     except KspeedfsError:
         return
     assert len(raw) == 40 and digest == raw[:32] and 1 <= length <= MAX_PAGE
+
+
+async def test_a_mount_asks_the_node_for_the_table_pages_it_lacks(tmp_path: Path) -> None:
+    from kspeedfs.manifest import load
+    from kspeedfs.manifest.store.base import DatasetInfo
+
+    blob, _ = write_pages([random.Random(6).randbytes(5 * PS)], str(tmp_path / "store"), PS)
+    root = Root.parse(blob)
+    info = DatasetInfo(name="ds", version=1, files=1, entries=1, bytes=1, chunks=1,
+                       chunk_size=PS, imported_at=0.0, source="/x")
+    pc = _copy(tmp_path, str(tmp_path / "store"))
+    pc._check()
+    pc.checked.set()
+    async with trio.open_nursery() as n:
+        n.start_soon(PageAsks(pc).serve)
+        while not os.path.exists(ask_path(pc.directory)):
+            await trio.sleep(0.01)
+        hashes = await trio.to_thread.run_sync(load._table, root, info, [pc.directory], 0,
+                                               ask_path(pc.directory))
+        n.cancel_scope.cancel()
+    assert hashes == read_table(root, [str(tmp_path / "store")])
+    assert pc.counters.pages_from_store == len(root.tables)
+    assert not load.ask_page(str(tmp_path / "nobody"), root.tables[0], 32)   # no node: False
