@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import struct
 import time
 import zlib
@@ -164,7 +165,9 @@ def put_page(directory: str, digest: bytes, data: bytes) -> None:
     under its content address, by write-then-rename: readers see a whole page or none."""
     path = page_path(directory, digest)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    # a name of its own per write: a node's fill and a mount's ask may write one page at
+    # once from two threads, and a shared name would let one rename the other's half
+    tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)

@@ -326,3 +326,34 @@ def test_a_mount_waits_for_its_nodes_copy_and_goes_on_once_the_tables_are_there(
 
 def test_page_path_is_the_same_in_the_copy_as_in_store_pages(tmp_path: Path) -> None:
     assert page_path(str(tmp_path), DIGEST).endswith(f"/{DIGEST.hex()[:2]}/{DIGEST.hex()}")
+
+
+def test_one_page_written_by_many_threads_at_once_is_always_whole(tmp_path: Path) -> None:
+    """A node's fill and a mount's ask may write the same page at once: a reader never
+    sees half of it (each write has a temporary name of its own)."""
+    page = random.Random(9).randbytes(256 << 10)
+    digest, data = hashlib.sha256(page).digest(), zlib.compress(page, 0)
+    stop, bad = threading.Event(), []
+
+    def write() -> None:
+        while not stop.is_set():
+            put_page(str(tmp_path), digest, data)
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                with open(page_path(str(tmp_path), digest), "rb") as f:
+                    got = f.read()
+            except FileNotFoundError:
+                continue
+            if got != data:
+                bad.append(len(got))
+
+    threads = [threading.Thread(target=write) for _ in range(4)] + [threading.Thread(target=read)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not bad, f"{len(bad)} partial reads"
