@@ -330,8 +330,9 @@ class ClusterConfig:
     page_copy: str = _opt("/var/cache/kspeedfs/pages", "node: its host's copy of the manifest "
                           "pages of every paged version it preloads (<hh>/<sha256>, as "
                           "store.pages), fetched from peers, else store.pages; mounts on the "
-                          "host read it before store.pages (cluster/page_copy.py); made 0700 "
-                          "when first needed, refused unless private to the node's user; "
+                          "host read it before store.pages and ask the node for what it lacks "
+                          "on its socket .ask there (cluster/page_copy.py, page_ask.py); made "
+                          "0700 when first needed, refused unless private to the node's user; "
                           "one node per directory; '' = none")
     segment_bytes: int = _size("64MiB", "node: the arena is cut into segments of this size (a "
                                "multiple of slot_size; the last may be shorter), each its own "
