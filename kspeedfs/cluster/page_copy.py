@@ -15,6 +15,8 @@ Python) reads it unchanged, listed before ``store.pages`` (``manifest/load.py``)
         data pages first, table pages LAST: a version's tables in the copy mean all of it is
 
     mount on the host ─► open_index(dirs = [page copy, store.pages]) ─► PageMap
+        a page in neither: asked of this node on <copy>/.ask (page_ask.py), which
+        fetches it as above (fetch_one) into the copy; then read from the copy
 
 * **Trust.** A page is verified against its hash whoever sent it (``pages.inflate_page``);
   a peer can withhold a page, never change one. The directory is checked as the arena's
