@@ -295,12 +295,16 @@ class PageCopy:
         return data
 
     async def fetch_one(self, digest: bytes, length: int) -> None:
-        """Page ``digest`` (``length`` bytes inflated) into the copy, unless it is there:
-        a mount's page map asked for it (``page_ask.py``). ``KspeedfsError`` when
-        nobody has it."""
-        if not await trio.to_thread.run_sync(os.path.exists, page_path(self.directory, digest)):
-            data = await self._get(digest, length)
-            await trio.to_thread.run_sync(put_page, self.directory, digest, data)
+        """Page ``digest`` (``length`` bytes inflated) into the copy, unless a valid copy
+        is there (a damaged one is replaced: a mount's page map that asks found it bad).
+        ``KspeedfsError`` when nobody has it."""
+        try:
+            await trio.to_thread.run_sync(read_page, [self.directory], digest, length)
+            return
+        except ManifestCorrupt:
+            pass
+        data = await self._get(digest, length)
+        await trio.to_thread.run_sync(put_page, self.directory, digest, data)
 
     # -- answering peers ----------------------------------------------------------------------
 

@@ -80,6 +80,18 @@ async def test_a_page_missing_from_the_copy_is_asked_of_the_node_and_read(tmp_pa
         assert os.path.exists(page_path(pc.directory, hashlib.sha256(raw[i * PS:(i + 1) * PS]).digest()))
 
 
+async def test_a_damaged_page_in_the_copy_is_replaced_when_a_mount_asks(tmp_path: Path) -> None:
+    raw = random.Random(7).randbytes(3 * PS)
+    first = hashlib.sha256(raw[:PS]).digest()
+    damaged = page_path(str(tmp_path / "copy"), first)
+    os.makedirs(os.path.dirname(damaged), mode=0o700)
+    os.chmod(tmp_path / "copy", 0o700)
+    Path(damaged).write_bytes(b"not a page")
+    got, stats, failure, pc = await _map_read(tmp_path, str(tmp_path / "store"), raw)
+    assert got == raw and failure is None and stats["asks"] == 3
+    assert pc.counters.pages_from_store == 3
+
+
 async def test_a_page_the_node_cannot_get_fails_the_map_closed_naming_the_ask(tmp_path: Path) -> None:
     raw = random.Random(4).randbytes(2 * PS)
     _, stats, failure, _ = await _map_read(tmp_path, None, raw)   # no store.pages, no peer
