@@ -327,6 +327,13 @@ class ClusterConfig:
                           "here (<cluster>-<node>.arena/.index), so a restarted node re-adopts "
                           "its verified chunks instead of reloading them; made 0700, refused "
                           "unless private to the node's user; '' = anonymous memory")
+    page_copy: str = _opt("/var/cache/kspeedfs/pages", "node: its host's copy of the manifest "
+                          "pages of every paged version it preloads (<hh>/<sha256>, as "
+                          "store.pages), fetched from peers, else store.pages; mounts on the "
+                          "host read it before store.pages and ask the node for what it lacks "
+                          "on its socket .ask there (cluster/page_copy.py, page_ask.py); made "
+                          "0700 when first needed, refused unless private to the node's user; "
+                          "one node per directory; '' = none")
     segment_bytes: int = _size("64MiB", "node: the arena is cut into segments of this size (a "
                                "multiple of slot_size; the last may be shorter), each its own "
                                "file or memfd: what a local reader is granted (cluster/grant.py)")
@@ -377,6 +384,9 @@ class ClusterConfig:
             raise ConfigError(f"cluster.segment_bytes: {self.segment_bytes} must be a multiple "
                               f"of cluster.slot_size ({self.slot_size})")
         _host_readers(self.host_readers)
+        if self.page_copy and not self.page_copy.startswith("/"):
+            raise ConfigError(f"cluster.page_copy: {self.page_copy!r} must be an absolute path "
+                              "(or '' for none)")
         if self.grant_socket and not self.grant_socket.startswith("/"):
             raise ConfigError(f"cluster.grant_socket: {self.grant_socket!r} must be an absolute "
                               "path (or '' for none)")

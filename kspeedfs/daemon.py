@@ -46,8 +46,8 @@ from .fuse.operations import Operations
 from .fuse.pagecache import PageCache
 from .manifest import sealed
 from .manifest.index import ManifestIndex
-from .manifest.load import open_index
-from .manifest.store import identity, page_dir
+from .manifest.load import ask_socket, mount_wait, open_index, page_dirs
+from .manifest.store import identity
 from .manifest.store.base import DatasetInfo
 from .reader import Reader
 
@@ -78,7 +78,10 @@ class MountRequest:
 def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, bytes, ManifestIndex]:
     """Blocking: the only store access of a mount's lifetime (none on a resume with the
     supervisor's sealed copy of the manifest, unless that copy fails its checks). The
-    copy's fd stays open: ``serve`` keeps it for a supervisor it may start."""
+    copy's fd stays open: ``serve`` keeps it for a supervisor it may start. A paged
+    manifest's pages come from the host's node's copy, then ``store.pages``
+    (``manifest/load.py``: with no ``store.pages``, the mount waits for the node's copy
+    to hold the version, then fails with one line)."""
     info = blob = None
     if req.manifest_fd is not None:
         try:
@@ -88,7 +91,9 @@ def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, bytes, Ma
             log.warning("resume: %s; loading it from the store", e)
     if info is None or blob is None:
         info, blob = compose.fetch_manifest(cfg, req.dataset, req.version)
-    return info, blob, open_index(blob, info, page_dir(cfg.store), cfg.store.page_cache)
+    dirs = page_dirs(cfg)
+    return info, blob, open_index(blob, info, dirs, cfg.store.page_cache, mount_wait(cfg, dirs),
+                                  ask_socket(cfg))
 
 
 async def _served_version(req: MountRequest, path: str) -> MountRequest:

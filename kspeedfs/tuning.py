@@ -144,6 +144,31 @@ RELEASE_GRACE_TTLS = 2
 #: started again at once finds the dying process still holding it
 ARENA_LOCK_WAIT = 10.0
 
+# -- manifest pages from peers (cluster/page_copy.py, manifest/load.py) ---------------
+
+#: zlib'd bytes of one page in a ``page`` RPC reply at most: base64'd in JSON it stays
+#: under the control channel's 1 MiB frame; a page that does not fit (only 1 MiB pages
+#: that barely compress) comes from store.pages instead
+PAGE_REPLY_MAX = 512 << 10
+#: peers asked for a page, in rendezvous order, before a node with store.pages reads it
+#: there (a node without store.pages asks every member)
+PAGE_PEER_TRIES = 3
+#: seconds a node keeps the pages of a version no longer preloaded (a mount started on
+#: it may still fault them in from the copy)
+PAGE_COPY_GRACE = 3600.0
+#: seconds a mount with no store.pages waits for its host's node to copy a version's
+#: pages (the node writes the table pages last, so their presence means all are there)
+PAGE_COPY_WAIT = 60.0
+#: seconds a mount's page ask has to arrive whole at the node (40 bytes: a slow or
+#: silent client is closed) ...
+ASK_READ = 2.0
+#: ... and the node's time to get the page (peers, then store.pages); the page map waits
+#: ``ASK_MS`` for the answer
+ASK_DEADLINE = 8.0
+#: milliseconds the page map waits for the node at each step of an ask (connect, send,
+#: answer): more than ASK_DEADLINE, so the node's "no" arrives rather than a timeout
+ASK_MS = 10_000
+
 # -- mount supervision (fuse/supervisor.py, compose.py) -------------------------------
 
 #: daemon restarts allowed in RESTART_WINDOW seconds before the supervisor gives up

@@ -31,8 +31,10 @@
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 #include <libdeflate.h>
@@ -62,6 +64,8 @@ struct mp {
     uint8_t *hashes;
     char **dirs;
     size_t ndirs;
+    char *ask; /* the node's ask socket, or NULL */
+    int ask_ms;
     int uffd, stopfd, user_mode_only, zeropage;
     EVP_MD *sha256; /* fetched once (OpenSSL 3: an implicit fetch per init costs) */
     int nthreads;
@@ -78,6 +82,7 @@ struct mp {
 
     atomic_uint_fast64_t faults, fills, evictions, failures, fill_ns, resident;
     atomic_uint_fast64_t read_ns, inflate_ns, sha_ns, copy_ns; /* handlers' CPU time */
+    atomic_uint_fast64_t asks;
 };
 
 static uint64_t now_ns(void)
@@ -221,16 +226,15 @@ static int sha256_is(struct worker *w, size_t want, const uint8_t *hash)
     return 1;
 }
 
-/* Page i's verified bytes into w->out (then zeros up to its span): 0, or -1 with every
- * dir's reason in w->why. */
-static int load_page(struct worker *w, size_t i)
+/* Page i's verified bytes into w->out (then zeros up to its span) from the first dir
+ * that has them: 0, or -1 with every dir's reason appended to w->why. */
+static int from_dirs(struct worker *w, size_t i)
 {
     struct mp *m = w->m;
     const uint8_t *hash = m->hashes + i * MP_HASH_LEN;
     size_t want = page_len(m, i);
     char hex[2 * MP_HASH_LEN + 1];
     hex32(hash, hex);
-    w->why[0] = 0;
     for (size_t d = 0; d < m->ndirs; d++) {
         whyf(w, "%s%s: ", d ? "; " : "", m->dirs[d]);
         int len = snprintf(w->path, sizeof w->path, "%s/%.2s/%s", m->dirs[d], hex, hex);
@@ -255,6 +259,54 @@ static int load_page(struct worker *w, size_t i)
         return 0;
     }
     return -1;
+}
+
+/* Ask the host's node for page i (mp_config.ask): 0 once it answers that the first dir
+ * has it now, else -1 with the reason appended. Each step bounded by ask_ms. */
+static int ask_node(struct worker *w, size_t i)
+{
+    struct mp *m = w->m;
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    struct timeval tv = {.tv_sec = m->ask_ms / 1000, .tv_usec = (m->ask_ms % 1000) * 1000};
+    uint8_t req[MP_HASH_LEN + 8], ans = 1;
+    uint64_t want = page_len(m, i);
+    memcpy(req, m->hashes + i * MP_HASH_LEN, MP_HASH_LEN);
+    for (int b = 0; b < 8; b++)
+        req[MP_HASH_LEN + b] = (uint8_t)(want >> (8 * b));
+    snprintf(a.sun_path, sizeof a.sun_path, "%s", m->ask);
+    atomic_fetch_add_explicit(&m->asks, 1, memory_order_relaxed);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        whyf(w, "; ask: %s", strerror(errno));
+        return -1;
+    }
+    ssize_t r = -1;
+    if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 ||
+        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) < 0 ||
+        connect(fd, (struct sockaddr *)&a, sizeof a) < 0)
+        whyf(w, "; ask %s: %s", m->ask, strerror(errno));
+    else if (send(fd, req, sizeof req, MSG_NOSIGNAL) != (ssize_t)sizeof req)
+        whyf(w, "; ask %s: send: %s", m->ask, strerror(errno));
+    else if ((r = recv(fd, &ans, 1, 0)) != 1)
+        whyf(w, "; ask %s: %s", m->ask, r == 0 ? "closed" : strerror(errno));
+    else if (ans != 0)
+        whyf(w, "; ask %s: the node has none", m->ask);
+    close(fd);
+    return r == 1 && ans == 0 ? 0 : -1;
+}
+
+/* Page i's verified bytes into w->out (then zeros up to its span): from the dirs, else
+ * from the first dir once the node was asked for it; 0, or -1 with the reasons in
+ * w->why. */
+static int load_page(struct worker *w, size_t i)
+{
+    w->why[0] = 0;
+    if (from_dirs(w, i) == 0)
+        return 0;
+    if (!w->m->ask || ask_node(w, i) < 0)
+        return -1;
+    whyf(w, "; then ");
+    return from_dirs(w, i);
 }
 
 /* ------------------------------------------------------------- into the region */
@@ -451,6 +503,7 @@ static void free_mp(struct mp *m)
     for (size_t d = 0; m->dirs && d < m->ndirs; d++)
         free(m->dirs[d]);
     free(m->dirs);
+    free(m->ask);
     free(m->hashes);
     free(m->state);
     free(m->fifo);
@@ -532,6 +585,9 @@ static int check_config(const struct mp_config *cfg, size_t sys_page, char *why,
         snprintf(why, whylen, "no dirs");
     else if (cfg->threads < 1 || cfg->threads > MP_MAX_THREADS)
         snprintf(why, whylen, "threads %d: not in 1..%d", cfg->threads, MP_MAX_THREADS);
+    else if (cfg->ask && (strlen(cfg->ask) >= sizeof((struct sockaddr_un *)0)->sun_path ||
+                          cfg->ask_ms < 1 || cfg->ask_ms > 60000))
+        snprintf(why, whylen, "ask: a unix socket path and ask_ms in 1..60000");
     else
         return 0;
     return -EINVAL;
@@ -639,7 +695,9 @@ int mp_open(const struct mp_config *cfg, struct mp **out, char *why, size_t whyl
 #else
     m->sha256 = (EVP_MD *)EVP_sha256();
 #endif
-    rc = m->hashes && m->dirs && m->state && m->fifo ? 0 : -ENOMEM;
+    m->ask = cfg->ask ? strdup(cfg->ask) : NULL;
+    m->ask_ms = cfg->ask_ms;
+    rc = m->hashes && m->dirs && m->state && m->fifo && (m->ask || !cfg->ask) ? 0 : -ENOMEM;
     for (size_t d = 0; !rc && d < cfg->ndirs; d++, m->ndirs++)
         if (!(m->dirs[d] = strdup(cfg->dirs[d])))
             rc = -ENOMEM;
@@ -719,6 +777,7 @@ void mp_get_stats(const struct mp *m, struct mp_stats *st)
     st->evictions = atomic_load_explicit(&mm->evictions, memory_order_relaxed);
     st->resident_pages = atomic_load_explicit(&mm->resident, memory_order_relaxed);
     st->failures = atomic_load_explicit(&mm->failures, memory_order_relaxed);
+    st->asks = atomic_load_explicit(&mm->asks, memory_order_relaxed);
     st->fill_ns = atomic_load_explicit(&mm->fill_ns, memory_order_relaxed);
     st->read_ns = atomic_load_explicit(&mm->read_ns, memory_order_relaxed);
     st->inflate_ns = atomic_load_explicit(&mm->inflate_ns, memory_order_relaxed);

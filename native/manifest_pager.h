@@ -62,6 +62,13 @@ struct mp_config {
     size_t ndirs; /* tried in order (copied) */
     size_t cache_bytes;
     int threads; /* 1..MP_MAX_THREADS */
+    /* The host's node's ask socket (kspeedfs/cluster/page_copy.py), or NULL: a page no
+     * dir holds is asked of it (the page's hash, then its length as 8 bytes little
+     * endian); the answer is one byte, 0 once the node has written the page to the first
+     * dir, which is then tried again. Blocks the handler at most ask_ms for the connect,
+     * the request and the answer each. */
+    const char *ask;
+    int ask_ms; /* 1..60000 with ask */
 };
 
 struct mp_stats {
@@ -74,6 +81,7 @@ struct mp_stats {
     /* the handlers' CPU time (their own, not the machine's) in the parts of a fill: the
      * page files' reads, inflates, SHA-256s (every dir tried), and the UFFDIO_COPYs */
     uint64_t read_ns, inflate_ns, sha_ns, copy_ns;
+    uint64_t asks; /* pages asked of the node (mp_config.ask) */
     int user_mode_only;
 };
 

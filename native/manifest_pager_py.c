@@ -98,14 +98,15 @@ static void free_dirs(PyObject **paths, const char **names, size_t n)
 
 static int PageMap_init(PageMapObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"size",        "page_size", "hashes", "dirs",
-                             "cache_bytes", "threads",   NULL};
+    static char *kwlist[] = {"size",    "page_size", "hashes", "dirs", "cache_bytes",
+                             "threads", "ask",       "ask_ms", NULL};
     unsigned long long size, page_size, cache_bytes;
     Py_buffer hashes;
     PyObject *dirs;
-    int threads = 2;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKy*OK|i:PageMap", kwlist, &size, &page_size,
-                                     &hashes, &dirs, &cache_bytes, &threads))
+    int threads = 2, ask_ms = 10000;
+    const char *ask = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKy*OK|izi:PageMap", kwlist, &size, &page_size,
+                                     &hashes, &dirs, &cache_bytes, &threads, &ask, &ask_ms))
         return -1;
     PyObject **paths = NULL;
     const char **names = NULL;
@@ -129,7 +130,9 @@ static int PageMap_init(PageMapObject *self, PyObject *args, PyObject *kw)
                             .dirs = names,
                             .ndirs = ndirs,
                             .cache_bytes = (size_t)cache_bytes,
-                            .threads = threads};
+                            .threads = threads,
+                            .ask = ask,
+                            .ask_ms = ask_ms};
     char why[256] = "";
     struct mp *m = NULL;
     int err = mp_open(&cfg, &m, why, sizeof why);
@@ -177,12 +180,12 @@ static PyObject *PageMap_stats(PageMapObject *self, PyObject *unused)
     struct mp_stats st;
     mp_get_stats(m, &st);
 #define U(x) (unsigned long long)(x)
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i}", "faults",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i}", "faults",
                          U(st.faults), "fills", U(st.fills), "evictions", U(st.evictions),
                          "resident_pages", U(st.resident_pages), "failures", U(st.failures),
                          "fill_ns", U(st.fill_ns), "read_ns", U(st.read_ns), "inflate_ns",
                          U(st.inflate_ns), "sha_ns", U(st.sha_ns), "copy_ns", U(st.copy_ns),
-                         "user_mode_only", st.user_mode_only);
+                         "asks", U(st.asks), "user_mode_only", st.user_mode_only);
 #undef U
 }
 
@@ -259,8 +262,9 @@ static PyTypeObject PageMapType = {
     /* clang-format on */
     .tp_basicsize = sizeof(PageMapObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "PageMap(size, page_size, hashes, dirs, cache_bytes, threads=2): a paged "
-              "manifest's raw blob, filled on first touch (native/manifest_pager.h).",
+    .tp_doc =
+        "PageMap(size, page_size, hashes, dirs, cache_bytes, threads=2, ask=None, ask_ms=10000): a paged "
+        "manifest's raw blob, filled on first touch (native/manifest_pager.h).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)PageMap_init,
     .tp_dealloc = (destructor)PageMap_dealloc,

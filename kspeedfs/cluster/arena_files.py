@@ -68,30 +68,31 @@ def cluster_tag(secret: bytes, etcd_prefix: str) -> str:
                     hashlib.sha256).hexdigest()[:12]
 
 
-def _refuse(path: str, why: str) -> UnsafePath:
-    return UnsafePath(f"cluster.arena_dir: {path} {why}; refusing to keep a node's arena "
-                      "there (docs/security.md, \"The arena files\")")
+def _refuse(path: str, why: str, key: str = "cluster.arena_dir") -> UnsafePath:
+    return UnsafePath(f"{key}: {path} {why}; refusing to keep a node's files there "
+                      "(docs/security.md, \"The arena files\")")
 
 
-def _check_ancestor(path: str, st: os.stat_result) -> None:
+def _check_ancestor(path: str, st: os.stat_result, key: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
-        raise _refuse(path, "is not a directory")
+        raise _refuse(path, "is not a directory", key)
     if st.st_uid not in (0, os.geteuid()):
-        raise _refuse(path, f"belongs to uid {st.st_uid}")
+        raise _refuse(path, f"belongs to uid {st.st_uid}", key)
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise _refuse(path, "may be written by others and is not sticky")
+        raise _refuse(path, "may be written by others and is not sticky", key)
 
 
-def private_directory(path: str) -> int:
+def private_directory(path: str, key: str = "cluster.arena_dir") -> int:
     """An fd (``O_DIRECTORY``, close-on-exec) of ``path``, made 0700 if missing, after the
-    checks in the module docstring; :class:`UnsafePath` if any fails."""
+    checks in the module docstring; :class:`UnsafePath` naming the config ``key`` if any
+    fails (the node's page copy, ``page_copy.py``, is checked the same way)."""
     real = os.path.normpath(os.path.abspath(path))
     fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     walked = ""
     try:
         parts = [p for p in real.split("/") if p]
         for i, part in enumerate(parts):
-            _check_ancestor(walked or "/", os.fstat(fd))
+            _check_ancestor(walked or "/", os.fstat(fd), key)
             walked += "/" + part
             last = i == len(parts) - 1
             if last:
@@ -106,15 +107,16 @@ def private_directory(path: str) -> int:
                 link = stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode)
                 why = ("is a symbolic link (name the real path)" if link
                        else f"cannot be opened as a directory ({e.strerror})")
-                raise _refuse(walked, why) from None
+                raise _refuse(walked, why, key) from None
             os.close(fd)
             fd = child
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
-            raise _refuse(real, f"belongs to uid {st.st_uid}, not to this node's ({os.geteuid()})")
+            raise _refuse(real, f"belongs to uid {st.st_uid}, not to this node's ({os.geteuid()})",
+                          key)
         if st.st_mode & 0o077:
             raise _refuse(real, f"has mode {st.st_mode & 0o777:04o}: group or others may enter "
-                          f"it (chmod 700 {real})")
+                          f"it (chmod 700 {real})", key)
         return fd
     except BaseException:
         os.close(fd)

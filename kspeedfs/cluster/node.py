@@ -8,13 +8,15 @@ Composition (each resource's teardown is the ``async with`` that opened it)::
     DiskCache (optional SSD tier: owned chunks evicted from the arena, promoted on demand)
     Peers (to copy chunks from other replicas)
     Node ─┬─ Share          share.py: datasets, owns/has, load a chunk, the SSD spill queue
+          ├─ PageCopy       page_copy.py: the host's copy of paged manifests' pages, from peers
           ├─ Reconciler     reconcile.py: what the share should hold, progress/
           └─ statistics     node_stats.py: counters, the snapshot the stats RPC answers
-    nursery ─┬─ rpc.serve(rpc_port)          Node.handle: load-on-demand, have, stats
+    nursery ─┬─ rpc.serve(rpc_port)          Node.handle: load-on-demand, have, page, stats
              ├─ Registration.run             lease keep-alive (nodes/, progress/)
              ├─ Reconciler.run               preload + re-replication + rejoin + unload, one loop
              ├─ release_forever              --unload-on-exit preloads no mount holds (lifecycle.py)
              ├─ SpillQueue.run               with an SSD tier: evicted owned chunks written to it
+             ├─ PageAsks.serve               <page_copy>/.ask: mounts' page maps ask for pages
              ├─ GrantServer.serve            cluster.host_readers: local readers map their
              │                               datasets' arena segments (grant.py)
              └─ metrics exporter             metrics.node_listen (metrics.py)
@@ -47,6 +49,7 @@ from .. import checksum
 from ..cache.disk import DiskCache
 from ..config import Config
 from ..errors import ConfigError, KspeedfsError, StoreUnavailable
+from ..manifest.store import page_dir
 from ..manifest.store.etcd import EtcdStore
 from . import grant, node_stats, rpc
 from .arena import Arena, Geometry
@@ -56,6 +59,8 @@ from .fetch import Peers
 from .hedge import from_config as hedge_from_config
 from .membership import Membership, NodeRecord, PrefixView, Registration
 from .node_stats import NodeCounters, NodeStatistics
+from .page_ask import PageAsks
+from .page_copy import PageCopy
 from .reconcile import Reconciler, release_forever
 from .share import Share
 
@@ -71,9 +76,10 @@ class Node:
     (:class:`Reconciler`: the arena holds this node's owned chunks of every preloaded
     dataset; preload, re-replication and rejoin are that one loop). The node itself
     answers the RPCs (:meth:`handle`:
-    ``load`` a chunk on a reader's demand, ``have``, ``stats``) and takes the snapshot
-    of them all (:meth:`statistics`). Every method runs in the trio thread and never
-    blocks it (the parts' contracts: etcd, source and SSD I/O go to worker threads).
+    ``load`` a chunk on a reader's demand, ``have``, a manifest ``page`` from ``pages``,
+    ``stats``) and takes the snapshot of them all (:meth:`statistics`). Every method
+    runs in the trio thread and never blocks it (the parts' contracts: etcd, source and
+    SSD I/O go to worker threads).
 
     Attributes:
         cfg: the configuration; ``cluster.*`` sets replicas, workers and the arena.
@@ -90,6 +96,8 @@ class Node:
         counters: what was loaded and spilled (:class:`NodeCounters`), counted by the parts.
         preload: the ``preload/`` requests (dataset → version to hold).
         share: the chunks (:class:`Share`).
+        pages: the host's copy of manifest pages (:class:`PageCopy`), or None when
+            ``cluster.page_copy`` is empty.
         reconciler: the preload loop (:class:`Reconciler`); its ``progress`` is
             ``"<ds>@<v>"`` → owned/cached/from_source/from_peer, as published.
     """
@@ -112,11 +120,15 @@ class Node:
         self.preload = PrefixView(store, "preload/")
         self.share = Share(cfg, name, store, arena, membership, peers, nursery, self.counters,
                            source_override, disk)
+        self.pages = (PageCopy(cfg.cluster.page_copy, page_dir(cfg.store), name, store,
+                               membership, peers.connections, self.counters,
+                               cfg.cluster.preload_workers)
+                      if cfg.cluster.page_copy else None)
         self.reconciler = Reconciler(cfg, name, store, self.share, membership, self.preload,
-                                     registration, self.counters)
+                                     registration, self.counters, self.pages)
 
     async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        """One RPC (``rpc.py``): ``load``, ``have`` or ``stats``."""
+        """One RPC (``rpc.py``): ``load``, ``have``, ``page`` or ``stats``."""
         op = req.get("op")
         if op == "load":
             try:
@@ -132,6 +144,10 @@ class Node:
             ds = await self.share.dataset(str(req["dataset"]), int(req["version"]))
             have = [k for k in range(ds.index.chunks) if self.share.has(ds.index.chunk_digest(k))]
             return {"chunks": have}
+        if op == "page":
+            if self.pages is None:
+                return {"absent": True}
+            return await self.pages.answer(req.get("hash"))
         if op == "stats":
             return asdict(self.statistics())
         raise KspeedfsError(f"unknown op {op!r}")
@@ -257,6 +273,8 @@ async def serve(cfg: Config, name: str, ready: Callable[[NodeRecord], None] | No
                 server = grant.GrantServer(arena, segments, cfg.cluster.host_readers,
                                            on_grant=files.mark_granted if files else None)
                 await nursery.start(server.serve, path)
+            if node.pages is not None:
+                nursery.start_soon(PageAsks(node.pages).serve, name="page-asks")
             if node.share.spill is not None:
                 arena.on_evict = node.share.evicted
                 nursery.start_soon(node.share.spill.run, name="ssd-tier")

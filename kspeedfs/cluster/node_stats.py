@@ -46,6 +46,10 @@ class NodeCounters:
     spilled: int = 0                 # evicted owned chunks written to the SSD tier
     spills_inline: int = 0           # ... written in the loop because the SSD queue was full
     unloaded: int = 0                # chunks dropped because their dataset was unloaded
+    pages_from_peers: int = 0        # manifest pages copied from peers (page_copy.py) ...
+    pages_from_store: int = 0        # ... and from store.pages
+    pages_refused: int = 0           # peers' page replies that failed their checks
+    pages_served: int = 0            # "page" RPCs answered with a page
 
 
 @dataclass(frozen=True)

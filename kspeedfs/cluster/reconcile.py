@@ -26,6 +26,7 @@ from . import lifecycle
 from .lifecycle import PreloadRequest
 from .membership import Membership, PrefixView, Registration
 from .node_stats import NodeCounters
+from .page_copy import PageCopy
 from .placement import Member
 from .share import Dataset, Share
 
@@ -36,7 +37,9 @@ class Reconciler:
     """Makes the arena hold this node's owned chunks of every preloaded dataset version.
 
     :meth:`run` reconciles whenever ``preload/`` or the membership changes (and 2 s
-    after a failed pass): for every version ``preload`` names, the chunks placement gives
+    after a failed pass): for every version ``preload`` names, its manifest's pages are
+    copied to the host first when it is paged (``pages``: ``page_copy.py``; the copies
+    of versions no longer named are swept), then the chunks placement gives
     this node under the current membership are loaded if missing, highest priority
     first, from another replica if one has it, else the source; versions no longer named
     have their chunks dropped (except chunks a named version shares). A chunk the source
@@ -47,8 +50,9 @@ class Reconciler:
 
     def __init__(self, cfg: Config, name: str, store: EtcdStore, share: Share,
                  membership: Membership, preload: PrefixView, registration: Registration,
-                 counters: NodeCounters) -> None:
+                 counters: NodeCounters, pages: PageCopy | None = None) -> None:
         self.cfg = cfg
+        self.pages = pages
         self.name = name
         self.store = store
         self.share = share
@@ -114,6 +118,8 @@ class Reconciler:
         member_list = list(self.membership.members)     # one placement for the whole pass
         # by priority, then name: the first dataset to claim a key for its group keeps it
         for name, req in sorted(wanted.items(), key=lambda nr: (-nr[1].priority, nr[0])):
+            if self.pages is not None:               # a paged manifest: its pages here first
+                await self.pages.fill(name, req.version)
             ds = datasets[name] = await self.share.dataset(name, req.version)
             ix = ds.index
             mine = shares[name] = await trio.to_thread.run_sync(self._mine, ix, member_list)
@@ -131,6 +137,8 @@ class Reconciler:
                 log.info("arena: %d segment(s) of adopted chunks given back to their datasets",
                          moved)
         self._drop_unloaded({n: r.version for n, r in wanted.items()})
+        if self.pages is not None:
+            await self.pages.retain([f"{n}@{r.version}" for n, r in wanted.items()])
         # highest priority first: when memory is short, what matters most is loaded first
         for name, req in sorted(wanted.items(), key=lambda nr: (-nr[1].priority, nr[0])):
             await self._fill(datasets[name], shares[name], rereplicating)

@@ -6,11 +6,14 @@ message MAC'd — so only cluster members can make a node load or report anythin
 
     {"op": "load", "dataset": D, "version": N, "chunk": k}  → {"ok": true, "source": "peer"|"source"|"cache"}
     {"op": "have", "dataset": D, "version": N}              → {"chunks": [k, ...]}   (preload --check)
+    {"op": "page", "hash": H}                               → {"page": base64 of zlib} | {"absent": true}
     {"op": "stats"}                                         → node statistics
 
 ``load`` is the cache-miss path: a reader found the chunk missing in the owner's
 index, so it asks the owner to fetch it (from another replica, else the source) into
 its arena, then READs it one-sidedly like any hit. The bytes never travel over RPC.
+``page`` is the exception, and small: one manifest page file (``cluster/page_copy.py``,
+at most ``PAGE_REPLY_MAX`` zlib'd bytes), which the asker verifies against its hash.
 
 A client keeps up to ``RPC_POOL`` idle channels per node and opens more under load (at most
 ``RPC_OPENING`` = 8 handshakes at once, well under a server's 32 unauthenticated connections

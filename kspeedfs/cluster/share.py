@@ -23,7 +23,7 @@ from ..cache.tiers import Loaded, TierChain
 from ..config import Config, SourceConfig
 from ..errors import ConfigError, StoreUnavailable
 from ..manifest.index import ManifestIndex
-from ..manifest.load import load_index
+from ..manifest.load import load_index, page_dirs
 from ..manifest.store.base import DatasetInfo
 from ..manifest.store.etcd import EtcdStore
 from ..origin import open_origin
@@ -142,7 +142,7 @@ class Share:
     async def _open_dataset(self, name: str, version: int) -> Dataset:
         def fetch() -> Dataset:
             info = self.store.dataset(name, version)
-            index = load_index(self.store, info, self.cfg.store.page_cache)
+            index = load_index(self.store, info, self.cfg.store.page_cache, page_dirs(self.cfg))
             if index.chunk_size > self.arena.g.slot_size:
                 raise ConfigError(f"dataset {name} has {index.chunk_size}-byte chunks; this "
                                   f"node's cluster.slot_size is {self.arena.g.slot_size}")

@@ -6,39 +6,127 @@ root, ``pages.py``) is mapped: the table pages are read and verified, then
 so a mount holds what it touches, not the dataset. Where the page map cannot be made
 (no userfaultfd for this user, or the native module missing) every page is read up
 front, with a warning: the mount works, with a whole manifest's memory.
+
+Pages come from the directories :func:`page_dirs` lists, in order: the host's node's
+copy (``cluster.page_copy``, ``cluster/page_copy.py``) when it exists, then
+``store.pages``. A page none of them holds is asked of the node (its ask socket,
+``cluster/page_ask.py``): the table pages here, the data pages by the page map in C.
+With no node to ask and no ``store.pages``, a version the node has not copied yet is
+waited for (``PAGE_COPY_WAIT``): the node writes a version's table pages last, so once
+they are there every page is.
 """
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import stat
+import time
+from collections.abc import Sequence
 
+from ..config import Config
 from ..errors import ManifestCorrupt
+from ..tuning import ASK_MS, PAGE_COPY_WAIT
 from .index import ManifestIndex
-from .pages import Root, is_root, read_all, read_table
+from .pages import Root, is_root, read_all, read_table, table_pages
+from .store import page_dir
 from .store.base import DatasetInfo, MetadataStore
 
 log = logging.getLogger(__name__)
 
 
-def open_index(blob: bytes, info: DatasetInfo, page_dir: str | None,
-               cache_bytes: int) -> ManifestIndex:
+def page_dirs(cfg: Config) -> list[str]:
+    """Where a process on this host reads manifest pages, in order: the host's node's
+    copy (an etcd store's cluster, when the directory exists), then ``store.pages``."""
+    dirs = []
+    copy = cfg.cluster.page_copy
+    if cfg.store.backend == "etcd" and copy and os.path.isdir(copy):
+        dirs.append(copy)
+    shared = page_dir(cfg.store)
+    if shared:
+        dirs.append(shared)
+    return dirs
+
+
+def ask_socket(cfg: Config) -> str | None:
+    """The host's node's ask socket (``cluster/page_ask.py``) when it listens here: a
+    page no directory holds is asked of the node by the page map."""
+    copy = cfg.cluster.page_copy
+    path = os.path.join(copy, ".ask") if cfg.store.backend == "etcd" and copy else ""
+    if len(os.fsencode(path)) >= 108:        # sun_path: the node could not bind it either
+        return None
+    try:
+        return path if path and stat.S_ISSOCK(os.stat(path).st_mode) else None
+    except OSError:
+        return None
+
+
+def ask_page(ask: str, digest: bytes, length: int, timeout: float = ASK_MS / 1000) -> bool:
+    """Ask the host's node to put page ``digest`` (``length`` bytes) in its copy, as the
+    page map does in C (``cluster/page_ask.py``): whether it says it did."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(ask)
+            s.sendall(digest + length.to_bytes(8, "little"))
+            return s.recv(1) == b"\0"
+    except OSError as e:
+        log.warning("asking the node for manifest page %s: %s", digest.hex(), e)
+        return False
+
+
+def _table(root: Root, info: DatasetInfo, dirs: Sequence[str], wait: float,
+           ask: str | None = None) -> bytes:
+    """:func:`read_table`, the table pages asked of the host's node (``ask``) if they are
+    missing, else waited for up to ``wait`` seconds."""
+    deadline, said = time.monotonic() + wait, False
+    while True:
+        try:
+            return read_table(root, dirs)
+        except ManifestCorrupt as e:
+            if ask:
+                for digest, n in table_pages(root):
+                    ask_page(ask, digest, n)
+                ask = None                   # once: then as without a node to ask
+                continue
+            if time.monotonic() >= deadline:
+                if not wait:
+                    raise
+                raise ManifestCorrupt(f"manifest of {info.name} v{info.version}: its pages are "
+                                      f"not in {', '.join(dirs)} after {wait:.0f}s ({e}); "
+                                      f"without store.pages a mount needs its host's node "
+                                      f"(running? kspeedfs preload {info.name})") from None
+            if not said:
+                said = True
+                log.info("%s v%d: waiting up to %.0fs for this host's node to copy the "
+                         "manifest's pages into %s", info.name, info.version, wait, dirs[0])
+        time.sleep(0.5)
+
+
+def open_index(blob: bytes, info: DatasetInfo, page_dirs: str | Sequence[str] | None,
+               cache_bytes: int, wait: float = 0.0, ask: str | None = None) -> ManifestIndex:
     """The index of ``info``'s version from its (verified) store blob; a paged one's pages
-    come from ``page_dir`` (``ManifestCorrupt`` when there is none, or the root or a table
-    page is bad or missing)."""
+    come from ``page_dirs``, in order (one directory, or None for none, as before
+    :func:`page_dirs`; ``ManifestCorrupt`` when there is none, or the root or a table
+    page is bad or missing after ``wait`` seconds). ``ask``: the host's node's ask
+    socket, for the data pages no directory holds (:func:`ask_socket`)."""
     if not is_root(blob):
         return ManifestIndex.from_blob(blob, info.inflated_size)
     root = Root.parse(blob)
     if info.inflated_size and root.raw_size != info.inflated_size:
         raise ManifestCorrupt(f"manifest of {info.name} v{info.version}: its root maps "
                               f"{root.raw_size} bytes, the record declares {info.inflated_size}")
-    if page_dir is None:
+    page_dirs = [page_dirs] if isinstance(page_dirs, str) else list(page_dirs or ())
+    if not page_dirs:
         raise ManifestCorrupt(f"manifest of {info.name} v{info.version} is paged, and no page "
-                              "directory is configured (store.pages)")
-    page_dirs = [page_dir]
-    hashes = read_table(root, page_dirs)
+                              "directory is here (store.pages, or cluster.page_copy: the "
+                              "host's node's copy)")
+    hashes = _table(root, info, page_dirs, wait, ask)
     try:
         from .pager import PageMap
 
-        pages = PageMap(root.raw_size, root.page_size, hashes, page_dirs, cache_bytes)
+        pages = PageMap(root.raw_size, root.page_size, hashes, page_dirs, cache_bytes,
+                        ask=ask, ask_ms=ASK_MS)
     except (ImportError, OSError) as e:
         log.warning("%s v%d: manifest pages cannot be mapped (%s); reading all %d of them",
                     info.name, info.version, e, root.pages)
@@ -48,8 +136,17 @@ def open_index(blob: bytes, info: DatasetInfo, page_dir: str | None,
     return ManifestIndex(pages.view(), pages=pages)
 
 
-def load_index(store: MetadataStore, info: DatasetInfo,
-               cache_bytes: int = 1 << 30) -> ManifestIndex:
-    """:func:`open_index` of a version fetched from ``store`` (its own page directory)."""
+def load_index(store: MetadataStore, info: DatasetInfo, cache_bytes: int = 1 << 30,
+               dirs: Sequence[str] | None = None) -> ManifestIndex:
+    """:func:`open_index` of a version fetched from ``store``; pages from ``dirs``
+    (default: the store's own page directory)."""
     blob = store.manifest(info.name, info.version)
-    return open_index(blob, info, store.page_dir, cache_bytes)
+    if dirs is None:
+        dirs = [store.page_dir] if store.page_dir else []
+    return open_index(blob, info, dirs, cache_bytes)
+
+
+def mount_wait(cfg: Config, dirs: Sequence[str]) -> float:
+    """How long a mount waits for a paged version's pages: ``PAGE_COPY_WAIT`` when its
+    only page directory is the host's node's copy, else not at all."""
+    return PAGE_COPY_WAIT if dirs and not page_dir(cfg.store) else 0.0

@@ -46,7 +46,10 @@ MAX_THREADS = 64
 class PageMap:
     """The raw blob of ``size`` bytes, cut into ``page_size`` pages whose SHA-256s are
     ``hashes`` (32 bytes each, in page order), loaded on first touch from ``dirs`` (in
-    order), at most ``cache_bytes`` of them kept, by ``threads`` handler threads.
+    order), at most ``cache_bytes`` of them kept, by ``threads`` handler threads. With
+    ``ask`` (the host's node's ask socket, ``cluster/page_copy.py``), a page no dir
+    holds is asked of the node, which writes it to ``dirs[0]`` (each step of the ask
+    bounded by ``ask_ms``), then the dirs are tried again.
 
     ValueError for arguments out of range; OSError when userfaultfd cannot be used here
     (nor in user-mode-only form) or the native code is not built: the caller then loads
@@ -54,7 +57,8 @@ class PageMap:
     """
 
     def __init__(self, size: int, page_size: int, hashes: bytes, dirs: Sequence[str],
-                 cache_bytes: int, threads: int = 2) -> None:
+                 cache_bytes: int, threads: int = 2, ask: str | None = None,
+                 ask_ms: int = 10_000) -> None:
         if size <= 0:
             raise ValueError(f"size must be > 0, not {size}")
         if page_size < mmap.PAGESIZE or page_size % mmap.PAGESIZE:
@@ -75,7 +79,8 @@ class PageMap:
         self.size = size
         self.page_size = page_size
         self._map: Any = _pager.PageMap(size, page_size, bytes(hashes),
-                                        [os.fspath(d) for d in dirs], cache_bytes, threads)
+                                        [os.fspath(d) for d in dirs], cache_bytes, threads,
+                                        ask, ask_ms)
 
     def view(self) -> memoryview:
         """A read-only memoryview (format 'B', ``size`` bytes) over the region; close()
@@ -104,9 +109,9 @@ class PageMap:
     def stats(self) -> dict[str, int]:
         """Counters: faults (fault messages), fills (pages loaded and verified), evictions,
         resident_pages, failures (pages that read as zeros), fill_ns (their wall time in
-        total, fault message to copied), user_mode_only (1: kernel-mode reads of a page
-        not yet loaded get EFAULT); and the handlers' CPU time in a fill's parts:
-        read_ns, inflate_ns, sha_ns, copy_ns."""
+        total, fault message to copied), asks (pages asked of the node), user_mode_only
+        (1: kernel-mode reads of a page not yet loaded get EFAULT); and the handlers' CPU
+        time in a fill's parts: read_ns, inflate_ns, sha_ns, copy_ns."""
         st: dict[str, int] = self._map.stats()
         return st
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import struct
 import time
 import zlib
@@ -150,18 +151,42 @@ class PageWriter:
 
     def _store(self, page: bytes) -> bytes:
         digest = hashlib.sha256(page).digest()
-        path = page_path(self.directory, digest)
         try:
-            os.utime(path)      # a page this version shares: fresh again for sweep's grace
+            os.utime(page_path(self.directory, digest))  # shared: fresh again for sweep's grace
         except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
             data = zlib.compress(page, self.level)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)       # readers see a whole page or none
+            put_page(self.directory, digest, data)
             self.stored += len(data)
         return digest
+
+
+def put_page(directory: str, digest: bytes, data: bytes) -> None:
+    """Write one page file (``data``: its zlib stream, already verified by the caller)
+    under its content address, by write-then-rename: readers see a whole page or none."""
+    path = page_path(directory, digest)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # a name of its own per write: a node's fill and a mount's ask may write one page at
+    # once from two threads, and a shared name would let one rename the other's half
+    tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def inflate_page(data: bytes, digest: bytes, length: int) -> bytes:
+    """A page file's bytes (untrusted: any directory, any peer) → the page, inflated and
+    verified; ``ValueError`` saying why not (not zlib, not ``length`` bytes, trailing
+    bytes, another SHA-256). Inflates at most ``length + 1`` bytes: no bomb."""
+    z = zlib.decompressobj()
+    try:
+        page = z.decompress(data, length + 1)
+    except zlib.error as e:
+        raise ValueError(f"not a zlib stream ({e})") from None
+    if len(page) != length or not z.eof or z.unused_data or z.unconsumed_tail:
+        raise ValueError(f"not one zlib stream of {length} bytes")
+    if hashlib.sha256(page).digest() != digest:
+        raise ValueError("its SHA-256 differs")
+    return page
 
 
 def write_pages(pieces: Iterable[bytes | bytearray | memoryview], directory: str,
@@ -180,28 +205,26 @@ def read_page(dirs: Sequence[str], digest: bytes, length: int) -> bytes:
     for d in dirs:
         try:
             with open(page_path(d, digest), "rb") as f:
-                z = zlib.decompressobj()
-                data = z.decompress(f.read(), length + 1)
+                return inflate_page(f.read(), digest, length)
         except FileNotFoundError:
             continue
-        except (OSError, zlib.error) as e:
+        except OSError as e:
             why = f"unreadable in {d}: {e}"
-            continue
-        if len(data) == length and z.eof and hashlib.sha256(data).digest() == digest:
-            return data
-        why = f"corrupt in {d}"
+        except ValueError as e:
+            why = f"corrupt in {d}: {e}"
     raise ManifestCorrupt(f"manifest page {digest.hex()} is {why}")
+
+
+def table_pages(root: Root) -> list[tuple[bytes, int]]:
+    """(hash, length) of each table page of ``root``: all full but the last."""
+    total = root.pages * HASH_SIZE
+    return [(digest, min(root.page_size, total - i * root.page_size))
+            for i, digest in enumerate(root.tables)]
 
 
 def read_table(root: Root, dirs: Sequence[str]) -> bytes:
     """The SHA-256 of every data page, in order (from the verified table pages)."""
-    out = bytearray()
-    left = root.pages * HASH_SIZE
-    for digest in root.tables:
-        n = min(root.page_size, left)
-        out += read_page(dirs, digest, n)
-        left -= n
-    return bytes(out)
+    return b"".join(read_page(dirs, digest, n) for digest, n in table_pages(root))
 
 
 def read_all(root: Root, hashes: bytes, dirs: Sequence[str]) -> bytes:
