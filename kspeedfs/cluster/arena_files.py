@@ -48,7 +48,7 @@ LEGACY = ".arena"                 # the whole arena in one file, before segments
 GRANTED = ".granted"              # segments were handed to local readers (grant.py)
 
 
-def _lock(fd: int, wait: float) -> bool:
+def exclusive_lock(fd: int, wait: float) -> bool:
     """An exclusive flock on ``fd`` within ``wait`` seconds (polled: flock has no timeout)."""
     deadline = time.monotonic() + wait
     while True:
@@ -281,7 +281,7 @@ class ArenaFiles:
             for path in self.paths[:-1]:
                 fds.append(_open_private(dir_fd, self.directory, os.path.basename(path),
                                          create=True))
-            if not _lock(self._index_fd, wait):
+            if not exclusive_lock(self._index_fd, wait):
                 raise DatasetInUse(f"node {self.node} of this cluster already runs on this "
                                    f"host (it holds {self.index_path})")
             kept = all([_sized(fd, n) for fd, n in zip(fds, lengths, strict=True)])

@@ -21,7 +21,9 @@ Python) reads it unchanged, listed before ``store.pages`` (``manifest/load.py``)
 * **Trust.** A page is verified against its hash whoever sent it (``pages.inflate_page``);
   a peer can withhold a page, never change one. The directory is checked as the arena's
   is (``arena_files.private_directory``: no symbolic link on its path, ours, 0700), when
-  first needed: a node that never preloads a paged manifest never makes it.
+  first needed: a node that never preloads a paged manifest never makes it. The node
+  holds a ``flock`` on it from then on: a second node on the host with the same
+  directory is refused in one line (each sweeps what its own versions do not reference).
 * **Answering peers** (:meth:`PageCopy.answer`): a page from the copy, else from this
   node's ``store.pages``, else ``absent``; at most ``PAGE_REPLY_MAX`` zlib'd bytes,
   base64'd in the JSON reply. Not verified on the way out (the asker verifies).
@@ -45,7 +47,7 @@ from typing import Any
 
 import trio
 
-from ..errors import KspeedfsError, ManifestCorrupt
+from ..errors import ConfigError, KspeedfsError, ManifestCorrupt
 from ..manifest.pages import (
     HASH_SIZE,
     Root,
@@ -61,7 +63,7 @@ from ..manifest.pages import (
 from ..manifest.store.etcd import EtcdStore
 from ..tuning import PAGE_COPY_GRACE, PAGE_PEER_TRIES, PAGE_REPLY_MAX, UNREACHABLE_SKIP
 from . import lifecycle
-from .arena_files import private_directory
+from .arena_files import exclusive_lock, private_directory
 from .connections import Connections
 from .membership import Membership
 from .node_stats import NodeCounters
@@ -69,6 +71,9 @@ from .placement import owners
 from .rpc import RpcUnavailable
 
 log = logging.getLogger(__name__)
+
+#: s a node waits for the copy's lock: a restarted node's predecessor may still be exiting
+COPY_LOCK_WAIT = 5.0
 
 #: a page's hash on the wire: 64 lowercase hex digits
 HEX_LEN = 2 * HASH_SIZE
@@ -166,6 +171,7 @@ class PageCopy:
         self.counters = counters
         self.workers = workers
         self._checked = False
+        self._held = -1
         self.checked = trio.Event()        # the directory is made and checked (page_ask.py)
         self._roots: dict[str, Root | None] = {}      # "<ds>@<v>" filled → its root (None: whole)
         self._gone: dict[str, tuple[Root, float]] = {}  # no longer preloaded → (root, since)
@@ -179,9 +185,17 @@ class PageCopy:
         return [self.directory] + ([self.store_pages] if self.store_pages else [])
 
     def _check(self) -> None:
-        if not self._checked:
-            os.close(private_directory(self.directory, key="cluster.page_copy"))
-            self._checked = True
+        """Make and check the directory, and hold it: one node per copy, because a node
+        sweeps what its own versions do not reference (and binds the ask socket)."""
+        if self._checked:
+            return
+        fd = private_directory(self.directory, key="cluster.page_copy")
+        if not exclusive_lock(fd, COPY_LOCK_WAIT):
+            os.close(fd)
+            raise ConfigError(f"cluster.page_copy: {self.directory} is the page copy of "
+                              "another node running on this host; give each node its own")
+        self._held = fd                  # the flock lasts as long as this process
+        self._checked = True
 
     # -- filling ------------------------------------------------------------------------------
 

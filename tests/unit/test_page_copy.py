@@ -36,7 +36,7 @@ from kspeedfs.cluster.page_copy import (
 )
 from kspeedfs.cluster.placement import Member
 from kspeedfs.config import Config
-from kspeedfs.errors import KspeedfsError, ManifestCorrupt, UnsafePath
+from kspeedfs.errors import ConfigError, KspeedfsError, ManifestCorrupt, UnsafePath
 from kspeedfs.manifest import load
 from kspeedfs.manifest.load import mount_wait, open_index, page_dirs
 from kspeedfs.manifest.pages import Root, page_path, put_page, read_all, read_table, write_pages
@@ -123,6 +123,17 @@ def test_the_copy_is_made_0700_and_refused_when_others_may_enter(tmp_path: Path)
     os.chmod(pc.directory, 0o755)
     with pytest.raises(UnsafePath, match="cluster.page_copy: .* mode 0755"):
         _copy(tmp_path)._check()
+
+
+def test_a_second_node_with_the_same_copy_is_refused_while_the_first_holds_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(page_copy, "COPY_LOCK_WAIT", 0.1)
+    first = _copy(tmp_path)
+    first._check()
+    with pytest.raises(ConfigError, match="cluster.page_copy: .* another node"):
+        _copy(tmp_path)._check()
+    os.close(first._held)                                # the first node exits
+    _copy(tmp_path)._check()
 
 
 def test_a_copy_reached_through_a_symbolic_link_is_refused(tmp_path: Path) -> None:
