@@ -265,6 +265,13 @@ def node_families(snap: dict[str, Any], labels: dict[str, str]) -> Families:
               c.rereplicated)
     f.counter("ssd_spilled_chunks_total", "evicted owned chunks written to the SSD tier",
               c.spilled)
+    f.counter("node_manifest_pages_copied_total", "manifest pages copied into this host's page "
+              "copy (cluster/page_copy.py), by where they came from", by="tier",
+              values={"peer": c.pages_from_peers, "store": c.pages_from_store})
+    f.counter("node_manifest_pages_refused_total", "peers' manifest page replies that failed "
+              "their checks", c.pages_refused)
+    f.counter("node_manifest_pages_served_total", "manifest pages this node sent to peers",
+              c.pages_served)
     if snap["disk_bytes"] is not None:
         f.gauge("cache_used_bytes", "cache tier occupancy", by="tier",
                 values={"disk": snap["disk_bytes"]})

@@ -100,7 +100,8 @@ def test_mount_exposition() -> None:
 
 def test_node_exposition() -> None:
     fields = {f.name: 1 for f in dataclasses.fields(ArenaStatistics)}
-    s = SimpleNamespace(arena=ArenaStatistics(**fields), counters=NodeCounters(source_loads=7),
+    s = SimpleNamespace(arena=ArenaStatistics(**fields),
+                        counters=NodeCounters(source_loads=7, pages_from_peers=11, pages_served=2),
                         reads=peers(),
                         progress={"imagenet@3": {"owned": 10, "cached": 4, "owned_bytes": 99}})
     text = exposition(list(metrics.node_families({"node": s, "members": 3, "disk_bytes": 5,
@@ -110,6 +111,8 @@ def test_node_exposition() -> None:
     assert v["kspeedfs_preload_cached_chunks[('dataset', 'imagenet'), ('node', 'n1'), "
              "('version', '3')]"] == 4
     assert v["kspeedfs_node_chunk_loads_total[('node', 'n1'), ('tier', 'source')]"] == 7
+    assert v["kspeedfs_node_manifest_pages_copied_total[('node', 'n1'), ('tier', 'peer')]"] == 11
+    assert v["kspeedfs_node_manifest_pages_served_total[('node', 'n1')]"] == 2
     assert v["kspeedfs_cache_used_bytes[('node', 'n1'), ('tier', 'disk')]"] == 5
     path = "[('nic', '198.18.2.1'), ('node', 'n1'), ('peer', 'n2')]"
     assert v["kspeedfs_path_up" + path] == 0 and v["kspeedfs_path_failovers_total" + path] == 3
