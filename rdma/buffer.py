@@ -51,8 +51,11 @@ def copy_out(buf: mmap.mmap, offset: int, length: int) -> bytes:
     The caller keeps ``offset + length`` inside ``buf``."""
     if length < COPY_OUT_NOGIL:
         return bytes(memoryview(buf)[offset:offset + length])
+    try:
+        src = ctypes.c_char.from_buffer(buf, offset)
+    except TypeError:                         # a read-only mapping exports no address
+        return bytes(memoryview(buf)[offset:offset + length])
     out: bytes = _bytes_new(None, length)     # not yet shared: ours to fill
-    src = ctypes.c_char.from_buffer(buf, offset)
     ctypes.memmove(_bytes_at(out), ctypes.addressof(src), length)
     del src                                   # the export of ``buf`` ends here
     return out

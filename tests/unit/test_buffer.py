@@ -1,9 +1,11 @@
 """rdma/buffer.py: MR memory, and copies out of it (``copy_out``)."""
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,13 @@ def test_copy_out_returns_the_bytes_of_the_range(offset: int, length: int) -> No
     out = copy_out(buf, offset, length)
     assert type(out) is bytes and out == buf[offset:offset + length]
     buf.close()                 # no export of the mapping is left behind
+
+
+def test_copy_out_of_a_read_only_mapping_copies_it_holding_the_gil(tmp_path: Path) -> None:
+    f = tmp_path / "segment"
+    f.write_bytes(os.urandom(1 << 20))
+    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as m:
+        assert copy_out(m, 100, 200_000) == m[100:200_100]
 
 
 def test_a_large_copy_out_lets_other_threads_run_python_meanwhile() -> None:
