@@ -20,15 +20,21 @@ Each round, alternating, a fresh ``kspeedfs.open_dataset`` handle (empty chunk c
   by a process in the same namespace: what the library is held against.
 
 ``--modes`` picks some (``vrdma,mount``: the library against the mount, both from the
-peers). CPU per GB: the reader process (all its threads: the trio thread, the vRDMA
-endpoint's), plus the mount's daemon for ``mount``; beside it, that plus both nodes'
-CPU over the same case (a node answers ``locate`` for the grant; its soft provider
-serves READs for vRDMA). Nothing is asserted.
+peers); ``--ab-tree PATH`` with a mode ending ``@ab`` (``vrdma@ab``, ``mount@ab``) runs
+that reader, or mounts, from another checkout built in place, in the same rounds: a
+before/after of the client's code on the same nodes. CPU per GB: the reader process (all
+its threads: the trio thread, the vRDMA endpoint's), plus the mount's daemon for
+``mount``; beside it, that plus both nodes' CPU over the same case (a node answers
+``locate`` for the grant; its soft provider serves READs for vRDMA); and the reader's
+CPU µs per file (or per large file) by thread (``trio``: the library's trio thread;
+``ks-soft-nic``: the soft engines' threads; ``callers``: the rest, mostly the 8 reading
+threads). Nothing is asserted.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -64,11 +70,30 @@ def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
+def by_thread():
+    # CPU-s of each live thread by its OS name (ks-soft-nic...), the library's trio
+    # thread as "trio"; the callers have exited when it is read: report() adds them
+    trio_tid = {str(t.native_id) for t in threading.enumerate() if t.name.startswith("kspeedfs-")}
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = "trio" if tid in trio_tid else name.rstrip("0123456789")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
 def threads(n, work):
     out = [0] * n
     def run(i):
         out[i] = work(i)
     ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    global threads0
+    threads0 = by_thread()
     t0, c0 = time.perf_counter(), cpu()
     for t in ts: t.start()
     for t in ts: t.join()
@@ -82,8 +107,13 @@ def seq(rel):
     return n
 
 def report(case, nbytes, ops, dt, c):
+    now = by_thread()
+    per = {k: round(v - threads0.get(k, 0.0), 3) for k, v in now.items()}
+    per = {k: v for k, v in per.items() if v > 0}
+    per["callers"] = round(c - sum(per.values()), 3)   # exited: the rest of the process
     s = ds.statistics()
     print(json.dumps({"case": case, "bytes": nbytes, "ops": ops, "seconds": dt, "cpu": c,
+                      "threads": per,
                       "host_hits": s.host_hits if s else 0, "peer_hits": s.peer_hits if s else 0}),
           flush=True)
     sys.stdin.readline()          # the bench reads the nodes' CPU between cases
@@ -104,16 +134,18 @@ CASES = (("small-8t", "files/s"), ("seq-4t", "MB/s"))
 def _run(c: Any, mode: str, spec: dict[str, Any], work: Path) -> dict[str, dict[str, float]]:
     """One fresh reader: per case files/s or MB/s, CPU-s per GB (reader; reader + nodes)."""
     config = dict(spec["config"])
-    if mode == "vrdma":
+    if mode.startswith("vrdma"):
         config["cluster.grant_socket"] = ""
-    mp = c.mount("bench", "--cache-mem", CLIENT_CACHE) if mode == "mount" else None
+    tree = Path(spec["ab_tree"]) if mode.endswith("@ab") else REPO
+    mp = c.mount("bench", "--cache-mem", CLIENT_CACHE, tree=tree) if mode.startswith("mount") else None
     path = work / f"spec-{mode}.json"
     path.write_text(json.dumps({**spec, "config": config, "root": str(mp or "")}))
     drop_caches()
     nodes = [p.pid for name, p in c.procs.items() if name.startswith("n")]
     daemon = daemon_pid(mp) if mp is not None else None
+    env = dict(os.environ, PYTHONPATH=str(tree))     # the reader's code: this checkout or --ab-tree
     proc = subprocess.Popen(c.client_argv([sys.executable, "-c", READER, str(path)]),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tree, env=env)
     assert proc.stdin is not None and proc.stdout is not None
     out: dict[str, dict[str, float]] = {}
     n0, d0 = sum(process_cpu(pid) or 0.0 for pid in nodes), process_cpu(daemon) or 0.0
@@ -126,7 +158,9 @@ def _run(c: Any, mode: str, spec: dict[str, Any], work: Path) -> dict[str, dict[
         mine = fig["cpu"] + d1 - d0
         out[fig["case"]] = {per: rate, "cpu_s_per_GB": mine / gb,
                             "with_nodes_cpu_s_per_GB": (mine + n1 - n0) / gb,
-                            "host_hits": fig["host_hits"], "peer_hits": fig["peer_hits"]}
+                            "host_hits": fig["host_hits"], "peer_hits": fig["peer_hits"],
+                            "thread_cpu_us_per_op": {k: round(v / fig["ops"] * 1e6)
+                                                     for k, v in fig["threads"].items()}}
         proc.stdin.write("\n")
         proc.stdin.flush()
         n0, d0 = sum(process_cpu(pid) or 0.0 for pid in nodes), process_cpu(daemon) or 0.0
@@ -151,7 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--big-mb", type=int, default=64, help="size of each of the 4 large files")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--modes", default="grant,vrdma,mount",
-                    help="comma-separated: grant, vrdma, mount (the first is the ratios' numerator)")
+                    help="comma-separated: grant, vrdma, mount (the first is the ratios' numerator);"
+                         " grant@ab, vrdma@ab: the same reader run from --ab-tree")
+    ap.add_argument("--ab-tree", type=Path, default=None,
+                    help="another checkout, built in place (a baseline for the @ab modes)")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     _fixtures()
@@ -175,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                           if common[i] == "--set")
             config["cache.memory"] = CLIENT_CACHE
             spec = {"dataset": "bench", "etcd": c.etcd_urls, "config": config,
-                    "small": small, "big": big}
+                    "small": small, "big": big, "ab_tree": str(args.ab_tree or REPO)}
             runs: dict[str, list[dict[str, dict[str, float]]]] = {m: [] for m in modes}
             for _ in range(args.reps):
                 for mode in runs:

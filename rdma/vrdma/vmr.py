@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..api import SGE
-from ..buffer import anonymous
+from ..buffer import anonymous, copy_out
 from ..enums import IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_READ
 from ..errors import RdmaUserError
 
@@ -106,9 +106,12 @@ class VMR:
         return mr.buf + offset, mr.lkey
 
     def sge(self, nic: str, offset: int, length: int) -> SGE:
+        self._inside(offset, length)
+        return self.mrs[nic].sge(offset, length)
+
+    def _inside(self, offset: int, length: int) -> None:
         if offset < 0 or length < 0 or offset + length > self.length:
             raise RdmaUserError(f"[{offset}, {offset + length}) outside vMR of {self.length}")
-        return self.mrs[nic].sge(offset, length)
 
     def remote(self, name: str | None = None) -> RemoteVMR:
         return RemoteVMR(name if name is not None else self.name, self.length,
@@ -118,7 +121,10 @@ class VMR:
         self.view[offset:offset + len(data)] = data
 
     def read(self, length: int, offset: int = 0) -> bytes:
-        return bytes(self.view[offset:offset + length])
+        """A copy of ``length`` bytes from ``offset`` (``rdma.buffer.copy_out``: a large
+        one without the GIL); RdmaUserError outside the vMR."""
+        self._inside(offset, length)
+        return copy_out(self._map, offset, length)
 
     def close(self) -> None:
         if self._closed:
