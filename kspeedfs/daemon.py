@@ -46,7 +46,7 @@ from .fuse.operations import Operations
 from .fuse.pagecache import PageCache
 from .manifest import sealed
 from .manifest.index import ManifestIndex
-from .manifest.load import ask_socket, mount_wait, open_index, page_dirs
+from .manifest.load import open_on_host
 from .manifest.store import identity
 from .manifest.store.base import DatasetInfo
 from .reader import Reader
@@ -91,9 +91,7 @@ def load_dataset(cfg: Config, req: MountRequest) -> tuple[DatasetInfo, bytes, Ma
             log.warning("resume: %s; loading it from the store", e)
     if info is None or blob is None:
         info, blob = compose.fetch_manifest(cfg, req.dataset, req.version)
-    dirs = page_dirs(cfg)
-    return info, blob, open_index(blob, info, dirs, cfg.store.page_cache, mount_wait(cfg, dirs),
-                                  ask_socket(cfg))
+    return info, blob, open_on_host(cfg, blob, info)
 
 
 async def _served_version(req: MountRequest, path: str) -> MountRequest:

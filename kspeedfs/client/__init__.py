@@ -36,8 +36,7 @@ from .. import compose
 from ..cache.prefetch import Stream
 from ..config import Config, load
 from ..manifest.index import ManifestIndex
-from ..manifest.load import open_index
-from ..manifest.store import page_dir
+from ..manifest.load import open_on_host
 from ..manifest.store.base import DatasetInfo
 from ..stats import ReadStatistics
 from .errors import PathLike, boundary, mapped, oserror
@@ -93,7 +92,7 @@ def open_dataset(name: str, version: int | None = None, *, etcd: Sequence[str] |
     with boundary(name):
         cfg = _config(etcd, config)
         info, blob = compose.fetch_manifest(cfg, name, version)
-        index = open_index(blob, info, page_dir(cfg.store), cfg.store.page_cache)
+        index = open_on_host(cfg, blob, info)
         del blob
         return Dataset(cfg, info, index, source)
 

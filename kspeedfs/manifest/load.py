@@ -146,6 +146,16 @@ def load_index(store: MetadataStore, info: DatasetInfo, cache_bytes: int = 1 << 
     return open_index(blob, info, dirs, cache_bytes)
 
 
+def open_on_host(cfg: Config, blob: bytes, info: DatasetInfo) -> ManifestIndex:
+    """:func:`open_index` as a mount or a library handle on this host opens a version:
+    its pages from :func:`page_dirs`, waiting for the host's node's copy when that is
+    the only directory (:func:`mount_wait`), asking the node for what it lacks
+    (:func:`ask_socket`)."""
+    dirs = page_dirs(cfg)
+    return open_index(blob, info, dirs, cfg.store.page_cache, mount_wait(cfg, dirs),
+                      ask_socket(cfg))
+
+
 def mount_wait(cfg: Config, dirs: Sequence[str]) -> float:
     """How long a mount waits for a paged version's pages: ``PAGE_COPY_WAIT`` when its
     only page directory is the host's node's copy, else not at all."""
