@@ -6,6 +6,9 @@ put in a bucket, imported (4 MiB chunks) into an embedded store; each round, alt
 
 * **get**: ``obstore.get`` of the whole object, the bytes read out (the client the
   ``gs://`` source uses, one request: what a plain download does);
+* **cp**: the same GET streamed into a local file, as ``aws s3 cp`` (or ``gsutil cp``)
+  leaves it (written, not synced; the file removed after the round): the issue's
+  "``aws s3 cp``-equivalent GET with the same client";
 * **cat**: a fresh mount (empty chunk cache), the page cache dropped, the file read
   with 1 MiB reads, as ``cat`` does: the mount's ranged GETs, one a chunk, its read-ahead
   keeping several in flight, every chunk's xxh3 checked.
@@ -45,6 +48,19 @@ def _cat(path: Path) -> int:
     return n
 
 
+def _cp(store: object, path: Path) -> float:
+    """Seconds to GET the object into a new local file (then removed)."""
+    import obstore
+
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        for piece in obstore.get(store, KEY).stream(min_chunk_size=1 << 20):  # type: ignore[arg-type]
+            f.write(piece)
+    took = time.perf_counter() - t
+    path.unlink()
+    return took
+
+
 def main(argv: list[str] | None = None) -> None:
     import obstore
 
@@ -63,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         node.import_(f"gs://{BUCKET}/big", "cat")          # type: ignore[arg-type]
         bucket = connect(f"gs://{BUCKET}/big", config.load(environ={}).source)
         store = bucket.store                                # type: ignore[attr-defined]
-        rates: dict[str, list[float]] = {"get": [], "cat": []}
+        rates: dict[str, list[float]] = {"get": [], "cp": [], "cat": []}
         cpu: list[float] = []               # the mount daemon's CPU-s per GB
         get_cpu: list[float] = []           # this process's, for the GET
         try:
@@ -73,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                 rates["get"].append(got / (time.perf_counter() - t) / 1e6)
                 get_cpu.append(((process_cpu(os.getpid()) or 0.0) - c0) / (size / 1e9))
                 assert got == size, got
+                rates["cp"].append(size / _cp(store, Path(tmp) / "cp.out") / 1e6)
                 mp = node.mount("cat", None, *(x for kv in args.set for x in ("--set", kv)))
                 drop_caches()
                 pid = daemon_pid(mp)
@@ -90,8 +107,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {statistics.median(r):,.0f} MB/s [{min(r):,.0f}-{max(r):,.0f}]")
     print(f"CPU-s/GB: the GET {statistics.median(get_cpu):.2f}, the mount's daemon "
           f"{statistics.median(cpu):.2f}")
-    ratios = sorted(c / g for c, g in zip(rates["cat"], rates["get"], strict=True))
-    print(f"cat / get = {statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+    for base in ("get", "cp"):
+        ratios = sorted(c / g for c, g in zip(rates["cat"], rates[base], strict=True))
+        print(f"cat / {base} = {statistics.median(ratios):.2f}x "
+              f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]")
 
 
 if __name__ == "__main__":
