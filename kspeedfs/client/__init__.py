@@ -191,13 +191,24 @@ class Dataset:
             OSError: EIO when no tier can produce verified bytes (ChunkUnavailable) or
                 the source changed since import (SourceChanged).
         """
+        entry, offset, size = self._job(path, offset, size)
+        return self.reads.read(entry, offset, size, path) if size else b""
+
+    async def aread(self, path: PathLike, offset: int = 0, size: int | None = None) -> bytes:
+        """:meth:`read` for asyncio and trio code: awaited, with no thread blocked on it
+        (a memory hit is answered at once; a load runs in the dataset's trio thread
+        while the caller's event loop goes on). Cancelling the caller abandons the
+        answer. Raises as :meth:`read`."""
+        entry, offset, size = self._job(path, offset, size)
+        return await self.reads.aread(entry, offset, size, path) if size else b""
+
+    def _job(self, path: PathLike, offset: int, size: int | None) -> tuple[int, int, int]:
+        """(entry, offset, size) of a read of ``path``, its size cut at the file's end."""
         entry = self.tree.file(path)
         if offset < 0 or (size is not None and size < 0):
             raise ValueError("offset and size must be >= 0")
         end = self.index.size[entry] if size is None else min(offset + size, self.index.size[entry])
-        if end <= offset:
-            return b""
-        return self.reads.read(entry, offset, end - offset, path)
+        return entry, offset, max(0, end - offset)
 
     def read_many(self, items: Iterable[PathLike | tuple[PathLike, int, int | None]], *,
                   return_exceptions: bool = False) -> list[Any]:
@@ -208,21 +219,39 @@ class Dataset:
         that fails: its OSError in its place with ``return_exceptions``, else the first
         failing item (in ``items``' order) raises once all have finished."""
         items = list(items)
+        todo, failed = self._jobs(items)
+        return self._answers(items, failed, self.reads.read_batch(todo), return_exceptions)
+
+    async def aread_many(self, items: Iterable[PathLike | tuple[PathLike, int, int | None]], *,
+                         return_exceptions: bool = False) -> list[Any]:
+        """:meth:`read_many` for asyncio and trio code, as :meth:`aread` is :meth:`read`."""
+        items = list(items)
+        todo, failed = self._jobs(items)
+        batch = await self.reads.aread_batch(todo)
+        return self._answers(items, failed, batch, return_exceptions)
+
+    def _jobs(self, items: list[Any]) -> tuple[list[tuple[int, int, int] | None],
+                                               list[Exception | None]]:
+        """Each item's (entry, offset, size), or None and its error (a bad path)."""
         todo: list[tuple[int, int, int] | None] = []
         failed: list[Exception | None] = []
         for item in items:
             path, offset, size = item if isinstance(item, tuple) else (item, 0, None)
             try:
-                entry = self.tree.file(path)
-                if offset < 0 or (size is not None and size < 0):
-                    raise ValueError("offset and size must be >= 0")
-                end = self.index.size[entry] if size is None else offset + size
-                todo.append((entry, offset, max(0, end - offset)))
+                todo.append(self._job(path, offset, size))
                 failed.append(None)
             except OSError as e:
                 todo.append(None)
                 failed.append(e)
-        results, faults = self.reads.read_batch(todo)
+        return todo, failed
+
+    @staticmethod
+    def _answers(items: list[Any], failed: list[Exception | None],
+                 batch: tuple[list[Any], list[Exception | None]],
+                 return_exceptions: bool) -> list[Any]:
+        """The batch's results in ``items``' order, errors mapped with their paths;
+        raise the first unless ``return_exceptions``."""
+        results, faults = batch
         for i, error in enumerate(faults):
             if error is not None:
                 item = items[i]

@@ -7,6 +7,9 @@
       compose.host_grant → host?         the node on this host's granted segments, mapped
       compose.new_reader                 the Reader, its loads in this thread's nursery
     call(afn, *args)                     ``await afn(*args)`` here, from a caller's thread
+    acall(afn, *args)                    the same, awaited by a caller's asyncio or trio
+                                         task: started here with no thread blocked, its
+                                         outcome handed back to the caller's event loop
     close()                              stops the loop; the tiers and the cluster go
 
 Why a thread of its own, and not ``trio.run`` per call: docs/design.md, "The Python
@@ -14,6 +17,7 @@ library".
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import errno
@@ -23,6 +27,8 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import outcome
+import sniffio
 import trio
 
 from .. import compose
@@ -66,6 +72,7 @@ class ReadLoop:
     reader: Reader
     memory: MemoryCache
     host: HostGrant | None = None
+    _nursery: trio.Nursery
 
     def __init__(self, cfg: Config, info: DatasetInfo, index: ManifestIndex,
                  source: str | None = None) -> None:
@@ -113,6 +120,7 @@ class ReadLoop:
             self.reader.served_elsewhere = self._served_outside
             self.memory = tiers.memory
             self.host = host
+            self._nursery = nursery
             self._token = trio.lowlevel.current_trio_token()
             self._stop = trio.Event()
             self._started.set()
@@ -128,6 +136,50 @@ class ReadLoop:
                 return trio.from_thread.run(afn, *args, trio_token=self._token)
             except trio.RunFinishedError:
                 raise ValueError("I/O operation on a closed dataset") from None
+
+    async def acall(self, afn: Callable[..., Awaitable[T]], *args: Any,
+                    path: PathLike | None = None) -> T:
+        """``await afn(*args)`` in the loop, awaited from an asyncio or trio task of
+        any thread: no thread waits for it. Cancelling the caller abandons the answer,
+        not the read (it ends in the loop, as a thread's read would); errors are those
+        of :meth:`call`."""
+        self.check()
+        library = sniffio.current_async_library()
+        if library == "asyncio":
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[outcome.Outcome[Any]] = loop.create_future()
+            self._submit(afn, args, lambda o: loop.call_soon_threadsafe(_settle, future, o))
+            result = await future
+        elif library == "trio":
+            token, done, box = trio.lowlevel.current_trio_token(), trio.Event(), []
+
+            def answered(o: outcome.Outcome[Any]) -> None:
+                box.append(o)
+                with contextlib.suppress(trio.RunFinishedError):   # the caller's run ended
+                    token.run_sync_soon(done.set)
+            self._submit(afn, args, answered)
+            await done.wait()
+            result = box[0]
+        else:
+            raise RuntimeError(f"kspeedfs reads are awaited from asyncio or trio, not {library}")
+        with boundary(path):
+            return result.unwrap()  # type: ignore[no-any-return]
+
+    def _submit(self, afn: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
+                answer: Callable[[outcome.Outcome[Any]], object]) -> None:
+        """Start ``afn(*args)`` as a task of the loop; ``answer`` gets its outcome, in
+        the loop's thread (a close cancelling it: ValueError, as a closed handle's)."""
+        async def task() -> None:
+            o = await outcome.acapture(afn, *args)
+            if isinstance(o, outcome.Error) and isinstance(o.error, trio.Cancelled):
+                o = outcome.Error(ValueError("I/O operation on a closed dataset"))
+            answer(o)
+
+        assert self._token is not None
+        try:
+            self._token.run_sync_soon(self._nursery.start_soon, task)
+        except trio.RunFinishedError:
+            raise ValueError("I/O operation on a closed dataset") from None
 
     def check(self) -> None:
         """Raise unless this handle may be used here: ValueError once closed,
@@ -179,3 +231,9 @@ class ReadLoop:
         with self._lock:
             hits, nbytes = self._served[3], self._served[4]
         return dataclasses.replace(s, host_hits=s.host_hits + hits, host_bytes=s.host_bytes + nbytes)
+
+
+def _settle(future: asyncio.Future[outcome.Outcome[Any]], o: outcome.Outcome[Any]) -> None:
+    """The outcome into an asyncio caller's future, unless the caller gave up on it."""
+    if not future.done():
+        future.set_result(o)

@@ -5,6 +5,8 @@
                                       grant? copied right here (``_hosted``); else one
                                       ``ReadLoop.call`` (a batch: one for all), the
                                       Reader's loads overlapping in the loop
+    aread / aread_batch               the same for asyncio or trio callers, with
+                                      ``ReadLoop.acall``: no thread waits
     read_all                          always the loop (the rest of a file: its chunks
                                       load concurrently, its stream prefetches)
 
@@ -40,6 +42,8 @@ __all__ = ["FileReads"]
 
 #: (entry, offset, size) of one file read; None: nothing to read there
 Job = tuple[int, int, int] | None
+#: a batch's bytes and errors (None: that job succeeded), in its jobs' order
+Batch = tuple[list[Any], list[Exception | None]]
 
 
 class FileReads:
@@ -91,10 +95,31 @@ class FileReads:
         s.run, s.next_offset = (s.run + 1 if offset == s.next_offset else 0), offset + len(buf)
         return _copy(parts, buf)
 
-    def read_batch(self, todo: list[Job]) -> tuple[list[Any], list[Exception | None]]:
+    async def aread(self, entry: int, offset: int, size: int, path: PathLike) -> bytes:
+        """:meth:`read`, awaited from an asyncio or trio task (``ReadLoop.acall``)."""
+        self.loop.check()
+        data = self._here(entry, offset, size)
+        if data is not None:
+            return data
+        return await self.loop.acall(self._read, entry, offset, size, path=path)
+
+    def read_batch(self, todo: list[Job]) -> Batch:
         """Each job's bytes (``b""`` for None) and its error (None: it succeeded), in
         ``todo``'s order: resident ones here, the rest in one call to the loop, at most
         ``READ_MANY_CONCURRENCY`` files at once. ``todo`` is consumed."""
+        here = self._batch_here(todo)
+        rest = self.loop.call(self._read_batch, todo) if any(todo) else None
+        return _merged(len(todo), here, rest)
+
+    async def aread_batch(self, todo: list[Job]) -> Batch:
+        """:meth:`read_batch`, awaited from an asyncio or trio task."""
+        here = self._batch_here(todo)
+        rest = await self.loop.acall(self._read_batch, todo) if any(todo) else None
+        return _merged(len(todo), here, rest)
+
+    def _batch_here(self, todo: list[Job]) -> dict[int, bytes]:
+        """The jobs answered in this thread (resident, or from the host's grant), taken
+        out of ``todo``."""
         self.loop.check()
         here: dict[int, bytes] = {}
         for i, job in enumerate(todo):
@@ -105,13 +130,7 @@ class FileReads:
                 if data is not None:
                     here[i] = data
                     todo[i] = None
-        if any(job is not None for job in todo):
-            results, errors = self.loop.call(self._read_batch, todo)
-        else:                               # all resident: no trio hop
-            results, errors = [b""] * len(todo), [None] * len(todo)
-        for i, data in here.items():
-            results[i] = data
-        return results, errors
+        return here
 
     def _here(self, entry: int, offset: int, size: int) -> bytes | None:
         """Bytes [offset, offset + size) answered in this thread (``size`` > 0, inside
@@ -181,7 +200,7 @@ class FileReads:
     async def _readinto(self, entry: int, offset: int, buf: memoryview, stream: Stream) -> int:
         return _copy(await self.loop.reader.read_parts(entry, offset, len(buf), stream), buf)
 
-    async def _read_batch(self, todo: list[Job]) -> tuple[list[Any], list[Exception | None]]:
+    async def _read_batch(self, todo: list[Job]) -> Batch:
         results: list[Any] = [b""] * len(todo)
         errors: list[Exception | None] = [None] * len(todo)
         limit = trio.CapacityLimiter(READ_MANY_CONCURRENCY)
@@ -198,6 +217,16 @@ class FileReads:
                 if item is not None:
                     n.start_soon(one, i, *item)
         return results, errors
+
+
+def _merged(n: int, here: dict[int, bytes], rest: Batch | None) -> Batch:
+    """A batch's answers: the loop's (``rest``; None when every job was answered here),
+    with those answered here in their places."""
+    empty: Batch = ([b""] * n, [None] * n)
+    results, errors = rest if rest is not None else empty
+    for i, data in here.items():
+        results[i] = data
+    return results, errors
 
 
 def _copy(parts: list[Any], buf: memoryview) -> int:
