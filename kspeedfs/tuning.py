@@ -123,6 +123,10 @@ C_SLOTS = 16
 #: staging slots C holds for good for the small files' extents it starts (each of
 #: ReadPolicy.small_file_limit bytes): twice the readers of the ImageNet-like case
 C_STAGING = 16
+#: the share of the memory tier's transient part the random reads' blocks C starts may
+#: hold in C's own pool (``Routes.keep``, native/fuse_tier.h tier_keep), lent as it fills:
+#: the rest stays the sequential readers' prefetch windows
+KEPT_FRACTION = 0.5
 
 # -- hedging (cluster/hedge.py) -------------------------------------------------------
 

@@ -45,6 +45,16 @@
  *                                                    C's again at once; FE_FETCHED (cookie
  *                                                    with FE_OWN | FE_PART) names the file,
  *                                                    its chunk, the peer and the path
+ *   a random READ inside one block that missed,   ─► fetch_start_block: the same, the
+ *   its chunk routed                                 block's xxh3-64; verified, it is
+ *                                                    copied into a buffer of the tier's
+ *                                                    own pool (fetch_keep, tier_keep: its
+ *                                                    oldest block evicted) and no event
+ *                                                    is sent for it: a tally per peer path
+ *                                                    (FE_KEPT: blocks, bytes, the last
+ *                                                    READ's time) every FE_KEPT_TELL blocks
+ *                                                    or FE_KEPT_TELL_MS. Late, or no pool:
+ *                                                    as an extent's (Python adopts it)
  *
  * The fetch is never right about a fault, only steps aside: a WC error, a short READ or
  * a digest mismatch (the replica reused the slot) hands everything to Python's path.
@@ -81,11 +91,17 @@ enum {
 #define FE_OWN (1ULL << 63)   /* in the cookie of a fetch C started (fetch_start) */
 #define FE_PART (1ULL << 62)  /* beside FE_OWN: a small file's extent (fetch_start_part) */
 #define FE_BLOCK (1ULL << 61) /* beside FE_PART: a random read's block (fetch_start_block) */
-#define FE_PEERS 64           /* peers routes may name */
-#define FE_PATHS 2            /* UP paths a peer's entry holds (used in turn) */
-#define FE_NICS 4             /* local NICs a landing slot has an lkey on */
-#define FE_SLOTS 64           /* landing slots Python may give C at once */
-#define FE_STAGING 32         /* staging slots for the extents C starts (fetch_staging) */
+/* beside FE_BLOCK: a tally of blocks C kept in the tier's pool (fetch_keep), told instead
+ * of one FE_FETCHED each: ``slot`` blocks of ``chunk`` bytes in all from ``peer``'s
+ * ``path``, ``t0`` as far before the event as the last one's READ took */
+#define FE_KEPT (1ULL << 60)
+#define FE_KEPT_TELL 16   /* kept blocks a tally holds at most */
+#define FE_KEPT_TELL_MS 5 /* ... or for at most this long, from its first */
+#define FE_PEERS 64       /* peers routes may name */
+#define FE_PATHS 2        /* UP paths a peer's entry holds (used in turn) */
+#define FE_NICS 4         /* local NICs a landing slot has an lkey on */
+#define FE_SLOTS 64       /* landing slots Python may give C at once */
+#define FE_STAGING 32     /* staging slots for the extents C starts (fetch_staging) */
 /* the hedger's READ size classes (cluster/hedge.py): ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M,
  * larger */
 #define FE_SIZE_CLASSES 7
@@ -109,6 +125,7 @@ struct fe_fetch_counters {
     uint64_t redundant;     /* landed verified, but the tier had the chunk (EXISTS) */
     uint64_t started;       /* of ``posted``: started in C (fetch_start, _start_part) */
     uint64_t started_parts; /* of ``started``: small files' extents (fetch_start_part) */
+    uint64_t kept;          /* of ``landed``: blocks kept in the tier's pool (fetch_keep) */
 };
 
 struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t,
@@ -182,6 +199,12 @@ int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t l
 int fetch_start_block(struct fe_fetch *f, uint64_t k, uint64_t b, uint64_t offset,
                       uint32_t len, const uint8_t *key, const uint8_t *want,
                       const struct fe_read *read);
+/* Keep the random reads' blocks C starts (fetch_start_block) in a pool of ``n`` buffers
+ * of ``unit`` bytes the tier owns (tier_keep_pool), told to Python in tallies (FE_KEPT), not
+ * one by one for it to adopt. Once; -EEXIST after, -ENOMEM. */
+int fetch_keep(struct fe_fetch *f, uint32_t unit, uint32_t n);
+/* The bytes of the pool's buffers used so far (what it holds at most). */
+size_t fetch_kept_bytes(struct fe_fetch *f);
 /* Start chunk ``k`` here if it has a route to a peer that is on and a landing slot is free:
  * 1 (or it is in flight already), else 0 (the caller hints Python). Any thread. */
 int fetch_start(struct fe_fetch *f, uint64_t k);

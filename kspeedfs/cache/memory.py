@@ -146,6 +146,7 @@ class MemoryCache:
         self._put_at: dict[bytes, int] = {}     # transient key -> _put_bytes after its put
         self._put_bytes = 0                     # bytes ever put into the transient part
         self._mirror: Mirror | None = None
+        self.lent = 0                           # of the transient part's capacity: ``lend``
 
     def mirror_to(self, mirror: Mirror | None) -> None:
         """Mirror every buffer held now and later into ``mirror`` (None: stop)."""
@@ -157,7 +158,19 @@ class MemoryCache:
 
     @property
     def used(self) -> int:
-        return self._resident_used + self._transient_used
+        """Bytes held: this cache's buffers and the room lent (``lend``)."""
+        return self._resident_used + self._transient_used + self.lent
+
+    def lend(self, nbytes: int) -> None:
+        """Let a holder outside this cache (the native fetch's pool of kept blocks,
+        native/fuse_tier.h ``tier_keep``) hold ``nbytes`` of the transient part's capacity
+        (at most all of it; it only grows): the transient LRU shrinks by as much, evicting,
+        so this cache and that holder together stay within ``capacity``."""
+        more = min(nbytes, self.transient_capacity + self.lent) - self.lent
+        if more > 0:
+            self.lent += more
+            self.transient_capacity -= more
+            self._evict()
 
     @property
     def resident_used(self) -> int:

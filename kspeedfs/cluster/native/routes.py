@@ -8,6 +8,7 @@
     Routes.feed()            C_SLOTS landing slots with C (fetch_slot), and once C_STAGING
                              staging slots for the small files' extents it starts
     Routes.slot / origin     from a C-started fetch's FETCHED back to its slot, node and QP
+    Routes.lend_kept()       the memory tier lends C's pool of kept blocks the room it took
 
 A sequential reader's window then starts each routed chunk in C as it enters, and a
 small file's READ that misses in a routed chunk its extent, with no hint to Python:
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ..hedge import size_class
 from ..landing import Slot
 from .inflight import fe
-from ...tuning import C_SLOTS, C_STAGING, ROUTE_AHEAD
+from ...tuning import C_SLOTS, C_STAGING, KEPT_FRACTION, ROUTE_AHEAD
 
 if TYPE_CHECKING:
     from rdma.vrdma import VQP
@@ -180,7 +181,13 @@ class Routes:
             self._slots[sid] = slot
 
     def _stage(self) -> None:
-        """C_STAGING staging slots of ``small_file_limit`` bytes (pages), C's for good."""
+        """C_STAGING staging slots of ``small_file_limit`` bytes (pages), C's for good;
+        with them, when C starts random reads' blocks, its pool to keep them in."""
+        if self.starts_blocks:
+            ix = self.index
+            n = int(self.memory.transient_capacity * KEPT_FRACTION) // ix.block_size
+            if n:
+                self.engine.fetch_keep(ix.block_size, n)
         size = -(-self._part_size // 4096) * 4096
         vmr = self._staging = self.peers.ep.alloc(C_STAGING * size, name="c-staging")
         for i in range(C_STAGING):
@@ -188,6 +195,12 @@ class Routes:
             if not self.engine.fetch_staging(keys[0][0], self._part_size,
                                              [lkey for _, lkey in keys]):
                 return
+
+    def lend_kept(self) -> None:
+        """The memory tier lends C's pool of kept blocks the room its buffers take so far
+        (the pool only grows, up to KEPT_FRACTION of the transient part): the tier and
+        the pool together stay within ``cache.memory``."""
+        self.memory.lend(self.engine.fetch_kept_bytes())
 
     def slot(self, sid: int, back: bool = False) -> Slot | None:
         """C's landing slot ``sid`` (``back``: C has given it back), or None."""
