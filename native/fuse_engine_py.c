@@ -838,7 +838,7 @@ static PyMethodDef Engine_methods[] = {
     {"fetch_staging", (PyCFunction)Engine_fetch_staging, METH_VARARGS,
      "fetch_staging(laddr, size, lkeys) -> bool: a staging slot for the extents C starts"},
     {"fetch_keep", (PyCFunction)Engine_fetch_keep, METH_VARARGS,
-     "fetch_keep(unit, n) -> bool: C-started blocks kept in a pool of n buffers the tier owns"},
+     "fetch_keep(unit, n, limit) -> bool: C-started blocks kept in a pool the tier owns"},
     {"fetch_kept_bytes", (PyCFunction)Engine_fetch_kept_bytes, METH_NOARGS,
      "fetch_kept_bytes() -> int: the bytes of that pool's buffers used so far"},
     {"fetch_route", (PyCFunction)Engine_fetch_route, METH_VARARGS,

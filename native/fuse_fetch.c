@@ -1028,7 +1028,7 @@ int fetch_stop(struct fe_fetch *f, int timeout_ms)
         pthread_join(f->thread, NULL);
         f->started = 0;
     }
-    tally_flush(f, 0, 1); /* the counts add up */
+    tally_flush(f, fe_now_ns(), 1); /* the counts add up */
     pthread_mutex_lock(&f->lock);
     int left = f->active;
     for (int i = 0; i < FE_FETCH_MAX; i++) {
@@ -1078,9 +1078,9 @@ void fetch_counters(struct fe_fetch *f, struct fe_fetch_counters *c)
     pthread_mutex_unlock(&f->lock);
 }
 
-int fetch_keep(struct fe_fetch *f, uint32_t unit, uint32_t n)
+int fetch_keep(struct fe_fetch *f, uint32_t unit, uint32_t n, uint32_t limit)
 {
-    return tier_keep_pool(f->t, unit, n);
+    return tier_keep_pool(f->t, unit, n, limit);
 }
 
 size_t fetch_kept_bytes(struct fe_fetch *f) { return tier_kept_bytes(f->t); }

@@ -91,20 +91,22 @@ enum {
 #define FE_OWN (1ULL << 63)   /* in the cookie of a fetch C started (fetch_start) */
 #define FE_PART (1ULL << 62)  /* beside FE_OWN: a small file's extent (fetch_start_part) */
 #define FE_BLOCK (1ULL << 61) /* beside FE_PART: a random read's block (fetch_start_block) */
+#define FE_PEERS 64           /* peers routes may name */
+#define FE_PATHS 2            /* UP paths a peer's entry holds (used in turn) */
+#define FE_NICS 4             /* local NICs a landing slot has an lkey on */
+#define FE_SLOTS 64           /* landing slots Python may give C at once */
+#define FE_STAGING 32         /* staging slots for the extents C starts (fetch_staging) */
+/* the hedger's READ size classes (cluster/hedge.py): ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M,
+ * larger */
+#define FE_SIZE_CLASSES 7
 /* beside FE_BLOCK: a tally of blocks C kept in the tier's pool (fetch_keep), told instead
  * of one FE_FETCHED each: ``slot`` blocks of ``chunk`` bytes in all from ``peer``'s
  * ``path``, ``t0`` as far before the event as the last one's READ took */
 #define FE_KEPT (1ULL << 60)
-#define FE_KEPT_TELL 16   /* kept blocks a tally holds at most */
-#define FE_KEPT_TELL_MS 5 /* ... or for at most this long, from its first */
-#define FE_PEERS 64       /* peers routes may name */
-#define FE_PATHS 2        /* UP paths a peer's entry holds (used in turn) */
-#define FE_NICS 4         /* local NICs a landing slot has an lkey on */
-#define FE_SLOTS 64       /* landing slots Python may give C at once */
-#define FE_STAGING 32     /* staging slots for the extents C starts (fetch_staging) */
-/* the hedger's READ size classes (cluster/hedge.py): ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M,
- * larger */
-#define FE_SIZE_CLASSES 7
+#define FE_KEPT_TELL 16 /* kept blocks a tally holds at most */
+/* ... or for at most this long, from its first: half the heartbeat interval, so a path
+ * carrying only kept blocks is not probed (rdma/vrdma/heartbeat.py) */
+#define FE_KEPT_TELL_MS 5
 
 /* One UP path to a peer: the soft engine of its local NIC (a fetch CQ there), its QP, the
  * peer's arena through it, and which of a landing slot's lkeys it takes. */
@@ -200,9 +202,9 @@ int fetch_start_block(struct fe_fetch *f, uint64_t k, uint64_t b, uint64_t offse
                       uint32_t len, const uint8_t *key, const uint8_t *want,
                       const struct fe_read *read);
 /* Keep the random reads' blocks C starts (fetch_start_block) in a pool of ``n`` buffers
- * of ``unit`` bytes the tier owns (tier_keep_pool), told to Python in tallies (FE_KEPT), not
- * one by one for it to adopt. Once; -EEXIST after, -ENOMEM. */
-int fetch_keep(struct fe_fetch *f, uint32_t unit, uint32_t n);
+ * of ``unit`` bytes the tier owns, at most ``limit`` of them used (tier_keep_pool: again
+ * to raise it), told to Python in tallies (FE_KEPT), not one by one for it to adopt. */
+int fetch_keep(struct fe_fetch *f, uint32_t unit, uint32_t n, uint32_t limit);
 /* The bytes of the pool's buffers used so far (what it holds at most). */
 size_t fetch_kept_bytes(struct fe_fetch *f);
 /* Start chunk ``k`` here if it has a route to a peer that is on and a landing slot is free:

@@ -497,17 +497,18 @@ PyObject *Engine_fetch_stop(EngineObject *self, PyObject *args)
     return e ? PyLong_FromLong(fetch_release(self, e, timeout_ms)) : NULL;
 }
 
-/* fetch_keep(unit, n) -> bool: the random reads' blocks C starts kept in a pool of ``n``
- * buffers of ``unit`` bytes the tier owns (False: it has one already). */
+/* fetch_keep(unit, n, limit) -> bool: the random reads' blocks C starts kept in a pool of
+ * ``n`` buffers of ``unit`` bytes the tier owns, ``limit`` of them used at most (again: the
+ * limit raised; False: a pool of another shape is there). */
 PyObject *Engine_fetch_keep(EngineObject *self, PyObject *args)
 {
-    unsigned int unit, n;
-    if (!PyArg_ParseTuple(args, "II:fetch_keep", &unit, &n))
+    unsigned int unit, n, limit;
+    if (!PyArg_ParseTuple(args, "III:fetch_keep", &unit, &n, &limit))
         return NULL;
     struct fe_fetch *f = fetch_of(self, "fetch_keep");
     if (!f)
         return NULL;
-    int rc = fetch_keep(f, unit, n);
+    int rc = fetch_keep(f, unit, n, limit);
     if (rc == -EEXIST)
         Py_RETURN_FALSE;
     if (rc < 0)

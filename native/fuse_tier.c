@@ -26,7 +26,8 @@ struct fe_tier {
     uint8_t *pool;             /* npool buffers of unit bytes, one mapping */
     struct kept *kept;
     size_t unit;
-    uint32_t npool, hand, used; /* hand: CLOCK's; used: buffers ever taken */
+    uint32_t npool, limit, hand, used; /* limit: buffers it may use (tier_keep_pool);
+                                        * hand: CLOCK's; used: buffers ever taken */
 };
 
 struct fe_tier *tier_new(void)
@@ -270,13 +271,13 @@ int tier_has(struct fe_tier *t, const uint8_t *key, size_t keylen)
 
 void tier_unref(struct fe_tier *t, struct fe_slot *s) { unref(t, s, 0); }
 
-int tier_keep_pool(struct fe_tier *t, size_t unit, uint32_t n)
+int tier_keep_pool(struct fe_tier *t, size_t unit, uint32_t n, uint32_t limit)
 {
     if (!unit || !n)
         return -EINVAL;
     pthread_mutex_lock(&t->keep_lock);
-    int rc = t->pool ? -EEXIST : 0;
-    if (!rc) {
+    int rc = t->pool && (t->unit != unit || t->npool != n) ? -EEXIST : 0;
+    if (!rc && !t->pool) {
         /* faulted in by first use, then reused: the pool never returns its pages */
         void *pool = mmap(NULL, unit * n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                           -1, 0);
@@ -293,6 +294,8 @@ int tier_keep_pool(struct fe_tier *t, size_t unit, uint32_t n)
             t->npool = n;
         }
     }
+    if (!rc && limit > t->limit) /* (it only grows: the memory tier's loan does) */
+        t->limit = limit < n ? limit : n;
     pthread_mutex_unlock(&t->keep_lock);
     return rc;
 }
@@ -323,15 +326,15 @@ static int evict_kept(struct fe_tier *t, uint32_t i)
     return !atomic_load(&k->held);
 }
 
-/* Under keep_lock: a free buffer of the pool (a new one while some were never used, else
- * CLOCK's next evicted), or -1. */
+/* Under keep_lock: a free buffer of the pool (a new one while fewer than its limit were
+ * ever used, else CLOCK's next evicted), or -1. */
 static int64_t take_kept(struct fe_tier *t)
 {
-    if (t->used < t->npool)
+    if (t->used < t->limit)
         return t->used++;
-    for (uint32_t step = 0; step < 2 * t->npool; step++) {
+    for (uint32_t step = 0; step < 2 * t->used; step++) {
         uint32_t i = t->hand;
-        t->hand = (i + 1) % t->npool;
+        t->hand = (i + 1) % t->used;
         if (!atomic_load(&t->kept[i].held) || evict_kept(t, i))
             return i;
     }

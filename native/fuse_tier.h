@@ -67,8 +67,10 @@ size_t tier_count(struct fe_tier *t);
 struct fe_slot *tier_get(struct fe_tier *t, const uint8_t *key, size_t keylen);
 void tier_unref(struct fe_tier *t, struct fe_slot *s);
 int tier_has(struct fe_tier *t, const uint8_t *key, size_t keylen);
-/* A pool of ``n`` buffers of ``unit`` bytes for tier_keep (once: -EEXIST after; -ENOMEM). */
-int tier_keep_pool(struct fe_tier *t, size_t unit, uint32_t n);
+/* A pool of ``n`` buffers of ``unit`` bytes for tier_keep, made at the first call
+ * (-ENOMEM), of which at most ``limit`` hold blocks: a later call with the same ``unit``
+ * and ``n`` raises the limit (never lowers it), another is -EEXIST. */
+int tier_keep_pool(struct fe_tier *t, size_t unit, uint32_t n, uint32_t limit);
 /* ``len`` verified bytes at ``src`` copied into a pool buffer and put under ``key`` (the
  * pool's oldest kept block evicted for it when none is free): 0; -EEXIST when ``key`` is
  * there already (nothing changed); -ENOSPC when there is no pool, ``len`` exceeds its

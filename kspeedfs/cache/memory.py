@@ -161,16 +161,20 @@ class MemoryCache:
         """Bytes held: this cache's buffers and the room lent (``lend``)."""
         return self._resident_used + self._transient_used + self.lent
 
-    def lend(self, nbytes: int) -> None:
+    def lend(self, nbytes: int) -> int:
         """Let a holder outside this cache (the native fetch's pool of kept blocks,
-        native/fuse_tier.h ``tier_keep``) hold ``nbytes`` of the transient part's capacity
-        (at most all of it; it only grows): the transient LRU shrinks by as much, evicting,
-        so this cache and that holder together stay within ``capacity``."""
-        more = min(nbytes, self.transient_capacity + self.lent) - self.lent
+        native/fuse_tier.h ``tier_keep``) hold up to ``nbytes`` in all: the resident
+        part's room first, then the transient part's capacity (its LRU evicting). The
+        loan only grows; this cache and that holder together stay within ``capacity``.
+        Returns the loan (``lent``)."""
+        more = min(nbytes - self.lent, self.resident_room + self.transient_capacity)
         if more > 0:
+            resident = min(more, self.resident_room)
+            self.resident_capacity -= resident
+            self.transient_capacity -= more - resident
             self.lent += more
-            self.transient_capacity -= more
             self._evict()
+        return self.lent
 
     @property
     def resident_used(self) -> int:
