@@ -105,7 +105,7 @@ enum {
 #define FE_KEPT (1ULL << 60)
 #define FE_KEPT_TELL 16 /* kept blocks a tally holds at most */
 /* ... or for at most this long, from its first: half the heartbeat interval, so a path
- * carrying only kept blocks is not probed (rdma/vrdma/heartbeat.py) */
+ * carrying only kept blocks is seldom probed (rdma/vrdma/heartbeat.py) */
 #define FE_KEPT_TELL_MS 5
 
 /* One UP path to a peer: the soft engine of its local NIC (a fetch CQ there), its QP, the
