@@ -173,6 +173,8 @@ class FetchedEvents:
         self.end(f, status)
         if status not in (fe.FETCH_OK, fe.FETCH_EXISTS, fe.FETCH_MISMATCH):
             self.routes.tell(rec, f.vqp)            # a path that failed is not told again
+        elif cookie & fe.FETCH_BLOCK:
+            self.routes.lend_kept()                 # C's pool had no room for it: lend
         self.routes.feed()
 
     def _kept(self, blocks: int, nbytes: int, peer: int, path: int, since: float) -> None:

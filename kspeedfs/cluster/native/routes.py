@@ -18,6 +18,7 @@ handing each one over from Python was about half of what the trio thread still d
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from ...cache.memory import MemoryCache
     from ...manifest.index import ManifestIndex
     from ..fetch import Peers
+
+log = logging.getLogger(__name__)
 
 
 class Routes:
@@ -188,7 +191,14 @@ class Routes:
             m = self.memory
             self._kept_max = (m.resident_room + int(m.transient_capacity * KEPT_FRACTION)
                               ) // self.index.block_size
-            self.lend_kept()
+            # nothing lent yet: a mount that never reads at random keeps its whole tier
+            # (the first blocks C starts take the old path, and lend: FetchedEvents)
+            try:
+                if self._kept_max:
+                    self.engine.fetch_keep(self.index.block_size, self._kept_max, 0)
+            except OSError as e:                # (no room to map it: Python keeps them)
+                log.warning("native fetch: no pool for the blocks C starts: %s", e)
+                self._kept_max = 0
         size = -(-self._part_size // 4096) * 4096
         vmr = self._staging = self.peers.ep.alloc(C_STAGING * size, name="c-staging")
         for i in range(C_STAGING):
