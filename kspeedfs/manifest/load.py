@@ -9,8 +9,13 @@ front, with a warning: the mount works, with a whole manifest's memory.
 
 Pages come from the directories :func:`page_dirs` lists, in order: the host's node's
 copy (``cluster.page_copy``, ``cluster/page_copy.py``) when it exists, then
-``store.pages``. A page none of them holds is asked of the node (its ask socket,
-``cluster/page_ask.py``): the table pages here, the data pages by the page map in C.
+``store.pages`` when it is a directory. A bucket ``store.pages`` (``objstore/pages.py``)
+is never read here: the page map reads files only (its handler must never need Python),
+so a mount reads such pages through its host's node, as without ``store.pages``, and
+fails at once with one line when the host has no node's copy (reading every page up
+front instead would hold the whole manifest: 10 GB at 10^8 files). A page none of them
+holds is asked of the node (its ask socket, ``cluster/page_ask.py``): the table pages
+here, the data pages by the page map in C.
 With no node to ask and no ``store.pages``, a version the node has not copied yet is
 waited for (``PAGE_COPY_WAIT``): the node writes a version's table pages last, so once
 they are there every page is.
@@ -152,6 +157,12 @@ def open_on_host(cfg: Config, blob: bytes, info: DatasetInfo) -> ManifestIndex:
     the only directory (:func:`mount_wait`), asking the node for what it lacks
     (:func:`ask_socket`)."""
     dirs = page_dirs(cfg)
+    url = cfg.store.pages_url()
+    if url and not dirs and is_root(blob):
+        raise ManifestCorrupt(f"manifest of {info.name} v{info.version} is paged in {url} "
+                              f"(store.pages), which a mount reads through its host's node "
+                              f"only, and no node keeps a page copy here ({cfg.cluster.page_copy}"
+                              f"): start kspeedfs node on this host, or kspeedfs preload {info.name}")
     return open_index(blob, info, dirs, cfg.store.page_cache, mount_wait(cfg, dirs),
                       ask_socket(cfg))
 
