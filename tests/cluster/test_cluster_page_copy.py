@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.cluster import Cluster, HostProcess
+from tests.fixtures.cluster import Cluster, HostProcess, write_small_files
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, FUSE)")
 
@@ -44,13 +43,7 @@ class PagedCluster(Cluster):
 
 
 def _source(root: Path) -> dict[str, bytes]:
-    rnd = random.Random(5)
-    files = {f"d{i % 7}/file-{i:04d}-{rnd.randbytes(6).hex()}.bin": rnd.randbytes(rnd.randint(0, 3000))
-             for i in range(1500)}
-    for rel, data in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(data)
-    return files
+    return write_small_files(root, seed=5, files=1500, dirs=7, max_size=3000)
 
 
 def _counters(c: Cluster, want: int) -> dict[str, dict[str, int]]:
