@@ -177,3 +177,28 @@ def test_a_plain_http_endpoint_is_used_only_as_the_endpoint_says(
         pages.put(hashlib.sha256(b"p").digest(), zlib.compress(b"p"))
     assert "\n" not in str(e.value) and "SSL" in str(e.value)
     assert not _keys(c, b)
+
+
+def test_migrate_writes_a_whole_versions_pages_to_the_bucket(
+        aws_env: S3Server, bucket: tuple[Any, str], tmp_path: Path) -> None:
+    from kspeedfs.manifest.index import inflate
+    from tests.fixtures.mounts import kspeedfs
+
+    c, b = bucket
+    src = tmp_path / "src"
+    for i in range(300):
+        (src / f"d{i % 3}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{i % 3}" / f"file-{i:05d}-{'x' * 40}").write_bytes(b"%d" % i)
+    opts = ["--set", f"store.path={tmp_path / 'store'}", "--set", f"store.pages=s3://{b}/pages",
+            "--set", f"log.dir={tmp_path / 'log'}"]
+    kspeedfs(["import", str(src), "--name", "ds", "-q", *opts])   # under 1 MiB: whole
+    assert not _keys(c, b)
+    out = kspeedfs(["migrate", "ds", *opts]).stdout
+    assert out.startswith("migrated ds@1 to ds@2"), out
+    with open_store(StoreConfig(path=str(tmp_path / "store"), pages=f"s3://{b}/pages"),
+                    None, SourceConfig()) as s:
+        whole = s.manifest("ds", 1)
+        root = Root.parse(s.manifest("ds", 2))
+        assert len(_keys(c, b, "pages/")) == root.pages + len(root.tables)
+        assert read_all(root, read_table(root, [s.pages]),       # type: ignore[list-item]
+                        [s.pages]) == inflate(whole, s.dataset("ds", 1).inflated_size)  # type: ignore[list-item]
