@@ -19,10 +19,13 @@ store blob (signed record: size, xxh3, SHA-256)   page directory (<dir>/<hh>/<sh
   size, never a search.
 * Trust flows from the store's record: the root blob is verified against the record's
   SHA-256 (signed in etcd), each table page against the root, each data page against
-  its table. A page directory (a shared filesystem, a node's copy) can withhold a page
-  but never change one.
-* Writing (:class:`PageWriter`) takes the importer's stream in pieces: memory is one page.
-  Pages are immutable and shared between versions that have them in common.
+  its table. A page directory (a shared filesystem, a bucket, a node's copy) can
+  withhold a page but never change one.
+* Writing (:class:`PageWriter`) takes the importer's stream in pieces: memory is one page
+  (and those in flight to a bucket). Pages are immutable and shared between versions
+  that have them in common. It writes into a :class:`PageStore`: a directory
+  (:class:`PageDirectory`) or a bucket prefix (``objstore/pages.py``), the same names in
+  both; :func:`read_page` and :func:`sweep` take either too.
 * Reading: :func:`read_table` loads the data pages' hashes (32 bytes per 64 KiB: 5 MB at
   10^8 entries); the mount then maps the raw bytes with ``pager.PageMap``, which fills
   a page on first touch (``native/manifest_pager.c``), or, where userfaultfd is not
