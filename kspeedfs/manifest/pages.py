@@ -262,10 +262,15 @@ class PageWriter:
                 tables.append(self._store(hashes[at:at + self.page_size]))
             self._drain(0)
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(cancel_futures=True)
+            self.close()
         root = Root(self.page_size, self.raw_size, pages, tuple(tables))
         return root.encode()
+
+    def close(self) -> None:
+        """Stop the writer's threads, dropping pages not yet written (a failed stream's
+        pages are unreferenced: the sweep takes them). Idempotent; :meth:`finish` calls it."""
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
 
     def _flush(self) -> None:
         self._hashes += self._store(bytes(self._buf))
@@ -326,9 +331,12 @@ def write_pages(pieces: Iterable[bytes | bytearray | memoryview], sink: str | Pa
                 page_size: int = PAGE_SIZE, workers: int = 1) -> tuple[bytes, int]:
     """Write the pages of a raw manifest; returns (root blob, bytes newly stored)."""
     w = PageWriter(sink, page_size, workers=workers)
-    for piece in pieces:
-        w.feed(piece)
-    return w.finish(), w.stored
+    try:
+        for piece in pieces:
+            w.feed(piece)
+        return w.finish(), w.stored
+    finally:
+        w.close()
 
 
 def read_page(dirs: Sequence[str | PageStore], digest: bytes, length: int) -> bytes:
