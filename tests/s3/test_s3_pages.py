@@ -22,7 +22,7 @@ from kspeedfs.cluster.page_copy import PageCopy
 from kspeedfs.cluster.placement import Member
 from kspeedfs.config import SourceConfig, StoreConfig
 from kspeedfs.errors import KspeedfsError, ManifestCorrupt
-from kspeedfs.manifest.load import open_on_host
+from kspeedfs.manifest.load import load_index, open_on_host
 from kspeedfs.manifest.pages import HASH_SIZE, Root, page_name, read_all, read_table, write_pages
 from kspeedfs.manifest.store import open_store
 from kspeedfs.manifest.store.base import DatasetInfo, MetadataStore
@@ -104,6 +104,15 @@ async def test_a_paged_version_goes_to_the_bucket_and_a_nodes_copy_fills_from_it
         sorted(k.rsplit("/", 1)[1] for k in keys)
 
 
+async def test_a_nodes_page_rpc_answers_from_its_copy_never_from_the_bucket(
+        store: MetadataStore, tmp_path: Path) -> None:
+    info, root = _publish(store, _raw(2 * PS, seed=7))
+    pc = _copy(tmp_path, store)
+    assert await pc.answer(root.tables[0].hex()) == {"absent": True}
+    await pc.fill("ds", info.version)
+    assert "page" in await pc.answer(root.tables[0].hex())
+
+
 def test_pages_the_bucket_has_are_not_written_again(store: MetadataStore,
                                                      bucket: tuple[Any, str]) -> None:
     raw = _raw(3 * PS, seed=2)
@@ -179,7 +188,7 @@ def test_a_plain_http_endpoint_is_used_only_as_the_endpoint_says(
     assert not _keys(c, b)
 
 
-def test_migrate_writes_a_whole_versions_pages_to_the_bucket(
+def test_migrate_writes_a_whole_versions_pages_to_the_bucket_and_a_tool_reads_them(
         aws_env: S3Server, bucket: tuple[Any, str], tmp_path: Path) -> None:
     from kspeedfs.manifest.index import inflate
     from tests.fixtures.mounts import kspeedfs
@@ -202,3 +211,7 @@ def test_migrate_writes_a_whole_versions_pages_to_the_bucket(
         assert len(_keys(c, b, "pages/")) == root.pages + len(root.tables)
         assert read_all(root, read_table(root, [s.pages]),       # type: ignore[list-item]
                         [s.pages]) == inflate(whole, s.dataset("ds", 1).inflated_size)  # type: ignore[list-item]
+        # a tool's load_index (preload --check) reads the bucket's pages through Python
+        ix, v1 = load_index(s, s.dataset("ds", 2)), load_index(s, s.dataset("ds", 1))
+        assert ix.entries == v1.entries == 304
+        assert sorted(ix.path(e) for e in ix.walk()) == sorted(v1.path(e) for e in v1.walk())
