@@ -163,7 +163,8 @@ PAGE_COPY_WAIT = 60.0
 #: again: an object cannot be touched as a file is, and the rewrite restarts the sweep's
 #: grace (an hour) for a version not yet published (docs/design.md "Paged manifests")
 PAGE_REWRITE_AGE = 1800.0
-#: a bucket ``store.pages``: pages an import writes at once (PUTs overlap their round trips)
+#: a bucket ``store.pages``: pages an import writes at once (PUTs overlap their round
+#: trips; docs/benchmarks.md "Manifest pages in a bucket")
 PAGE_PUTS = 8
 #: seconds a mount's page ask has to arrive whole at the node (40 bytes: a slow or
 #: silent client is closed) ...
