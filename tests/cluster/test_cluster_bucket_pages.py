@@ -1,8 +1,8 @@
 """Paged manifests whose only home is a bucket (``store.pages = s3://…``,
 objstore/pages.py): no node and no mount has a page directory besides the nodes' own
 copies (cluster/page_copy.py). The import on the client host writes the pages to the
-bucket; a preload fills each node's copy from its peer or the bucket; a mount on a node's
-host reads every file through that copy, and a version no node preloaded through the
+bucket; a preload fills each node's copy from its peer or the bucket; a mount (and a library handle) on a
+node's host reads every file through that copy, and a version no node preloaded through the
 node's ask socket (cluster/page_ask.py), which gets each page from the bucket.
 
 The S3 server (moto) runs on the etcd host's rail-1 address, as in test_cluster_s3.py.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.cluster import Cluster, HostProcess, write_small_files
+from tests.fixtures.cluster import Cluster, HostProcess, library_reads, write_small_files
 from tests.fixtures.s3 import ACCESS_KEY, REGION, SECRET_KEY, moto_on_host
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, FUSE)")
@@ -81,6 +81,8 @@ def test_mounts_read_a_manifest_whose_pages_are_only_in_a_bucket(
         for rel, data in files.items():
             assert (mnt / rel).read_bytes() == data, rel
         c.unmount(mnt)
+        library = {"cluster.page_copy": str(c.copy(2))}       # the library, as a mount
+        assert library_reads(c, tmp_path, "paged", files, library) == len(files)
 
         # a version no node preloads: its pages asked of n2, which gets them from the bucket
         c.ks(["import", str(tmp_path / "source" / "d3"), "--name", "cold", "--chunk-size",
