@@ -80,6 +80,23 @@ def _opt(default: Any, doc: str) -> Any:
     return field(default=default, metadata={"doc": doc})
 
 
+def pages_location(value: str) -> str:
+    """A ``store.pages`` URL checked: a bucket URL itself, ``file:///DIR`` its directory;
+    ``ConfigError`` (one line) for any other."""
+    if value.startswith("file://"):
+        path = value.removeprefix("file://")
+        if not path.startswith("/") or "?" in path or "#" in path:
+            raise ConfigError(f"store.pages: {value!r} is not file:///ABSOLUTE/DIR")
+        return path
+    from .objstore.url import ObjectUrl
+
+    try:
+        ObjectUrl.parse(value)
+    except ConfigError as e:
+        raise ConfigError(f"store.pages: {e} (nor file:///DIR)") from None
+    return value
+
+
 @dataclass
 class StoreConfig:
     """Where dataset manifests live (``manifest/store/``)."""
@@ -105,9 +122,13 @@ class StoreConfig:
                                        "the next endpoint (rail) is tried after it")
     keep_versions: int = _opt(3, "versions of a dataset `kspeedfs gc` (and import) keeps besides "
                               "mounted and preloaded ones; 0 = keep every version")
-    pages: str = _opt("", "directory of manifest pages (manifest/pages.py): for etcd, one "
-                      "every node and mount reads (a shared filesystem); empty = etcd keeps "
-                      "manifests whole, the embedded store keeps pages in <path>/pages")
+    pages: str = _opt("", "where manifest pages go (manifest/pages.py): a directory, or a "
+                      "bucket prefix s3://BUCKET/PREFIX (gs://, az://; file:///DIR is a "
+                      "directory) reached with the source.* settings and AWS_*/GOOGLE_*/"
+                      "AZURE_* as imports are; set on the importing host and on the nodes, "
+                      "which copy pages from peers, else from it (mounts read their node's "
+                      "copy); empty = etcd keeps manifests whole, the embedded store keeps "
+                      "pages in <path>/pages")
     paged_above: int = _size("1MiB", "a manifest inflating past this is stored as pages, "
                              "its root in the store (when the store has a page directory)")
     page_cache: int = _size("1GiB", "manifest pages a mount keeps resident; the rest are "
@@ -130,12 +151,24 @@ class StoreConfig:
             raise ConfigError(f"store.keep_versions: {self.keep_versions} must be in 0..100000")
         _positive("store.etcd_attempt_timeout", self.etcd_attempt_timeout, 3600)
         _range("store.paged_above", self.paged_above, 0, 1 << 40)
+        if "://" in self.pages:
+            pages_location(self.pages)
         _range("store.page_cache", self.page_cache, 64 << 10, 1 << 44)
         if self.etcd_attempt_timeout > self.etcd_timeout:
             raise ConfigError(f"store.etcd_attempt_timeout: {self.etcd_attempt_timeout} must be "
                               f"<= store.etcd_timeout ({self.etcd_timeout})")
         if self.etcd_password and self.etcd_password_file:
             raise ConfigError("store.etcd_password_file: set it or store.etcd_password, not both")
+
+    def pages_url(self) -> str | None:
+        """``store.pages`` when it names a bucket prefix (``s3://``, ``gs://``, ``az://``)."""
+        return self.pages if "://" in self.pages and not self.pages.startswith("file://") else None
+
+    def pages_dir(self) -> str:
+        """``store.pages`` when it names a directory (``file:///DIR`` as ``/DIR``), else ""."""
+        if self.pages.startswith("file://"):
+            return pages_location(self.pages)
+        return "" if "://" in self.pages else self.pages
 
     def password(self) -> str:
         """The etcd password: ``etcd_password_file``'s contents when set (a trailing

@@ -167,6 +167,13 @@ PAGE_COPY_GRACE = 3600.0
 #: seconds a mount with no store.pages waits for its host's node to copy a version's
 #: pages (the node writes the table pages last, so their presence means all are there)
 PAGE_COPY_WAIT = 60.0
+#: seconds after which a page an import reuses in a bucket ``store.pages`` is written
+#: again: an object cannot be touched as a file is, and the rewrite restarts the sweep's
+#: grace (an hour) for a version not yet published (docs/design.md "Paged manifests")
+PAGE_REWRITE_AGE = 1800.0
+#: a bucket ``store.pages``: pages an import writes at once (PUTs overlap their round
+#: trips; docs/benchmarks.md "Manifest pages in a bucket")
+PAGE_PUTS = 8
 #: seconds a mount's page ask has to arrive whole at the node (40 bytes: a slow or
 #: silent client is closed) ...
 ASK_READ = 2.0

@@ -2,11 +2,11 @@
 
 A version imported before paged manifests (or under a store without a page directory)
 is kept whole in the store, and every mount loads it whole. ``migrate`` reads it,
-writes its pages to the store's page directory (``store.pages``; the embedded store's
-``<path>/pages``) and publishes the same content as the dataset's next version, its
-root in the store (``manifest/pages.py``). Mounts of the old version keep working; a
-mount of the new one holds only what it touches. Versions are immutable, so the old one
-stays until ``kspeedfs rm``/``gc`` removes it.
+writes its pages where the store keeps them (``store.pages``, a directory or a bucket
+prefix; the embedded store's ``<path>/pages``) and publishes the same content as the
+dataset's next version, its root in the store (``manifest/pages.py``). Mounts of the old
+version keep working; a mount of the new one holds only what it touches. Versions are
+immutable, so the old one stays until ``kspeedfs rm``/``gc`` removes it.
 """
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     name, version = args.target
     with open_configured(cfg) as store:
-        if store.page_dir is None:
-            raise ConfigError("store.pages: this store has no page directory to migrate to "
-                              "(set store.pages to a directory every node and mount reads)")
+        if store.page_sink() is None:
+            raise ConfigError("store.pages: this store has nowhere to put pages (set store.pages "
+                              "to a bucket prefix s3://BUCKET/PREFIX the nodes read, or a "
+                              "shared directory)")
         info, blob = store.fetch(name, version)
         if is_root(blob):
             raise ConfigError(f"{name}@{info.version} is paged already")

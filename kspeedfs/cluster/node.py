@@ -49,7 +49,7 @@ from .. import checksum
 from ..cache.disk import DiskCache
 from ..config import Config
 from ..errors import ConfigError, KspeedfsError, StoreUnavailable
-from ..manifest.store import page_dir
+from ..manifest.store import page_store
 from ..manifest.store.etcd import EtcdStore
 from . import grant, node_stats, rpc
 from .arena import Arena, Geometry
@@ -120,7 +120,7 @@ class Node:
         self.preload = PrefixView(store, "preload/")
         self.share = Share(cfg, name, store, arena, membership, peers, nursery, self.counters,
                            source_override, disk)
-        self.pages = (PageCopy(cfg.cluster.page_copy, page_dir(cfg.store), name, store,
+        self.pages = (PageCopy(cfg.cluster.page_copy, page_store(cfg.store, cfg.source), name, store,
                                membership, peers.connections, self.counters,
                                cfg.cluster.preload_workers)
                       if cfg.cluster.page_copy else None)

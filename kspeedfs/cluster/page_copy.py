@@ -10,7 +10,8 @@ Python) reads it unchanged, listed before ``store.pages`` (``manifest/load.py``)
         root = v's store blob (signed record) ─► table pages ─► data pages
         each page missing here:  peers, rendezvous on the page hash over the live members
                                  ({"op": "page"} on the node RPC, next member on failure)
-                              → this node's store.pages, if it has one
+                              → this node's store.pages, if it has one: a directory,
+                                 or a bucket prefix (objstore/pages.py, a GET)
         verified (inflate ≤ page size + 1, SHA-256) before write-then-rename
         data pages first, table pages LAST: a version's tables in the copy mean all of it is
 
@@ -25,8 +26,10 @@ Python) reads it unchanged, listed before ``store.pages`` (``manifest/load.py``)
   holds a ``flock`` on it from then on: a second node on the host with the same
   directory is refused in one line (each sweeps what its own versions do not reference).
 * **Answering peers** (:meth:`PageCopy.answer`): a page from the copy, else from this
-  node's ``store.pages``, else ``absent``; at most ``PAGE_REPLY_MAX`` zlib'd bytes,
-  base64'd in the JSON reply. Not verified on the way out (the asker verifies).
+  node's ``store.pages`` when it is a directory (never a bucket: the asker reads the
+  bucket itself after its peers, and a GET would hold the reply), else ``absent``; at
+  most ``PAGE_REPLY_MAX`` zlib'd bytes, base64'd in the JSON reply. Not verified on the
+  way out (the asker verifies).
 * **Sweep** (:meth:`PageCopy.retain`): pages no preloaded version references go
   (``pages.sweep``, the store's own sweep), once the version has been gone
   ``PAGE_COPY_GRACE`` seconds and no live mount holds it (``mounts/``): a mount
@@ -40,7 +43,6 @@ import base64
 import binascii
 import logging
 import os
-import stat
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -50,10 +52,13 @@ import trio
 from ..errors import ConfigError, KspeedfsError, ManifestCorrupt
 from ..manifest.pages import (
     HASH_SIZE,
+    PageDirectory,
+    PageStore,
     Root,
     inflate_page,
     is_root,
     page_path,
+    page_store,
     put_page,
     read_page,
     referenced,
@@ -131,19 +136,6 @@ def parse_page_hash(value: Any) -> bytes:
     return digest
 
 
-def _read_file(path: str, limit: int) -> bytes | None:
-    """A page file's bytes, or None when missing, not a regular file or over ``limit``."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            return None
-        return f.read(limit + 1)
-
-
 class PageCopy:
     """This node's page directory: filled with every page of the versions it preloads,
     from peers then ``store.pages``; answers peers' ``page`` requests; swept.
@@ -156,14 +148,14 @@ class PageCopy:
 
     Attributes:
         directory: the copy (``cluster.page_copy``).
-        store_pages: this node's ``store.pages``, or None.
+        store_pages: this node's ``store.pages`` (a directory or a bucket), or None.
     """
 
-    def __init__(self, directory: str, store_pages: str | None, me: str, store: EtcdStore,
+    def __init__(self, directory: str, store_pages: str | PageStore | None, me: str, store: EtcdStore,
                  membership: Membership, connections: Connections, counters: NodeCounters,
                  workers: int) -> None:
         self.directory = directory
-        self.store_pages = store_pages
+        self.store_pages = page_store(store_pages) if store_pages else None
         self.me = me
         self.store = store
         self.membership = membership
@@ -180,9 +172,19 @@ class PageCopy:
         self._skip_until: dict[str, float] = {}
 
     @property
-    def dirs(self) -> list[str]:
+    def dirs(self) -> list[str | PageStore]:
         """Where this node reads pages: the copy, then store.pages."""
         return [self.directory] + ([self.store_pages] if self.store_pages else [])
+
+    @property
+    def answers_from(self) -> list[PageStore]:
+        """Where a peer's ``page`` request is answered from: the copy, then a *directory*
+        store.pages. Not a bucket: the asker reads the bucket itself once its peers say
+        absent, and a GET inside the RPC would hold the reply for a round trip."""
+        here: list[PageStore] = [PageDirectory(self.directory)]
+        if isinstance(self.store_pages, PageDirectory):
+            here.append(self.store_pages)
+        return here
 
     def _check(self) -> None:
         """Make and check the directory, and hold it: one node per copy, because a node
@@ -297,15 +299,19 @@ class PageCopy:
                               "store.pages")
 
     def _from_store(self, digest: bytes, length: int) -> bytes:
+        """One page's verified bytes from store.pages (a directory or a bucket)."""
         assert self.store_pages is not None
-        data = _read_file(page_path(self.store_pages, digest), PAGE_REPLY_MAX << 2)
+        where = self.store_pages.where
+        try:
+            data = self.store_pages.get(digest, PAGE_REPLY_MAX << 2)
+        except OSError as e:
+            raise ManifestCorrupt(f"manifest page {digest.hex()} unreadable in {where}: {e}") from None
         if data is None:
-            raise ManifestCorrupt(f"manifest page {digest.hex()} is not in {self.store_pages}")
+            raise ManifestCorrupt(f"manifest page {digest.hex()} is not in {where}")
         try:
             inflate_page(data, digest, length)
         except ValueError as e:
-            raise ManifestCorrupt(f"manifest page {digest.hex()} in {self.store_pages}: "
-                                  f"{e}") from None
+            raise ManifestCorrupt(f"manifest page {digest.hex()} in {where}: {e}") from None
         return data
 
     async def fetch_one(self, digest: bytes, length: int) -> None:
@@ -331,8 +337,11 @@ class PageCopy:
         return page_reply(data)
 
     def _local(self, digest: bytes) -> bytes | None:
-        for d in self.dirs:
-            data = _read_file(page_path(d, digest), PAGE_REPLY_MAX)
+        for d in self.answers_from:
+            try:
+                data = d.get(digest, PAGE_REPLY_MAX)
+            except OSError:
+                continue
             if data is not None:
                 return data
         return None

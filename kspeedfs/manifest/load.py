@@ -9,8 +9,13 @@ front, with a warning: the mount works, with a whole manifest's memory.
 
 Pages come from the directories :func:`page_dirs` lists, in order: the host's node's
 copy (``cluster.page_copy``, ``cluster/page_copy.py``) when it exists, then
-``store.pages``. A page none of them holds is asked of the node (its ask socket,
-``cluster/page_ask.py``): the table pages here, the data pages by the page map in C.
+``store.pages`` when it is a directory. A bucket ``store.pages`` (``objstore/pages.py``)
+is never read here: the page map reads files only (its handler must never need Python),
+so a mount reads such pages through its host's node, as without ``store.pages``, and
+fails at once with one line when the host has no node's copy (reading every page up
+front instead would hold the whole manifest: 10 GB at 10^8 files). A page none of them
+holds is asked of the node (its ask socket, ``cluster/page_ask.py``): the table pages
+here, the data pages by the page map in C.
 With no node to ask and no ``store.pages``, a version the node has not copied yet is
 waited for (``PAGE_COPY_WAIT``): the node writes a version's table pages last, so once
 they are there every page is.
@@ -28,7 +33,7 @@ from ..config import Config
 from ..errors import ManifestCorrupt
 from ..tuning import ASK_MS, PAGE_COPY_WAIT
 from .index import ManifestIndex
-from .pages import Root, is_root, read_all, read_table, table_pages
+from .pages import PageDirectory, Root, is_root, read_all, read_table, table_pages
 from .store import page_dir
 from .store.base import DatasetInfo, MetadataStore
 
@@ -112,10 +117,7 @@ def open_index(blob: bytes, info: DatasetInfo, page_dirs: str | Sequence[str] | 
     socket, for the data pages no directory holds (:func:`ask_socket`)."""
     if not is_root(blob):
         return ManifestIndex.from_blob(blob, info.inflated_size)
-    root = Root.parse(blob)
-    if info.inflated_size and root.raw_size != info.inflated_size:
-        raise ManifestCorrupt(f"manifest of {info.name} v{info.version}: its root maps "
-                              f"{root.raw_size} bytes, the record declares {info.inflated_size}")
+    root = _root(blob, info)
     page_dirs = [page_dirs] if isinstance(page_dirs, str) else list(page_dirs or ())
     if not page_dirs:
         raise ManifestCorrupt(f"manifest of {info.name} v{info.version} is paged, and no page "
@@ -136,11 +138,28 @@ def open_index(blob: bytes, info: DatasetInfo, page_dirs: str | Sequence[str] | 
     return ManifestIndex(pages.view(), pages=pages)
 
 
+def _root(blob: bytes, info: DatasetInfo) -> Root:
+    """The parsed root of ``info``'s paged version, its size checked against the record."""
+    root = Root.parse(blob)
+    if info.inflated_size and root.raw_size != info.inflated_size:
+        raise ManifestCorrupt(f"manifest of {info.name} v{info.version}: its root maps "
+                              f"{root.raw_size} bytes, the record declares {info.inflated_size}")
+    return root
+
+
 def load_index(store: MetadataStore, info: DatasetInfo, cache_bytes: int = 1 << 30,
                dirs: Sequence[str] | None = None) -> ManifestIndex:
     """:func:`open_index` of a version fetched from ``store``; pages from ``dirs``
-    (default: the store's own page directory)."""
+    (default: the store's own pages). For a tool, not a mount: pages the store keeps in a
+    bucket are read whole, through Python (the page map reads files only), so the index
+    holds the whole manifest."""
     blob = store.manifest(info.name, info.version)
+    sink = store.page_sink()
+    if dirs is None and is_root(blob) and sink is not None and not isinstance(sink, PageDirectory):
+        root = _root(blob, info)
+        log.info("%s v%d: reading all %d manifest pages from %s", info.name, info.version,
+                 root.pages, sink.where)
+        return ManifestIndex(read_all(root, read_table(root, [sink]), [sink]))
     if dirs is None:
         dirs = [store.page_dir] if store.page_dir else []
     return open_index(blob, info, dirs, cache_bytes)
@@ -152,6 +171,12 @@ def open_on_host(cfg: Config, blob: bytes, info: DatasetInfo) -> ManifestIndex:
     the only directory (:func:`mount_wait`), asking the node for what it lacks
     (:func:`ask_socket`)."""
     dirs = page_dirs(cfg)
+    url = cfg.store.pages_url()
+    if url and not dirs and is_root(blob):
+        raise ManifestCorrupt(f"manifest of {info.name} v{info.version} is paged in {url} "
+                              f"(store.pages), which a mount reads through its host's node "
+                              f"only, and no node keeps a page copy here ({cfg.cluster.page_copy}"
+                              f"): start kspeedfs node on this host, or kspeedfs preload {info.name}")
     return open_index(blob, info, dirs, cfg.store.page_cache, mount_wait(cfg, dirs),
                       ask_socket(cfg))
 

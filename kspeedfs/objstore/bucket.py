@@ -5,7 +5,8 @@ parallel) and ``list_level``, one "directory" (where to split them); ``get_range
 bytes of one object pinned to the identity recorded at import; ``record``, where the
 bucket is (never a credential) for the manifest. ``s3.py`` (boto3) and
 ``object_store.py`` (obstore, for ``gs://`` and ``az://``) implement it, so ``source.py``
-and ``origin.py`` hold no branch per store.
+and ``origin.py`` hold no branch per store. Both implement :class:`WholeObjects` too:
+get, head, put and delete of whole objects, for manifest pages in a bucket (``pages.py``).
 
 An object's identity is its ETag and a version: S3's ``VersionId`` in a versioned
 bucket, GCS's generation, Azure's version id where the account keeps versions. Each
@@ -70,6 +71,32 @@ class Bucket(Protocol):
 
     def record(self) -> dict[str, str]:
         """The manifest's source record: the URL and where the bucket is, no secret."""
+
+    def close(self) -> None:
+        """Let go of the client's connections."""
+
+
+class WholeObjects(Protocol):
+    """Whole-object calls on one bucket, for what kspeedfs keeps there itself (manifest
+    pages, ``pages.py``), not for a source's objects. Each raises ``SourceError`` (one
+    line) when the store refuses or cannot be reached."""
+
+    url: ObjectUrl
+
+    def list_keys(self, prefix: str, start_after: str = "", expect: int = 0) -> Iterator[list[ObjectInfo]]:
+        """As ``Bucket.list_keys``."""
+
+    def get_object(self, key: str, limit: int) -> bytes | None:
+        """Object ``key``'s bytes; None when there is none, or it is over ``limit`` bytes."""
+
+    def head_object(self, key: str) -> float | None:
+        """When object ``key`` was last written (unix seconds); None when there is none."""
+
+    def put_object(self, key: str, data: bytes) -> None:
+        """Write object ``key`` (a store makes it visible whole or not at all)."""
+
+    def delete_object(self, key: str) -> None:
+        """Delete object ``key`` (none: no error)."""
 
     def close(self) -> None:
         """Let go of the client's connections."""

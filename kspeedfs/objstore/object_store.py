@@ -231,6 +231,49 @@ class ObjectStoreBucket:
             return Read(None, meta["version"] or "")
         raise AssertionError("unreachable")
 
+    # -- whole objects (bucket.WholeObjects: manifest pages) -------------------------------
+
+    def get_object(self, key: str, limit: int) -> bytes | None:
+        import obstore
+
+        try:
+            r = obstore.get(self.store, key)
+            if r.meta["size"] > limit:
+                return None
+            return bytes(r.bytes())
+        except FileNotFoundError:
+            return None
+        except obstore.exceptions.BaseError as e:
+            raise store_error(e, self.url.name(key)) from None
+
+    def head_object(self, key: str) -> float | None:
+        import obstore
+
+        try:
+            return float(obstore.head(self.store, key)["last_modified"].timestamp())
+        except FileNotFoundError:
+            return None
+        except obstore.exceptions.BaseError as e:
+            raise store_error(e, self.url.name(key)) from None
+
+    def put_object(self, key: str, data: bytes) -> None:
+        import obstore
+
+        try:
+            obstore.put(self.store, key, data)
+        except obstore.exceptions.BaseError as e:
+            raise store_error(e, self.url.name(key)) from None
+
+    def delete_object(self, key: str) -> None:
+        import obstore
+
+        try:
+            obstore.delete(self.store, key)
+        except FileNotFoundError:
+            pass
+        except obstore.exceptions.BaseError as e:
+            raise store_error(e, self.url.name(key)) from None
+
 
 #: the body's pieces ``_into`` copies: a few a chunk (each crosses from Rust to Python),
 #: small enough that their buffers are reused memory, not fresh pages

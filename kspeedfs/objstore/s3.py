@@ -234,3 +234,45 @@ class S3Bucket:
             out[:] = data
             return Read(None)
         raise AssertionError("unreachable")
+
+    # -- whole objects (bucket.WholeObjects: manifest pages) -------------------------------
+
+    def get_object(self, key: str, limit: int) -> bytes | None:
+        import botocore.exceptions
+
+        try:
+            r = self.client.get_object(Bucket=self.url.bucket, Key=key)
+            with r["Body"] as body:
+                if r.get("ContentLength", 0) > limit:
+                    return None
+                data: bytes = body.read(limit + 1)
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+            if changed_reason(e) == "is gone (HTTP 404)":
+                return None
+            raise client_error(e, self.url.name(key)) from None
+        return data if len(data) <= limit else None
+
+    def head_object(self, key: str) -> float | None:
+        import botocore.exceptions
+
+        try:
+            r = self.client.head_object(Bucket=self.url.bucket, Key=key)
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+            if changed_reason(e) == "is gone (HTTP 404)":
+                return None
+            raise client_error(e, self.url.name(key)) from None
+        return float(r["LastModified"].timestamp())
+
+    def put_object(self, key: str, data: bytes) -> None:
+        self._call(self.client.put_object, key, Body=data)
+
+    def delete_object(self, key: str) -> None:
+        self._call(self.client.delete_object, key)
+
+    def _call(self, op: Any, key: str, **kw: Any) -> None:
+        import botocore.exceptions
+
+        try:
+            op(Bucket=self.url.bucket, Key=key, **kw)
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+            raise client_error(e, self.url.name(key)) from None

@@ -9,19 +9,15 @@ n2 and n3 have none, each node its own ``cluster.page_copy``. The mounts have no
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
-import subprocess
-import sys
 import time
 import zlib
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures.cluster import Cluster, HostProcess
+from tests.fixtures.cluster import Cluster, HostProcess, library_reads, write_small_files
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, FUSE)")
 
@@ -44,13 +40,7 @@ class PagedCluster(Cluster):
 
 
 def _source(root: Path) -> dict[str, bytes]:
-    rnd = random.Random(5)
-    files = {f"d{i % 7}/file-{i:04d}-{rnd.randbytes(6).hex()}.bin": rnd.randbytes(rnd.randint(0, 3000))
-             for i in range(1500)}
-    for rel, data in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(data)
-    return files
+    return write_small_files(root, seed=5, files=1500, dirs=7, max_size=3000)
 
 
 def _counters(c: Cluster, want: int) -> dict[str, dict[str, int]]:
@@ -86,32 +76,6 @@ def _remove_data_pages(copy: Path) -> int:
     return len(files) - len(tables)
 
 
-LIBRARY = """
-import hashlib, json, sys
-import kspeedfs
-spec = json.load(open(sys.argv[1]))
-with kspeedfs.open_dataset("paged", etcd=spec["etcd"], config=spec["config"]) as ds:
-    got = ds.read_many(sorted(spec["sha"]))
-    print(sum(hashlib.sha256(d).hexdigest() == spec["sha"][n] for n, d in zip(sorted(spec["sha"]), got)))
-"""
-
-
-def _library_reads(c: Cluster, tmp: Path, files: dict[str, bytes]) -> int:
-    """Files a library handle on the client host reads right, its pages from n2's copy
-    (no store.pages): ``kspeedfs.open_dataset`` opens a version as a mount does."""
-    common = c.common()
-    config = dict(common[i + 1].split("=", 1) for i in range(len(common)) if common[i] == "--set")
-    config.update({"cluster.page_copy": str(c.copy(2)), "store.pages": ""})
-    spec = tmp / "library.json"
-    spec.write_text(json.dumps({"etcd": c.etcd_urls, "config": config, "sha": {
-        rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}}))
-    r = subprocess.run(c.client_argv([sys.executable, "-c", LIBRARY, str(spec)]),
-                       capture_output=True, text=True, timeout=180,
-                       cwd=str(Path(__file__).resolve().parents[2]))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return int(r.stdout.strip().splitlines()[-1])
-
-
 def test_mounts_read_a_paged_manifest_from_their_nodes_copy_filled_by_peers(tmp_path: Path) -> None:
     src = tmp_path / "source"
     files = _source(src)
@@ -135,7 +99,8 @@ def test_mounts_read_a_paged_manifest_from_their_nodes_copy_filled_by_peers(tmp_
         for rel, data in files.items():
             assert (mnt / rel).read_bytes() == data, rel
         c.unmount(mnt)
-        assert _library_reads(c, tmp_path, files) == len(files)   # the library, as a mount
+        library = {"cluster.page_copy": str(c.copy(2)), "store.pages": ""}   # as a mount
+        assert library_reads(c, tmp_path, "paged", files, library) == len(files)
 
         removed = _remove_data_pages(c.copy(2))   # the page map asks n2 for them
         mnt = c.mount("paged", "--set", f"cluster.page_copy={c.copy(2)}")

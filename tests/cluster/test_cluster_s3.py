@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.cluster import cluster, mount_stats
-from tests.fixtures.s3 import ACCESS_KEY, REGION, SECRET_KEY
+from tests.fixtures.s3 import ACCESS_KEY, REGION, SECRET_KEY, moto_on_host
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, FUSE)")
 
@@ -55,17 +55,7 @@ def test_preload_from_a_bucket_then_read_from_peers(tmp_path: Path,
     # short attempts, so that a hung server fails loads within the test's patience
     with cluster(tmp_path / "c", nodes=2,
                  extra=["--set", "source.timeout=1", "--set", "source.retries=2"]) as c:
-        h0 = c.etcd_host
-        endpoint = f"http://{h0.address(1)}:9000"
-        moto = h0.python(["-m", "moto.server", "-H", h0.address(1), "-p", "9000"])
-        probe = ("import sys, time, urllib.request\n"
-                 "for _ in range(300):\n"
-                 "    try: urllib.request.urlopen(sys.argv[1], timeout=1); sys.exit(0)\n"
-                 "    except Exception as e:\n"
-                 "        if getattr(e, 'code', 0): sys.exit(0)\n"
-                 "        time.sleep(0.1)\n"
-                 "sys.exit(1)\n")
-        c.client.run([sys.executable, "-c", probe, endpoint + "/"], timeout=60)
+        moto, endpoint = moto_on_host(c.etcd_host, c.client)
         c.client.run([sys.executable, "-c", FILL, endpoint, str(spec)], timeout=120)
 
         c.ks(["import", "s3://kst-cluster/ds", "--name", "s3ds", "--chunk-size", c.chunk_size,

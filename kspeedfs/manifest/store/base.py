@@ -45,7 +45,9 @@ from typing import Any
 
 import xxhash
 
-from ...errors import ConfigError, ManifestCorrupt, StoreError
+from ...errors import ConfigError, ManifestCorrupt, SourceError, StoreError
+from ...tuning import PAGE_PUTS
+from ..pages import PageDirectory, PageStore, Root, is_root, referenced, sweep, write_pages
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +165,20 @@ class MetadataStore(abc.ABC):
     from a worker thread under trio. Errors: ``StoreUnavailable`` when the backend cannot
     be reached, ``DatasetNotFound`` for an unknown name/version, ``ManifestCorrupt``."""
 
-    #: where manifest pages go (``manifest/pages.py``); None: every manifest whole
+    #: the directory manifest pages go to (``manifest/pages.py``); None: see :attr:`pages`
     page_dir: str | None = None
+    #: where manifest pages go when it is not :attr:`page_dir` (a bucket ``store.pages``,
+    #: ``objstore/pages.py``); None for both: every manifest whole
+    pages: PageStore | None = None
     #: a manifest inflating past this many bytes is stored as pages (``store.paged_above``)
     paged_above: int = 1 << 20
+
+    def page_sink(self) -> PageStore | None:
+        """Where this store writes, reads and sweeps pages: :attr:`pages`, else
+        :attr:`page_dir`; None for neither."""
+        if self.pages is not None:
+            return self.pages
+        return PageDirectory(self.page_dir) if self.page_dir is not None else None
 
     @abc.abstractmethod
     def publish(self, info: DatasetInfo, blob: bytes) -> DatasetInfo:
@@ -177,15 +189,16 @@ class MetadataStore(abc.ABC):
                        inflated_size: int) -> DatasetInfo:
         """Publish a manifest given as its inflated bytes, in pieces (the importer's
         bounded-memory output): past :attr:`paged_above`, and when the store has a
-        :attr:`page_dir`, as pages with their root as the version's blob; otherwise
+        :meth:`page_sink`, as pages with their root as the version's blob; otherwise
         zlib'd into one blob."""
         info = replace(info, inflated_size=inflated_size)
-        if self.page_dir is not None and inflated_size > self.paged_above:
-            from ..pages import write_pages
-
-            root, stored = write_pages(pieces, self.page_dir)
+        sink = self.page_sink()
+        if sink is not None and inflated_size > self.paged_above:
+            # a bucket's PUTs are round trips: several at once; a directory's are not
+            workers = 1 if isinstance(sink, PageDirectory) else PAGE_PUTS
+            root, stored = write_pages(pieces, sink, workers=workers)
             log.info("%s: %d bytes of manifest pages written to %s", info.name, stored,
-                     self.page_dir)
+                     sink.where)
             return self.publish(info, root)
         z = zlib.compressobj(1)
         out = [z.compress(piece) for piece in pieces]
@@ -194,26 +207,25 @@ class MetadataStore(abc.ABC):
 
     def sweep_pages(self, grace: float = 3600.0) -> int:
         """Delete the manifest pages no stored version needs and nothing touched for
-        ``grace`` seconds (``pages.sweep``); how many went (0 without a page directory).
+        ``grace`` seconds (``pages.sweep``); how many went (0 without a page sink).
         A version whose pages cannot be read stops the sweep (its error), never widens it."""
-        from ..pages import Root, is_root, referenced, sweep
-
-        if self.page_dir is None:
+        sink = self.page_sink()
+        if sink is None:
             return 0
         keep: set[bytes] = set()
         for info in self.datasets():
             for v in self.versions(info.name):
                 blob = self.manifest(info.name, v)
                 if is_root(blob):
-                    keep |= referenced(Root.parse(blob), [self.page_dir])
-        return sweep(self.page_dir, keep, grace)
+                    keep |= referenced(Root.parse(blob), [sink])
+        return sweep(sink, keep, grace)
 
     def _sweep_after_remove(self) -> None:
         """After a remove: its pages go unless another version shares them. A sweep that
         fails is logged; the remove itself stands."""
         try:
             gone = self.sweep_pages()
-        except (StoreError, OSError) as e:
+        except (StoreError, SourceError, OSError) as e:
             log.warning("manifest pages not swept after a remove: %s", e)
             return
         if gone:
