@@ -123,14 +123,6 @@ C_SLOTS = 16
 #: staging slots C holds for good for the small files' extents it starts (each of
 #: ReadPolicy.small_file_limit bytes): twice the readers of the ImageNet-like case
 C_STAGING = 16
-#: the share of the memory tier's transient part the random reads' blocks C starts may
-#: hold in C's own pool (``Routes.lend_kept``, native/fuse_tier.h tier_keep), besides the
-#: resident part's room, lent as the pool fills: the rest of the transient part stays the
-#: sequential readers' prefetch windows
-KEPT_FRACTION = 0.5
-#: bytes lent to that pool ahead of what it holds at its last tally (its limit in C; it
-#: evicts its own blocks when it reaches it before Python lends more)
-KEPT_AHEAD = 8 << 20
 
 # -- hedging (cluster/hedge.py) -------------------------------------------------------
 

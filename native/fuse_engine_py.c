@@ -757,7 +757,7 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
         return NULL;
     return Py_BuildValue(
         "{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-        "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "ops", ops, "read_hits", (unsigned long long)c.read_hits, "read_hit_bytes",
         (unsigned long long)c.read_hit_bytes, "memory_hits", (unsigned long long)c.memory_hits,
         "read_misses", (unsigned long long)c.read_misses, "late_hits",
@@ -778,8 +778,7 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
         (unsigned long long)c.fetch_parked, "fetch_answered",
         (unsigned long long)c.fetch_answered, "fetch_started",
         (unsigned long long)c.fetch_started, "fetch_started_parts",
-        (unsigned long long)c.fetch_started_parts, "fetch_kept",
-        (unsigned long long)c.fetch_kept);
+        (unsigned long long)c.fetch_started_parts);
 }
 
 /* ------------------------------------------------------------------ the Engine type */
@@ -837,10 +836,6 @@ static PyMethodDef Engine_methods[] = {
      "peer's UP paths and hedging limits"},
     {"fetch_staging", (PyCFunction)Engine_fetch_staging, METH_VARARGS,
      "fetch_staging(laddr, size, lkeys) -> bool: a staging slot for the extents C starts"},
-    {"fetch_keep", (PyCFunction)Engine_fetch_keep, METH_VARARGS,
-     "fetch_keep(unit, n, limit) -> bool: C-started blocks kept in a pool the tier owns"},
-    {"fetch_kept_bytes", (PyCFunction)Engine_fetch_kept_bytes, METH_NOARGS,
-     "fetch_kept_bytes() -> int: the bytes of that pool's buffers used so far"},
     {"fetch_route", (PyCFunction)Engine_fetch_route, METH_VARARGS,
      "fetch_route(chunk, peer, offset): where the chunk lies (peer -1: no route)"},
     {"fetch_unroute", (PyCFunction)Engine_fetch_unroute, METH_NOARGS,
@@ -1099,7 +1094,6 @@ PyMODINIT_FUNC PyInit__engine(void)
         PyModule_AddObject(m, "FETCH_OWN", PyLong_FromUnsignedLongLong(FE_OWN)) < 0 ||
         PyModule_AddObject(m, "FETCH_PART", PyLong_FromUnsignedLongLong(FE_PART)) < 0 ||
         PyModule_AddObject(m, "FETCH_BLOCK", PyLong_FromUnsignedLongLong(FE_BLOCK)) < 0 ||
-        PyModule_AddObject(m, "FETCH_KEPT", PyLong_FromUnsignedLongLong(FE_KEPT)) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_PEERS", FE_PEERS) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_NICS", FE_NICS) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_STAGING", FE_STAGING) < 0 ||

@@ -55,13 +55,6 @@ struct landed { /* an extent's buffer in the tier, until Python takes it */
     uint32_t len;
 };
 
-struct tally { /* blocks kept in the tier (tier_keep) from one path, not told yet */
-    uint32_t blocks;
-    uint64_t bytes;
-    uint64_t first; /* when the first of them landed (ns) */
-    uint64_t took;  /* the last one's READ, from its start to its landing (ns) */
-};
-
 struct fcq { /* a fetch CQ on one soft engine */
     ks_engine *ke;
     ks_cq *cq;
@@ -106,9 +99,8 @@ struct fe_fetch {
     atomic_int idle; /* the thread sleeps with no deadline to watch */
     pthread_t thread;
     int started;
-    struct landed *landed;                 /* under lock */
-    struct tally kept[FE_PEERS][FE_PATHS]; /* under lock */
-    struct fe_fetch_counters c;            /* under lock */
+    struct landed *landed;      /* under lock */
+    struct fe_fetch_counters c; /* under lock */
 };
 
 static void *fetch_main(void *arg);
@@ -274,16 +266,13 @@ static void event(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
     fe_queue(f->e, &ev);
 }
 
-/* Queue the event for Python (unless ``quiet``: a kept block, told in a tally), then hand
- * the READs on (behind the event). */
+/* Queue the event for Python, then hand the READs on (behind the event). */
 static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
-                   struct parked *p, int again, const struct own *own, int quiet)
+                   struct parked *p, int again, const struct own *own)
 {
-    if (!quiet)
-        event(f, k, cookie, status, own);
+    event(f, k, cookie, status, own);
     hand_on(f, p, again);
     pthread_mutex_lock(&f->lock);
-    f->c.kept += (uint64_t)quiet;
     if (status == FE_FETCH_OK)
         f->c.landed++;
     else if (status == FE_FETCH_EXISTS)
@@ -801,78 +790,6 @@ static int put_part(struct fe_fetch *f, uint64_t cookie, const uint8_t *key, siz
     return FE_FETCH_OK;
 }
 
-/* Whether a verified part is kept in the tier's pool (tier_keep) and told in tallies: a
- * random read's block C started, unless it was late (Python holds a record of it then,
- * which its own FE_FETCHED ends). */
-static int keeps(uint64_t cookie, const struct own *own)
-{
-    return (cookie & (FE_OWN | FE_BLOCK)) == (FE_OWN | FE_BLOCK) && !own->late;
-}
-
-/* Under f->lock: kept block of ``len`` bytes from ``own``'s path counted in its tally; the
- * tally to tell now (and reset) when it holds FE_KEPT_TELL blocks, else an empty one. */
-static struct tally tally(struct fe_fetch *f, const struct own *own, uint32_t len,
-                          uint64_t now)
-{
-    struct tally *t = &f->kept[own->peer][own->path];
-    if (!t->blocks)
-        t->first = now;
-    t->blocks++;
-    t->bytes += len;
-    t->took = now - own->t0;
-    struct tally told = {0};
-    if (t->blocks >= FE_KEPT_TELL) {
-        told = *t;
-        *t = (struct tally){0};
-    }
-    return told;
-}
-
-/* The FE_FETCHED of tally ``t`` of peer ``peer``'s path ``path`` (fuse_fetch.h FE_KEPT): its
- * start set so that the time from it to now is its last block's READ. */
-static void tally_event(struct fe_fetch *f, int peer, int path, const struct tally *t,
-                        uint64_t now)
-{
-    fe_queue(f->e,
-             &(struct fe_request){.kind = FE_FETCHED,
-                                  .fetched = {.cookie = FE_OWN | FE_PART | FE_BLOCK | FE_KEPT,
-                                              .chunk = t->bytes,
-                                              .status = FE_FETCH_OK,
-                                              .peer = peer,
-                                              .path = path,
-                                              .slot = t->blocks,
-                                              .t0 = now - t->took}});
-}
-
-/* The tallies FE_KEPT_TELL_MS old (every one: ``all``) told; whether any is left. */
-static int tally_flush(struct fe_fetch *f, uint64_t now, int all)
-{
-    struct {
-        int peer, path;
-        struct tally t;
-    } due[FE_PEERS * FE_PATHS];
-    int n = 0, left = 0;
-    pthread_mutex_lock(&f->lock);
-    for (int peer = 0; peer < FE_PEERS; peer++)
-        for (int path = 0; path < FE_PATHS; path++) {
-            struct tally *t = &f->kept[peer][path];
-            if (!t->blocks)
-                continue;
-            if (!all && now - t->first < FE_KEPT_TELL_MS * 1000000ULL) {
-                left = 1;
-                continue;
-            }
-            due[n].peer = peer;
-            due[n].path = path;
-            due[n++].t = *t;
-            *t = (struct tally){0};
-        }
-    pthread_mutex_unlock(&f->lock);
-    for (int i = 0; i < n; i++)
-        tally_event(f, due[i].peer, due[i].path, &due[i].t, now);
-    return left;
-}
-
 /* One WC of a fetch READ: verify, put, answer. */
 static void complete(struct fe_fetch *f, const ks_wc *wc)
 {
@@ -893,7 +810,7 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
     memcpy(want, r->want, wantlen);
     pthread_mutex_unlock(&f->lock);
 
-    int status = (int)wc->status, rc, kept = 0;
+    int status = (int)wc->status;
     if (status == KS_WC_SUCCESS && wc->byte_len != len)
         status = FE_FETCH_SHORT;
     if (status == KS_WC_SUCCESS) {
@@ -907,28 +824,18 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
         else if (k != FE_NO_CHUNK) {
             if (tier_put_new(f->t, key, keylen, laddr, len) < 0)
                 status = FE_FETCH_EXISTS; /* Python put it meanwhile: its copy serves */
-        } else if (keeps(cookie, &own) &&
-                   (rc = tier_keep(f->t, key, keylen, laddr, len)) != -ENOSPC)
-            status = rc == 0 ? (kept = 1, FE_FETCH_OK) : FE_FETCH_EXISTS;
-        else
+        } else
             status = put_part(f, cookie, key, keylen, laddr, len);
     }
-    uint64_t now = fe_now_ns();
     pthread_mutex_lock(&f->lock);
     struct parked *p = rec_end(f, i);
-    struct tally told = {0};
-    if (kept)
-        told = tally(f, &own, len, now);
     if ((cookie & FE_OWN) && status != FE_FETCH_OK && status != FE_FETCH_EXISTS)
         f->routes[cookie & FE_PART ? own.chunk : k] = 0; /* a stale or dead route: the
                                                              * next hint goes to Python */
     if ((cookie & (FE_OWN | FE_PART)) == (FE_OWN | FE_PART))
         f->stage_free[f->nstage_free++] = (int)own.slot; /* its bytes are copied out */
     pthread_mutex_unlock(&f->lock);
-    if (told.blocks)
-        tally_event(f, own.peer, own.path, &told, now);
-    finish(f, k, cookie, status, p, status == FE_FETCH_OK || status == FE_FETCH_EXISTS, &own,
-           kept);
+    finish(f, k, cookie, status, p, status == FE_FETCH_OK || status == FE_FETCH_EXISTS, &own);
 }
 
 /* FE_FETCH_LATE for each C-started fetch past its deadline (once; it goes on); returns
@@ -959,7 +866,6 @@ static int late_check(struct fe_fetch *f)
     pthread_mutex_unlock(&f->lock);
     for (int i = 0; i < n; i++)
         event(f, late[i].k, late[i].cookie, FE_FETCH_LATE, &late[i].own);
-    waiting |= tally_flush(f, now, 0);
     if (!waiting)
         return -1;
     atomic_store(&f->idle, 0);
@@ -1028,7 +934,6 @@ int fetch_stop(struct fe_fetch *f, int timeout_ms)
         pthread_join(f->thread, NULL);
         f->started = 0;
     }
-    tally_flush(f, fe_now_ns(), 1); /* the counts add up */
     pthread_mutex_lock(&f->lock);
     int left = f->active;
     for (int i = 0; i < FE_FETCH_MAX; i++) {
@@ -1038,7 +943,7 @@ int fetch_stop(struct fe_fetch *f, int timeout_ms)
         struct own own = f->recs[i].own;
         struct parked *p = rec_end(f, i);
         pthread_mutex_unlock(&f->lock);
-        finish(f, k, cookie, FE_FETCH_STOPPED, p, 0, &own, 0);
+        finish(f, k, cookie, FE_FETCH_STOPPED, p, 0, &own);
         pthread_mutex_lock(&f->lock);
     }
     int n = atomic_load(&f->ncqs);
@@ -1077,10 +982,3 @@ void fetch_counters(struct fe_fetch *f, struct fe_fetch_counters *c)
     *c = f->c;
     pthread_mutex_unlock(&f->lock);
 }
-
-int fetch_keep(struct fe_fetch *f, uint32_t unit, uint32_t n, uint32_t limit)
-{
-    return tier_keep_pool(f->t, unit, n, limit);
-}
-
-size_t fetch_kept_bytes(struct fe_fetch *f) { return tier_kept_bytes(f->t); }

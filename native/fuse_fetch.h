@@ -45,16 +45,6 @@
  *                                                    C's again at once; FE_FETCHED (cookie
  *                                                    with FE_OWN | FE_PART) names the file,
  *                                                    its chunk, the peer and the path
- *   a random READ inside one block that missed,   ─► fetch_start_block: the same, the
- *   its chunk routed                                 block's xxh3-64; verified, it is
- *                                                    copied into a buffer of the tier's
- *                                                    own pool (fetch_keep, tier_keep: its
- *                                                    oldest block evicted) and no event
- *                                                    is sent for it: a tally per peer path
- *                                                    (FE_KEPT: blocks, bytes, the last
- *                                                    READ's time) every FE_KEPT_TELL blocks
- *                                                    or FE_KEPT_TELL_MS. Late, or no pool:
- *                                                    as an extent's (Python adopts it)
  *
  * The fetch is never right about a fault, only steps aside: a WC error, a short READ or
  * a digest mismatch (the replica reused the slot) hands everything to Python's path.
@@ -99,14 +89,6 @@ enum {
 /* the hedger's READ size classes (cluster/hedge.py): ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M,
  * larger */
 #define FE_SIZE_CLASSES 7
-/* beside FE_BLOCK: a tally of blocks C kept in the tier's pool (fetch_keep), told instead
- * of one FE_FETCHED each: ``slot`` blocks of ``chunk`` bytes in all from ``peer``'s
- * ``path``, ``t0`` as far before the event as the last one's READ took */
-#define FE_KEPT (1ULL << 60)
-#define FE_KEPT_TELL 16 /* kept blocks a tally holds at most */
-/* ... or for at most this long, from its first: half the heartbeat interval, so a path
- * carrying only kept blocks is seldom probed (rdma/vrdma/heartbeat.py) */
-#define FE_KEPT_TELL_MS 5
 
 /* One UP path to a peer: the soft engine of its local NIC (a fetch CQ there), its QP, the
  * peer's arena through it, and which of a landing slot's lkeys it takes. */
@@ -127,7 +109,6 @@ struct fe_fetch_counters {
     uint64_t redundant;     /* landed verified, but the tier had the chunk (EXISTS) */
     uint64_t started;       /* of ``posted``: started in C (fetch_start, _start_part) */
     uint64_t started_parts; /* of ``started``: small files' extents (fetch_start_part) */
-    uint64_t kept;          /* of ``landed``: blocks kept in the tier's pool (fetch_keep) */
 };
 
 struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t,
@@ -201,12 +182,6 @@ int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t l
 int fetch_start_block(struct fe_fetch *f, uint64_t k, uint64_t b, uint64_t offset,
                       uint32_t len, const uint8_t *key, const uint8_t *want,
                       const struct fe_read *read);
-/* Keep the random reads' blocks C starts (fetch_start_block) in a pool of ``n`` buffers
- * of ``unit`` bytes the tier owns, at most ``limit`` of them used (tier_keep_pool: again
- * to raise it), told to Python in tallies (FE_KEPT), not one by one for it to adopt. */
-int fetch_keep(struct fe_fetch *f, uint32_t unit, uint32_t n, uint32_t limit);
-/* The bytes of the pool's buffers used so far (what it holds at most). */
-size_t fetch_kept_bytes(struct fe_fetch *f);
 /* Start chunk ``k`` here if it has a route to a peer that is on and a landing slot is free:
  * 1 (or it is in flight already), else 0 (the caller hints Python). Any thread. */
 int fetch_start(struct fe_fetch *f, uint64_t k);

@@ -496,30 +496,3 @@ PyObject *Engine_fetch_stop(EngineObject *self, PyObject *args)
     struct fe_engine *e = engine_of(self, "fetch_stop");
     return e ? PyLong_FromLong(fetch_release(self, e, timeout_ms)) : NULL;
 }
-
-/* fetch_keep(unit, n, limit) -> bool: the random reads' blocks C starts kept in a pool of
- * ``n`` buffers of ``unit`` bytes the tier owns, ``limit`` of them used at most (again: the
- * limit raised; False: a pool of another shape is there). */
-PyObject *Engine_fetch_keep(EngineObject *self, PyObject *args)
-{
-    unsigned int unit, n, limit;
-    if (!PyArg_ParseTuple(args, "III:fetch_keep", &unit, &n, &limit))
-        return NULL;
-    struct fe_fetch *f = fetch_of(self, "fetch_keep");
-    if (!f)
-        return NULL;
-    int rc = fetch_keep(f, unit, n, limit);
-    if (rc == -EEXIST)
-        Py_RETURN_FALSE;
-    if (rc < 0)
-        return raise_errno(-rc, "fetch_keep");
-    Py_RETURN_TRUE;
-}
-
-/* fetch_kept_bytes() -> int: the bytes of the pool's buffers used so far (what it holds
- * at most; fetch_kept counts the blocks kept, in counters()). */
-PyObject *Engine_fetch_kept_bytes(EngineObject *self, PyObject *Py_UNUSED(arg))
-{
-    struct fe_fetch *f = fetch_of(self, "fetch_kept_bytes");
-    return f ? PyLong_FromSize_t(fetch_kept_bytes(f)) : NULL;
-}

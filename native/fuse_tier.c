@@ -6,15 +6,9 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "tuning.h"
 
-struct kept {        /* one buffer of the kept pool */
-    atomic_int held; /* a slot of the table points into it (its last unref clears this) */
-    uint8_t keylen;
-    uint8_t key[FE_KEY_MAX]; /* the key it was kept under */
-};
 
 struct fe_tier {
     struct fe_slot **buckets;
@@ -22,12 +16,6 @@ struct fe_tier {
     atomic_size_t slots;
     pthread_mutex_t dead_lock;
     struct fe_slot *dead;
-    pthread_mutex_t keep_lock; /* tier_keep's callers, one at a time */
-    uint8_t *pool;             /* npool buffers of unit bytes, one mapping */
-    struct kept *kept;
-    size_t unit;
-    uint32_t npool, limit, hand, used; /* limit: buffers it may use (tier_keep_pool);
-                                        * hand: CLOCK's; used: buffers ever taken */
 };
 
 struct fe_tier *tier_new(void)
@@ -43,7 +31,6 @@ struct fe_tier *tier_new(void)
     for (int i = 0; i < FE_STRIPES; i++)
         pthread_mutex_init(&t->stripes[i], NULL);
     pthread_mutex_init(&t->dead_lock, NULL);
-    pthread_mutex_init(&t->keep_lock, NULL);
     return t;
 }
 
@@ -61,11 +48,11 @@ void tier_free(struct fe_tier *t)
         free(s);
     }
     free(t->buckets);
-    if (t->pool)
-        munmap(t->pool, t->unit * t->npool);
-    free(t->kept);
     free(t);
 }
+
+
+
 
 static uint64_t key_hash(const uint8_t *key, size_t keylen)
 {
@@ -109,11 +96,6 @@ static void *unref(struct fe_tier *t, struct fe_slot *s, int keep_owner)
 {
     if (atomic_fetch_sub(&s->refs, 1) != 1)
         return NULL;
-    if (s->pooled) { /* its buffer back to the pool: nothing for the owner's side */
-        atomic_store(&t->kept[s->pooled - 1].held, 0);
-        free(s);
-        return NULL;
-    }
     if (keep_owner) {
         void *owner = s->owner;
         free(s);
@@ -127,7 +109,7 @@ static void *unref(struct fe_tier *t, struct fe_slot *s, int keep_owner)
 }
 
 static int put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *data,
-               size_t len, void *owner, int only_new, uint32_t pooled)
+               size_t len, void *owner, int only_new)
 {
     if (keylen < 16 || keylen > FE_KEY_MAX)
         return -EINVAL;
@@ -140,7 +122,6 @@ static int put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void 
     s->data = data;
     s->len = len;
     s->owner = owner;
-    s->pooled = pooled;
     size_t b = bucket_of(key, keylen);
     pthread_mutex_t *m = stripe_of(t, b);
     pthread_mutex_lock(m);
@@ -167,13 +148,13 @@ static int put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void 
 int tier_put(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *data,
              size_t len, void *owner)
 {
-    return put(t, key, keylen, data, len, owner, 0, 0);
+    return put(t, key, keylen, data, len, owner, 0);
 }
 
 int tier_put_new(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *data,
                  size_t len)
 {
-    return put(t, key, keylen, data, len, NULL, 1, 0);
+    return put(t, key, keylen, data, len, NULL, 1);
 }
 
 void *tier_discard(struct fe_tier *t, const uint8_t *key, size_t keylen, int *found)
@@ -232,10 +213,7 @@ size_t tier_clear(struct fe_tier *t, void **owners, size_t max)
         while (t->buckets[b] && n < max) {
             struct fe_slot *s = t->buckets[b];
             t->buckets[b] = s->next;
-            if (s->pooled) /* a kept block's buffer is the pool's */
-                atomic_store(&t->kept[s->pooled - 1].held, 0);
-            else
-                owners[n++] = s->owner;
+            owners[n++] = s->owner;
             free(s);
             atomic_fetch_sub(&t->slots, 1);
         }
@@ -270,106 +248,3 @@ int tier_has(struct fe_tier *t, const uint8_t *key, size_t keylen)
 }
 
 void tier_unref(struct fe_tier *t, struct fe_slot *s) { unref(t, s, 0); }
-
-int tier_keep_pool(struct fe_tier *t, size_t unit, uint32_t n, uint32_t limit)
-{
-    if (!unit || !n)
-        return -EINVAL;
-    pthread_mutex_lock(&t->keep_lock);
-    int rc = t->pool && (t->unit != unit || t->npool != n) ? -EEXIST : 0;
-    if (!rc && !t->pool) {
-        /* faulted in by first use, then reused: the pool never returns its pages */
-        void *pool = mmap(NULL, unit * n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                          -1, 0);
-        struct kept *kept = calloc(n, sizeof *kept);
-        if (pool == MAP_FAILED || !kept) {
-            if (pool != MAP_FAILED)
-                munmap(pool, unit * n);
-            free(kept);
-            rc = -ENOMEM;
-        } else {
-            t->pool = pool;
-            t->kept = kept;
-            t->unit = unit;
-            t->npool = n;
-        }
-    }
-    if (!rc && limit > t->limit) /* (it only grows: the memory tier's loan does) */
-        t->limit = limit < n ? limit : n;
-    pthread_mutex_unlock(&t->keep_lock);
-    return rc;
-}
-
-/* Under keep_lock: evict the block kept in buffer ``i`` unless a read was answered from it
- * since CLOCK last looked (then its second chance is spent); whether the buffer is free
- * now (a reply still writing from it frees it later). */
-static int evict_kept(struct fe_tier *t, uint32_t i)
-{
-    struct kept *k = &t->kept[i];
-    size_t b = bucket_of(k->key, k->keylen);
-    pthread_mutex_t *m = stripe_of(t, b);
-    pthread_mutex_lock(m);
-    struct fe_slot **link, *s = find(t, b, k->key, k->keylen, &link);
-    if (s && s->pooled == i + 1 && (atomic_fetch_and(&s->touched, ~FE_TOUCHED) & FE_TOUCHED)) {
-        pthread_mutex_unlock(m);
-        return 0;
-    }
-    if (s && s->pooled == i + 1)
-        *link = s->next;
-    else
-        s = NULL; /* not in the table any more: a reply holds it, or it is free */
-    pthread_mutex_unlock(m);
-    if (s) {
-        atomic_fetch_sub(&t->slots, 1);
-        unref(t, s, 0);
-    }
-    return !atomic_load(&k->held);
-}
-
-/* Under keep_lock: a free buffer of the pool (a new one while fewer than its limit were
- * ever used, else CLOCK's next evicted), or -1. */
-static int64_t take_kept(struct fe_tier *t)
-{
-    if (t->used < t->limit)
-        return t->used++;
-    for (uint32_t step = 0; step < 2 * t->used; step++) {
-        uint32_t i = t->hand;
-        t->hand = (i + 1) % t->used;
-        if (!atomic_load(&t->kept[i].held) || evict_kept(t, i))
-            return i;
-    }
-    return -1;
-}
-
-int tier_keep(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *src,
-              size_t len)
-{
-    if (keylen < 16 || keylen > FE_KEY_MAX)
-        return -EINVAL;
-    if (tier_has(t, key, keylen))
-        return -EEXIST; /* evict nothing for it */
-    pthread_mutex_lock(&t->keep_lock);
-    int64_t i = t->pool && len <= t->unit ? take_kept(t) : -1;
-    int rc = -ENOSPC;
-    if (i >= 0) {
-        struct kept *k = &t->kept[i];
-        uint8_t *buf = t->pool + (size_t)i * t->unit;
-        memcpy(buf, src, len);
-        memcpy(k->key, key, keylen);
-        k->keylen = (uint8_t)keylen;
-        atomic_store(&k->held, 1);
-        rc = put(t, key, keylen, buf, len, NULL, 1, (uint32_t)i + 1);
-        if (rc < 0)
-            atomic_store(&k->held, 0);
-    }
-    pthread_mutex_unlock(&t->keep_lock);
-    return rc;
-}
-
-size_t tier_kept_bytes(struct fe_tier *t)
-{
-    pthread_mutex_lock(&t->keep_lock);
-    size_t n = (size_t)t->used * t->unit;
-    pthread_mutex_unlock(&t->keep_lock);
-    return n;
-}

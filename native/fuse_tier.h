@@ -8,14 +8,6 @@
  * Whoever drops the last reference retires the slot: tier_discard hands the owner
  * straight back (release it now), anyone else puts it on the dead list that tier_reap
  * empties. So no buffer is released while a reply still points into it.
- *
- * Kept blocks (tier_keep): the native fetch's random reads' blocks live in a pool of
- * buffers the tier owns (tier_keep_pool: a budget Python's MemoryCache lends it), not in
- * Python's: a slot there has ``pooled`` set and no owner, its last reference gives the
- * buffer back to the pool, and when the pool is full tier_keep evicts its own oldest
- * kept block (CLOCK: one served since last looked at gets a second chance). The pool is
- * one mapping whose buffers are reused, so a block's copy faults no fresh page after the
- * first pass (docs/design.md, "Random reads' blocks kept in C").
  */
 #ifndef KSPEEDFS_FUSE_TIER_H
 #define KSPEEDFS_FUSE_TIER_H
@@ -35,7 +27,6 @@ struct fe_slot {
     const uint8_t *data;
     size_t len;
     void *owner;
-    uint32_t pooled; /* 1 + its buffer's index in the kept pool (tier_keep); 0: an owner's */
 };
 
 struct fe_tier;
@@ -67,18 +58,5 @@ size_t tier_count(struct fe_tier *t);
 struct fe_slot *tier_get(struct fe_tier *t, const uint8_t *key, size_t keylen);
 void tier_unref(struct fe_tier *t, struct fe_slot *s);
 int tier_has(struct fe_tier *t, const uint8_t *key, size_t keylen);
-/* A pool of ``n`` buffers of ``unit`` bytes for tier_keep, made at the first call
- * (-ENOMEM), of which at most ``limit`` hold blocks: a later call with the same ``unit``
- * and ``n`` raises the limit (never lowers it), another is -EEXIST. */
-int tier_keep_pool(struct fe_tier *t, size_t unit, uint32_t n, uint32_t limit);
-/* ``len`` verified bytes at ``src`` copied into a pool buffer and put under ``key`` (the
- * pool's oldest kept block evicted for it when none is free): 0; -EEXIST when ``key`` is
- * there already (nothing changed); -ENOSPC when there is no pool, ``len`` exceeds its
- * unit or every buffer is still being replied from (the caller puts it its own way).
- * One caller at a time (the fetch thread). */
-int tier_keep(struct fe_tier *t, const uint8_t *key, size_t keylen, const void *src,
-              size_t len);
-/* Bytes of the pool's buffers ever used (they stay the pool's): what it holds at most. */
-size_t tier_kept_bytes(struct fe_tier *t);
 
 #endif

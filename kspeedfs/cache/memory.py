@@ -146,7 +146,6 @@ class MemoryCache:
         self._put_at: dict[bytes, int] = {}     # transient key -> _put_bytes after its put
         self._put_bytes = 0                     # bytes ever put into the transient part
         self._mirror: Mirror | None = None
-        self.lent = 0                           # of the transient part's capacity: ``lend``
 
     def mirror_to(self, mirror: Mirror | None) -> None:
         """Mirror every buffer held now and later into ``mirror`` (None: stop)."""
@@ -158,23 +157,7 @@ class MemoryCache:
 
     @property
     def used(self) -> int:
-        """Bytes held: this cache's buffers and the room lent (``lend``)."""
-        return self._resident_used + self._transient_used + self.lent
-
-    def lend(self, nbytes: int) -> int:
-        """Let a holder outside this cache (the native fetch's pool of kept blocks,
-        native/fuse_tier.h ``tier_keep``) hold up to ``nbytes`` in all: the resident
-        part's room first, then the transient part's capacity (its LRU evicting). The
-        loan only grows; this cache and that holder together stay within ``capacity``.
-        Returns the loan (``lent``)."""
-        more = min(nbytes - self.lent, self.resident_room + self.transient_capacity)
-        if more > 0:
-            resident = min(more, self.resident_room)
-            self.resident_capacity -= resident
-            self.transient_capacity -= more - resident
-            self.lent += more
-            self._evict()
-        return self.lent
+        return self._resident_used + self._transient_used
 
     @property
     def resident_used(self) -> int:

@@ -239,18 +239,12 @@ class TierChain:
         """Chunk ``k`` (``whole`` False: a small file's extent in it, under its digest
         ``key``), verified, loaded elsewhere (the native fetch): into the memory tier as
         a load's would be (``Reader._load_extent``'s for an extent), and counted."""
-        self.counted(1, len(data), tier)
+        self.counters.add(f"{tier}_hits")
+        self.counters.add(f"{tier}_bytes", len(data))
         if whole:
             self._put(k, key, Loaded(data, tier))
         else:
             self.memory.put(key, data)
-
-    def counted(self, loads: int, nbytes: int, tier: str) -> None:
-        """``loads`` verified loads from ``tier`` (``nbytes`` in all) counted: ``arrived``'s,
-        and the blocks the native fetch keeps in its own pool (which the memory tier lends
-        room to), counted only."""
-        self.counters.add(f"{tier}_hits", loads)
-        self.counters.add(f"{tier}_bytes", nbytes)
 
     def _put(self, k: int, key: bytes, loaded: Loaded) -> None:
         self.memory.put(key, loaded.data)

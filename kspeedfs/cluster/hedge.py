@@ -145,18 +145,15 @@ class Hedger:
 
     # -- outcomes --------------------------------------------------------------------------
 
-    def done(self, peer: str, nbytes: int, seconds: float, *, sample: bool = True,
-             reads: int = 1) -> None:
+    def done(self, peer: str, nbytes: int, seconds: float, *, sample: bool = True) -> None:
         """A READ of ``nbytes`` from ``peer`` completed after ``seconds``. ``sample``
-        False: it lost a hedge (histogram and longest only). ``reads``: as many READs of
-        ``nbytes`` each, this one's time standing for theirs (a tally of the blocks C
-        kept: one window sample, every READ in the counts and the byte budget)."""
+        False: it lost a hedge (histogram and longest only)."""
         h = self.health(peer)
-        h.reads += reads
-        h.counts[bisect.bisect_left(BUCKETS_MS, seconds * 1e3)] += reads
+        h.reads += 1
+        h.counts[bisect.bisect_left(BUCKETS_MS, seconds * 1e3)] += 1
         h.longest = max(h.longest, seconds)
-        self.read_bytes += nbytes * reads
-        self.credit = min(float(self.burst), self.credit + nbytes * reads * self.budget)
+        self.read_bytes += nbytes
+        self.credit = min(float(self.burst), self.credit + nbytes * self.budget)
         if not sample:
             return
         c = size_class(nbytes)

@@ -8,9 +8,7 @@
  * thread; then this thread plays the kernel and Python at once — sends random requests
  * (known opcodes with random nodeids, offsets, sizes and names, and random bytes),
  * reads and checks every reply header, answers queued misses, and puts, discards,
- * touches and reaps tier buffers while the request thread replies from them, and keeps
- * blocks in the tier's own pool (tier_keep, a small one, its limit raised at random) so
- * that they evict each other under those replies.  A tier
+ * touches and reaps tier buffers while the request thread replies from them.  A tier
  * buffer is freed the moment the engine hands its owner back, so a reply that read it
  * later is a use-after-free ASan reports.  Each case also lays out random io_uring
  * entries (fe_ring_layout: a header whose sizes lie, into an output buffer of exactly the
@@ -21,8 +19,6 @@
  */
 #define _GNU_SOURCE
 #include "fuse_engine.h"
-#include "fuse_engine_i.h" /* the engine's tier, for tier_keep (the fetch thread's) */
-#include "fuse_tier.h"
 #include "fuse_uring_abi.h"
 
 #include <errno.h>
@@ -303,7 +299,7 @@ static void tier_step(struct fe_engine *e, const struct fe_index *ix)
     uint8_t key[20];
     size_t keylen;
     random_key(ix, key, &keylen);
-    int what = (int)below(5);
+    int what = (int)below(4);
     if (what <= 1) {
         size_t len = below(2) ? ix->chunk_size : below(ix->chunk_size + 1);
         struct owner *o = malloc(sizeof *o);
@@ -311,10 +307,6 @@ static void tier_step(struct fe_engine *e, const struct fe_index *ix)
         memset(o->data, 0x5a, len ? len : 1);
         if (fe_tier_put(e, key, keylen, o->data, len, o) < 0)
             release(o);
-    } else if (what == 4) { /* a pool of 8 buffers of 8 KiB, up to ``limit`` of them used */
-        static const uint8_t block[12 << 10];
-        tier_keep_pool(e->tier, 8 << 10, 8, (uint32_t)below(9));
-        tier_keep(e->tier, key, keylen, block, below(sizeof block + 1));
     } else if (what == 2) {
         int found;
         void *o = fe_tier_discard(e, key, keylen, &found);

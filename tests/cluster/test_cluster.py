@@ -308,43 +308,6 @@ def test_random_reads_in_a_routed_chunk_start_their_blocks_in_c(world) -> None:
           f"{hits} hits, {python} in Python")
 
 
-def test_random_reads_from_peers_keep_their_blocks_in_c_within_the_memory_budget(world) -> None:
-    """Random 4 KiB READs over more data than the tier holds: the blocks C starts are
-    kept in the tier's own pool (fuse_tier.h ``tier_keep``), evicting its oldest, not
-    adopted one by one by Python; every READ still gets the right bytes, the memory tier
-    with the pool's room stays within ``--cache-mem``, and the tallies Python gets count
-    every kept block as a peer hit and a hedging sample's READ."""
-    c, _, files = world
-    mnt = _small_mount(c)
-    rnd = random.Random(31)
-    before = _stats(mnt)
-    rels = ("shards/s0.bin", "shards/s1.bin")             # 12 MiB against an 8 MiB tier
-    handles = [open(mnt / rel, "rb") for rel in rels]
-    try:
-        for f in handles:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-        for _ in range(600):
-            i = rnd.randrange(len(rels))
-            want = files[rels[i]]
-            off = rnd.randrange(0, len(want) - 4096) & ~4095
-            got = os.pread(handles[i].fileno(), 4096, off)
-            assert got == want[off:off + 4096], (rels[i], off)
-    finally:
-        for f in handles:
-            f.close()
-    time.sleep(0.1)                                       # (the last tally: 5 ms)
-    s = _stats(mnt)
-    kept = s["fetch_kept"] - before["fetch_kept"]
-    # the pool is half the 8 MiB tier: 32 blocks of 128 KiB, so it evicted its own
-    assert kept > 32, kept
-    assert s["memory_bytes"] <= 8 << 20, s
-    assert s["peer_hits"] - before["peer_hits"] >= kept, s
-    assert s["peer_read_bytes"] - before["peer_read_bytes"] >= kept * (64 << 10), s
-    assert s["fetch_parked"] == s["fetch_answered"], s
-    assert s["source_loads"] == before["source_loads"], s
-    print(f"random block misses: {kept} kept in C, {s['memory_bytes']} bytes in the tier")
-
-
 def test_sequential_reads_that_miss_wait_in_c_for_their_chunks(world) -> None:
     """A sequential READ whose chunks are neither held nor in flight (here no prefetch
     starts them: ``fuse.prefetch_chunks=0``) is not answered in Python: its chunks'

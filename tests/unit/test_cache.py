@@ -71,25 +71,6 @@ def test_a_small_tier_is_all_lru() -> None:
     assert cache.transient_capacity == 10 << 20 and cache.resident_capacity == 0
 
 
-def test_room_lent_to_c_comes_from_the_resident_room_then_the_lru() -> None:
-    """The native fetch's pool of kept blocks borrows room as it fills (``lend``): the
-    resident part's free room first, then the transient LRU's (evicting); the loan only
-    grows, and what the tier holds with the loan never exceeds its capacity."""
-    m = MemoryCache(100, transient_fraction=0.5, transient_min=0)
-    for i in range(3):
-        m.put(bytes([i]) * 16, b"x" * 10)     # 30 resident: 20 of its room left
-    assert m.lend(15) == 15 and m.resident_capacity == 35 and m.transient_capacity == 50
-    for i in range(3, 10):
-        m.put(bytes([i]) * 16, b"x" * 10)     # resident full but 5, the LRU full (50)
-    assert m.used == 95
-    assert m.lend(45) == 45 and m.resident_capacity == 30 and m.transient_capacity == 25
-    assert m.used <= 100 and len(m) == 3 + 2
-    assert m.lend(10) == 45                   # (a smaller figure later: the loan stays)
-    assert m.lend(500) == 70 and m.transient_capacity == 0 and m.used == 100
-    m.put(b"n" * 16, b"y" * 10)               # no room: not kept, nothing overflows
-    assert m.used <= 100 and b"n" * 16 not in m
-
-
 def test_an_epoch_larger_than_the_tier_keeps_its_first_part() -> None:
     """Cyclic re-reads of 10 items with room for 5: the resident part is hit every epoch
     (an LRU would evict each item just before it came round again)."""

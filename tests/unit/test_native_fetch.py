@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from kspeedfs.cluster.native import inflight as native_inflight
 from kspeedfs.cluster.native.fetch import NativeFetch
 from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.index import ManifestIndex
-from kspeedfs.manifest.model import Extent, block_key
+from kspeedfs.manifest.model import Extent
 from kspeedfs.manifest.store.embedded import EmbeddedStore
 from kspeedfs.origin import Origin
 from kspeedfs.tuning import C_SLOTS, NATIVE_FAILED_FOR
@@ -204,8 +203,6 @@ class FakeEngine:
         self.unparked: list[int] = []
         self.parked: list[tuple[int, tuple[Any, ...]]] = []
         self.park = True
-        self.keep: list[tuple[int, int, int]] = []   # fetch_keep calls: (unit, n, limit)
-        self.kept_bytes = 0                          # what C's pool of kept blocks uses
 
     def fetch_enable(self, capi: object) -> None:
         pass
@@ -267,13 +264,6 @@ class FakeEngine:
     def fetch_stop(self, timeout_ms: int = 5000) -> int:
         return 0
 
-    def fetch_keep(self, unit: int, n: int, limit: int) -> bool:
-        self.keep.append((unit, n, limit))
-        return True
-
-    def fetch_kept_bytes(self) -> int:
-        return self.kept_bytes
-
     # -- the NIC and the fetch thread -------------------------------------------------
 
     def land(self, cookie: int, data: bytes) -> None:
@@ -328,8 +318,7 @@ class Rig:
     """A NativeFetch over the fakes, attached to a real TierChain; every chunk ``k``
     routed to node A's slot ``10 + k``."""
 
-    def __init__(self, ds: Dataset, nursery: trio.Nursery, hedge: Hedger | None = None,
-                 small_file_limit: int = 0) -> None:
+    def __init__(self, ds: Dataset, nursery: trio.Nursery, hedge: Hedger | None = None) -> None:
         self.ix = ix = ds.index
         self.ep = FakeEndpoint()
         self.engine = FakeEngine(self.ep)
@@ -338,8 +327,7 @@ class Rig:
         self.chain = TierChain(index=ix, origin=Origin(ds.src, ix, "ds"), memory=self.memory,
                                flights=SingleFlight(nursery), limiter=trio.CapacityLimiter(2),
                                peers=self.peers, dataset=("ds", 1))
-        self.nf = NativeFetch(self.engine, self.peers, self.chain, self.memory, ix,
-                              small_file_limit)
+        self.nf = NativeFetch(self.engine, self.peers, self.chain, self.memory, ix)
         self.chain.attach_native(self.nf)
         self.pump = EventPump(None, None)   # a FETCHED event needs no reader nor replies
         self.pump.fetch = self.nf
@@ -715,43 +703,3 @@ async def test_a_c_started_extent_is_adopted_under_its_digest(dataset, nursery) 
     assert rig.tier(ext.digest) == dataset.small
     assert rig.engine.buffers == {} and len(rig.peers.staging) == 4
     assert rig.vqps[A].done == [QPN] and rig.peers.landed == [(A, len(dataset.small))]
-
-
-# -- random reads' blocks C keeps in its own pool -------------------------------------------
-
-
-async def test_a_tally_of_kept_blocks_counts_them_keeps_the_path_alive_and_samples_the_hedger(
-        dataset, nursery) -> None:
-    """C tells the blocks it kept in its pool in one tally (FETCH_KEPT), not one FETCHED
-    each: Python counts every block as a peer hit, marks the path alive, feeds the hedger
-    one sample standing for all of them, and lends the pool room ahead of its use."""
-    hedger = Hedger()
-    rig = Rig(dataset, nursery, hedger, small_file_limit=BLOCK)
-    assert rig.nf.start(1, rig.key(1))                         # C gets routes, peers, slots
-    assert rig.engine.keep == [(BLOCK, (8 << 20) // 2 // BLOCK, 0)]   # a pool, nothing lent
-    rig.engine.kept_bytes = 5 * BLOCK
-    before = rig.chain.counters.peer_hits
-    kept = _fe.FETCH_OWN | _fe.FETCH_PART | _fe.FETCH_BLOCK | _fe.FETCH_KEPT
-    rig.deliver(_fe.Fetched((kept, 5 * BLOCK, 0, 5, 0, 0, time.monotonic() - 0.002)))
-    assert rig.chain.counters.peer_hits - before == 5
-    assert rig.peers.landed == [(A, BLOCK)] * 5 and rig.vqps[A].done == [QPN]
-    assert hedger.read_bytes == 5 * BLOCK and hedger.health(A).reads == 5
-    lent = rig.memory.lent                                     # KEPT_AHEAD past its use,
-    assert lent == 4 << 20 and rig.engine.keep[-1] == (BLOCK, 256, lent // BLOCK)  # capped
-    assert rig.memory.used == lent                           # (the tier held nothing)
-
-
-async def test_a_c_started_block_that_came_back_unkept_has_the_pool_lent_room(
-        dataset, nursery) -> None:
-    """The pool starts with nothing lent (a mount that never reads at random keeps its
-    tier): the first block C started comes back the old way, adopted into the memory
-    tier, and makes Python lend the pool room."""
-    rig = Rig(dataset, nursery, small_file_limit=BLOCK)
-    assert rig.nf.start(1, rig.key(1))
-    assert rig.memory.lent == 0
-    cookie = _fe.FETCH_OWN | _fe.FETCH_PART | _fe.FETCH_BLOCK | 4
-    block = dataset.chunks[2][:BLOCK]
-    rig.engine.buffers[cookie] = block                         # C verified and copied it
-    rig.deliver(rig.engine.fetched(cookie, k=2, slot=0, peer=0, path=0))
-    assert rig.tier(block_key(rig.key(2), 0)) == block
-    assert rig.memory.lent > 0 and rig.engine.keep[-1][2] == rig.memory.lent // BLOCK

@@ -6,8 +6,6 @@
                                                                fields (``_own``), ``end``
       FETCH_LATE of a C-started fetch                        → a record, overdue
                                                                (LateFetches: hedged)
-      FETCH_KEPT: a tally of the blocks C kept in its pool   → counted, the path alive,
-                  (random reads', C-started, not late)         a hedging sample (``_kept``)
     end(f, status)   verified → the landing slot (or C's extent buffer) into the memory
                      tier (MemoryCache.put adopts the engine's entry), counted, the
                      hedger's sample; else the slot back, the key failed lately, a stale
@@ -57,10 +55,7 @@ class FetchedEvents:
         """A FETCHED event from the engine's queue (``status``: fuse_fetch.h; ``k``, the
         chunk, is the record's too: FE_NO_CHUNK for an extent). A C-started fetch's
         (``cookie & FETCH_OWN``) also names its landing slot, peer, path and start, and
-        may be FETCH_LATE (it goes on); FETCH_KEPT: a tally of blocks, ``_kept``."""
-        if cookie & fe.FETCH_KEPT:
-            self._kept(slot, k, peer, path, since)
-            return
+        may be FETCH_LATE (it goes on)."""
         if cookie & fe.FETCH_OWN:
             if status == fe.FETCH_LATE:
                 self._late_own(cookie, k, slot, peer, path, since)
@@ -173,27 +168,4 @@ class FetchedEvents:
         self.end(f, status)
         if status not in (fe.FETCH_OK, fe.FETCH_EXISTS, fe.FETCH_MISMATCH):
             self.routes.tell(rec, f.vqp)            # a path that failed is not told again
-        elif cookie & fe.FETCH_BLOCK:
-            self.routes.lend_kept()                 # C's pool had no room for it: lend
         self.routes.feed()
-
-    def _kept(self, blocks: int, nbytes: int, peer: int, path: int, since: float) -> None:
-        """A tally of ``blocks`` random reads' blocks (``nbytes``) C started, verified and
-        kept in its own pool (fuse_fetch.h FE_KEPT), READ from peer number ``peer``'s
-        ``path``-th path, the last one since ``since``: counted as landed, the path alive,
-        the last READ a hedging sample standing for all, and the pool's room lent by the
-        memory tier. No record, no buffer, nothing put: per block this was most of the
-        trio thread's time (docs/design.md, "Random reads' blocks kept in C")."""
-        self.tiers.counted(blocks, nbytes, "peer")
-        self.routes.lend_kept()
-        origin = self.routes.origin(peer, path)
-        if origin is None or not blocks:
-            return
-        rec, vqp, qpn = origin
-        vqp.native_done(qpn)
-        share, rest = divmod(nbytes, blocks)
-        self.peers.landed_native(rec.node, share + rest)
-        for _ in range(blocks - 1):
-            self.peers.landed_native(rec.node, share)
-        if self.peers.hedge is not None:
-            self.peers.hedger.done(rec.node, share, time.monotonic() - since, reads=blocks)

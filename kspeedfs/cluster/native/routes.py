@@ -8,7 +8,6 @@
     Routes.feed()            C_SLOTS landing slots with C (fetch_slot), and once C_STAGING
                              staging slots for the small files' extents it starts
     Routes.slot / origin     from a C-started fetch's FETCHED back to its slot, node and QP
-    Routes.lend_kept()       the memory tier lends C's pool of kept blocks room ahead of it
 
 A sequential reader's window then starts each routed chunk in C as it enters, and a
 small file's READ that misses in a routed chunk its extent, with no hint to Python:
@@ -18,7 +17,6 @@ handing each one over from Python was about half of what the trio thread still d
 from __future__ import annotations
 
 import itertools
-import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ..hedge import size_class
 from ..landing import Slot
 from .inflight import fe
-from ...tuning import C_SLOTS, C_STAGING, KEPT_AHEAD, KEPT_FRACTION, ROUTE_AHEAD
+from ...tuning import C_SLOTS, C_STAGING, ROUTE_AHEAD
 
 if TYPE_CHECKING:
     from rdma.vrdma import VQP
@@ -34,8 +32,6 @@ if TYPE_CHECKING:
     from ...cache.memory import MemoryCache
     from ...manifest.index import ManifestIndex
     from ..fetch import Peers
-
-log = logging.getLogger(__name__)
 
 
 class Routes:
@@ -73,7 +69,6 @@ class Routes:
         # exactly when the dataset outgrows the tiers (small_file_limit > 0)
         self._part_size = max(small_file_limit, index.block_size) if small_file_limit else 0
         self._staging: Any = None              # the vMR of C's staging slots, once given
-        self._kept_max = 0                     # buffers C's pool of kept blocks may reach
 
     def ahead(self, k: int) -> None:
         """Give C the routes of the ``ROUTE_AHEAD`` chunks after ``k`` (their first
@@ -185,20 +180,7 @@ class Routes:
             self._slots[sid] = slot
 
     def _stage(self) -> None:
-        """C_STAGING staging slots of ``small_file_limit`` bytes (pages), C's for good;
-        with them, when C starts random reads' blocks, its pool to keep them in."""
-        if self.starts_blocks:
-            m = self.memory
-            self._kept_max = (m.resident_room + int(m.transient_capacity * KEPT_FRACTION)
-                              ) // self.index.block_size
-            # nothing lent yet: a mount that never reads at random keeps its whole tier
-            # (the first blocks C starts take the old path, and lend: FetchedEvents)
-            try:
-                if self._kept_max:
-                    self.engine.fetch_keep(self.index.block_size, self._kept_max, 0)
-            except OSError as e:                # (no room to map it: Python keeps them)
-                log.warning("native fetch: no pool for the blocks C starts: %s", e)
-                self._kept_max = 0
+        """C_STAGING staging slots of ``small_file_limit`` bytes (pages), C's for good."""
         size = -(-self._part_size // 4096) * 4096
         vmr = self._staging = self.peers.ep.alloc(C_STAGING * size, name="c-staging")
         for i in range(C_STAGING):
@@ -206,17 +188,6 @@ class Routes:
             if not self.engine.fetch_staging(keys[0][0], self._part_size,
                                              [lkey for _, lkey in keys]):
                 return
-
-    def lend_kept(self) -> None:
-        """The memory tier lends C's pool of kept blocks KEPT_AHEAD more than its buffers
-        take so far (up to the resident part's room and KEPT_FRACTION of the transient
-        part, as they were at the pool's start), and the pool may use what was lent: the
-        tier and the pool together stay within ``cache.memory``."""
-        if not self._kept_max:
-            return
-        unit = self.index.block_size
-        want = min(self.engine.fetch_kept_bytes() + KEPT_AHEAD, self._kept_max * unit)
-        self.engine.fetch_keep(unit, self._kept_max, self.memory.lend(want) // unit)
 
     def slot(self, sid: int, back: bool = False) -> Slot | None:
         """C's landing slot ``sid`` (``back``: C has given it back), or None."""
