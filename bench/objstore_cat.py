@@ -82,21 +82,27 @@ def main(argv: list[str] | None = None) -> None:
         rates: dict[str, list[float]] = {"get": [], "cp": [], "cat": []}
         cpu: list[float] = []               # the mount daemon's CPU-s per GB
         get_cpu: list[float] = []           # this process's, for the GET
+        served: dict[str, list[float]] = {"get": [], "cat": []}   # the server's CPU-s/GB
+        spid = server.pid
         try:
             for _ in range(args.rounds):
+                s0 = process_cpu(spid) or 0.0
                 c0, t = process_cpu(os.getpid()) or 0.0, time.perf_counter()
                 got = len(obstore.get(store, KEY).bytes())
                 rates["get"].append(got / (time.perf_counter() - t) / 1e6)
                 get_cpu.append(((process_cpu(os.getpid()) or 0.0) - c0) / (size / 1e9))
+                served["get"].append(((process_cpu(spid) or 0.0) - s0) / (size / 1e9))
                 assert got == size, got
                 rates["cp"].append(size / _cp(store, Path(tmp) / "cp.out") / 1e6)
                 mp = node.mount("cat", None, *(x for kv in args.set for x in ("--set", kv)))
                 drop_caches()
                 pid = daemon_pid(mp)
+                s0 = process_cpu(spid) or 0.0
                 c0, t = process_cpu(pid) or 0.0, time.perf_counter()
                 got = _cat(mp / "seq.0")
                 rates["cat"].append(got / (time.perf_counter() - t) / 1e6)
                 cpu.append(((process_cpu(pid) or 0.0) - c0) / (size / 1e9))
+                served["cat"].append(((process_cpu(spid) or 0.0) - s0) / (size / 1e9))
                 assert got == size, got
                 unmount(mp, daemon_pid(mp), timeout=10.0)
                 node.mounts.remove(mp)
@@ -106,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, r in rates.items():
         print(f"{name}: {statistics.median(r):,.0f} MB/s [{min(r):,.0f}-{max(r):,.0f}]")
     print(f"CPU-s/GB: the GET {statistics.median(get_cpu):.2f}, the mount's daemon "
-          f"{statistics.median(cpu):.2f}")
+          f"{statistics.median(cpu):.2f}; the server's for the GET "
+          f"{statistics.median(served['get']):.2f}, for the cat {statistics.median(served['cat']):.2f}")
     for base in ("get", "cp"):
         ratios = sorted(c / g for c, g in zip(rates["cat"], rates[base], strict=True))
         print(f"cat / {base} = {statistics.median(ratios):.2f}x "
