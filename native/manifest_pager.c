@@ -261,8 +261,9 @@ static int from_dirs(struct worker *w, size_t i)
     return -1;
 }
 
-/* Ask the host's node for page i (mp_config.ask): 0 once it answers that the first dir
- * has it now, else -1 with the reason appended. Each step bounded by ask_ms. */
+/* Ask the host's node for page i (mp_config.ask; the wire format: manifest/ask.py): 0 once
+ * it answers that the first dir has it now, else -1 with the reason appended. Each step
+ * bounded by ask_ms. */
 static int ask_node(struct worker *w, size_t i)
 {
     struct mp *m = w->m;

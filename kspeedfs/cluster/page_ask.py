@@ -4,14 +4,14 @@ A node's page copy (``page_copy.py``) holds every page of the versions it preloa
 but not of a version it does not preload, nor a page a sweep or an operator removed. The
 page map's fault handler (``native/manifest_pager.c``, C only: the faulting thread may
 hold the GIL) then asks the node over a unix stream socket in the copy,
-``<cluster.page_copy>/.ask``::
+``<cluster.page_copy>/.ask`` (the wire format: ``manifest/ask.py``)::
 
     page map (C, mount)                       node (this module)
-      connect, send  hash (32) ‖ length (8, little endian)
+      connect, send  hash ‖ length
                                               parse_ask → PageCopy.fetch_one:
                                                  copy? → peers → store.pages, verified,
                                                  written to the copy
-      recv  1 byte: 0 written, 1 not          ◄──
+      recv  1 byte: OK written, NONE not      ◄──
       then the dirs again (the copy first)
 
 Bounds: the request must come whole within ``ASK_READ`` seconds; ``workers`` asks are
@@ -29,32 +29,11 @@ import socket
 import trio
 
 from ..errors import KspeedfsError
-from ..manifest.pages import HASH_SIZE, MAX_PAGE
+from ..manifest.ask import NONE, OK, REQUEST, ask_path, parse_ask
 from ..tuning import ASK_DEADLINE, ASK_READ
 from .page_copy import PageCopy
 
 log = logging.getLogger(__name__)
-
-#: the socket's name in the copy (not a page: the sweep reads only <hh>/ directories)
-ASK_NAME = ".ask"
-REQUEST = HASH_SIZE + 8
-OK, NONE = b"\0", b"\1"
-
-
-def parse_ask(raw: bytes) -> tuple[bytes, int]:
-    """A page map's request (untrusted bytes) → (hash, length); ``KspeedfsError`` unless it
-    is 40 bytes with a length in 1..MAX_PAGE."""
-    if len(raw) != REQUEST:
-        raise KspeedfsError(f"page ask of {len(raw)} bytes, not {REQUEST}")
-    length = int.from_bytes(raw[HASH_SIZE:], "little")
-    if not 1 <= length <= MAX_PAGE:
-        raise KspeedfsError(f"page ask for {length} bytes (1..{MAX_PAGE})")
-    return raw[:HASH_SIZE], length
-
-
-def ask_path(copy: str) -> str:
-    return os.path.join(copy, ASK_NAME)
-
 
 class PageAsks:
     """Serves the ask socket of ``pages`` (:meth:`serve`), once its directory exists.

@@ -14,7 +14,7 @@ is never read here: the page map reads files only (its handler must never need P
 so a mount reads such pages through its host's node, as without ``store.pages``, and
 fails at once with one line when the host has no node's copy (reading every page up
 front instead would hold the whole manifest: 10 GB at 10^8 files). A page none of them
-holds is asked of the node (its ask socket, ``cluster/page_ask.py``): the table pages
+holds is asked of the node (its ask socket, ``ask.py``): the table pages
 here, the data pages by the page map in C.
 With no node to ask and no ``store.pages``, a version the node has not copied yet is
 waited for (``PAGE_COPY_WAIT``): the node writes a version's table pages last, so once
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import stat
 import time
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from collections.abc import Sequence
 from ..config import Config
 from ..errors import ManifestCorrupt
 from ..tuning import ASK_MS, PAGE_COPY_WAIT
+from .ask import ask_page, ask_path
 from .index import ManifestIndex
 from .pages import PageDirectory, Root, is_root, read_all, read_table, table_pages
 from .store import page_dir
@@ -40,12 +40,18 @@ from .store.base import DatasetInfo, MetadataStore
 log = logging.getLogger(__name__)
 
 
+def host_copy(cfg: Config) -> str:
+    """Where the host's node keeps its page copy, "" when no node can (a single-machine
+    store has no nodes)."""
+    return cfg.cluster.page_copy if cfg.store.backend == "etcd" else ""
+
+
 def page_dirs(cfg: Config) -> list[str]:
     """Where a process on this host reads manifest pages, in order: the host's node's
-    copy (an etcd store's cluster, when the directory exists), then ``store.pages``."""
+    copy (when the directory exists), then ``store.pages``."""
     dirs = []
-    copy = cfg.cluster.page_copy
-    if cfg.store.backend == "etcd" and copy and os.path.isdir(copy):
+    copy = host_copy(cfg)
+    if copy and os.path.isdir(copy):
         dirs.append(copy)
     shared = page_dir(cfg.store)
     if shared:
@@ -54,30 +60,16 @@ def page_dirs(cfg: Config) -> list[str]:
 
 
 def ask_socket(cfg: Config) -> str | None:
-    """The host's node's ask socket (``cluster/page_ask.py``) when it listens here: a
-    page no directory holds is asked of the node by the page map."""
-    copy = cfg.cluster.page_copy
-    path = os.path.join(copy, ".ask") if cfg.store.backend == "etcd" and copy else ""
+    """The host's node's ask socket (``ask.py``) when it listens here: a page no
+    directory holds is asked of the node by the page map."""
+    copy = host_copy(cfg)
+    path = ask_path(copy) if copy else ""
     if len(os.fsencode(path)) >= 108:        # sun_path: the node could not bind it either
         return None
     try:
         return path if path and stat.S_ISSOCK(os.stat(path).st_mode) else None
     except OSError:
         return None
-
-
-def ask_page(ask: str, digest: bytes, length: int, timeout: float = ASK_MS / 1000) -> bool:
-    """Ask the host's node to put page ``digest`` (``length`` bytes) in its copy, as the
-    page map does in C (``cluster/page_ask.py``): whether it says it did."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(ask)
-            s.sendall(digest + length.to_bytes(8, "little"))
-            return s.recv(1) == b"\0"
-    except OSError as e:
-        log.warning("asking the node for manifest page %s: %s", digest.hex(), e)
-        return False
 
 
 def _table(root: Root, info: DatasetInfo, dirs: Sequence[str], wait: float,
@@ -91,7 +83,7 @@ def _table(root: Root, info: DatasetInfo, dirs: Sequence[str], wait: float,
         except ManifestCorrupt as e:
             if ask:
                 for digest, n in table_pages(root):
-                    ask_page(ask, digest, n)
+                    ask_page(ask, digest, n, ASK_MS / 1000)
                 ask = None                   # once: then as without a node to ask
                 continue
             if time.monotonic() >= deadline:

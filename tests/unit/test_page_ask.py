@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kspeedfs.cluster.node_stats import NodeCounters
-from kspeedfs.cluster.page_ask import PageAsks, ask_path, parse_ask
+from kspeedfs.cluster.page_ask import PageAsks
 from kspeedfs.cluster.page_copy import PageCopy
 from kspeedfs.cluster.placement import Member
 from kspeedfs.errors import KspeedfsError
+from kspeedfs.manifest.ask import ask_page, ask_path, parse_ask
 from kspeedfs.manifest.pages import MAX_PAGE, Root, page_path, read_table, write_pages
 
 PS = 4096
@@ -142,4 +143,4 @@ async def test_a_mount_asks_the_node_for_the_table_pages_it_lacks(tmp_path: Path
         n.cancel_scope.cancel()
     assert hashes == read_table(root, [str(tmp_path / "store")])
     assert pc.counters.pages_from_store == len(root.tables)
-    assert not load.ask_page(str(tmp_path / "nobody"), root.tables[0], 32)   # no node: False
+    assert not ask_page(str(tmp_path / "nobody"), root.tables[0], 32, 0.5)   # no node: False
