@@ -38,10 +38,12 @@ from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from ..reader import Reader
 from ..stats import ReadStatistics
+from ..tuning import SMALL_FILE_DIVISOR
 from .errors import PathLike, boundary
 
 if TYPE_CHECKING:
     from ..cluster.granted import HostGrant
+    from ..cluster.peer_wait import PeerWait
 
 __all__ = ["ReadLoop"]
 
@@ -67,11 +69,15 @@ class ReadLoop:
         memory: the memory tier (its resident part may be read from any thread).
         host: the granted segments of the node on this host, or None
             (``HostGrant.copy_nowait`` may be called from any thread).
+        peer_wait: small files' extents READ from peers in C by the calling thread
+            (``PeerWait.read``, any thread), or None: not a cluster, no soft provider,
+            ``cluster.native_fetch`` off.
     """
 
     reader: Reader
     memory: MemoryCache
     host: HostGrant | None = None
+    peer_wait: PeerWait | None = None
     _nursery: trio.Nursery
 
     def __init__(self, cfg: Config, info: DatasetInfo, index: ManifestIndex,
@@ -120,11 +126,19 @@ class ReadLoop:
             self.reader.served_elsewhere = self._served_outside
             self.memory = tiers.memory
             self.host = host
+            self.peer_wait = _peer_wait(cfg, index, peers)
+            if self.peer_wait is not None:
+                nursery.start_soon(self.peer_wait.run)
             self._nursery = nursery
             self._token = trio.lowlevel.current_trio_token()
             self._stop = trio.Event()
             self._started.set()
-            await self._stop.wait()
+            try:
+                await self._stop.wait()
+            finally:
+                if self.peer_wait is not None:
+                    with trio.CancelScope(shield=True):
+                        await self.peer_wait.aclose()
             nursery.cancel_scope.cancel()
 
     def call(self, afn: Callable[..., Awaitable[T]], *args: Any,
@@ -237,3 +251,16 @@ def _settle(future: asyncio.Future[outcome.Outcome[Any]], o: outcome.Outcome[Any
     """The outcome into an asyncio caller's future, unless the caller gave up on it."""
     if not future.done():
         future.set_result(o)
+
+
+def _peer_wait(cfg: Config, index: ManifestIndex, peers: Any) -> PeerWait | None:
+    """The library's native fetch of small files' extents from peers, when it can be
+    (a cluster with the soft provider's C API and ``cluster.native_fetch``), else None."""
+    from ..cluster import peer_wait
+    if peers is None or not cfg.cluster.native_fetch or not peer_wait.available():
+        return None
+    try:
+        return peer_wait.PeerWait(peers, index, index.chunk_size // SMALL_FILE_DIVISOR)
+    except (OSError, RuntimeError) as e:
+        log.info("no native fetch for small files from peers: %s", e)
+        return None

@@ -138,7 +138,37 @@ class FileReads:
         parts = self._resident(entry, offset, size)
         if parts is not None:
             return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
-        return self._hosted(entry, offset, size)
+        data = self._hosted(entry, offset, size)
+        return data if data is not None else self._peered(entry, offset, size)
+
+    def _small(self, entry: int, size: int) -> tuple[int, Any] | None:
+        """(chunk, extent) of small file ``entry`` (one extent in one chunk, at most an
+        eighth of a chunk) for a read of ``size`` bytes, at least half of it; else None."""
+        ix = self.index
+        whole = ix.size[entry]
+        if whole > ix.chunk_size // SMALL_FILE_DIVISOR or 2 * size < whole:
+            return None
+        chunks = ix.chunk_range(entry, 0, whole)
+        if len(chunks) != 1:
+            return None
+        (ext,) = ix.file_extents(entry)
+        return chunks[0], ext
+
+    def _peered(self, entry: int, offset: int, size: int) -> bytes | None:
+        """Bytes [offset, offset + size) of small file ``entry`` READ from a peer and
+        verified in this thread, through C (``PeerWait.read``), when its chunk has a
+        route there; else None (the loop reads it, and routes its chunk for the next
+        files). Not put into the memory tier, as ``_hosted``'s copies are not."""
+        pw = self.loop.peer_wait
+        small = None if pw is None else self._small(entry, size)
+        if small is None:
+            return None
+        assert pw is not None
+        data = pw.read(*small)
+        if data is None:
+            return None
+        self.loop.count(size, 0)
+        return data if not offset and size == len(data) else data[offset:offset + size]
 
     def _hosted(self, entry: int, offset: int, size: int) -> bytes | None:
         """Bytes [offset, offset + size) of small file ``entry`` (one extent in one
@@ -195,6 +225,9 @@ class FileReads:
 
     async def _read(self, entry: int, offset: int, size: int, stream: Stream | None = None) -> bytes:
         parts = await self.loop.reader.read_parts(entry, offset, size, stream)
+        pw = self.loop.peer_wait
+        if pw is not None and (small := self._small(entry, size)) is not None:
+            pw.route(small[0])      # the next files of that chunk: read in their threads
         return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 
     async def _readinto(self, entry: int, offset: int, buf: memoryview, stream: Stream) -> int:
