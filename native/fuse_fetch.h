@@ -46,6 +46,9 @@
  *                                                    with FE_OWN | FE_PART) names the file,
  *                                                    its chunk, the peer and the path
  *
+ * The READ and its check (WC, length, xxh3) are fetch_read.c's, shared with the
+ * library's native fetch (peer_wait.h), whose completions wake a waiting caller instead.
+ *
  * The fetch is never right about a fault, only steps aside: a WC error, a short READ or
  * a digest mismatch (the replica reused the slot) hands everything to Python's path.
  * Python decides what to fetch (placement, hints, path state, the prefetch budget);

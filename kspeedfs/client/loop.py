@@ -6,6 +6,8 @@
       compose.cluster → peers?           vRDMA endpoint and membership, in a cluster
       compose.host_grant → host?         the node on this host's granted segments, mapped
       compose.new_reader                 the Reader, its loads in this thread's nursery
+      PeerWait → peer_wait?              small files' extents READ from peers in C by
+                                         the calling threads (cluster/peer_wait.py)
     call(afn, *args)                     ``await afn(*args)`` here, from a caller's thread
     acall(afn, *args)                    the same, awaited by a caller's asyncio or trio
                                          task: started here with no thread blocked, its

@@ -2,7 +2,9 @@
 
     read / readinto / read_batch      resident in the memory tier? sliced right here
                                       (``_resident``); a small file in the host's
-                                      grant? copied right here (``_hosted``); else one
+                                      grant? copied right here (``_hosted``); a small
+                                      file whose chunk has a route to a peer? READ
+                                      right here, in C (``_peered``); else one
                                       ``ReadLoop.call`` (a batch: one for all), the
                                       Reader's loads overlapping in the loop
     aread / aread_batch               the same for asyncio or trio callers, with
@@ -17,6 +19,12 @@ A small file (one extent in one chunk, at most an eighth of a chunk:
 110 KB extent 5–30 µs. It is not put into the memory tier (the node's memory is the
 cache); the first read of a file whose slot is not known yet goes to the loop, whose
 ``locate`` answers the next chunks' slots too.
+
+Without a grant, such a small file is READ from a peer by the caller's thread through C
+(``_peered``, ``cluster/peer_wait.py``) once the loop has read a file of its chunk and
+given C that chunk's route; any failure there (no route, a late or failed READ, a
+mismatch) sends the read to the loop, whose path fails over and hedges
+(docs/design.md, "The library's native fetch").
 
 Resident hits skip the trio thread: bytes the memory tier's resident part holds (kept
 until close, never reordered) are sliced in the caller's thread, as the native engine's
