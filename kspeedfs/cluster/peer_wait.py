@@ -145,6 +145,8 @@ class PeerWait:
         """What C's READs came back with, fed to Python's bookkeeping; the peers' UP
         paths told again (a path gone DOWN is no longer posted on), and the wait bound
         set from the hedger's thresholds."""
+        if self._closed:            # (the run task may wake while aclose waits)
+            return
         now = time.monotonic()
         hedger, counters = self.peers.hedger, self.peers.counters
         for peer, _path, qpn, ok, nbytes, failed, late, ns in self.c.tallies():
