@@ -16,7 +16,8 @@ typedef struct {
     PyObject *held[FE_FETCH_ENGINES]; /* the soft engines with a CQ of ours */
     ks_engine *held_e[FE_FETCH_ENGINES];
     int nheld;
-    int readers; /* callers inside pw_read; GIL */
+    int readers;     /* callers inside pw_read; GIL */
+    uint32_t maxlen; /* the largest staging slot: a longer read is PW_BUSY at once */
 } PeerWaitObject;
 
 static int PeerWait_init(PeerWaitObject *self, PyObject *args, PyObject *kw)
@@ -96,6 +97,8 @@ static PyObject *PeerWait_staging(PeerWaitObject *self, PyObject *args)
     if (n < 1 || n > FE_NICS)
         return raise_errno(EINVAL, "staging: 1 to %d lkeys", FE_NICS);
     int rc = pw_staging(w, (void *)(uintptr_t)laddr, size, lkeys, (int)n);
+    if (rc == 0 && size > self->maxlen)
+        self->maxlen = size;
     return PyBool_FromLong(rc == 0);
 }
 
@@ -185,6 +188,8 @@ static PyObject *PeerWait_read(PeerWaitObject *self, PyObject *args)
     uint8_t digest[16];
     memcpy(digest, want.buf, 16);
     PyBuffer_Release(&want);
+    if (len > self->maxlen) /* no slot holds it: not worth a buffer */
+        return PyLong_FromLong(PW_BUSY);
     /* a bytes object nobody else sees yet: filled without the GIL (rdma/buffer.py
      * copy_out says why its page faults should not hold it) */
     PyObject *out = PyBytes_FromStringAndSize(NULL, len);

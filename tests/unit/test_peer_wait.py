@@ -157,3 +157,32 @@ def test_a_peer_gone_mid_read_sends_every_read_to_python(rig) -> None:
     statuses = {r for r in results if type(r) is int}
     # WR_FLUSH_ERR (5), the post refused, no route (another thread's READ failed): Python's
     assert statuses and statuses <= {5, _pw.POST, _pw.NO_ROUTE, _pw.LATE, _pw.BUSY}
+
+
+def test_random_arguments_give_a_status_or_verified_bytes(rig) -> None:
+    """The entry parses nothing off the wire; its arguments are the caller's and the
+    routes Python gave: random ones (chunks and routes out of range, remote ranges past
+    the peer's arena, which its engine refuses) give a status or an OSError, never a
+    crash and never bytes that do not match."""
+    w, p = rig
+    rnd = random.Random(7)
+    size = p.server.mr.length
+    for _ in range(500):
+        k = rnd.choice([rnd.randrange(16), rnd.randrange(1 << 64)])
+        off = rnd.choice([rnd.randrange(CHUNK), rnd.randrange(1 << 64)])
+        n = rnd.choice([rnd.randrange(1, 64 << 10), rnd.randrange(1 << 32)])
+        if rnd.random() < 0.3:
+            try:
+                w.route(rnd.randrange(16), rnd.randrange(-1, 2),
+                        rnd.choice([rnd.randrange(size), rnd.randrange(1 << 57)]))
+            except OSError:
+                pass
+        real = k < 16 and off + n <= size - 15 * CHUNK
+        want = digest(extent(p, k, off, n)) if real else os.urandom(16)
+        try:
+            got = w.read(k, off, n, want, WAIT)
+        except OSError:
+            assert n == 0
+            continue
+        if not isinstance(got, int):
+            assert digest(got) == want and len(got) == n
