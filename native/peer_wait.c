@@ -15,7 +15,7 @@
 
 struct wrec { /* one READ out; under w->lock */
     int used, done, abandoned;
-    uint32_t gen;
+    uint32_t gen, qpn; /* qpn: the path's QP it was posted on */
     int stage, peer, path;
     ks_wc wc;
     pthread_cond_t cond;
@@ -208,7 +208,7 @@ static void tally(struct pw *w, const struct wrec *r, int status, uint32_t len, 
     struct pw_tally *t = &w->tally[r->peer][r->path];
     t->peer = r->peer;
     t->path = r->path;
-    t->qpn = w->peers[r->peer].path[r->path].qpn;
+    t->qpn = r->qpn;
     if (status == FE_FETCH_OK) {
         t->ok++;
         t->bytes += len;
@@ -250,12 +250,13 @@ int pw_read(struct pw *w, uint64_t k, uint64_t offset, uint32_t len, const uint8
     }
     w->stage_free[fi] = w->stage_free[--w->nstage_free];
     struct wrec *r = &w->recs[i];
-    *r = (struct wrec){.used = 1,
-                       .gen = r->gen + 1,
-                       .stage = si,
-                       .peer = peer,
-                       .path = pi,
-                       .cond = r->cond};
+    r->used = 1; /* field by field: the condition variable stays where it is */
+    r->done = r->abandoned = 0;
+    r->gen++;
+    r->qpn = path.qpn;
+    r->stage = si;
+    r->peer = peer;
+    r->path = pi;
     w->active++;
     uint64_t wr_id = (uint64_t)r->gen << 32 | (uint32_t)i;
     struct wslot s = w->stage[si];
