@@ -89,8 +89,9 @@ class ReadLoop:
         self._index = index
         self._source = source
         self._pid = os.getpid()
-        # reads, bytes, memory hits, host hits, host bytes answered outside; under _lock
-        self._served = [0, 0, 0, 0, 0]
+        # reads, bytes, memory hits, host hits, host bytes, peer hits, peer bytes answered
+        # outside; under _lock
+        self._served = [0, 0, 0, 0, 0, 0, 0]
         self._lock = threading.Lock()
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
@@ -225,18 +226,21 @@ class ReadLoop:
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join()
 
-    def count(self, nbytes: int, hits: int, host_bytes: int = 0) -> None:
+    def count(self, nbytes: int, hits: int, host_bytes: int = 0, peer_bytes: int = 0) -> None:
         """One read of ``nbytes`` answered outside the loop from ``hits`` memory-tier
-        buffers, or from one copy of ``host_bytes`` out of the host's grant (any thread)."""
+        buffers, or from one copy of ``host_bytes`` out of the host's grant, or from one
+        READ of ``peer_bytes`` from a peer in C (any thread)."""
         with self._lock:
             self._served[0] += 1
             self._served[1] += nbytes
             self._served[2] += hits
             self._served[3] += host_bytes > 0
             self._served[4] += host_bytes
+            self._served[5] += peer_bytes > 0
+            self._served[6] += peer_bytes
 
     def _served_outside(self) -> tuple[int, int, int]:
-        reads, nbytes, hits, _, _ = self._served
+        reads, nbytes, hits = self._served[:3]
         return reads, nbytes, hits
 
     def statistics(self) -> ReadStatistics:
@@ -245,8 +249,10 @@ class ReadLoop:
         with boundary():
             s = trio.from_thread.run_sync(self.reader.statistics, trio_token=self._token)
         with self._lock:
-            hits, nbytes = self._served[3], self._served[4]
-        return dataclasses.replace(s, host_hits=s.host_hits + hits, host_bytes=s.host_bytes + nbytes)
+            hits, nbytes, peer_hits, peer_bytes = self._served[3:7]
+        return dataclasses.replace(s, host_hits=s.host_hits + hits, host_bytes=s.host_bytes + nbytes,
+                                   peer_hits=s.peer_hits + peer_hits,
+                                   peer_bytes=s.peer_bytes + peer_bytes)
 
 
 def _settle(future: asyncio.Future[outcome.Outcome[Any]], o: outcome.Outcome[Any]) -> None:

@@ -168,15 +168,22 @@ class FileReads:
         route there; else None (the loop reads it, and routes its chunk for the next
         files). Not put into the memory tier, as ``_hosted``'s copies are not."""
         pw = self.loop.peer_wait
-        small = None if pw is None else self._small(entry, size)
+        small = None if pw is None or self._granted() else self._small(entry, size)
         if small is None:
             return None
         assert pw is not None
         data = pw.read(*small)
         if data is None:
             return None
-        self.loop.count(size, 0)
+        self.loop.count(size, 0, peer_bytes=len(data))
         return data if not offset and size == len(data) else data[offset:offset + size]
+
+    def _granted(self) -> bool:
+        """Whether the node on this host grants its memory now: then a file not copied
+        from it goes to the loop, which locates it there, not to the peers."""
+        host = self.loop.host
+        current = None if host is None else host.current
+        return current is not None and not current.closed
 
     def _hosted(self, entry: int, offset: int, size: int) -> bytes | None:
         """Bytes [offset, offset + size) of small file ``entry`` (one extent in one
@@ -234,7 +241,7 @@ class FileReads:
     async def _read(self, entry: int, offset: int, size: int, stream: Stream | None = None) -> bytes:
         parts = await self.loop.reader.read_parts(entry, offset, size, stream)
         pw = self.loop.peer_wait
-        if pw is not None and (small := self._small(entry, size)) is not None:
+        if pw is not None and not self._granted() and (small := self._small(entry, size)):
             pw.route(small[0])      # the next files of that chunk: read in their threads
         return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 

@@ -52,8 +52,8 @@ class Loop:
     def check(self) -> None:
         pass
 
-    def count(self, nbytes: int, hits: int, host_bytes: int = 0) -> None:
-        self.counted.append((nbytes, hits))
+    def count(self, nbytes: int, hits: int, host_bytes: int = 0, peer_bytes: int = 0) -> None:
+        self.counted.append((nbytes, peer_bytes))
 
     def call(self, afn: Any, *args: Any, path: Any = None) -> bytes:
         self.calls.append(args)
@@ -70,7 +70,7 @@ def test_a_small_file_read_in_c_is_counted_and_never_reaches_the_loop() -> None:
     fr, loop = reads(data)
     assert fr.read(0, 0, SIZES[0], "f") == data
     assert fr.read(0, 10, 60_000, "f") == data[10:60_010]          # at least half of it
-    assert loop.calls == [] and loop.counted == [(SIZES[0], 0), (60_000, 0)]
+    assert loop.calls == [] and loop.counted == [(SIZES[0], SIZES[0]), (60_000, SIZES[0])]
     assert loop.peer_wait.asked == [(0, 0), (0, 0)]                # type: ignore[union-attr]
 
 
