@@ -18,7 +18,8 @@ SOFT_ENGINE_SOURCES = ["native/soft_engine.c", "native/soft_wire.c", "native/sof
 FUSE_ENGINE_SOURCES = ["native/fuse_engine.c", "native/fuse_mount.c", "native/fuse_reply.c",
                        "native/fuse_ops.c", "native/fuse_read.c", "native/fuse_queue.c",
                        "native/fuse_uring.c", "native/fuse_threads.c", "native/fuse_tier.c",
-                       "native/fuse_fetch.c", "native/fuse_xxh.c", "native/fuse_xxh_avx2.c"]
+                       "native/fuse_fetch.c", "native/fetch_read.c", "native/fuse_xxh.c",
+                       "native/fuse_xxh_avx2.c"]
 
 ext_modules: list[Extension] = [
     # rdma/ soft provider: socket I/O into registered memory, eventfd completions, no GIL
@@ -38,6 +39,15 @@ ext_modules: list[Extension] = [
                        "native/fuse_xxh.h", "native/soft_engine.h", "native/py_errno.h",
                        "native/tuning.h", "native/manifest_pager.h"],
               include_dirs=["native"], libraries=["uring"], extra_compile_args=CFLAGS),
+    # kspeedfs/cluster: the library's native fetch, a small file's extent READ from a peer
+    # by the reading thread itself (peer_wait.c; its READ and check shared with the mount's
+    # fetch: fetch_read.c)
+    Extension("kspeedfs.cluster._peerwait", ["native/peer_wait_py.c", "native/peer_wait.c",
+                                            "native/fetch_read.c", "native/fuse_xxh.c",
+                                            "native/fuse_xxh_avx2.c"],
+              depends=["native/peer_wait.h", "native/fetch_read.h", "native/fuse_fetch.h",
+                       "native/fuse_xxh.h", "native/soft_engine.h", "native/py_errno.h"],
+              include_dirs=["native"], extra_compile_args=CFLAGS),
     # kspeedfs/manifest paged manifests: the page map, a blob's pages filled on first touch
     # by userfaultfd handler threads (no GIL), verified with OpenSSL's SHA-256, inflated by
     # libdeflate (Debian's libdeflate-dev; ~2x zlib's inflate, docs/design.md "The page map")

@@ -404,7 +404,9 @@ class ClusterConfig:
                                      "for this long, s (or until a READ of it is in time)")
     native_fetch: bool = _opt(True, "a mount on the native FUSE engine with the soft provider "
                               "READs, verifies and answers chunks whose replica slot it knows "
-                              "in C (cluster/native/fetch.py); mounts without a disk tier")
+                              "in C (cluster/native/fetch.py); mounts without a disk tier; "
+                              "the library READs small files' extents from peers in its "
+                              "reading threads, in C (cluster/peer_wait.py)")
 
     def validate(self) -> None:
         if not 1 <= self.replicas <= 16:

@@ -220,3 +220,15 @@ IMPORT_PIECE = 8 << 20
 #: directory paths kept for the source's reads (FileSource and object keys, which
 #: derive a file's path from its parent's)
 IMPORT_PATHS = 1 << 12
+
+#: staging slots of the library's native fetch (cluster/peer_wait.py): one a reading
+#: thread with its READ out, a DataLoader's 8-16 threads and some to spare (peer_wait.h
+#: PW_STAGING is the most C takes)
+LIB_STAGING = 32
+#: how long a reading thread waits for its READ through C without hedging on
+#: (``cluster.hedge`` off): then the Python read path takes the file, and the READ's
+#: staging slot comes back when its WC does
+LIB_WAIT = 0.5
+#: seconds between the library's native fetch's tallies fed to the vQP monitors, the
+#: hedger and the peer counters (the monitor's SUSPECT needs ~1 s of silence)
+LIB_TICK = 0.05

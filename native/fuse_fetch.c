@@ -16,7 +16,6 @@
 #include "fuse_engine_i.h"
 #include "fuse_fetch.h"
 #include "fuse_tier.h"
-#include "fuse_xxh.h"
 
 struct parked {
     struct parked *next;
@@ -282,24 +281,12 @@ static void finish(struct fe_fetch *f, uint64_t k, uint64_t cookie, int status,
     pthread_mutex_unlock(&f->lock);
 }
 
-/* One signaled RDMA READ of ``len`` bytes at ``raddr``/``rkey`` into ``laddr``/``lkey`` on
- * QP ``qpn`` of ``ke``, its WC on fetch CQ ``q`` under ``wr_id`` (no lock held). */
+/* One signaled RDMA READ on fetch CQ ``q`` (no lock held): fetch_read.h. */
 static int post_read(struct fe_fetch *f, ks_engine *ke, struct fcq *q, uint32_t qpn,
                      uint64_t wr_id, void *laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey,
                      uint32_t len, const char **why)
 {
-    ks_wqe w;
-    memset(&w, 0, sizeof w);
-    w.wr_id = wr_id;
-    w.opcode = KS_WR_RDMA_READ;
-    w.flags = KS_SEND_SIGNALED;
-    w.nsge = 1;
-    w.total = len;
-    w.raddr = raddr;
-    w.rkey = rkey;
-    w.sge[0] = (ks_sge){.addr = (uint64_t)(uintptr_t)laddr, .length = len, .lkey = lkey};
-    w.cq = q->cq;
-    return f->api->post_send(ke, qpn, &w, 1, why);
+    return fr_post_read(f->api, ke, q->cq, qpn, wr_id, laddr, lkey, raddr, rkey, len, why);
 }
 
 /* Under f->lock: READ ``p`` parked on record ``r`` (answered when it ends), counted. */
@@ -810,18 +797,9 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
     memcpy(want, r->want, wantlen);
     pthread_mutex_unlock(&f->lock);
 
-    int status = (int)wc->status;
-    if (status == KS_WC_SUCCESS && wc->byte_len != len)
-        status = FE_FETCH_SHORT;
-    if (status == KS_WC_SUCCESS) {
-        uint8_t d[16];
-        if (wantlen == 8)
-            fe_xxh64(laddr, len, d);
-        else
-            fe_xxh128(laddr, len, d);
-        if (memcmp(d, want, wantlen) != 0)
-            status = FE_FETCH_MISMATCH;
-        else if (k != FE_NO_CHUNK) {
+    int status = fr_verify(wc, laddr, len, want, wantlen);
+    if (status == FE_FETCH_OK) {
+        if (k != FE_NO_CHUNK) {
             if (tier_put_new(f->t, key, keylen, laddr, len) < 0)
                 status = FE_FETCH_EXISTS; /* Python put it meanwhile: its copy serves */
         } else

@@ -46,6 +46,9 @@
  *                                                    with FE_OWN | FE_PART) names the file,
  *                                                    its chunk, the peer and the path
  *
+ * The READ and its check (WC, length, xxh3) are fetch_read.c's, shared with the
+ * library's native fetch (peer_wait.h), whose completions wake a waiting caller instead.
+ *
  * The fetch is never right about a fault, only steps aside: a WC error, a short READ or
  * a digest mismatch (the replica reused the slot) hands everything to Python's path.
  * Python decides what to fetch (placement, hints, path state, the prefetch budget);
@@ -61,22 +64,12 @@
 
 #include <stdint.h>
 
+#include "fetch_read.h" /* FE_FETCH_*: FE_FETCHED's status beyond the WC's */
 #include "soft_engine.h"
 
 #define FE_FETCH_MAX 256       /* fetches in flight at once */
 #define FE_FETCH_ENGINES 8     /* soft engines (local NICs) with a fetch CQ */
 #define FE_NO_CHUNK UINT64_MAX /* FE_FETCHED's chunk for an extent's fetch */
-
-/* FE_FETCHED's status beyond the WC's (ks_wc.status, < 64) */
-enum {
-    FE_FETCH_OK = 0,
-    FE_FETCH_SHORT = 64,
-    FE_FETCH_MISMATCH = 65,
-    FE_FETCH_EXISTS = 66,
-    FE_FETCH_STOPPED = 67,
-    FE_FETCH_NOMEM = 68,
-    FE_FETCH_LATE = 69
-};
 
 #define FE_OWN (1ULL << 63)   /* in the cookie of a fetch C started (fetch_start) */
 #define FE_PART (1ULL << 62)  /* beside FE_OWN: a small file's extent (fetch_start_part) */

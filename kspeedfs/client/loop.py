@@ -6,6 +6,8 @@
       compose.cluster → peers?           vRDMA endpoint and membership, in a cluster
       compose.host_grant → host?         the node on this host's granted segments, mapped
       compose.new_reader                 the Reader, its loads in this thread's nursery
+      PeerWait → peer_wait?              small files' extents READ from peers in C by
+                                         the calling threads (cluster/peer_wait.py)
     call(afn, *args)                     ``await afn(*args)`` here, from a caller's thread
     acall(afn, *args)                    the same, awaited by a caller's asyncio or trio
                                          task: started here with no thread blocked, its
@@ -38,10 +40,12 @@ from ..manifest.index import ManifestIndex
 from ..manifest.store.base import DatasetInfo
 from ..reader import Reader
 from ..stats import ReadStatistics
+from ..tuning import SMALL_FILE_DIVISOR
 from .errors import PathLike, boundary
 
 if TYPE_CHECKING:
     from ..cluster.granted import HostGrant
+    from ..cluster.peer_wait import PeerWait
 
 __all__ = ["ReadLoop"]
 
@@ -67,11 +71,15 @@ class ReadLoop:
         memory: the memory tier (its resident part may be read from any thread).
         host: the granted segments of the node on this host, or None
             (``HostGrant.copy_nowait`` may be called from any thread).
+        peer_wait: small files' extents READ from peers in C by the calling thread
+            (``PeerWait.read``, any thread), or None: not a cluster, no soft provider,
+            ``cluster.native_fetch`` off.
     """
 
     reader: Reader
     memory: MemoryCache
     host: HostGrant | None = None
+    peer_wait: PeerWait | None = None
     _nursery: trio.Nursery
 
     def __init__(self, cfg: Config, info: DatasetInfo, index: ManifestIndex,
@@ -81,8 +89,9 @@ class ReadLoop:
         self._index = index
         self._source = source
         self._pid = os.getpid()
-        # reads, bytes, memory hits, host hits, host bytes answered outside; under _lock
-        self._served = [0, 0, 0, 0, 0]
+        # reads, bytes, memory hits, host hits, host bytes, peer hits, peer bytes answered
+        # outside; under _lock
+        self._served = [0, 0, 0, 0, 0, 0, 0]
         self._lock = threading.Lock()
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
@@ -120,11 +129,19 @@ class ReadLoop:
             self.reader.served_elsewhere = self._served_outside
             self.memory = tiers.memory
             self.host = host
+            self.peer_wait = _peer_wait(cfg, index, peers)
+            if self.peer_wait is not None:
+                nursery.start_soon(self.peer_wait.run)
             self._nursery = nursery
             self._token = trio.lowlevel.current_trio_token()
             self._stop = trio.Event()
             self._started.set()
-            await self._stop.wait()
+            try:
+                await self._stop.wait()
+            finally:
+                if self.peer_wait is not None:
+                    with trio.CancelScope(shield=True):
+                        await self.peer_wait.aclose()
             nursery.cancel_scope.cancel()
 
     def call(self, afn: Callable[..., Awaitable[T]], *args: Any,
@@ -209,18 +226,21 @@ class ReadLoop:
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join()
 
-    def count(self, nbytes: int, hits: int, host_bytes: int = 0) -> None:
+    def count(self, nbytes: int, hits: int, host_bytes: int = 0, peer_bytes: int = 0) -> None:
         """One read of ``nbytes`` answered outside the loop from ``hits`` memory-tier
-        buffers, or from one copy of ``host_bytes`` out of the host's grant (any thread)."""
+        buffers, or from one copy of ``host_bytes`` out of the host's grant, or from one
+        READ of ``peer_bytes`` from a peer in C (any thread)."""
         with self._lock:
             self._served[0] += 1
             self._served[1] += nbytes
             self._served[2] += hits
             self._served[3] += host_bytes > 0
             self._served[4] += host_bytes
+            self._served[5] += peer_bytes > 0
+            self._served[6] += peer_bytes
 
     def _served_outside(self) -> tuple[int, int, int]:
-        reads, nbytes, hits, _, _ = self._served
+        reads, nbytes, hits = self._served[:3]
         return reads, nbytes, hits
 
     def statistics(self) -> ReadStatistics:
@@ -229,11 +249,26 @@ class ReadLoop:
         with boundary():
             s = trio.from_thread.run_sync(self.reader.statistics, trio_token=self._token)
         with self._lock:
-            hits, nbytes = self._served[3], self._served[4]
-        return dataclasses.replace(s, host_hits=s.host_hits + hits, host_bytes=s.host_bytes + nbytes)
+            hits, nbytes, peer_hits, peer_bytes = self._served[3:7]
+        return dataclasses.replace(s, host_hits=s.host_hits + hits, host_bytes=s.host_bytes + nbytes,
+                                   peer_hits=s.peer_hits + peer_hits,
+                                   peer_bytes=s.peer_bytes + peer_bytes)
 
 
 def _settle(future: asyncio.Future[outcome.Outcome[Any]], o: outcome.Outcome[Any]) -> None:
     """The outcome into an asyncio caller's future, unless the caller gave up on it."""
     if not future.done():
         future.set_result(o)
+
+
+def _peer_wait(cfg: Config, index: ManifestIndex, peers: Any) -> PeerWait | None:
+    """The library's native fetch of small files' extents from peers, when it can be
+    (a cluster with the soft provider's C API and ``cluster.native_fetch``), else None."""
+    from ..cluster import peer_wait
+    if peers is None or not cfg.cluster.native_fetch or not peer_wait.available():
+        return None
+    try:
+        return peer_wait.PeerWait(peers, index, index.chunk_size // SMALL_FILE_DIVISOR)
+    except (OSError, RuntimeError) as e:
+        log.info("no native fetch for small files from peers: %s", e)
+        return None

@@ -2,7 +2,9 @@
 
     read / readinto / read_batch      resident in the memory tier? sliced right here
                                       (``_resident``); a small file in the host's
-                                      grant? copied right here (``_hosted``); else one
+                                      grant? copied right here (``_hosted``); a small
+                                      file whose chunk has a route to a peer? READ
+                                      right here, in C (``_peered``); else one
                                       ``ReadLoop.call`` (a batch: one for all), the
                                       Reader's loads overlapping in the loop
     aread / aread_batch               the same for asyncio or trio callers, with
@@ -17,6 +19,12 @@ A small file (one extent in one chunk, at most an eighth of a chunk:
 110 KB extent 5–30 µs. It is not put into the memory tier (the node's memory is the
 cache); the first read of a file whose slot is not known yet goes to the loop, whose
 ``locate`` answers the next chunks' slots too.
+
+Without a grant, such a small file is READ from a peer by the caller's thread through C
+(``_peered``, ``cluster/peer_wait.py``) once the loop has read a file of its chunk and
+given C that chunk's route; any failure there (no route, a late or failed READ, a
+mismatch) sends the read to the loop, whose path fails over and hedges
+(docs/design.md, "The library's native fetch").
 
 Resident hits skip the trio thread: bytes the memory tier's resident part holds (kept
 until close, never reordered) are sliced in the caller's thread, as the native engine's
@@ -138,7 +146,44 @@ class FileReads:
         parts = self._resident(entry, offset, size)
         if parts is not None:
             return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
-        return self._hosted(entry, offset, size)
+        data = self._hosted(entry, offset, size)
+        return data if data is not None else self._peered(entry, offset, size)
+
+    def _small(self, entry: int, size: int) -> tuple[int, Any] | None:
+        """(chunk, extent) of small file ``entry`` (one extent in one chunk, at most an
+        eighth of a chunk) for a read of ``size`` bytes, at least half of it; else None."""
+        ix = self.index
+        whole = ix.size[entry]
+        if whole > ix.chunk_size // SMALL_FILE_DIVISOR or 2 * size < whole:
+            return None
+        chunks = ix.chunk_range(entry, 0, whole)
+        if len(chunks) != 1:
+            return None
+        (ext,) = ix.file_extents(entry)
+        return chunks[0], ext
+
+    def _peered(self, entry: int, offset: int, size: int) -> bytes | None:
+        """Bytes [offset, offset + size) of small file ``entry`` READ from a peer and
+        verified in this thread, through C (``PeerWait.read``), when its chunk has a
+        route there; else None (the loop reads it, and routes its chunk for the next
+        files). Not put into the memory tier, as ``_hosted``'s copies are not."""
+        pw = self.loop.peer_wait
+        small = None if pw is None or self._granted() else self._small(entry, size)
+        if small is None:
+            return None
+        assert pw is not None
+        data = pw.read(*small)
+        if data is None:
+            return None
+        self.loop.count(size, 0, peer_bytes=len(data))
+        return data if not offset and size == len(data) else data[offset:offset + size]
+
+    def _granted(self) -> bool:
+        """Whether the node on this host grants its memory now: then a file not copied
+        from it goes to the loop, which locates it there, not to the peers."""
+        host = self.loop.host
+        current = None if host is None else host.current
+        return current is not None and not current.closed
 
     def _hosted(self, entry: int, offset: int, size: int) -> bytes | None:
         """Bytes [offset, offset + size) of small file ``entry`` (one extent in one
@@ -195,6 +240,9 @@ class FileReads:
 
     async def _read(self, entry: int, offset: int, size: int, stream: Stream | None = None) -> bytes:
         parts = await self.loop.reader.read_parts(entry, offset, size, stream)
+        pw = self.loop.peer_wait
+        if pw is not None and not self._granted() and (small := self._small(entry, size)):
+            pw.route(small[0])      # the next files of that chunk: read in their threads
         return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 
     async def _readinto(self, entry: int, offset: int, buf: memoryview, stream: Stream) -> int:

@@ -144,10 +144,11 @@ def test_a_granted_library_reads_the_nodes_chunks_from_its_memory(tmp_path: Path
     assert first["host_hits"] > 0 and first["host_bytes"] >= sum(map(len, files.values()))
     assert again["peer_hits"] == 0 and again["source_loads"] == 0
     # read again, the small files the loop did not read (and keep in the memory tier)
-    # are copied from the grant in the caller's thread again (client/reads.py); here
-    # (a memory tier of 8 MiB) nothing was answered in the callers' threads otherwise
+    # are copied from the grant in the caller's thread again (client/reads.py); without
+    # a grant (the stranger) the callers' threads READ them from the peers through C
+    # (cluster/peer_wait.py), counted as peer hits, never as host hits
     outside = [r["reads"] - r["in_loop"] for r in (first, again, stranger)]
-    assert outside[1] - outside[0] >= len(small) // 4 and outside[2] == 0
+    assert outside[1] - outside[0] >= len(small) // 4
     assert again["host_hits"] - first["host_hits"] >= len(small) // 4
     assert stranger["host_hits"] == 0 and stranger["peer_hits"] > 0
     assert stranger["source_loads"] == 0

@@ -19,7 +19,7 @@ from tests.fixtures import fuzz
 def fuzzer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     engine = ["fuse_engine.c", "fuse_mount.c", "fuse_reply.c", "fuse_ops.c", "fuse_read.c",
               "fuse_queue.c", "fuse_uring.c", "fuse_threads.c", "fuse_tier.c", "fuse_fetch.c",
-              "fuse_xxh.c", "fuse_xxh_avx2.c"]
+              "fetch_read.c", "fuse_xxh.c", "fuse_xxh_avx2.c"]
     return fuzz.build([fuzz.NATIVE / "fuzz" / "fuzz_fuse_engine.c",
                        *(fuzz.NATIVE / f for f in engine)],
                       tmp_path_factory.mktemp("fuzz") / "fuzz_fuse_engine", ["-luring"])
