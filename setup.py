@@ -37,6 +37,7 @@ ext_modules: list[Extension] = [
               depends=["native/fuse_engine.h", "native/fuse_engine_i.h", "native/fuse_engine_py.h",
                        "native/fuse_tier.h", "native/fuse_uring_abi.h", "native/fuse_fetch.h",
                        "native/fuse_xxh.h", "native/soft_engine.h", "native/py_errno.h",
+                       "native/fetch_paths_py.h",
                        "native/tuning.h", "native/manifest_pager.h"],
               include_dirs=["native"], libraries=["uring"], extra_compile_args=CFLAGS),
     # kspeedfs/cluster: the library's native fetch, a small file's extent READ from a peer
@@ -46,7 +47,8 @@ ext_modules: list[Extension] = [
                                             "native/fetch_read.c", "native/fuse_xxh.c",
                                             "native/fuse_xxh_avx2.c"],
               depends=["native/peer_wait.h", "native/fetch_read.h", "native/fuse_fetch.h",
-                       "native/fuse_xxh.h", "native/soft_engine.h", "native/py_errno.h"],
+                       "native/fuse_xxh.h", "native/soft_engine.h", "native/py_errno.h",
+                       "native/fetch_paths_py.h"],
               include_dirs=["native"], extra_compile_args=CFLAGS),
     # kspeedfs/manifest paged manifests: the page map, a blob's pages filled on first touch
     # by userfaultfd handler threads (no GIL), verified with OpenSSL's SHA-256, inflated by

@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <stdlib.h>
 
+#include "fetch_paths_py.h"
 #include "py_errno.h"
 
 /* fetch_enable(capsule): start the native fetch on the soft engine's C API
@@ -306,35 +307,10 @@ PyObject *Engine_fetch_peer(EngineObject *self, PyObject *args)
     struct fe_fetch *f = fetch_of(self, "fetch_peer");
     if (!f)
         return NULL;
-    PyObject *fast = PySequence_Fast(seq, "fetch_peer: paths must be a sequence");
-    if (!fast)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     struct fe_path paths[FE_PATHS];
-    if (n > FE_PATHS) {
-        Py_DECREF(fast);
-        return raise_errno(EINVAL, "fetch_peer: more than %d paths", FE_PATHS);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int handle;
-        unsigned int qpn, rkey, nic;
-        unsigned long long raddr;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iIKII:fetch_peer path",
-                              &handle, &qpn, &raddr, &rkey, &nic)) {
-            Py_DECREF(fast);
-            return NULL;
-        }
-        if (handle < 0 || handle >= self->nheld) {
-            Py_DECREF(fast);
-            return raise_errno(EINVAL, "fetch_peer: no such fetch engine");
-        }
-        paths[i] = (struct fe_path){.ke = self->held_e[handle],
-                                    .qpn = qpn,
-                                    .rkey = rkey,
-                                    .nic = nic,
-                                    .raddr = raddr};
-    }
-    Py_DECREF(fast);
+    Py_ssize_t n = fetch_paths_parse(seq, self->held_e, self->nheld, paths, "fetch_peer");
+    if (n < 0)
+        return NULL;
     uint64_t part_limits[FE_SIZE_CLASSES] = {0};
     if (parts) {
         PyObject *pf = PySequence_Fast(parts, "fetch_peer: part limits must be a sequence");

@@ -61,6 +61,20 @@ static uint64_t now_ns(void)
     return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
 }
 
+/* Everything pw_new made, the reaper not running. */
+static void release(struct pw *w)
+{
+    if (w->epfd >= 0)
+        close(w->epfd);
+    if (w->stopfd >= 0)
+        close(w->stopfd);
+    for (int i = 0; i < PW_MAX; i++)
+        pthread_cond_destroy(&w->recs[i].cond);
+    pthread_mutex_destroy(&w->lock);
+    free(w->routes);
+    free(w);
+}
+
 struct pw *pw_new(uint64_t chunks, const struct ks_capi *api, char *err, size_t errlen)
 {
     struct pw *w = calloc(1, sizeof *w);
@@ -88,15 +102,7 @@ struct pw *pw_new(uint64_t chunks, const struct ks_capi *api, char *err, size_t 
         epoll_ctl(w->epfd, EPOLL_CTL_ADD, w->stopfd, &ev) < 0 ||
         pthread_create(&w->thread, NULL, reaper, w) != 0) {
         snprintf(err, errlen, "peer_wait: %s", strerror(errno));
-        if (w->epfd >= 0)
-            close(w->epfd);
-        if (w->stopfd >= 0)
-            close(w->stopfd);
-        for (int i = 0; i < PW_MAX; i++)
-            pthread_cond_destroy(&w->recs[i].cond);
-        pthread_mutex_destroy(&w->lock);
-        free(w->routes);
-        free(w);
+        release(w);
         return NULL;
     }
     w->started = 1;
@@ -404,11 +410,5 @@ void pw_free(struct pw *w)
         return;
     if (w->started)
         pw_stop(w, 0);
-    close(w->epfd);
-    close(w->stopfd);
-    for (int i = 0; i < PW_MAX; i++)
-        pthread_cond_destroy(&w->recs[i].cond);
-    pthread_mutex_destroy(&w->lock);
-    free(w->routes);
-    free(w);
+    release(w);
 }

@@ -7,6 +7,7 @@
 #include <poll.h>
 
 #include "peer_wait.h"
+#include "fetch_paths_py.h"
 #include "py_errno.h"
 
 typedef struct {
@@ -110,35 +111,10 @@ static PyObject *PeerWait_peer(PeerWaitObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "iO:peer", &peer, &seq))
         return NULL;
     struct pw *w = live(self);
-    PyObject *fast = w ? PySequence_Fast(seq, "peer: paths must be a sequence") : NULL;
-    if (!fast)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     struct fe_path paths[FE_PATHS];
-    if (n > FE_PATHS) {
-        Py_DECREF(fast);
-        return raise_errno(EINVAL, "peer: more than %d paths", FE_PATHS);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int handle;
-        unsigned int qpn, rkey, nic;
-        unsigned long long raddr;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iIKII:peer path", &handle,
-                              &qpn, &raddr, &rkey, &nic)) {
-            Py_DECREF(fast);
-            return NULL;
-        }
-        if (handle < 0 || handle >= self->nheld) {
-            Py_DECREF(fast);
-            return raise_errno(EINVAL, "peer: no such engine handle");
-        }
-        paths[i] = (struct fe_path){.ke = self->held_e[handle],
-                                    .qpn = qpn,
-                                    .rkey = rkey,
-                                    .nic = nic,
-                                    .raddr = raddr};
-    }
-    Py_DECREF(fast);
+    Py_ssize_t n = w ? fetch_paths_parse(seq, self->held_e, self->nheld, paths, "peer") : -1;
+    if (n < 0)
+        return NULL;
     int rc = pw_peer(w, peer, paths, (int)n);
     if (rc < 0)
         return raise_errno(-rc, "peer: peer or NIC out of range");

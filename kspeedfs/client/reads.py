@@ -192,16 +192,10 @@ class FileReads:
         for a read of at least half the file: smaller pieces would copy and hash the
         whole extent each time, where the loop keeps it in the memory tier."""
         host, ix = self.loop.host, self.index
-        if host is None:
+        small = None if host is None else self._small(entry, size)
+        if host is None or small is None:
             return None
-        whole = ix.size[entry]
-        if whole > ix.chunk_size // SMALL_FILE_DIVISOR or 2 * size < whole:
-            return None
-        chunks = ix.chunk_range(entry, 0, whole)
-        if len(chunks) != 1:
-            return None
-        k = chunks[0]
-        (ext,) = ix.file_extents(entry)
+        k, ext = small
         data = host.copy_nowait(ix.chunk_digest(k), ix.chunk_len[k],
                                 (ext.chunk_offset, ext.length, ext.digest))
         if data is None:
