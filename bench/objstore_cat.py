@@ -13,6 +13,11 @@ put in a bucket, imported (4 MiB chunks) into an embedded store; each round, alt
   with 1 MiB reads, as ``cat`` does: the mount's ranged GETs, one a chunk, its read-ahead
   keeping several in flight, every chunk's xxh3 checked.
 
+``--arm KEY=VALUE[;KEY=VALUE]`` (repeatable) adds a mount configuration: each round then
+cats once per arm (the default mount first, the order reversed every other round) and
+each arm is reported against the first round by round, which on a shared machine is the
+only comparison that holds (docs/design.md, "The cold cat").
+
 Why this server: moto (``bench/s3.py``) copies the whole object for every ranged GET, so
 there a range of a 64 MiB object costs what the object does and every range reader
 loses to one GET (``docs/benchmarks.md``, "The s3 workload"). fake-gcs-server is a Go
@@ -69,7 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config for the mount (e.g. fuse.prefetch_chunks=8)")
+    ap.add_argument("--arm", action="append", default=[], metavar="KEY=VALUE[;KEY=VALUE]",
+                    help="another mount config, catted in the same rounds (A/B)")
     args = ap.parse_args(argv)
+    arms = [args.set, *([*args.set, *a.split(";")] for a in args.arm)]
     size = args.mib << 20
     with tempfile.TemporaryDirectory(prefix="kst-cat-") as tmp, FakeGcsServer() as server:
         os.environ.update(server.env())
@@ -81,11 +89,13 @@ def main(argv: list[str] | None = None) -> None:
         store = bucket.store                                # type: ignore[attr-defined]
         rates: dict[str, list[float]] = {"get": [], "cp": [], "cat": []}
         cpu: list[float] = []               # the mount daemon's CPU-s per GB
+        armed: list[list[float]] = [[] for _ in arms]    # cat MB/s by arm
+        armed_cpu: list[list[float]] = [[] for _ in arms]
         get_cpu: list[float] = []           # this process's, for the GET
         served: dict[str, list[float]] = {"get": [], "cat": []}   # the server's CPU-s/GB
         spid = server.pid
         try:
-            for _ in range(args.rounds):
+            for r in range(args.rounds):
                 s0 = process_cpu(spid) or 0.0
                 c0, t = process_cpu(os.getpid()) or 0.0, time.perf_counter()
                 got = len(obstore.get(store, KEY).bytes())
@@ -94,18 +104,23 @@ def main(argv: list[str] | None = None) -> None:
                 served["get"].append(((process_cpu(spid) or 0.0) - s0) / (size / 1e9))
                 assert got == size, got
                 rates["cp"].append(size / _cp(store, Path(tmp) / "cp.out") / 1e6)
-                mp = node.mount("cat", None, *(x for kv in args.set for x in ("--set", kv)))
-                drop_caches()
-                pid = daemon_pid(mp)
-                s0 = process_cpu(spid) or 0.0
-                c0, t = process_cpu(pid) or 0.0, time.perf_counter()
-                got = _cat(mp / "seq.0")
-                rates["cat"].append(got / (time.perf_counter() - t) / 1e6)
-                cpu.append(((process_cpu(pid) or 0.0) - c0) / (size / 1e9))
-                served["cat"].append(((process_cpu(spid) or 0.0) - s0) / (size / 1e9))
-                assert got == size, got
-                unmount(mp, daemon_pid(mp), timeout=10.0)
-                node.mounts.remove(mp)
+                order = range(len(arms)) if r % 2 == 0 else range(len(arms) - 1, -1, -1)
+                for i in order:
+                    mp = node.mount("cat", None, *(x for kv in arms[i] for x in ("--set", kv)))
+                    drop_caches()
+                    pid = daemon_pid(mp)
+                    s0 = process_cpu(spid) or 0.0
+                    c0, t = process_cpu(pid) or 0.0, time.perf_counter()
+                    got = _cat(mp / "seq.0")
+                    armed[i].append(got / (time.perf_counter() - t) / 1e6)
+                    armed_cpu[i].append(((process_cpu(pid) or 0.0) - c0) / (size / 1e9))
+                    if i == 0:
+                        served["cat"].append(((process_cpu(spid) or 0.0) - s0) / (size / 1e9))
+                    assert got == size, got
+                    unmount(mp, daemon_pid(mp), timeout=10.0)
+                    node.mounts.remove(mp)
+                rates["cat"].append(armed[0][-1])
+                cpu.append(armed_cpu[0][-1])
         finally:
             node.close()
             bucket.close()
@@ -118,6 +133,13 @@ def main(argv: list[str] | None = None) -> None:
         ratios = sorted(c / g for c, g in zip(rates["cat"], rates[base], strict=True))
         print(f"cat / {base} = {statistics.median(ratios):.2f}x "
               f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+    for i, arm in enumerate(arms[1:], 1):
+        per_round = sorted(b / a for a, b in zip(armed[0], armed[i], strict=True))
+        over_cp = sorted(c / g for c, g in zip(armed[i], rates["cp"], strict=True))
+        print(f"arm {';'.join(arm)}: cat {statistics.median(armed[i]):,.0f} MB/s, "
+              f"/ the default's cat {statistics.median(per_round):.2f}x "
+              f"[{per_round[0]:.2f}-{per_round[-1]:.2f}], / cp {statistics.median(over_cp):.2f}x, "
+              f"the daemon {statistics.median(armed_cpu[i]):.2f} CPU-s/GB")
 
 
 if __name__ == "__main__":

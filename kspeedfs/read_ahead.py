@@ -36,6 +36,10 @@ __all__ = ["Push", "ReadAhead"]
 
 log = logging.getLogger(__name__)
 
+#: scheduling rounds a prefetch waits before its load starts: one more than a READ's own
+#: load takes to reach its worker thread (``ReadAhead._start_later``)
+START_ROUNDS = 3
+
 #: ``push(entry, chunk, data)``: hand a prefetched, verified chunk of an open file to the
 #: kernel page cache (fuse/pagecache.py) so the reader finds it there; returns the bytes
 #: stored, or None if the kernel refused
@@ -75,6 +79,7 @@ class ReadAhead:
         self.nursery = nursery
         self.push = push
         self.chunk = chunk
+        self._starting: set[bytes] = set()     # prefetches not started yet (_start_later)
 
     def advise(self, entry: int, stream: Stream, offset: int, size: int, chunks: range) -> None:
         """Record a read of [offset, offset + size) of ``entry`` (over ``chunks``) by
@@ -93,10 +98,11 @@ class ReadAhead:
             self.prefetch(entry, k)
 
     def prefetch(self, entry: int, k: int) -> None:
-        """Start loading chunk ``k`` ahead of a sequential reader of ``entry``; with a
-        page-cache push, hand it to the kernel once it is here. No-op past the budget."""
+        """Start loading chunk ``k`` ahead of a sequential reader of ``entry``, a few
+        scheduling rounds from now (``_start_later``); with a page-cache push, hand it to
+        the kernel once it is here. No-op past the budget."""
         key = self.index.chunk_digest(k)
-        loading = key not in self.memory and not self.tiers.in_flight(key)
+        loading = key not in self.memory and not self.loading(key)
         if loading and not self.policy.room_ahead(self._room(), self._still_ahead):
             self.counters.add("prefetch_skipped")
             return
@@ -106,6 +112,22 @@ class ReadAhead:
         if self.push is not None:
             self.nursery.start_soon(self._push_ahead, entry, k)
         elif loading:
+            self._starting.add(key)
+            self.nursery.start_soon(self._start_later, k, key)
+
+    async def _start_later(self, k: int, key: bytes) -> None:
+        """Start chunk ``k``'s load after the READ that sent the native engine's hint has
+        started its own. The hint is handled as it is taken off the queue, as that READ's
+        task is started, and the READ's load asks for a worker thread three rounds later
+        (its task, the single-flight's, the thread limiter's); started at once, the chunks
+        ahead got the worker threads and the source's GETs first and the READ waited
+        behind them (docs/design.md, "Object-store sources", "The cold cat")."""
+        try:
+            for _ in range(START_ROUNDS):
+                await trio.lowlevel.checkpoint()
+        finally:
+            self._starting.discard(key)
+        if key not in self.memory:
             self.tiers.start(k, key)
 
     def reached(self, k: int) -> None:
@@ -130,7 +152,11 @@ class ReadAhead:
         and no read reached it yet. (A chunk read only by the native engine's C threads
         never passes ``Reader.chunk``, which forgets it: held, it filled the budget, and
         79-98 % of a peer-reading mount's prefetches were skipped.)"""
-        return self.tiers.in_flight(key) or (key in self.memory and not self.memory.served(key))
+        return self.loading(key) or (key in self.memory and not self.memory.served(key))
+
+    def loading(self, key: bytes) -> bool:
+        """Whether ``key``'s load is in flight, or is a prefetch about to start."""
+        return key in self._starting or self.tiers.in_flight(key)
 
     async def _push_ahead(self, entry: int, k: int) -> None:
         assert self.push is not None

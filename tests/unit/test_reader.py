@@ -103,6 +103,36 @@ async def test_a_readers_own_chunk_starts_loading_before_its_prefetches(dataset)
     assert started[:2] == [first, first + 1], started
 
 
+async def test_a_hinted_prefetch_starts_loading_after_the_read_that_sent_it(dataset) -> None:
+    """The native engine's hint arrives beside the READ that made it: the READ's task is
+    started, then the hint is handled at once. The READ's chunk still loads first."""
+    src, ix, big = dataset
+    entry = ix.lookup(0, b"big")
+    started: list[int] = []
+
+    class Recording(Origin):
+        def load(self, chunk: int) -> tuple[memoryview, int]:
+            started.append(chunk)
+            return super().load(chunk)
+
+    async with trio.open_nursery() as n:
+        r = Reader(index=ix, origin=Recording(src, ix, "ds"), memory=MemoryCache(8 << 20),
+                   disk=None, nursery=n, workers=1, prefetch_depth=4)
+        first = ix.chunk_range(entry, 0, 1)[0]
+        done = trio.Event()
+
+        async def read() -> None:
+            assert await r.read(entry, 0, C, Stream(next_offset=-1)) == big[:C]
+            done.set()
+
+        n.start_soon(read)                          # as EventPump.dispatch does
+        for k in range(first + 1, first + 5):
+            r.prefetch(entry, k)
+        await done.wait()
+        n.cancel_scope.cancel()
+    assert started[0] == first, started
+
+
 async def test_prefetch_of_all_streams_is_held_to_half_the_memory_tier(dataset) -> None:
     """Four sequential readers, a tier of 4 chunks, depth 4: without a shared budget
     their windows (16 chunks) evict one another's chunks unread, and those are loaded
@@ -164,7 +194,7 @@ async def test_prefetched_chunks_read_by_the_native_engine_free_the_budget(datas
             for ahead in range(k + 1, min(k + 5, 21)):
                 r.prefetch(entry, ahead)
             with trio.fail_after(5):
-                while any(r.tiers.in_flight(ix.chunk_digest(a)) for a in range(k + 1, 21)):
+                while any(r.ahead.loading(ix.chunk_digest(a)) for a in range(k + 1, 21)):
                     await trio.sleep(0.001)
         n.cancel_scope.cancel()
     s = r.statistics()
