@@ -4,7 +4,10 @@ Run as ``python -m bench.dataloader ROOT LISTING [--workers 4] [--batch 32]``; p
 JSON line of figures. A map-style dataset whose ``__getitem__`` reads one file whole,
 a shuffling sampler (seeded), ``num_workers`` worker processes, and a collate that
 keeps the samples as a list of bytes: the I/O a training input pipeline does, without
-the decode cost that would hide it.
+the decode cost that would hide it. ``--collate packed`` hands each batch over as one
+uint8 tensor made in shared memory plus offsets (``_packed``), as ``default_collate``
+hands decoded batches over, instead of pickling every sample's bytes through the
+worker's pipe (docs/benchmarks.md, "The library in a DataLoader and from peers").
 
 ``--library NAME --config JSON`` reads through the Python library instead of ROOT:
 ``kspeedfs.torch.MapDataset`` (each worker opens its own handle, batches come through
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--library", metavar="NAME", help="read dataset NAME through kspeedfs.torch")
     p.add_argument("--config", default="{}", help="the library's config, a JSON mapping")
     p.add_argument("--warm-epochs", type=int, default=0)
+    p.add_argument("--collate", choices=("list", "packed"), default="list")
     p.add_argument("--floor", action="store_true",
                    help="no reads: samples of ROOT's files' sizes from memory (the loader's own cost)")
     a = p.parse_args(argv)
@@ -73,10 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         dataset = MapDataset(a.library, paths, config=json.loads(a.config))
     else:
         dataset = RawFiles()
+    collate = _packed if a.collate == "packed" else list
     g = torch.Generator()
     g.manual_seed(a.seed)
     loader = DataLoader(dataset, batch_size=a.batch, shuffle=True, generator=g,
-                        num_workers=a.workers, collate_fn=list, persistent_workers=True,
+                        num_workers=a.workers, collate_fn=collate, persistent_workers=True,
                         prefetch_factor=4)
     for _ in range(a.warm_epochs):
         for _batch in loader:
@@ -88,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     t0, tree0, host0 = time.perf_counter(), _tree_cpu(), machine_cpu()
     files = nbytes = 0
     for batch in it:
-        files += len(batch)
-        nbytes += sum(len(b) for b in batch)
+        if a.collate == "packed":
+            files += len(batch[1]) - 1
+            nbytes += int(batch[1][-1])
+        else:
+            files += len(batch)
+            nbytes += sum(len(b) for b in batch)
     dt = time.perf_counter() - t0
     tree, host = _tree_cpu() - tree0, machine_cpu() - host0
     print(json.dumps({"files/s": files / dt, "MB/s": nbytes / dt / 1e6, "seconds": dt,
@@ -97,6 +106,28 @@ def main(argv: list[str] | None = None) -> int:
                       "loader_cpu_us_per_file": 1e6 * tree / files,
                       "host_cpu_us_per_file": 1e6 * host / files}))
     return 0
+
+
+def _packed(batch: list[bytes]) -> tuple[object, object]:
+    """Samples → (one uint8 tensor, in shared memory in a worker; offsets)."""
+    import ctypes
+
+    import torch
+
+    offsets = [0]
+    for sample in batch:
+        offsets.append(offsets[-1] + len(sample))
+    total = offsets[-1]
+    if torch.utils.data.get_worker_info() is not None:
+        shared = torch.UntypedStorage._new_shared(total)     # type: ignore[no-untyped-call]
+        data = torch.empty(0, dtype=torch.uint8).set_(shared)
+    else:
+        data = torch.empty(total, dtype=torch.uint8)
+    if total:
+        out = memoryview((ctypes.c_ubyte * total).from_address(data.data_ptr())).cast("B")
+        for sample, lo, hi in zip(batch, offsets, offsets[1:], strict=False):
+            out[lo:hi] = sample
+    return data, torch.tensor(offsets, dtype=torch.int64)
 
 
 def _tree_cpu() -> float:

@@ -317,16 +317,18 @@ def _dataloader_cases(ds: Dataset, ctx: Context) -> list[Case]:
     ds.paths()
     listing = ds.listing()
 
-    def run(path: Path) -> dict:
+    def run(path: Path, collate: str = "list") -> dict:
         lib = library.target(path)
         p = subprocess.run([sys.executable, "-m", "bench.dataloader", str(path), str(listing),
-                            "--workers", "4", *(lib.loader_args() if lib else ())],
+                            "--workers", "4", "--collate", collate,
+                            *(lib.loader_args() if lib else ())],
                            capture_output=True, text=True, cwd=REPO)
         if p.returncode:
             raise RuntimeError(f"dataloader failed: {p.stderr.strip()[-2000:]}")
         return json.loads(p.stdout.strip().splitlines()[-1])
-    return [Case("torch-4-workers", run, "files/s",
-                 also=("loader_cpu_us_per_file", "host_cpu_us_per_file"))]
+    also = ("loader_cpu_us_per_file", "host_cpu_us_per_file")
+    return [Case("torch-4-workers", run, "files/s", also=also),
+            Case("torch-4-workers-packed", lambda p: run(p, "packed"), "files/s", also=also)]
 
 
 # -- sweeps: kspeedfs alone, one knob at a time, ratio to the configured default ----------
