@@ -743,6 +743,9 @@ async def test_extents_c_did_not_keep_count_and_sample_every_read(dataset, nurse
     assert health.longest >= 0.007
     ev = rig.nf._events
     assert (ev.unkept, ev.unkept_bytes) == (3, 3 * n)
+    rig.memory.resident_capacity = rig.memory.resident_used + rig.nf.routes.part_size - 1
+    rig.deliver(_fe.Fetched((0, 0, _fe.FETCH_TALLY, 0, -1, 0, 0.0)))
+    assert not rig.engine.keep                                 # room, but not for the largest
     rig.memory.resident_capacity = rig.memory.capacity        # room again
     rig.deliver(_fe.Fetched((0, 0, _fe.FETCH_TALLY, 0, -1, 0, 0.0)))
     assert rig.engine.keep

@@ -126,11 +126,13 @@ class FetchedEvents:
 
     def keep(self) -> None:
         """Tell C whether to keep the extents it starts: only while the resident part
-        has room. Past it, the transient LRU would evict a scanned file before an epoch
-        came back to it, and the kernel's page cache serves re-reads meanwhile
-        (docs/design.md, "Small files from peers, not kept")."""
+        has room for the largest (its staging slot's size; a part filled by puts of
+        ~110 KB files stops short of its capacity). Past it, the transient LRU would
+        evict a scanned file before an epoch came back to it, and the kernel's page
+        cache serves re-reads meanwhile (docs/design.md, "Small files from peers, not
+        kept")."""
         room = getattr(self.tiers.memory, "resident_room", None)   # (MemoryCache's)
-        keep = room is None or room > 0
+        keep = room is None or room >= max(1, self.routes.part_size)
         if keep != self.kept:
             self.kept = keep
             self.engine.fetch_keep(keep)
