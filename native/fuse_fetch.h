@@ -44,7 +44,11 @@
  *                                                    fetch_post_part's; the staging slot is
  *                                                    C's again at once; FE_FETCHED (cookie
  *                                                    with FE_OWN | FE_PART) names the file,
- *                                                    its chunk, the peer and the path
+ *                                                    its chunk, the peer and the path;
+ *                                                    with fetch_keep 0 (no resident room
+ *                                                    in Python's tier): the READs answered
+ *                                                    from the staging slot, nothing kept,
+ *                                                    a sample for FE_FETCH_TALLY instead
  *
  * The READ and its check (WC, length, xxh3) are fetch_read.c's, shared with the
  * library's native fetch (peer_wait.h), whose completions wake a waiting caller instead.
