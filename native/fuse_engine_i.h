@@ -254,6 +254,10 @@ void ring_refuse(struct fe_engine *e);
  * queue it for Python; queue a request or event for Python; and the engine's clock
  * (CLOCK_MONOTONIC, ns: a request's t0, a C-started fetch's start and deadline). */
 void fe_read_again(struct fe_engine *e, const struct fe_read *rd);
+/* Answer READ ``rd`` of a small file from ``buf``, its one extent's verified bytes (``len``
+ * of them, digest ``key``), which are in no tier: 1; 0 when ``rd`` is of another file. */
+int fe_read_from(struct fe_engine *e, const struct fe_read *rd, const uint8_t *key,
+                 const uint8_t *buf, uint32_t len);
 int fe_queue(struct fe_engine *e, const struct fe_request *q);
 uint64_t fe_now_ns(void);
 

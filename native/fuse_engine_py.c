@@ -757,7 +757,7 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
         return NULL;
     return Py_BuildValue(
         "{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-        "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "ops", ops, "read_hits", (unsigned long long)c.read_hits, "read_hit_bytes",
         (unsigned long long)c.read_hit_bytes, "memory_hits", (unsigned long long)c.memory_hits,
         "read_misses", (unsigned long long)c.read_misses, "late_hits",
@@ -778,7 +778,8 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
         (unsigned long long)c.fetch_parked, "fetch_answered",
         (unsigned long long)c.fetch_answered, "fetch_started",
         (unsigned long long)c.fetch_started, "fetch_started_parts",
-        (unsigned long long)c.fetch_started_parts);
+        (unsigned long long)c.fetch_started_parts, "fetch_unkept",
+        (unsigned long long)c.fetch_unkept);
 }
 
 /* ------------------------------------------------------------------ the Engine type */
@@ -842,6 +843,10 @@ static PyMethodDef Engine_methods[] = {
      "fetch_unroute(): every route and peer forgotten"},
     {"fetch_slot", (PyCFunction)Engine_fetch_slot, METH_VARARGS,
      "fetch_slot(id, laddr, lkeys) -> bool: a landing slot for C-started fetches"},
+    {"fetch_keep", (PyCFunction)Engine_fetch_keep, METH_O,
+     "fetch_keep(keep): whether the small files' extents C starts are kept (fuse_fetch.h)"},
+    {"fetch_tally", (PyCFunction)Engine_fetch_tally, METH_NOARGS,
+     "fetch_tally() -> [(peer, path, len, took_ns)]: the extents answered and not kept"},
     {"fetch_unpark", (PyCFunction)Engine_fetch_unpark, METH_O,
      "fetch_unpark(cookie) -> int: the READs parked on that fetch answered from the tier now"},
     {"fetch_stop", (PyCFunction)Engine_fetch_stop, METH_VARARGS,
@@ -1091,6 +1096,7 @@ PyMODINIT_FUNC PyInit__engine(void)
         PyModule_AddIntConstant(m, "FETCH_STOPPED", FE_FETCH_STOPPED) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_NOMEM", FE_FETCH_NOMEM) < 0 ||
         PyModule_AddIntConstant(m, "FETCH_LATE", FE_FETCH_LATE) < 0 ||
+        PyModule_AddIntConstant(m, "FETCH_TALLY", FE_FETCH_TALLY) < 0 ||
         PyModule_AddObject(m, "FETCH_OWN", PyLong_FromUnsignedLongLong(FE_OWN)) < 0 ||
         PyModule_AddObject(m, "FETCH_PART", PyLong_FromUnsignedLongLong(FE_PART)) < 0 ||
         PyModule_AddObject(m, "FETCH_BLOCK", PyLong_FromUnsignedLongLong(FE_BLOCK)) < 0 ||

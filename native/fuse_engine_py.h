@@ -77,6 +77,8 @@ PyObject *Engine_fetch_unroute(EngineObject *self, PyObject *unused);
 PyObject *Engine_fetch_slot(EngineObject *self, PyObject *args);
 PyObject *Engine_fetch_staging(EngineObject *self, PyObject *args);
 PyObject *Engine_fetch_unpark(EngineObject *self, PyObject *arg);
+PyObject *Engine_fetch_keep(EngineObject *self, PyObject *arg);
+PyObject *Engine_fetch_tally(EngineObject *self, PyObject *unused);
 int fetch_release(EngineObject *self, struct fe_engine *e, int timeout_ms);
 PyObject *Engine_fetch_stop(EngineObject *self, PyObject *args);
 

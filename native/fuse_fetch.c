@@ -98,8 +98,12 @@ struct fe_fetch {
     atomic_int idle; /* the thread sleeps with no deadline to watch */
     pthread_t thread;
     int started;
-    struct landed *landed;      /* under lock */
-    struct fe_fetch_counters c; /* under lock */
+    struct landed *landed;                /* under lock */
+    atomic_int keep;                      /* fetch_keep's */
+    struct fe_sample tally[FE_TALLY_MAX]; /* under lock, as the three below */
+    int ntally, tally_sent;               /* tally_sent: FE_FETCH_TALLY queued, not taken */
+    uint64_t tally_since;                 /* the oldest sample's time */
+    struct fe_fetch_counters c;           /* under lock */
 };
 
 static void *fetch_main(void *arg);
@@ -124,6 +128,7 @@ struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t,
     f->chunks = chunks;
     f->routes = routes;
     f->api = api;
+    atomic_init(&f->keep, 1);
     pthread_mutex_init(&f->lock, NULL);
     f->epfd = epoll_create1(EPOLL_CLOEXEC);
     f->stopfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -777,6 +782,85 @@ static int put_part(struct fe_fetch *f, uint64_t cookie, const uint8_t *key, siz
     return FE_FETCH_OK;
 }
 
+/* The tally for Python (FE_FETCH_TALLY), unless one is queued and not taken or no sample
+ * waits; under f->lock: 1 when the caller queues it (after unlocking). */
+static int tally_due(struct fe_fetch *f, uint64_t now)
+{
+    if (f->tally_sent || !f->ntally ||
+        (f->ntally < FE_TALLY_EVERY && now - f->tally_since < FE_TALLY_NS))
+        return 0;
+    f->tally_sent = 1;
+    return 1;
+}
+
+static void tally_event(struct fe_fetch *f)
+{
+    fe_queue(f->e, &(struct fe_request){.kind = FE_FETCHED,
+                                        .fetched = {.chunk = FE_NO_CHUNK,
+                                                    .status = FE_FETCH_TALLY,
+                                                    .peer = -1}});
+}
+
+/* Record ``i``, a verified extent C started, when it is not kept (fetch_keep 0): its
+ * READs answered from the staging slot ``laddr`` (the kernel's reply copy puts the file
+ * in its page cache, which serves re-reads; the memory tier would evict it before an
+ * epoch came back to it), the slot free again and a sample for Python's tally instead
+ * of an FE_FETCHED. 0, nothing done: it is kept as before (not an extent C started, a
+ * fetch Python has a record of since its LATE, or the tally full). */
+static int leave(struct fe_fetch *f, int i, const uint8_t *key, const uint8_t *laddr,
+                 uint32_t len)
+{
+    uint64_t now = fe_now_ns();
+    pthread_mutex_lock(&f->lock);
+    struct rec *r = &f->recs[i];
+    if ((r->cookie & (FE_OWN | FE_PART | FE_BLOCK)) != (FE_OWN | FE_PART) || r->own.late ||
+        r->orphan || f->ntally == FE_TALLY_MAX) {
+        pthread_mutex_unlock(&f->lock);
+        return 0;
+    }
+    struct own own = r->own;
+    struct parked *p = rec_end(f, i);
+    if (!f->ntally)
+        f->tally_since = now;
+    f->tally[f->ntally++] = (struct fe_sample){own.peer, own.path, len, now - own.t0};
+    pthread_mutex_unlock(&f->lock);
+    int n = 0;
+    while (p) { /* answered before the slot is free: a READ of another file sharing
+                 * the digest is answered from the tier or goes to Python */
+        struct parked *next = p->next;
+        if (!fe_read_from(f->e, &p->read, key, laddr, len))
+            fe_read_again(f->e, &p->read);
+        free(p);
+        p = next;
+        n++;
+    }
+    pthread_mutex_lock(&f->lock);
+    f->stage_free[f->nstage_free++] = (int)own.slot;
+    f->c.answered += (uint64_t)n;
+    f->c.landed++;
+    f->c.unkept++;
+    int due = tally_due(f, now);
+    pthread_mutex_unlock(&f->lock);
+    if (due)
+        tally_event(f);
+    return 1;
+}
+
+void fetch_keep(struct fe_fetch *f, int keep) { atomic_store(&f->keep, keep != 0); }
+
+int fetch_tally(struct fe_fetch *f, struct fe_sample *out, int max)
+{
+    pthread_mutex_lock(&f->lock);
+    int n = f->ntally < max ? f->ntally : max;
+    memcpy(out, f->tally, sizeof *out * (size_t)n);
+    memmove(f->tally, f->tally + n, sizeof *out * (size_t)(f->ntally - n));
+    f->ntally -= n;
+    if (!f->ntally)
+        f->tally_sent = 0;
+    pthread_mutex_unlock(&f->lock);
+    return n;
+}
+
 /* One WC of a fetch READ: verify, put, answer. */
 static void complete(struct fe_fetch *f, const ks_wc *wc)
 {
@@ -798,6 +882,9 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
     pthread_mutex_unlock(&f->lock);
 
     int status = fr_verify(wc, laddr, len, want, wantlen);
+    if (status == FE_FETCH_OK && k == FE_NO_CHUNK && !atomic_load(&f->keep) &&
+        leave(f, i, key, laddr, len))
+        return;
     if (status == FE_FETCH_OK) {
         if (k != FE_NO_CHUNK) {
             if (tier_put_new(f->t, key, keylen, laddr, len) < 0)
@@ -819,7 +906,8 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
 /* FE_FETCH_LATE for each C-started fetch past its deadline (once; it goes on); returns
  * the epoll timeout until the next check: FE_LATE_TICK_MS while one with a deadline is
  * out (a deadline is the peer's hedging threshold, ≥ 2 ms and ~20-100 ms for a chunk
- * here: a tick of 5 ms is within its noise), else -1. */
+ * here: a tick of 5 ms is within its noise), else -1; and the tally (FE_FETCH_TALLY)
+ * when its oldest sample is FE_TALLY_NS old, the same tick while one waits. */
 static int late_check(struct fe_fetch *f)
 {
     struct late {
@@ -830,6 +918,8 @@ static int late_check(struct fe_fetch *f)
     atomic_store(&f->idle, 1); /* before the scan: fetch_start kicks after it */
     uint64_t now = fe_now_ns();
     pthread_mutex_lock(&f->lock);
+    int due = tally_due(f, now);
+    waiting = f->ntally && !f->tally_sent; /* (samples come on this thread only) */
     for (int i = 0; i < FE_FETCH_MAX; i++) {
         struct rec *r = &f->recs[i];
         if (!r->used || !(r->cookie & FE_OWN) || !r->own.deadline || r->own.late)
@@ -842,6 +932,8 @@ static int late_check(struct fe_fetch *f)
         late[n++] = (struct late){r->k, r->cookie, r->own};
     }
     pthread_mutex_unlock(&f->lock);
+    if (due)
+        tally_event(f);
     for (int i = 0; i < n; i++)
         event(f, late[i].k, late[i].cookie, FE_FETCH_LATE, &late[i].own);
     if (!waiting)

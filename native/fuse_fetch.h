@@ -44,7 +44,11 @@
  *                                                    fetch_post_part's; the staging slot is
  *                                                    C's again at once; FE_FETCHED (cookie
  *                                                    with FE_OWN | FE_PART) names the file,
- *                                                    its chunk, the peer and the path
+ *                                                    its chunk, the peer and the path;
+ *                                                    with fetch_keep 0 (no resident room
+ *                                                    in Python's tier): the READs answered
+ *                                                    from the staging slot, nothing kept,
+ *                                                    a sample for FE_FETCH_TALLY instead
  *
  * The READ and its check (WC, length, xxh3) are fetch_read.c's, shared with the
  * library's native fetch (peer_wait.h), whose completions wake a waiting caller instead.
@@ -79,6 +83,12 @@
 #define FE_NICS 4             /* local NICs a landing slot has an lkey on */
 #define FE_SLOTS 64           /* landing slots Python may give C at once */
 #define FE_STAGING 32         /* staging slots for the extents C starts (fetch_staging) */
+/* FE_FETCHED's status (beside fetch_read.h's) of a tally: samples for fetch_tally, no
+ * fetch of its own */
+#define FE_FETCH_TALLY 70
+#define FE_TALLY_MAX 1024      /* samples held for Python; full: extents are kept again */
+#define FE_TALLY_EVERY 64      /* a tally once this many wait, */
+#define FE_TALLY_NS 5000000ULL /* or once the oldest is this old (the LATE tick) */
 /* the hedger's READ size classes (cluster/hedge.py): ≤4K, ≤16K, ≤64K, ≤256K, ≤1M, ≤4M,
  * larger */
 #define FE_SIZE_CLASSES 7
@@ -96,12 +106,22 @@ struct fe_read;
 struct fe_tier;
 struct fe_fetch;
 
+/* One extent answered from its staging slot and not kept (fetch_keep 0), for Python's
+ * hedger and counters: peer and path numbers as an FE_FETCHED's, its length and its
+ * READ's time from post to verified bytes. */
+struct fe_sample {
+    int32_t peer, path;
+    uint32_t len;
+    uint64_t took_ns;
+};
+
 struct fe_fetch_counters {
     /* parked: per READ and chunk waited for */
     uint64_t posted, landed, failed, parked, answered;
     uint64_t redundant;     /* landed verified, but the tier had the chunk (EXISTS) */
     uint64_t started;       /* of ``posted``: started in C (fetch_start, _start_part) */
     uint64_t started_parts; /* of ``started``: small files' extents (fetch_start_part) */
+    uint64_t unkept;        /* of ``landed``: extents answered from the slot, not kept */
 };
 
 struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t,
@@ -175,6 +195,17 @@ int fetch_start_part(struct fe_fetch *f, uint64_t k, uint64_t offset, uint32_t l
 int fetch_start_block(struct fe_fetch *f, uint64_t k, uint64_t b, uint64_t offset,
                       uint32_t len, const uint8_t *key, const uint8_t *want,
                       const struct fe_read *read);
+/* Whether the verified extents C starts are kept (1, the default: copied into a buffer
+ * of their own, put in the tier, one FE_FETCHED each for Python to adopt), or (0) their
+ * parked READs answered from the staging slot, nothing kept, and Python told only a
+ * tally: a sample per extent (fetch_tally), an FE_FETCHED with FE_FETCH_TALLY once
+ * FE_TALLY_EVERY wait or the oldest is FE_TALLY_NS old. Python sets it from its memory
+ * tier's resident room (docs/design.md, "Small files from peers, not kept"). A fetch
+ * reported LATE, or with no room for its sample, is kept as before. */
+void fetch_keep(struct fe_fetch *f, int keep);
+/* Up to ``max`` samples into ``out`` (oldest first); how many. Emptied, the next sample
+ * sends a tally again. */
+int fetch_tally(struct fe_fetch *f, struct fe_sample *out, int max);
 /* Start chunk ``k`` here if it has a route to a peer that is on and a landing slot is free:
  * 1 (or it is in flight already), else 0 (the caller hints Python). Any thread. */
 int fetch_start(struct fe_fetch *f, uint64_t k);

@@ -443,6 +443,47 @@ PyObject *Engine_fetch_unpark(EngineObject *self, PyObject *arg)
     return PyLong_FromLong(n);
 }
 
+/* fetch_keep(keep): whether the extents C starts are kept (fuse_fetch.h fetch_keep). */
+PyObject *Engine_fetch_keep(EngineObject *self, PyObject *arg)
+{
+    int keep = PyObject_IsTrue(arg);
+    if (keep < 0)
+        return NULL;
+    struct fe_engine *e = engine_of(self, "fetch_keep");
+    if (!e)
+        return NULL;
+    struct fe_fetch *f = fe_fetcher(e);
+    if (f)
+        fetch_keep(f, keep);
+    Py_RETURN_NONE;
+}
+
+/* fetch_tally() -> [(peer, path, len, took_ns)]: the samples of the extents answered from
+ * their staging slots and not kept, oldest first (fuse_fetch.h fetch_tally). */
+PyObject *Engine_fetch_tally(EngineObject *self, PyObject *unused)
+{
+    struct fe_engine *e = engine_of(self, "fetch_tally");
+    if (!e)
+        return NULL;
+    struct fe_fetch *f = fe_fetcher(e);
+    PyObject *out = PyList_New(0);
+    if (!f || !out)
+        return out;
+    static struct fe_sample got[FE_TALLY_MAX]; /* (the GIL is held) */
+    int n = fetch_tally(f, got, FE_TALLY_MAX);
+    for (int i = 0; i < n; i++) {
+        PyObject *t = Py_BuildValue("iiIK", got[i].peer, got[i].path, got[i].len,
+                                    (unsigned long long)got[i].took_ns);
+        if (!t || PyList_Append(out, t) < 0) {
+            Py_XDECREF(t);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(t);
+    }
+    return out;
+}
+
 /* Stop the fetch (waiting up to ``timeout_ms`` for READs out) and release the soft
  * engines it held. Returns the READs abandoned. */
 int fetch_release(EngineObject *self, struct fe_engine *e, int timeout_ms)

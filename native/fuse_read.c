@@ -237,6 +237,28 @@ int fe_read_or_park(struct fe_engine *e, const struct fe_read *rd)
     return fetch_park(f, first, last, rd) || answer_again(e, rd, end, first, last);
 }
 
+int fe_read_from(struct fe_engine *e, const struct fe_read *rd, const uint8_t *key,
+                 const uint8_t *buf, uint32_t len)
+{
+    const uint8_t *xkey;
+    uint32_t xlen;
+    if (fe_file_extent(e, rd->entry, &xkey, &xlen) < 0 || xlen != len ||
+        memcmp(xkey, key, 16) != 0)
+        return 0;
+    uint64_t end, first, last;
+    read_span(e, rd->entry, rd->offset, rd->size, &end, &first, &last);
+    if (rd->offset >= end)
+        return 0;
+    struct iovec iov[2] = {{0}, {(void *)(buf + rd->offset), end - rd->offset}};
+    reply_iov(rd->fd, rd->unique, iov, 2);
+    pthread_mutex_lock(&e->alock);
+    count_hit(&e->again, end - rd->offset, 1);
+    count_into(&e->again, FE_OP_READ, rd->t0, 0);
+    e->again.late_hits++;
+    pthread_mutex_unlock(&e->alock);
+    return 1;
+}
+
 void fe_read_again(struct fe_engine *e, const struct fe_read *rd)
 {
     if (!fe_read_or_park(e, rd))

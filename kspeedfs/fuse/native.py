@@ -179,7 +179,8 @@ class NativeSession:
         the crowd rule began to keep it as it was: fuse_threads.c); and
         the native chunk fetch's counters (native/fuse_fetch.h; ``fetch_started``: of
         ``fetch_posted``, the chunks and extents C started from Python's routes,
-        ``fetch_started_parts``: of those, small files' extents)."""
+        ``fetch_started_parts``: of those, small files' extents; ``fetch_unkept``: of
+        ``fetch_landed``, extents answered from their staging slot and not kept)."""
         c = self.counters()
         return {"transport": f"native {self.transport}",
                 **{k: c.get(k, 0) for k in ("spliced", "spliced_bytes",
@@ -191,7 +192,7 @@ class NativeSession:
                                             "fetch_posted", "fetch_landed", "fetch_failed",
                                             "fetch_redundant", "fetch_parked",
                                             "fetch_answered", "fetch_started",
-                                            "fetch_started_parts")}}
+                                            "fetch_started_parts", "fetch_unkept")}}
 
     def served(self) -> tuple[int, int, int]:
         """Reads, bytes and memory-tier units answered in C (``Reader.served_elsewhere``)."""

@@ -203,6 +203,15 @@ class FakeEngine:
         self.unparked: list[int] = []
         self.parked: list[tuple[int, tuple[Any, ...]]] = []
         self.park = True
+        self.keep = True                             # fetch_keep's
+        self.tally: list[tuple[int, int, int, int]] = []   # fetch_tally's samples
+
+    def fetch_keep(self, keep: bool) -> None:
+        self.keep = keep
+
+    def fetch_tally(self) -> list[tuple[int, int, int, int]]:
+        out, self.tally = self.tally, []
+        return out
 
     def fetch_enable(self, capi: object) -> None:
         pass
@@ -703,3 +712,40 @@ async def test_a_c_started_extent_is_adopted_under_its_digest(dataset, nursery) 
     assert rig.tier(ext.digest) == dataset.small
     assert rig.engine.buffers == {} and len(rig.peers.staging) == 4
     assert rig.vqps[A].done == [QPN] and rig.peers.landed == [(A, len(dataset.small))]
+
+
+async def test_extents_c_did_not_keep_count_and_sample_every_read(dataset, nursery) -> None:
+    """Once the memory tier's resident part is full, C is told not to keep the extents
+    it starts (fetch_keep); a tally's samples then count as peer hits, each READ's time
+    goes to the hedger (not one per tally: its thresholds stay those of every READ), and
+    each path they came by is seen alive once. With room again, C keeps them."""
+    hedge = Hedger()
+    rig = Rig(dataset, nursery, hedge)
+    ext = rig.extent(b"a")
+    assert rig.nf.start(1, rig.key(1))                         # peer 0 (A) told to C
+    assert rig.engine.keep and rig.memory.resident_room == 0   # (an 8 MiB tier: all LRU)
+    cookie = _fe.FETCH_OWN | _fe.FETCH_PART | 3
+    rig.engine.buffers[cookie] = dataset.small
+    rig.deliver(rig.engine.fetched(cookie, k=0, slot=ext.entry, peer=0, path=0))
+    assert not rig.engine.keep                                 # the put found no room
+    hits = rig.chain.counters.peer_hits
+    n = len(dataset.small)
+    rig.engine.tally = [(0, 0, n, 3_000_000), (0, 0, n, 5_000_000), (0, 0, n, 7_000_000),
+                        (9, 0, n, 1_000_000)]                  # (peer 9: never told)
+    rig.deliver(_fe.Fetched((0, 0, _fe.FETCH_TALLY, 0, -1, 0, 0.0)))
+    assert rig.engine.tally == []
+    assert rig.chain.counters.peer_hits == hits + 3
+    assert rig.peers.landed[-3:] == [(A, n)] * 3
+    assert rig.vqps[A].done == [QPN, QPN]                     # the adoption's, the tally's
+    health = hedge.health(A)
+    assert health.reads == 4                                 # the adoption's READ + 3
+    assert sum(health.counts) == health.reads
+    assert health.longest >= 0.007
+    ev = rig.nf._events
+    assert (ev.unkept, ev.unkept_bytes) == (3, 3 * n)
+    rig.memory.resident_capacity = rig.memory.resident_used + rig.nf.routes.part_size - 1
+    rig.deliver(_fe.Fetched((0, 0, _fe.FETCH_TALLY, 0, -1, 0, 0.0)))
+    assert not rig.engine.keep                                 # room, but not for the largest
+    rig.memory.resident_capacity = rig.memory.capacity        # room again
+    rig.deliver(_fe.Fetched((0, 0, _fe.FETCH_TALLY, 0, -1, 0, 0.0)))
+    assert rig.engine.keep

@@ -6,10 +6,14 @@
                                                                fields (``_own``), ``end``
       FETCH_LATE of a C-started fetch                        → a record, overdue
                                                                (LateFetches: hedged)
+      FETCH_TALLY: extents C answered and did not keep       → ``tally``: counted, the
+                                                               hedger's sample of each
     end(f, status)   verified → the landing slot (or C's extent buffer) into the memory
                      tier (MemoryCache.put adopts the engine's entry), counted, the
                      hedger's sample; else the slot back, the key failed lately, a stale
                      hint dropped; whoever waits woken
+    keep             whether C keeps the extents it starts: while the memory tier's
+                     resident part has room (``fetch_keep``)
 
 A C-started fetch is unknown to Python until its event, which names its slot, peer and
 path by number (``Routes.slot``, ``Routes.origin``): its record is made from those.
@@ -42,20 +46,28 @@ class FetchedEvents:
     bytes reach the memory tier (``tiers.arrived``) only verified, its slot goes back
     to its pool unless a NIC may still write it (FETCH_STOPPED), and its waiters are
     woken either way; a C-started fetch's slot goes back to ``routes`` and C is fed
-    another. Events of unknown slots or peers are dropped. Trio thread only.
+    another. Events of unknown slots or peers are dropped. C keeps the small files'
+    extents it starts exactly while the memory tier's resident part has room (checked
+    at every put here and every tally); a tally's extents count and sample as their
+    FETCHEDs would have, without the put. Trio thread only.
     """
 
     def __init__(self, engine: Any, peers: Peers, tiers: TierChain, index: ManifestIndex,
                  inflight: InFlight, routes: Routes, late: LateFetches) -> None:
         self.engine, self.peers, self.tiers, self.index = engine, peers, tiers, index
         self.inflight, self.routes, self.late = inflight, routes, late
+        self.kept = True                    # as C starts: fetch_keep(True)
+        self.unkept = self.unkept_bytes = 0  # extents C answered and did not keep
 
     def fetched(self, cookie: int, k: int, status: int, slot: int = 0, peer: int = -1,
                 path: int = 0, since: float = 0.0) -> None:
         """A FETCHED event from the engine's queue (``status``: fuse_fetch.h; ``k``, the
         chunk, is the record's too: FE_NO_CHUNK for an extent). A C-started fetch's
         (``cookie & FETCH_OWN``) also names its landing slot, peer, path and start, and
-        may be FETCH_LATE (it goes on)."""
+        may be FETCH_LATE (it goes on); a FETCH_TALLY names no fetch (``tally``)."""
+        if status == fe.FETCH_TALLY:
+            self.tally()
+            return
         if cookie & fe.FETCH_OWN:
             if status == fe.FETCH_LATE:
                 self._late_own(cookie, k, slot, peer, path, since)
@@ -94,6 +106,7 @@ class FetchedEvents:
                 took = time.monotonic() - f.t0
                 self.peers.hedger.done(f.node, f.length, took, sample=not f.hedged)
             self.tiers.arrived(f.k, f.key, data, "peer", whole=not f.extent)
+            self.keep()
         else:
             if status != fe.FETCH_STOPPED:         # else a NIC may yet write the slot
                 give_slot(self.peers, f.slot, f.extent)
@@ -110,6 +123,44 @@ class FetchedEvents:
                         f.node, status)
         if f.event is not None:
             f.event.set()
+
+    def keep(self) -> None:
+        """Tell C whether to keep the extents it starts: only while the resident part
+        has room for the largest (its staging slot's size; a part filled by puts of
+        ~110 KB files stops short of its capacity). Past it, the transient LRU would
+        evict a scanned file before an epoch came back to it, and the kernel's page
+        cache serves re-reads meanwhile (docs/design.md, "Small files from peers, not
+        kept")."""
+        room = getattr(self.tiers.memory, "resident_room", None)   # (MemoryCache's)
+        keep = room is None or room >= max(1, self.routes.part_size)
+        if keep != self.kept:
+            self.kept = keep
+            self.engine.fetch_keep(keep)
+
+    def tally(self) -> None:
+        """Take C's samples of the extents it answered and did not keep: each counted
+        as a peer hit and given to the hedger as its FETCHED's would be (every READ's
+        time: the thresholds stay those of every READ), each path seen once as alive."""
+        samples = self.engine.fetch_tally()
+        hedger = self.peers.hedger if self.peers.hedge is not None else None
+        counters = self.tiers.counters
+        alive = set()
+        for peer, path, length, took_ns in samples:
+            origin = self.routes.origin(peer, path)
+            if origin is None:
+                continue
+            rec, vqp, qpn = origin
+            alive.add((vqp, qpn))
+            self.peers.landed_native(rec.node, length)
+            if hedger is not None:
+                hedger.done(rec.node, length, took_ns / 1e9)
+            counters.add("peer_hits")
+            counters.add("peer_bytes", length)
+            self.unkept += 1
+            self.unkept_bytes += length
+        for vqp, qpn in alive:
+            vqp.native_done(qpn)
+        self.keep()
 
     # -- the fetches C starts itself (their routes: ``Routes``) -------------------------
 

@@ -97,6 +97,11 @@ class Routes:
         self.feed()
 
     @property
+    def part_size(self) -> int:
+        """The largest part (extent, block) C starts: its staging slots' size; 0: none."""
+        return self._part_size
+
+    @property
     def starts_blocks(self) -> bool:
         """Whether C may start random reads' blocks itself (fuse_read.c ``start_block``):
         it has staging slots, which it has when the dataset outgrows the tiers; random
