@@ -5,7 +5,7 @@ JSON line of figures. A map-style dataset whose ``__getitem__`` reads one file w
 a shuffling sampler (seeded), ``num_workers`` worker processes, and a collate that
 keeps the samples as a list of bytes: the I/O a training input pipeline does, without
 the decode cost that would hide it. ``--collate packed`` hands each batch over as one
-uint8 tensor made in shared memory plus offsets (``_packed``), as ``default_collate``
+uint8 tensor made in shared memory plus offsets (``kspeedfs.torch.packed``), as ``default_collate``
 hands decoded batches over, instead of pickling every sample's bytes through the
 worker's pipe (docs/benchmarks.md, "The library in a DataLoader and from peers").
 
@@ -77,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         dataset = MapDataset(a.library, paths, config=json.loads(a.config))
     else:
         dataset = RawFiles()
-    collate = _packed if a.collate == "packed" else list
+    if a.collate == "packed":
+        from kspeedfs.torch import packed as collate
+    else:
+        collate = list                                      # type: ignore[assignment]
     g = torch.Generator()
     g.manual_seed(a.seed)
     loader = DataLoader(dataset, batch_size=a.batch, shuffle=True, generator=g,
@@ -106,28 +109,6 @@ def main(argv: list[str] | None = None) -> int:
                       "loader_cpu_us_per_file": 1e6 * tree / files,
                       "host_cpu_us_per_file": 1e6 * host / files}))
     return 0
-
-
-def _packed(batch: list[bytes]) -> tuple[object, object]:
-    """Samples → (one uint8 tensor, in shared memory in a worker; offsets)."""
-    import ctypes
-
-    import torch
-
-    offsets = [0]
-    for sample in batch:
-        offsets.append(offsets[-1] + len(sample))
-    total = offsets[-1]
-    if torch.utils.data.get_worker_info() is not None:
-        shared = torch.UntypedStorage._new_shared(total)     # type: ignore[no-untyped-call]
-        data = torch.empty(0, dtype=torch.uint8).set_(shared)
-    else:
-        data = torch.empty(total, dtype=torch.uint8)
-    if total:
-        out = memoryview((ctypes.c_ubyte * total).from_address(data.data_ptr())).cast("B")
-        for sample, lo, hi in zip(batch, offsets, offsets[1:], strict=False):
-            out[lo:hi] = sample
-    return data, torch.tensor(offsets, dtype=torch.int64)
 
 
 def _tree_cpu() -> float:

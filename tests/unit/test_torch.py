@@ -15,7 +15,7 @@ from kspeedfs.manifest.store.embedded import EmbeddedStore
 
 torch = pytest.importorskip("torch")
 
-from kspeedfs.torch import MapDataset  # noqa: E402  (imports torch: only once it is there)
+from kspeedfs.torch import MapDataset, packed  # noqa: E402  (imports torch: only once it is there)
 
 
 def with_pid(path: str, data: bytes) -> tuple[int, str, bytes]:
@@ -61,3 +61,23 @@ def test_a_dataloader_with_two_workers_reads_every_item(source, monkeypatch, con
     assert len(pids) == 2 and os.getpid() not in pids
     assert (ds._ds is not None) == parent_opened        # the parent opened nothing itself
     ds.close()
+
+
+def test_packed_batches_reach_the_main_process_in_shared_memory(source, monkeypatch) -> None:
+    base, config = source
+    monkeypatch.setenv("KSPEEDFS_CONFIG", str(base / "kspeedfs.toml"))
+    paths = sorted(str(p.relative_to(base / "src")) for p in (base / "src").rglob("*.jpg"))
+    ds = MapDataset("imgs", paths, config=config)
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2, collate_fn=packed)
+    got = []
+    for data, offsets in loader:
+        assert data.dtype == torch.uint8 and data.is_shared()
+        assert offsets[0] == 0 and offsets[-1] == len(data)
+        got += [bytes(data[lo:hi].tolist()) for lo, hi in zip(offsets, offsets[1:], strict=False)]
+    assert got == [(base / "src" / p).read_bytes() for p in paths]
+
+
+def test_packed_outside_a_worker_keeps_empty_samples() -> None:
+    data, offsets = packed([b"ab", b"", bytearray(b"cde"), memoryview(b"")])
+    assert offsets.tolist() == [0, 2, 2, 5, 5]
+    assert bytes(data.tolist()) == b"abcde" and not data.is_shared()
