@@ -18,6 +18,27 @@ from tests.fixtures.cluster import cluster
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces)")
 
+def _write_files(src: Path, files: dict[str, bytes]) -> Path:
+    """``files`` (relative path → bytes) written under ``src``; returns ``src``."""
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    return src
+
+
+def _library_config(common: list[str]) -> dict[str, str]:
+    """The cluster's ``--set KEY=VALUE`` options as the library's config mapping."""
+    return dict(common[i + 1].split("=", 1) for i in range(len(common)) if common[i] == "--set")
+
+
+def _spec(path: Path, etcd: list[str], config: dict[str, str], files: dict[str, bytes]) -> Path:
+    """The reader script's spec: where etcd is, the config, each file's SHA-256."""
+    path.write_text(json.dumps({
+        "etcd": etcd, "config": config,
+        "sha": {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}}))
+    return path
+
+
 READER = """
 import hashlib, json, sys
 import kspeedfs
@@ -42,22 +63,14 @@ def test_the_library_reads_from_the_peers_with_the_source_gone_and_a_node_dead(
     rnd = random.Random(45)
     files = {f"c{i % 4}/img{i:03d}.jpg": rnd.randbytes(rnd.randint(1, 60_000)) for i in range(80)}
     files["large.bin"] = rnd.randbytes(3 << 20)
-    src = tmp_path / "src"
-    for rel, data in files.items():
-        (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        (src / rel).write_bytes(data)
+    src = _write_files(tmp_path / "src", files)
     with cluster(tmp_path / "c", nodes=3) as c:
         c.ks(["import", str(src), "--name", "libds", "--chunk-size", c.chunk_size, "-q"])
         c.ks(["preload", "libds", "--timeout", "90"])
         shutil.rmtree(src)                      # from now on only the nodes hold it
         c.kill_node(1)
-        common = c.common()
-        config = {common[i + 1].split("=", 1)[0]: common[i + 1].split("=", 1)[1]
-                  for i in range(len(common)) if common[i] == "--set"}
-        spec = tmp_path / "spec.json"
-        spec.write_text(json.dumps({
-            "etcd": c.etcd_urls, "config": config,
-            "sha": {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}}))
+        config = _library_config(c.common())
+        spec = _spec(tmp_path / "spec.json", c.etcd_urls, config, files)
         r = subprocess.run(c.client_argv([sys.executable, "-c", READER, str(spec)]),
                            capture_output=True, text=True, timeout=180,
                            cwd=str(Path(__file__).resolve().parents[2]))
@@ -106,22 +119,14 @@ def test_small_files_come_from_peers_through_c_and_a_node_killed_mid_read_is_no_
     rnd = random.Random(46)
     files = {f"d{i % 8}/f{i:03d}.bin": rnd.randbytes(rnd.randint(15_000, 30_000))
              for i in range(600)}
-    src = tmp_path / "src"
-    for rel, data in files.items():
-        (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        (src / rel).write_bytes(data)
+    src = _write_files(tmp_path / "src", files)
     with cluster(tmp_path / "c", nodes=3) as c:
         c.ks(["import", str(src), "--name", "libds", "--chunk-size", c.chunk_size, "-q"])
         c.ks(["preload", "libds", "--timeout", "90"])
         shutil.rmtree(src)                      # from now on only the nodes hold it
-        common = c.common()
-        config = {common[i + 1].split("=", 1)[0]: common[i + 1].split("=", 1)[1]
-                  for i in range(len(common)) if common[i] == "--set"}
+        config = _library_config(c.common())
         config["cache.memory"] = "8MiB"         # smaller than the data: files read alone
-        spec = tmp_path / "spec.json"
-        spec.write_text(json.dumps({
-            "etcd": c.etcd_urls, "config": config,
-            "sha": {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}}))
+        spec = _spec(tmp_path / "spec.json", c.etcd_urls, config, files)
         p = subprocess.Popen(c.client_argv([sys.executable, "-c", NATIVE_READER, str(spec)]),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,

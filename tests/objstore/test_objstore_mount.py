@@ -5,26 +5,17 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 from pathlib import Path
 
 import pytest
 
 from tests.fixtures.mounts import assert_files, cluster1
+from tests.fixtures.objects import awkward_objects
 from tests.objstore.conftest import Store
 
 
 def test_mount_reads_every_byte(store: Store, tmp_path: Path) -> None:
-    rnd = random.Random(44)
-    objects = {
-        "train/a/b/c/deep.jpg": rnd.randbytes(777),
-        "train/with space/und ünïcødé %20.bin": rnd.randbytes(4097),
-        "train/empty": b"",
-        "train/empty-dir-marker/": b"",
-        "train/large.bin": rnd.randbytes(16 << 20),        # 64 chunks of 256 KiB
-    }
-    for i in range(300):
-        objects[f"train/small/d{i % 5}/img{i:04d}.jpg"] = rnd.randbytes(rnd.randint(1, 9000))
+    objects = awkward_objects("train", 16 << 20, 300)    # large.bin: 64 chunks of 256 KiB
     store.put_many(objects)
     with cluster1(tmp_path) as node:
         node.import_(store.url("train"), "ds")            # type: ignore[arg-type]

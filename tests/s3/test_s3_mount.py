@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.fixtures.mounts import assert_files, cluster1
+from tests.fixtures.objects import awkward_objects
 from tests.fixtures.s3 import FaultProxy, S3Server
 
 
@@ -26,16 +26,7 @@ def _put(c: Any, b: str, objects: dict[str, bytes]) -> None:
 
 def test_mount_reads_every_byte(aws_env: S3Server, bucket: tuple[Any, str], tmp_path: Path) -> None:
     c, b = bucket
-    rnd = random.Random(44)
-    objects = {
-        "train/a/b/c/deep.jpg": rnd.randbytes(777),
-        "train/with space/und ünïcødé %20.bin": rnd.randbytes(4097),
-        "train/empty": b"",
-        "train/empty-dir-marker/": b"",
-        "train/large.bin": rnd.randbytes(64 << 20),        # 256 chunks of 256 KiB
-    }
-    for i in range(1000):
-        objects[f"train/small/d{i % 5}/img{i:04d}.jpg"] = rnd.randbytes(rnd.randint(1, 9000))
+    objects = awkward_objects("train", 64 << 20, 1000)    # large.bin: 256 chunks of 256 KiB
     _put(c, b, objects)
     with cluster1(tmp_path) as node:
         node.import_(f"s3://{b}/train", "ds")           # type: ignore[arg-type]

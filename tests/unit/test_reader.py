@@ -45,6 +45,19 @@ def _reader(ix, src, nursery, memory=8 << 20, disk=None, prefetch=4) -> Reader:
                   nursery=nursery, workers=4, prefetch_depth=prefetch)
 
 
+def _recording_reader(ix, src, nursery, started: list[int]) -> Reader:
+    """A reader with one worker thread whose origin appends each chunk it loads to
+    ``started``, in the order the loads began."""
+
+    class Recording(Origin):
+        def load(self, chunk: int) -> tuple[memoryview, int]:
+            started.append(chunk)
+            return super().load(chunk)
+
+    return Reader(index=ix, origin=Recording(src, ix, "ds"), memory=MemoryCache(8 << 20),
+                  disk=None, nursery=nursery, workers=1, prefetch_depth=4)
+
+
 async def test_concurrent_reads_share_one_load(dataset) -> None:
     src, ix, big = dataset
     entry = ix.lookup(0, b"big")
@@ -86,15 +99,8 @@ async def test_a_readers_own_chunk_starts_loading_before_its_prefetches(dataset)
     src, ix, big = dataset
     entry = ix.lookup(0, b"big")
     started: list[int] = []
-
-    class Recording(Origin):
-        def load(self, chunk: int) -> tuple[memoryview, int]:
-            started.append(chunk)
-            return super().load(chunk)
-
     async with trio.open_nursery() as n:
-        r = Reader(index=ix, origin=Recording(src, ix, "ds"), memory=MemoryCache(8 << 20),
-                   disk=None, nursery=n, workers=1, prefetch_depth=4)
+        r = _recording_reader(ix, src, n, started)
         stream = Stream()
         first = ix.chunk_range(entry, 0, 1)[0]
         await r.read(entry, 0, C, stream)            # chunk 0: not sequential yet
@@ -109,15 +115,8 @@ async def test_a_hinted_prefetch_starts_loading_after_the_read_that_sent_it(data
     src, ix, big = dataset
     entry = ix.lookup(0, b"big")
     started: list[int] = []
-
-    class Recording(Origin):
-        def load(self, chunk: int) -> tuple[memoryview, int]:
-            started.append(chunk)
-            return super().load(chunk)
-
     async with trio.open_nursery() as n:
-        r = Reader(index=ix, origin=Recording(src, ix, "ds"), memory=MemoryCache(8 << 20),
-                   disk=None, nursery=n, workers=1, prefetch_depth=4)
+        r = _recording_reader(ix, src, n, started)
         first = ix.chunk_range(entry, 0, 1)[0]
         done = trio.Event()
 
