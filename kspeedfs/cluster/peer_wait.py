@@ -112,17 +112,14 @@ class PeerWait:
         if self._closed:            # (the run task may wake while aclose waits)
             return
         now = time.monotonic()
-        hedger, counters = self.peers.hedger, self.peers.counters
-        numbered = self.table.numbered()
+        hedger, numbered = self.peers.hedger, self.table.numbered()
         for peer, _path, qpn, ok, nbytes, failed, late, ns in self.c.tallies():
             if peer not in numbered:
                 continue
             rec, vqp = numbered[peer]
             if ok:
                 vqp.native_done(qpn)
-                counters.hits += ok
-                counters.bytes += nbytes
-                counters.per_peer[rec.node] += nbytes
+                self.peers.landed_native(rec.node, nbytes, reads=ok)
                 for _ in range(min(ok, 8)):     # a sample per READ, at most 8 a tick
                     hedger.done(rec.node, nbytes // ok, ns / ok / 1e9)
             if late:
