@@ -142,11 +142,13 @@ class Peers:
         """A staging slot back, once no READ writes into it."""
         self.staging.give(staging)
 
-    def landed_native(self, node: str, nbytes: int) -> None:
-        """A chunk C READ from ``node`` landed verified: counted as a hinted peer hit."""
+    def landed_native(self, node: str, nbytes: int, reads: int = 1) -> None:
+        """``reads`` READs C made from ``node`` (a chunk, an extent, a block; the library's
+        too) landed verified, ``nbytes`` in all: counted as hinted peer hits (C READs a
+        slot its route named, never a bucket)."""
         c = self.counters
-        c.hits += 1
-        c.hinted += 1
+        c.hits += reads
+        c.hinted += reads
         c.bytes += nbytes
         c.per_peer[node] += nbytes
 

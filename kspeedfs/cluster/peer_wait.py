@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
 from ..tuning import LIB_STAGING, LIB_TICK, LIB_WAIT
 from .native.fetch import soft_capi
+from .native.peer_table import PeerTable, stage
 
 if TYPE_CHECKING:
-    from rdma.vrdma import VQP
-
     from ..manifest.index import ManifestIndex
     from ..manifest.model import Extent
     from .fetch import Peers
@@ -71,18 +70,12 @@ class PeerWait:
         self.c = _peerwait.PeerWait(soft_capi(), index.chunks)
         self.reads = self.misses = 0
         self._closed = False
-        self._handles: dict[int, int] = {}                  # id(soft engine) → handle
-        self._ids: dict[tuple[str, float], int] = {}        # (node, started) → peer number
-        self._of: dict[int, tuple[Any, VQP]] = {}           # number → (NodeRecord, vQP)
-        self._told: dict[int, tuple[Any, ...]] = {}         # number → paths as told
-        self._nics: list[str] = list(peers.ep.nics)[:4]     # a slot's lkey order (FE_NICS)
+        # its peers as told to C: the local NICs in a slot's lkey order (past NICS: no lkey)
+        self.table = PeerTable(list(peers.ep.nics)[:_peerwait.NICS], _peerwait.PEERS,
+                               self.c.engine, self.c.peer, self.c.unroute)
         self._wait_ns = int(LIB_WAIT * 1e9)
-        size = -(-part_size // 4096) * 4096
-        vmr = self._staging = peers.ep.alloc(LIB_STAGING * size, name="lib-staging")
-        for i in range(LIB_STAGING):
-            keys = [vmr.on(nic, i * size) for nic in self._nics]
-            if not self.c.staging(keys[0][0], part_size, [lkey for _, lkey in keys]):
-                break
+        self._staging = stage(peers.ep, LIB_STAGING, part_size, self.table.nics,
+                              self.c.staging, "lib-staging")
 
     # -- any thread -----------------------------------------------------------------------
 
@@ -108,38 +101,9 @@ class PeerWait:
         if route is None:
             return
         rec, rslot, vqp = route
-        peer = self._tell(rec, vqp)
+        peer = self.table.tell(rec, vqp)
         if peer is not None:
             self.c.route(k, peer, rslot * rec.slot_size)
-
-    def _tell(self, rec: Any, vqp: VQP) -> int | None:
-        """``rec``'s number in C's peer table, its UP paths told when they changed; None
-        when it has none."""
-        ident = (rec.node, rec.started)
-        idx = self._ids.get(ident)
-        if idx is None:
-            if len(self._ids) >= 64:            # FE_PEERS: numbered anew
-                self.c.unroute()
-                self._ids.clear()
-                self._told.clear()
-                self._of.clear()
-            idx = self._ids[ident] = len(self._ids)
-        self._of[idx] = (rec, vqp)
-        paths = []
-        for raw, qpn, nic, raddr, rkey in vqp.native_paths("arena")[:2]:
-            if nic in self._nics:
-                paths.append((self._handle(raw), qpn, raddr, rkey, self._nics.index(nic)))
-        told = tuple(paths)
-        if self._told.get(idx) != told:
-            self.c.peer(idx, paths)
-            self._told[idx] = told
-        return idx if paths else None
-
-    def _handle(self, raw: Any) -> int:
-        handle = self._handles.get(id(raw))
-        if handle is None:
-            handle = self._handles[id(raw)] = self.c.engine(raw)
-        return handle
 
     def tick(self) -> None:
         """What C's READs came back with, fed to Python's bookkeeping; the peers' UP
@@ -148,28 +112,26 @@ class PeerWait:
         if self._closed:            # (the run task may wake while aclose waits)
             return
         now = time.monotonic()
-        hedger, counters = self.peers.hedger, self.peers.counters
+        hedger, numbered = self.peers.hedger, self.table.numbered()
         for peer, _path, qpn, ok, nbytes, failed, late, ns in self.c.tallies():
-            if peer not in self._of:
+            if peer not in numbered:
                 continue
-            rec, vqp = self._of[peer]
+            rec, vqp = numbered[peer]
             if ok:
                 vqp.native_done(qpn)
-                counters.hits += ok
-                counters.bytes += nbytes
-                counters.per_peer[rec.node] += nbytes
+                self.peers.landed_native(rec.node, nbytes, reads=ok)
                 for _ in range(min(ok, 8)):     # a sample per READ, at most 8 a tick
                     hedger.done(rec.node, nbytes // ok, ns / ok / 1e9)
             if late:
                 hedger.overran(rec.node, now)
             if failed or late:
                 log.debug("native fetch from %s: %d failed, %d late", rec.node, failed, late)
-        for rec, vqp in list(self._of.values()):
-            self._tell(rec, vqp)
-        if self.peers.hedge is not None and self._of:
+        for rec, vqp in numbered.values():
+            self.table.tell(rec, vqp)
+        if self.peers.hedge is not None and numbered:
             part = 4096 << 2 * 3      # the hedger's ≤256 KiB class: a small file's READ
             self._wait_ns = int(max(self.peers.hedger.threshold(rec.node, part)
-                                    for rec, _ in self._of.values()) * 1e9)
+                                    for rec, _ in numbered.values()) * 1e9)
 
     async def run(self) -> None:
         """``tick`` every LIB_TICK until cancelled."""

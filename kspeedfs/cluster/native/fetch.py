@@ -7,6 +7,8 @@ and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
                                          allow (else False: Python's path); ``wait``
     routes.py           Routes           what C may start by itself: the routes of the
                                          chunks ahead, their peers' UP paths, C's slots
+    peer_table.py       PeerTable        the peers told to C by number, and their UP
+                                         paths (the library's native fetch's too)
     events.py           FetchedEvents    a FETCHED (or LATE) event: the bytes into the
                                          memory tier, or the slot back and the fault noted
     late.py             LateFetches      hedging: a fetch past its deadline READ again
@@ -91,10 +93,8 @@ class NativeFetch:
         self._fetches = InFlight()
         self.inflight = self._fetches.by_key
         self._cookies = 0
-        self._handles: dict[int, int] = {}     # id(soft engine) → fetch_engine handle
         self._closed = False
-        self.routes = Routes(engine, peers, memory, index, self._handle, self._fetches.late,
-                             small_file_limit)
+        self.routes = Routes(engine, peers, memory, index, self._fetches.late, small_file_limit)
         self._late = LateFetches(engine, peers, tiers, memory, index, self._fetches,
                                  self.routes)
         self._events = FetchedEvents(engine, peers, tiers, index, self._fetches, self.routes,
@@ -170,7 +170,7 @@ class NativeFetch:
         """Post the READ to C under the next cookie: a chunk's (``entry`` None), an
         extent's of file ``entry``, or block ``block``'s; OSError: C refused it."""
         t = target
-        handle = self._handle(t.engine)
+        handle = self.routes.table.handle(t.engine)
         self._cookies += 1
         if entry is None:
             self.engine.fetch_post(handle, t.qpn, k, self._cookies, t.laddr, t.lkey, t.raddr,
@@ -181,13 +181,6 @@ class NativeFetch:
         else:
             self.engine.fetch_post_block(handle, t.qpn, entry, k, block, want, self._cookies,
                                          t.laddr, t.lkey, t.raddr, t.rkey, read)
-
-    def _handle(self, raw: Any) -> int:
-        """The fetch engine handle of soft engine ``raw`` (a fetch CQ there, once)."""
-        handle = self._handles.get(id(raw))
-        if handle is None:
-            handle = self._handles[id(raw)] = self.engine.fetch_engine(raw)
-        return handle
 
     def fetched(self, cookie: int, k: int, status: int, slot: int = 0, peer: int = -1,
                 path: int = 0, since: float = 0.0) -> None:

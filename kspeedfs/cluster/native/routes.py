@@ -3,8 +3,9 @@
     Routes.ahead(k)          the routes of the ROUTE_AHEAD chunks after k, each its first
                              replica's peer and slot (fetch_route), and the slots below
     Routes.route(k, route)   chunk k's route, with its peer's limits for small files' extents
-    Routes.tell(rec, vqp)    a peer's number in C's table and its UP paths (fetch_peer);
-                             ``retell``: again (no path while a READ of it is overdue)
+    Routes.tell(rec, vqp)    a peer's number in C's table and its UP paths (fetch_peer,
+                             through a :class:`~.peer_table.PeerTable`) with its hedging
+                             limits; ``retell``: again (no path while a READ is overdue)
     Routes.feed()            C_SLOTS landing slots with C (fetch_slot), and once C_STAGING
                              staging slots for the small files' extents it starts
     Routes.slot / origin     from a C-started fetch's FETCHED back to its slot, node and QP
@@ -18,12 +19,12 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..hedge import size_class
 from ..landing import Slot
 from .inflight import fe
+from .peer_table import PeerTable, stage
 from ...tuning import C_SLOTS, C_STAGING, ROUTE_AHEAD
 
 if TYPE_CHECKING:
@@ -45,26 +46,26 @@ class Routes:
     (``late``) or no UP path is told off; a landing slot is C's from ``feed`` until
     ``slot(id, back=True)``; the staging slots (with ``small_file_limit``) are C's for
     good, from one vMR of their own. Not thread-safe: the trio thread's.
+
+    Attributes:
+        table: the peers told to C (:class:`~.peer_table.PeerTable`), and the handles of
+            the soft engines, which ``NativeFetch`` posts its own READs with too.
     """
 
     def __init__(self, engine: Any, peers: Peers, memory: MemoryCache,
-                 index: ManifestIndex, handle: Callable[[Any], int],
-                 late: Counter[str], small_file_limit: int = 0) -> None:
+                 index: ManifestIndex, late: Counter[str], small_file_limit: int = 0) -> None:
         self.engine = engine
         self.peers = peers
         self.memory = memory
         self.index = index
         self.closed = False
-        self._handle = handle                  # soft engine → fetch engine handle
         self._late = late                      # node → its fetches past their deadline
-        self._ids: dict[tuple[str, float], int] = {}        # (node, started) → peer number
-        self._of: dict[int, tuple[Any, VQP]] = {}           # number → (NodeRecord, vQP)
-        self._told: dict[int, tuple[Any, ...]] = {}         # number → ((paths), limit)
-        self._slots: dict[int, Slot] = {}                   # C's landing slots by id
-        self._slot_ids = itertools.count()
         # the local NICs, in a slot's lkey order: the endpoint's, fixed from the start (a
         # staging slot is C's for good, with an lkey on each)
-        self._nics: list[str] = list(peers.ep.nics)[:fe.FETCH_NICS]
+        self.table = PeerTable(list(peers.ep.nics)[:fe.FETCH_NICS], fe.FETCH_PEERS,
+                               engine.fetch_engine, engine.fetch_peer, engine.fetch_unroute)
+        self._slots: dict[int, Slot] = {}                   # C's landing slots by id
+        self._slot_ids = itertools.count()
         # a staging slot holds a small file or a random read's block: both are read alone
         # exactly when the dataset outgrows the tiers (small_file_limit > 0)
         self._part_size = max(small_file_limit, index.block_size) if small_file_limit else 0
@@ -127,42 +128,29 @@ class Routes:
         small files' extents too (``route``), else those told last: ``ahead`` tells its
         peers for each chunk Python starts, and computing them on every call doubled
         this method's cost (docs/design.md, "The native fetch, step by step")."""
-        ident = (rec.node, rec.started)
-        idx = self._ids.get(ident)
-        if idx is None:
-            if len(self._ids) >= fe.FETCH_PEERS:     # (incarnations come and go)
-                # numbered anew; a C-started fetch still out is then counted against the
-                # new holder of its number (its bytes and slot are handled all the same)
-                self.engine.fetch_unroute()
-                self._ids.clear()
-                self._told.clear()
-            idx = self._ids[ident] = len(self._ids)
-        self._of[idx] = (rec, vqp)
-        paths = []
-        if not self._late[rec.node]:
-            for raw, qpn, nic, raddr, rkey in vqp.native_paths("arena")[:2]:
-                if nic not in self._nics:       # (past FETCH_NICS: no lkey for it)
-                    continue
-                paths.append((self._handle(raw), qpn, raddr, rkey, self._nics.index(nic)))
-        limit, limits = 0, self._told.get(idx, ((), 0, ()))[2]
-        if paths and self.peers.hedge is not None:
+        return self.table.tell(rec, vqp, withhold=bool(self._late[rec.node]),
+                               extra=lambda last, up: self._limits(rec, last, up, parts))
+
+    def _limits(self, rec: Any, last: tuple[Any, ...], up: bool,
+                parts: bool) -> tuple[int, tuple[int, ...]]:
+        """``rec``'s hedging limits as C takes them, ns: its chunks', and its small files'
+        extents' per size class (``parts``; else those told ``last``); 0, (): none."""
+        limit, limits = 0, last[1] if last else ()
+        if up and self.peers.hedge is not None:
             threshold = self.peers.hedger.threshold
             limit = int(threshold(rec.node, self.peers.slot_size) * 1e9)
             if parts and self._part_size:   # (4 KiB << 2c: the largest READ of class c)
                 limits = tuple(int(threshold(rec.node, 4096 << 2 * c) * 1e9)
                                for c in range(size_class(self._part_size) + 1))
-        told = (tuple(paths), limit, limits)
-        if self._told.get(idx) != told:
-            self.engine.fetch_peer(idx, paths, limit, limits)
-            self._told[idx] = told
-        return idx if paths else None
+        return limit, limits
 
     def retell(self, node: str, started: float) -> None:
         """Tell C again what it knows of incarnation ``started`` of ``node``, if anything:
         with a READ of it overdue, that is no path, so C starts nothing more on it."""
-        idx = self._ids.get((node, started))
-        if idx is not None and idx in self._of:
-            self.tell(*self._of[idx])
+        idx = self.table.number_of(node, started)
+        held = None if idx is None else self.table.record(idx)
+        if held is not None:
+            self.tell(*held)
 
     def feed(self) -> None:
         """Keep ``C_SLOTS`` landing slots with C (each with its lkey on every local NIC),
@@ -170,29 +158,20 @@ class Routes:
         tier's pool ran dry otherwise, and its READs went to Python); and, once, C's
         staging slots."""
         if self._staging is None and self._part_size and not self.closed:
-            self._stage()
+            self._staging = stage(self.peers.ep, C_STAGING, self._part_size, self.table.nics,
+                                  self.engine.fetch_staging, "c-staging")
         landing = self.peers.landing
         while len(self._slots) < C_SLOTS and not self.closed and landing.spare > C_SLOTS:
             slot = landing.take()
             if slot is None:
                 return
             vmr, at = slot
-            keys = [vmr.on(nic, at) for nic in self._nics]
+            keys = [vmr.on(nic, at) for nic in self.table.nics]
             sid = next(self._slot_ids)
             if not self.engine.fetch_slot(sid, keys[0][0], [lkey for _, lkey in keys]):
                 landing.give(slot)
                 return
             self._slots[sid] = slot
-
-    def _stage(self) -> None:
-        """C_STAGING staging slots of ``small_file_limit`` bytes (pages), C's for good."""
-        size = -(-self._part_size // 4096) * 4096
-        vmr = self._staging = self.peers.ep.alloc(C_STAGING * size, name="c-staging")
-        for i in range(C_STAGING):
-            keys = [vmr.on(nic, i * size) for nic in self._nics]
-            if not self.engine.fetch_staging(keys[0][0], self._part_size,
-                                             [lkey for _, lkey in keys]):
-                return
 
     def slot(self, sid: int, back: bool = False) -> Slot | None:
         """C's landing slot ``sid`` (``back``: C has given it back), or None."""
@@ -201,8 +180,8 @@ class Routes:
     def origin(self, peer: int, path: int) -> tuple[Any, VQP, int] | None:
         """Peer number ``peer``'s record and vQP, and the QP of its ``path``-th path as
         last told; None for a number never told."""
-        if peer not in self._of:
+        held = self.table.record(peer)
+        if held is None:
             return None
-        rec, vqp = self._of[peer]
-        paths = self._told.get(peer, ((), 0, ()))[0]
-        return rec, vqp, paths[path][1] if 0 <= path < len(paths) else 0
+        rec, vqp = held
+        return rec, vqp, self.table.qpn(peer, path)
