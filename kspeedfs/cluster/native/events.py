@@ -131,8 +131,7 @@ class FetchedEvents:
         evict a scanned file before an epoch came back to it, and the kernel's page
         cache serves re-reads meanwhile (docs/design.md, "Small files from peers, not
         kept")."""
-        room = getattr(self.tiers.memory, "resident_room", None)   # (MemoryCache's)
-        keep = room is None or room >= max(1, self.routes.part_size)
+        keep = self.routes.memory.resident_room >= max(1, self.routes.part_size)
         if keep != self.kept:
             self.kept = keep
             self.engine.fetch_keep(keep)
