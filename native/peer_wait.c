@@ -47,6 +47,8 @@ struct pw {
     struct wrec recs[PW_MAX];
     int active, stopping;
     struct pw_tally tally[FE_PEERS][FE_PATHS];
+    struct fe_sample samples[PW_SAMPLES];
+    int nsamples;
     struct wcq cqs[FE_FETCH_ENGINES];
     int ncqs, epfd, stopfd, started;
     pthread_t thread;
@@ -219,6 +221,8 @@ static void tally(struct pw *w, const struct wrec *r, int status, uint32_t len, 
         t->ok++;
         t->bytes += len;
         t->ns += ns;
+        if (w->nsamples < PW_SAMPLES)
+            w->samples[w->nsamples++] = (struct fe_sample){r->peer, r->path, len, ns};
     } else if (status == FE_FETCH_LATE)
         t->late++;
     else
@@ -322,6 +326,16 @@ int pw_tallies(struct pw *w, struct pw_tally *out, int max)
             out[n++] = *t;
             memset(t, 0, sizeof *t);
         }
+    pthread_mutex_unlock(&w->lock);
+    return n;
+}
+
+int pw_samples(struct pw *w, struct fe_sample *out, int max)
+{
+    pthread_mutex_lock(&w->lock);
+    int n = w->nsamples < max ? w->nsamples : max;
+    memcpy(out, w->samples, sizeof *out * (size_t)n);
+    w->nsamples = 0;
     pthread_mutex_unlock(&w->lock);
     return n;
 }

@@ -15,7 +15,9 @@
  *                                                    caller takes the Python read path
  *   the trio thread, every tick                  ─► pw_tally: per peer and path, READs
  *                                                    that came back, failed or were late,
- *                                                    for the vQP monitors and the counters
+ *                                                    for the vQP monitors and the counters;
+ *                                                    pw_samples: each ok READ's time, for
+ *                                                    the hedger
  *
  * Never right about a fault, only steps aside: a failed or late READ clears its chunk's
  * route (the next read of it goes to Python's path, which fails over and hedges). A
@@ -33,6 +35,9 @@
 
 #define PW_MAX 64     /* READs out at once */
 #define PW_STAGING 64 /* staging slots */
+/* ok READs' samples held for the hedger between two pw_samples: every READ's time (a
+ * sum would hide the tail its thresholds are made of), the first PW_SAMPLES a tick */
+#define PW_SAMPLES 512
 
 /* pw_read's statuses beyond fetch_read.h's */
 enum {
@@ -68,6 +73,9 @@ int pw_read(struct pw *w, uint64_t k, uint64_t offset, uint32_t len, const uint8
             void *dest, uint64_t timeout_ns);
 /* Up to ``max`` tallies since the last call (then zeroed); returns how many. */
 int pw_tallies(struct pw *w, struct pw_tally *out, int max);
+/* Up to ``max`` samples (peer, path, length, wall ns) of ok READs since the last call
+ * (at most PW_SAMPLES were kept); returns how many, the rest dropped. */
+int pw_samples(struct pw *w, struct fe_sample *out, int max);
 /* Stop: no more reads; wait up to ``timeout_ms`` for the READs out, end the reaper,
  * close the CQs. Returns how many were still out. */
 int pw_stop(struct pw *w, int timeout_ms);

@@ -208,6 +208,30 @@ static PyObject *PeerWait_tallies(PeerWaitObject *self, PyObject *unused)
     return list;
 }
 
+/* samples() -> [(peer, path, length, ns)]: ok READs since the last call (pw_samples). */
+static PyObject *PeerWait_samples(PeerWaitObject *self, PyObject *unused)
+{
+    struct pw *w = live(self);
+    if (!w)
+        return NULL;
+    struct fe_sample *s = PyMem_Malloc(sizeof *s * PW_SAMPLES);
+    if (!s)
+        return PyErr_NoMemory();
+    int n = pw_samples(w, s, PW_SAMPLES);
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        PyObject *x = Py_BuildValue("(iiIK)", s[i].peer, s[i].path, s[i].len,
+                                    (unsigned long long)s[i].took_ns);
+        if (!x) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, x);
+    }
+    PyMem_Free(s);
+    return list;
+}
+
 /* The READs out, the reaper and the CQs gone; the soft engines released. */
 static int stop(PeerWaitObject *self, int timeout_ms)
 {
@@ -254,6 +278,7 @@ static PyMethodDef PeerWait_methods[] = {
     {"read", (PyCFunction)PeerWait_read, METH_VARARGS,
      "read(chunk, offset, length, want, timeout_ns) -> bytes | status"},
     {"tallies", (PyCFunction)PeerWait_tallies, METH_NOARGS, "tallies() -> list"},
+    {"samples", (PyCFunction)PeerWait_samples, METH_NOARGS, "samples() -> list"},
     {"stop", (PyCFunction)PeerWait_stop, METH_O, "stop(timeout_ms) -> READs left"},
     {NULL, NULL, 0, NULL},
 };
@@ -302,7 +327,7 @@ PyMODINIT_FUNC PyInit__peerwait(void)
         {"OK", FE_FETCH_OK},     {"SHORT", FE_FETCH_SHORT}, {"MISMATCH", FE_FETCH_MISMATCH},
         {"LATE", FE_FETCH_LATE}, {"NO_ROUTE", PW_NO_ROUTE}, {"BUSY", PW_BUSY},
         {"POST", PW_POST},       {"STAGING", PW_STAGING},   {"PEERS", FE_PEERS},
-        {"NICS", FE_NICS}};
+        {"NICS", FE_NICS},       {"SAMPLES", PW_SAMPLES}};
     for (size_t i = 0; i < sizeof consts / sizeof *consts; i++)
         if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) {
             Py_DECREF(m);

@@ -113,19 +113,22 @@ class PeerWait:
             return
         now = time.monotonic()
         hedger, numbered = self.peers.hedger, self.table.numbered()
-        for peer, _path, qpn, ok, nbytes, failed, late, ns in self.c.tallies():
+        for peer, _path, qpn, ok, nbytes, failed, late, _ns in self.c.tallies():
             if peer not in numbered:
                 continue
             rec, vqp = numbered[peer]
             if ok:
                 vqp.native_done(qpn)
                 self.peers.landed_native(rec.node, nbytes, reads=ok)
-                for _ in range(min(ok, 8)):     # a sample per READ, at most 8 a tick
-                    hedger.done(rec.node, nbytes // ok, ns / ok / 1e9)
             if late:
                 hedger.overran(rec.node, now)
             if failed or late:
                 log.debug("native fetch from %s: %d failed, %d late", rec.node, failed, late)
+        # each READ's own time (C keeps the first PW_SAMPLES a tick): the thresholds are
+        # the tail of READ times, which a tick's mean would hide
+        for peer, _path, length, took_ns in self.c.samples():
+            if peer in numbered:
+                hedger.done(numbered[peer][0].node, length, took_ns / 1e9)
         for rec, vqp in numbered.values():
             self.table.tell(rec, vqp)
         if self.peers.hedge is not None and numbered:

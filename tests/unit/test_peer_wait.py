@@ -61,6 +61,28 @@ def test_a_verified_extent_comes_back_and_is_tallied(rig) -> None:
     assert w.tallies() == []                # drained
 
 
+def test_each_ok_read_is_a_sample_of_its_own_up_to_the_cap(rig) -> None:
+    """The hedger's thresholds are the tail of READ times: each ok READ is a sample
+    (peer, path, length, ns), a failed one none; C keeps the first PW_SAMPLES between
+    two calls."""
+    w, p = rig
+    sizes = [4096, 20_000, 50_000]
+    for n in sizes:
+        want = extent(p, 1, 0, n)
+        assert w.read(1, 0, n, digest(want), WAIT) == want
+    bad = extent(p, 4, 0, 4096)
+    assert w.read(4, 0, 4096, digest(bad + b"x"), WAIT) == _pw.MISMATCH
+    samples = w.samples()
+    assert [(s[0], s[1], s[2]) for s in samples] == [(0, 0, n) for n in sizes]
+    assert all(0 < s[3] < WAIT for s in samples)
+    assert w.samples() == []                # drained
+    want = extent(p, 1, 0, 100)
+    for _ in range(_pw.SAMPLES + 10):
+        assert w.read(1, 0, 100, digest(want), WAIT) == want
+    assert len(w.samples()) == _pw.SAMPLES
+    assert w.tallies()[0][3] == _pw.SAMPLES + 10 + len(sizes)   # all counted
+
+
 def test_a_mismatch_is_a_status_and_clears_the_route(rig) -> None:
     w, p = rig
     want = extent(p, 2, 0, 4096)
