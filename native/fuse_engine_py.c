@@ -846,7 +846,8 @@ static PyMethodDef Engine_methods[] = {
     {"fetch_keep", (PyCFunction)Engine_fetch_keep, METH_O,
      "fetch_keep(keep): whether the small files' extents C starts are kept (fuse_fetch.h)"},
     {"fetch_tally", (PyCFunction)Engine_fetch_tally, METH_NOARGS,
-     "fetch_tally() -> [(peer, path, len, took_ns)]: the extents answered and not kept"},
+     "fetch_tally() -> [(peer, path, len, took_ns, key, block)]: the parts C started and "
+     "told in a tally (key, block: None when not kept, else the buffer to adopt)"},
     {"fetch_unpark", (PyCFunction)Engine_fetch_unpark, METH_O,
      "fetch_unpark(cookie) -> int: the READs parked on that fetch answered from the tier now"},
     {"fetch_stop", (PyCFunction)Engine_fetch_stop, METH_VARARGS,

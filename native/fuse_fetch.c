@@ -750,29 +750,43 @@ int fetch_unpark(struct fe_fetch *f, uint64_t cookie)
 
 /* A part's (an extent's, a block's) verified bytes out of its staging slot into a buffer
  * of its own (the fault of new memory is paid here, not on the trio thread), put in the
- * tier, and kept for Python (fetch_landed) ahead of the FE_FETCHED event. From
- * FE_ALIGN_MIN on the buffer starts on a page: the kernel copies a reply a page at a
- * time, and a source that starts mid-page is two short copies per page (the memory
- * tier's page_aligned, kspeedfs/cache/memory.py, says what it costs). */
-static int put_part(struct fe_fetch *f, uint64_t cookie, const uint8_t *key, size_t keylen,
-                    const uint8_t *laddr, uint32_t len)
+ * tier with no owner: the buffer, or NULL with ``*status`` FE_FETCH_NOMEM or
+ * FE_FETCH_EXISTS. From FE_ALIGN_MIN on the buffer starts on a page: the kernel copies a
+ * reply a page at a time, and a source that starts mid-page is two short copies per page
+ * (the memory tier's page_aligned, kspeedfs/cache/memory.py, says what it costs). */
+static void *copy_part(struct fe_fetch *f, const uint8_t *key, size_t keylen,
+                       const uint8_t *laddr, uint32_t len, int *status)
 {
-    struct landed *x = malloc(sizeof *x);
     void *buf = NULL;
     if (len < FE_ALIGN_MIN)
         buf = malloc(len);
     else if (posix_memalign(&buf, 4096, len))
         buf = NULL;
-    if (!x || !buf) {
-        free(x);
-        free(buf);
-        return FE_FETCH_NOMEM;
+    if (!buf) {
+        *status = FE_FETCH_NOMEM;
+        return NULL;
     }
     memcpy(buf, laddr, len);
     if (tier_put_new(f->t, key, keylen, buf, len) < 0) {
-        free(x);
         free(buf);
-        return FE_FETCH_EXISTS;
+        *status = FE_FETCH_EXISTS;
+        return NULL;
+    }
+    return buf;
+}
+
+/* copy_part, the buffer kept for Python (fetch_landed) ahead of the FE_FETCHED event. */
+static int put_part(struct fe_fetch *f, uint64_t cookie, const uint8_t *key, size_t keylen,
+                    const uint8_t *laddr, uint32_t len)
+{
+    struct landed *x = malloc(sizeof *x);
+    if (!x)
+        return FE_FETCH_NOMEM;
+    int status = FE_FETCH_OK;
+    void *buf = copy_part(f, key, keylen, laddr, len, &status);
+    if (!buf) {
+        free(x);
+        return status;
     }
     *x = (struct landed){.cookie = cookie, .buf = buf, .len = len};
     pthread_mutex_lock(&f->lock);
@@ -801,32 +815,54 @@ static void tally_event(struct fe_fetch *f)
                                                     .peer = -1}});
 }
 
-/* Record ``i``, a verified extent C started, when it is not kept (fetch_keep 0): its
- * READs answered from the staging slot ``laddr`` (the kernel's reply copy puts the file
- * in its page cache, which serves re-reads; the memory tier would evict it before an
- * epoch came back to it), the slot free again and a sample for Python's tally instead
- * of an FE_FETCHED. 0, nothing done: it is kept as before (not an extent C started, a
- * fetch Python has a record of since its LATE, or the tally full). */
-static int leave(struct fe_fetch *f, int i, const uint8_t *key, const uint8_t *laddr,
-                 uint32_t len)
+/* Whether record ``i``, a verified part, may end in a sample for Python's tally instead
+ * of an FE_FETCHED: a part C started that Python holds no record of (not LATE) while the
+ * tally has room; not kept (``kept`` 0), only an extent (random reads' blocks are always
+ * kept). Its LATE and orphan marks change on this thread only, the room only grows. */
+static int sampled(struct fe_fetch *f, int i, int kept)
+{
+    uint64_t mask = kept ? FE_OWN | FE_PART : FE_OWN | FE_PART | FE_BLOCK;
+    pthread_mutex_lock(&f->lock);
+    const struct rec *r = &f->recs[i];
+    int ok = (r->cookie & mask) == (FE_OWN | FE_PART) && !r->own.late && !r->orphan &&
+             f->ntally < FE_TALLY_MAX;
+    pthread_mutex_unlock(&f->lock);
+    return ok;
+}
+
+/* End record ``i`` (``sampled``) in a sample for the tally (FE_FETCH_TALLY): with ``buf``,
+ * the part kept (copy_part: its READs answered from the tier, ``buf`` and ``key`` in the
+ * sample for Python to adopt); without, not kept: its READs answered from the staging
+ * slot ``laddr`` (the kernel's reply copy puts the file in its page cache, which serves
+ * re-reads; the memory tier would evict it before an epoch came back to it). Either way
+ * the staging slot is free again and no FE_FETCHED is sent (docs/design.md, "Small files
+ * from peers, not kept", and "Kept extents told in batches"). */
+static void sample_end(struct fe_fetch *f, int i, const uint8_t *key, size_t keylen,
+                       const uint8_t *laddr, uint32_t len, void *buf)
 {
     uint64_t now = fe_now_ns();
     pthread_mutex_lock(&f->lock);
-    struct rec *r = &f->recs[i];
-    if ((r->cookie & (FE_OWN | FE_PART | FE_BLOCK)) != (FE_OWN | FE_PART) || r->own.late ||
-        r->orphan || f->ntally == FE_TALLY_MAX) {
-        pthread_mutex_unlock(&f->lock);
-        return 0;
-    }
-    struct own own = r->own;
+    struct own own = f->recs[i].own;
     struct parked *p = rec_end(f, i);
     if (!f->ntally)
         f->tally_since = now;
-    f->tally[f->ntally++] = (struct fe_sample){own.peer, own.path, len, now - own.t0};
+    struct fe_sample *x = &f->tally[f->ntally++];
+    *x = (struct fe_sample){.peer = own.peer,
+                            .path = own.path,
+                            .len = len,
+                            .took_ns = now - own.t0,
+                            .buf = buf};
+    if (buf) {
+        memcpy(x->key, key, keylen);
+        x->keylen = (uint8_t)keylen;
+    }
     pthread_mutex_unlock(&f->lock);
     int n = 0;
-    while (p) { /* answered before the slot is free: a READ of another file sharing
-                 * the digest is answered from the tier or goes to Python */
+    if (buf)
+        n = hand_on(f, p, 1); /* (counted there) */
+    while (p && !buf) {       /* answered before the slot is free: a READ of another file
+                               * sharing the digest is answered from the tier or goes to
+                               * Python */
         struct parked *next = p->next;
         if (!fe_read_from(f->e, &p->read, key, laddr, len))
             fe_read_again(f->e, &p->read);
@@ -836,13 +872,30 @@ static int leave(struct fe_fetch *f, int i, const uint8_t *key, const uint8_t *l
     }
     pthread_mutex_lock(&f->lock);
     f->stage_free[f->nstage_free++] = (int)own.slot;
-    f->c.answered += (uint64_t)n;
+    if (!buf) {
+        f->c.answered += (uint64_t)n;
+        f->c.unkept++;
+    }
     f->c.landed++;
-    f->c.unkept++;
     int due = tally_due(f, now);
     pthread_mutex_unlock(&f->lock);
     if (due)
         tally_event(f);
+}
+
+/* A verified part C started, told in the tally rather than by an FE_FETCHED when it may
+ * be (``sampled``): kept or not, as fetch_keep says. 0: not done, it ends as before
+ * (``*status`` FE_FETCH_EXISTS or FE_FETCH_NOMEM when its copy failed). */
+static int end_sampled(struct fe_fetch *f, int i, const uint8_t *key, size_t keylen,
+                       const uint8_t *laddr, uint32_t len, int *status)
+{
+    int kept = atomic_load(&f->keep);
+    if (!sampled(f, i, kept))
+        return 0;
+    void *buf = kept ? copy_part(f, key, keylen, laddr, len, status) : NULL;
+    if (kept && !buf)
+        return 0;
+    sample_end(f, i, key, keylen, laddr, len, buf);
     return 1;
 }
 
@@ -882,8 +935,8 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
     pthread_mutex_unlock(&f->lock);
 
     int status = fr_verify(wc, laddr, len, want, wantlen);
-    if (status == FE_FETCH_OK && k == FE_NO_CHUNK && !atomic_load(&f->keep) &&
-        leave(f, i, key, laddr, len))
+    if (status == FE_FETCH_OK && k == FE_NO_CHUNK &&
+        end_sampled(f, i, key, keylen, laddr, len, &status))
         return;
     if (status == FE_FETCH_OK) {
         if (k != FE_NO_CHUNK) {
@@ -1038,6 +1091,8 @@ void fetch_free(struct fe_fetch *f)
         free(x->buf);
         free(x);
     }
+    for (int i = 0; i < f->ntally; i++) /* the same */
+        free(f->tally[i].buf);
     close(f->epfd);
     close(f->stopfd);
     close(f->kickfd);

@@ -44,11 +44,15 @@
  *                                                    fetch_post_part's; the staging slot is
  *                                                    C's again at once; FE_FETCHED (cookie
  *                                                    with FE_OWN | FE_PART) names the file,
- *                                                    its chunk, the peer and the path;
+ *                                                    its chunk, the peer and the path when
+ *                                                    it was LATE (or the tally is full);
+ *                                                    else a sample (the buffer and its key
+ *                                                    in it) for FE_FETCH_TALLY (so are the
+ *                                                    blocks fetch_start_block starts);
  *                                                    with fetch_keep 0 (no resident room
  *                                                    in Python's tier): the READs answered
  *                                                    from the staging slot, nothing kept,
- *                                                    a sample for FE_FETCH_TALLY instead
+ *                                                    a sample without a buffer
  *
  * The READ and its check (WC, length, xxh3) are fetch_read.c's, shared with the
  * library's native fetch (peer_wait.h), whose completions wake a waiting caller instead.
@@ -106,15 +110,18 @@ struct fe_read;
 struct fe_tier;
 struct fe_fetch;
 
-/* One extent answered from its staging slot and not kept (fetch_keep 0), for Python's
- * hedger and counters: peer and path numbers as an FE_FETCHED's, its length and its
- * READ's time from post to verified bytes. */
+/* One part C started and Python holds no record of, told in the tally instead of by an
+ * FE_FETCHED, for Python's hedger and counters: peer and path numbers as an FE_FETCHED's,
+ * its length and its READ's time from post to verified bytes. Not kept (fetch_keep 0,
+ * an extent answered from its staging slot): ``buf`` NULL. Kept: ``buf`` (malloc'd), in
+ * the tier under ``key[0..keylen)`` with no owner, which the taker adopts (or frees). */
 struct fe_sample {
     int32_t peer, path;
     uint32_t len;
     uint64_t took_ns;
+    void *buf;
+    uint8_t key[20], keylen;
 };
-
 struct fe_fetch_counters {
     /* parked: per READ and chunk waited for */
     uint64_t posted, landed, failed, parked, answered;
@@ -196,15 +203,17 @@ int fetch_start_block(struct fe_fetch *f, uint64_t k, uint64_t b, uint64_t offse
                       uint32_t len, const uint8_t *key, const uint8_t *want,
                       const struct fe_read *read);
 /* Whether the verified extents C starts are kept (1, the default: copied into a buffer
- * of their own, put in the tier, one FE_FETCHED each for Python to adopt), or (0) their
- * parked READs answered from the staging slot, nothing kept, and Python told only a
- * tally: a sample per extent (fetch_tally), an FE_FETCHED with FE_FETCH_TALLY once
- * FE_TALLY_EVERY wait or the oldest is FE_TALLY_NS old. Python sets it from its memory
- * tier's resident room (docs/design.md, "Small files from peers, not kept"). A fetch
- * reported LATE, or with no room for its sample, is kept as before. */
+ * of their own and put in the tier, for Python to adopt), or (0) their parked READs
+ * answered from the staging slot and nothing kept. Python sets it from its memory tier's
+ * resident room (docs/design.md, "Small files from peers, not kept"). Either way, and for
+ * the random reads' blocks C starts (always kept), Python is told a tally: a sample per
+ * part (fetch_tally), an FE_FETCHED with FE_FETCH_TALLY once FE_TALLY_EVERY wait or the
+ * oldest is FE_TALLY_NS old ("Kept extents told in batches"). A fetch reported LATE
+ * (Python holds a record of it), or with no room for its sample, ends in an FE_FETCHED
+ * as before, kept. */
 void fetch_keep(struct fe_fetch *f, int keep);
-/* Up to ``max`` samples into ``out`` (oldest first); how many. Emptied, the next sample
- * sends a tally again. */
+/* Up to ``max`` samples into ``out`` (oldest first; a kept one's ``buf`` is the caller's
+ * from now on); how many. Emptied, the next sample sends a tally again. */
 int fetch_tally(struct fe_fetch *f, struct fe_sample *out, int max);
 /* Start chunk ``k`` here if it has a route to a peer that is on and a landing slot is free:
  * 1 (or it is in flight already), else 0 (the caller hints Python). Any thread. */

@@ -458,28 +458,67 @@ PyObject *Engine_fetch_keep(EngineObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* fetch_tally() -> [(peer, path, len, took_ns)]: the samples of the extents answered from
- * their staging slots and not kept, oldest first (fuse_fetch.h fetch_tally). */
+/* One sample as Python takes it: (peer, path, len, took_ns, key, block); key and block
+ * None for a part not kept, else its tier key and its buffer (a Block, which owns it from
+ * here on). The Block is made last, so nothing fails after it: on a failure before, the
+ * buffer stays the tier's, unowned (leaked, never freed under a reader). */
+static PyObject *sample_tuple(const struct fe_sample *x)
+{
+    PyObject *t = PyTuple_New(6);
+    if (!t)
+        return NULL;
+    PyTuple_SET_ITEM(t, 0, PyLong_FromLong(x->peer));
+    PyTuple_SET_ITEM(t, 1, PyLong_FromLong(x->path));
+    PyTuple_SET_ITEM(t, 2, PyLong_FromUnsignedLong(x->len));
+    PyTuple_SET_ITEM(t, 3, PyLong_FromUnsignedLongLong(x->took_ns));
+    PyTuple_SET_ITEM(t, 4,
+                     x->buf ? PyBytes_FromStringAndSize((const char *)x->key, x->keylen)
+                            : Py_NewRef(Py_None));
+    BlockObject *b = NULL;
+    for (int i = 0; i < 5; i++)
+        if (!PyTuple_GET_ITEM(t, i))
+            goto fail;
+    if (x->buf && !(b = PyObject_New(BlockObject, &BlockType)))
+        goto fail;
+    if (b) {
+        b->buf = x->buf;
+        b->len = x->len;
+    }
+    PyTuple_SET_ITEM(t, 5, b ? (PyObject *)b : Py_NewRef(Py_None));
+    return t;
+fail:
+    Py_DECREF(t);
+    return NULL;
+}
+
+/* fetch_tally() -> [(peer, path, len, took_ns, key, block)]: the samples of the parts C
+ * started and told in the tally, oldest first (fuse_fetch.h fetch_tally); key and block
+ * None for an extent answered from its staging slot and not kept, else the tier key and
+ * the buffer the tier holds under it with no owner, for the caller to adopt (tier_put). */
 PyObject *Engine_fetch_tally(EngineObject *self, PyObject *unused)
 {
     struct fe_engine *e = engine_of(self, "fetch_tally");
     if (!e)
         return NULL;
     struct fe_fetch *f = fe_fetcher(e);
-    PyObject *out = PyList_New(0);
-    if (!f || !out)
-        return out;
+    if (!f)
+        return PyList_New(0);
     static struct fe_sample got[FE_TALLY_MAX]; /* (the GIL is held) */
     int n = fetch_tally(f, got, FE_TALLY_MAX);
+    PyObject *out = PyList_New(n);
     for (int i = 0; i < n; i++) {
-        PyObject *t = Py_BuildValue("iiIK", got[i].peer, got[i].path, got[i].len,
-                                    (unsigned long long)got[i].took_ns);
-        if (!t || PyList_Append(out, t) < 0) {
-            Py_XDECREF(t);
-            Py_DECREF(out);
-            return NULL;
+        PyObject *t = out ? sample_tuple(&got[i]) : NULL;
+        if (t) {
+            PyList_SET_ITEM(out, i, t);
+            continue;
         }
-        Py_DECREF(t);
+        for (int j = 0; out && j < i; j++) { /* every buffer taken stays the tier's */
+            PyObject *b = PyTuple_GET_ITEM(PyList_GET_ITEM(out, j), 5);
+            if (b != Py_None)
+                ((BlockObject *)b)->buf = NULL;
+        }
+        Py_XDECREF(out);
+        out = NULL;
     }
     return out;
 }

@@ -222,7 +222,10 @@ static void tally(struct pw *w, const struct wrec *r, int status, uint32_t len, 
         t->bytes += len;
         t->ns += ns;
         if (w->nsamples < PW_SAMPLES)
-            w->samples[w->nsamples++] = (struct fe_sample){r->peer, r->path, len, ns};
+            w->samples[w->nsamples++] = (struct fe_sample){.peer = r->peer,
+                                                           .path = r->path,
+                                                           .len = len,
+                                                           .took_ns = ns};
     } else if (status == FE_FETCH_LATE)
         t->late++;
     else

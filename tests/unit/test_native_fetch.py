@@ -33,7 +33,7 @@ from kspeedfs.cluster.native import inflight as native_inflight
 from kspeedfs.cluster.native.fetch import NativeFetch
 from kspeedfs.manifest.importer import import_tree
 from kspeedfs.manifest.index import ManifestIndex
-from kspeedfs.manifest.model import Extent
+from kspeedfs.manifest.model import Extent, block_key
 from kspeedfs.manifest.store.embedded import EmbeddedStore
 from kspeedfs.origin import Origin
 from kspeedfs.tuning import C_SLOTS, NATIVE_FAILED_FOR
@@ -153,8 +153,9 @@ class FakePeers:
     def give_staging(self, slot: tuple[FakeVMR, int]) -> None:
         self.staging.append(slot)
 
-    def landed_native(self, node: str, nbytes: int) -> None:
-        self.landed.append((node, nbytes))
+    def landed_native(self, node: str, nbytes: int, reads: int = 1) -> None:
+        """One (node, bytes) per READ (a tally's samples here all have one length)."""
+        self.landed.extend([(node, nbytes // reads)] * reads)
 
     def stale_hint(self, node: str, started: float, key: bytes) -> None:
         self.stale.append((node, started, key))
@@ -165,6 +166,11 @@ class FakePeers:
                          budgeted: bool = False) -> bytes | None:
         self.reads.append({"chunk": chunk, "exclude": exclude, "budgeted": budgeted})
         return self.held.get(key)
+
+
+#: one of fetch_tally's samples: (peer, path, len, took_ns, key, block); key and block None
+#: for a part not kept, else its tier key and the buffer C put there with no owner
+Sample = tuple[int, int, int, int, bytes | None, bytes | None]
 
 
 @dataclass
@@ -204,12 +210,12 @@ class FakeEngine:
         self.parked: list[tuple[int, tuple[Any, ...]]] = []
         self.park = True
         self.keep = True                             # fetch_keep's
-        self.tally: list[tuple[int, int, int, int]] = []   # fetch_tally's samples
+        self.tally: list[Sample] = []                # fetch_tally's samples
 
     def fetch_keep(self, keep: bool) -> None:
         self.keep = keep
 
-    def fetch_tally(self) -> list[tuple[int, int, int, int]]:
+    def fetch_tally(self) -> list[Sample]:
         out, self.tally = self.tally, []
         return out
 
@@ -730,8 +736,9 @@ async def test_extents_c_did_not_keep_count_and_sample_every_read(dataset, nurse
     assert not rig.engine.keep                                 # the put found no room
     hits = rig.chain.counters.peer_hits
     n = len(dataset.small)
-    rig.engine.tally = [(0, 0, n, 3_000_000), (0, 0, n, 5_000_000), (0, 0, n, 7_000_000),
-                        (9, 0, n, 1_000_000)]                  # (peer 9: never told)
+    rig.engine.tally = [(0, 0, n, 3_000_000, None, None), (0, 0, n, 5_000_000, None, None),
+                        (0, 0, n, 7_000_000, None, None),
+                        (9, 0, n, 1_000_000, None, None)]      # (peer 9: never told)
     rig.deliver(_fe.Fetched((0, 0, _fe.FETCH_TALLY, 0, -1, 0, 0.0)))
     assert rig.engine.tally == []
     assert rig.chain.counters.peer_hits == hits + 3
@@ -749,3 +756,66 @@ async def test_extents_c_did_not_keep_count_and_sample_every_read(dataset, nurse
     rig.memory.resident_capacity = rig.memory.capacity        # room again
     rig.deliver(_fe.Fetched((0, 0, _fe.FETCH_TALLY, 0, -1, 0, 0.0)))
     assert rig.engine.keep
+
+
+def tally_event() -> Any:
+    """An FE_FETCHED with FE_FETCH_TALLY's status, as take() gives it."""
+    return _fe.Fetched((0, 0, _fe.FETCH_TALLY, 0, -1, 0, 0.0))
+
+
+async def test_a_kept_extent_told_in_a_tally_is_in_the_memory_tier_and_counted_once(
+        dataset, nursery) -> None:
+    """A part C started, kept and told in a tally (no FETCHED of its own): its buffer is
+    adopted into the memory tier under its key, counted as one peer hit of its bytes,
+    its READ's time sampled once, its path seen alive; not counted as unkept."""
+    hedge = Hedger()
+    rig = Rig(dataset, nursery, hedge)
+    ext = rig.extent(b"a")
+    assert rig.nf.start(1, rig.key(1))                         # peer 0 (A) told to C
+    hits, nbytes = rig.chain.counters.peer_hits, rig.chain.counters.peer_bytes
+    n = len(dataset.small)
+    rig.engine.tally = [(0, 0, n, 4_000_000, ext.digest, dataset.small)]
+    rig.deliver(tally_event())
+    assert rig.tier(ext.digest) == dataset.small
+    assert len(rig.memory) == 1
+    assert rig.chain.counters.peer_hits == hits + 1
+    assert rig.chain.counters.peer_bytes == nbytes + n
+    assert rig.peers.landed == [(A, n)]
+    assert hedge.health(A).reads == 1
+    assert rig.vqps[A].done == [QPN]
+    ev = rig.nf._events
+    assert (ev.batched, ev.unkept) == (1, 0)
+    rig.deliver(tally_event())                                 # an empty tally: nothing more
+    assert rig.chain.counters.peer_hits == hits + 1 and len(rig.memory) == 1
+
+
+async def test_a_kept_block_told_in_a_tally_is_in_the_memory_tier_under_its_block_key(
+        dataset, nursery) -> None:
+    rig = Rig(dataset, nursery)
+    assert rig.nf.start(1, rig.key(1))
+    k = rig.ix.chunks - 1
+    key = block_key(rig.key(k), 0)
+    data = dataset.chunks[k][:rig.ix.block_len(k, 0)]
+    rig.engine.tally = [(0, 1, len(data), 2_000_000, key, data)]
+    rig.deliver(tally_event())
+    assert rig.tier(key) == data
+    assert rig.peers.landed == [(A, len(data))]
+
+
+async def test_a_tally_sample_of_an_unknown_peer_is_not_counted_but_its_buffer_is_adopted(
+        dataset, nursery) -> None:
+    """A peer number never told (or renumbered since): its samples count nothing and go
+    to no hedger, but a kept one's verified buffer, which C's tier holds with no owner,
+    still goes into the memory tier (dropped, it would be freed under the tier)."""
+    hedge = Hedger()
+    rig = Rig(dataset, nursery, hedge)
+    ext = rig.extent(b"a")
+    hits = rig.chain.counters.peer_hits
+    n = len(dataset.small)
+    rig.engine.tally = [(9, 0, n, 1_000_000, ext.digest, dataset.small),
+                        (9, 1, n, 1_000_000, None, None)]
+    rig.deliver(tally_event())
+    assert rig.tier(ext.digest) == dataset.small
+    assert rig.chain.counters.peer_hits == hits
+    assert rig.peers.landed == [] and hedge.health(A).reads == 0
+    assert rig.nf._events.unkept == 0

@@ -6,8 +6,10 @@
                                                                fields (``_own``), ``end``
       FETCH_LATE of a C-started fetch                        → a record, overdue
                                                                (LateFetches: hedged)
-      FETCH_TALLY: extents C answered and did not keep       → ``tally``: counted, the
-                                                               hedger's sample of each
+      FETCH_TALLY: the parts (extents, blocks) C started and → ``tally``: a kept one's
+      ended without a FETCHED of their own, kept or not        buffer adopted into the
+                                                               memory tier; each counted,
+                                                               the hedger's sample
     end(f, status)   verified → the landing slot (or C's extent buffer) into the memory
                      tier (MemoryCache.put adopts the engine's entry), counted, the
                      hedger's sample; else the slot back, the key failed lately, a stale
@@ -16,7 +18,10 @@
                      resident part has room (``fetch_keep``)
 
 A C-started fetch is unknown to Python until its event, which names its slot, peer and
-path by number (``Routes.slot``, ``Routes.origin``): its record is made from those.
+path by number (``Routes.slot``, ``Routes.origin``): its record is made from those. A
+part C started and verified comes in a tally instead, unless it was LATE (Python holds
+its record) or the tally was full: one event per 64 parts (or 5 ms), not one each
+(docs/design.md, "Kept extents told in batches").
 """
 from __future__ import annotations
 
@@ -48,8 +53,9 @@ class FetchedEvents:
     woken either way; a C-started fetch's slot goes back to ``routes`` and C is fed
     another. Events of unknown slots or peers are dropped. C keeps the small files'
     extents it starts exactly while the memory tier's resident part has room (checked
-    at every put here and every tally); a tally's extents count and sample as their
-    FETCHEDs would have, without the put. Trio thread only.
+    at every put here and every tally); a tally's parts count and sample as their
+    FETCHEDs would have, and a kept one's buffer (in C's tier with no owner) goes into
+    the memory tier once, known peer or not: it is verified. Trio thread only.
     """
 
     def __init__(self, engine: Any, peers: Peers, tiers: TierChain, index: ManifestIndex,
@@ -58,6 +64,7 @@ class FetchedEvents:
         self.inflight, self.routes, self.late = inflight, routes, late
         self.kept = True                    # as C starts: fetch_keep(True)
         self.unkept = self.unkept_bytes = 0  # extents C answered and did not keep
+        self.batched = 0                     # parts C kept and told in a tally
 
     def fetched(self, cookie: int, k: int, status: int, slot: int = 0, peer: int = -1,
                 path: int = 0, since: float = 0.0) -> None:
@@ -137,29 +144,42 @@ class FetchedEvents:
             self.engine.fetch_keep(keep)
 
     def tally(self) -> None:
-        """Take C's samples of the extents it answered and did not keep: each counted
-        as a peer hit and given to the hedger as its FETCHED's would be (every READ's
-        time: the thresholds stay those of every READ), each path seen once as alive."""
-        samples = self.engine.fetch_tally()
-        hedger = self.peers.hedger if self.peers.hedge is not None else None
-        counters = self.tiers.counters
-        alive = set()
-        for peer, path, length, took_ns in samples:
-            origin = self.routes.origin(peer, path)
-            if origin is None:
-                continue
-            rec, vqp, qpn = origin
-            alive.add((vqp, qpn))
-            self.peers.landed_native(rec.node, length)
-            if hedger is not None:
-                hedger.done(rec.node, length, took_ns / 1e9)
-            counters.add("peer_hits")
-            counters.add("peer_bytes", length)
-            self.unkept += 1
-            self.unkept_bytes += length
-        for vqp, qpn in alive:
-            vqp.native_done(qpn)
+        """Take C's samples of the parts it ended in a tally: a kept one's buffer adopted
+        into the memory tier first (C's tier holds it with no owner until then); then,
+        per path, the parts counted as peer hits and the path seen alive once, and each
+        READ's time given to the hedger as its FETCHED's would be (every READ's time:
+        the thresholds stay those of every READ)."""
+        memory = self.tiers.memory
+        by_path: dict[tuple[int, int], list[tuple[int, int, bool]]] = {}
+        for peer, path, length, took_ns, key, block in self.engine.fetch_tally():
+            if block is not None:
+                memory.put(key, memoryview(block))
+                self.batched += 1
+            by_path.setdefault((peer, path), []).append((length, took_ns, block is None))
+        for (peer, path), parts in by_path.items():
+            self._tallied(peer, path, parts)
         self.keep()
+
+    def _tallied(self, peer: int, path: int, parts: list[tuple[int, int, bool]]) -> None:
+        """``parts`` (length, READ ns, not kept) came by peer number ``peer``'s ``path``-th
+        path: counted and sampled, unless that number is not known (then nothing)."""
+        origin = self.routes.origin(peer, path)
+        if origin is None:
+            return
+        rec, vqp, qpn = origin
+        nbytes = sum(length for length, _, _ in parts)
+        self.peers.landed_native(rec.node, nbytes, len(parts))
+        counters = self.tiers.counters
+        counters.add("peer_hits", len(parts))
+        counters.add("peer_bytes", nbytes)
+        if self.peers.hedge is not None:
+            done = self.peers.hedger.done
+            for length, took_ns, _ in parts:
+                done(rec.node, length, took_ns / 1e9)
+        unkept = [length for length, _, left in parts if left]
+        self.unkept += len(unkept)
+        self.unkept_bytes += sum(unkept)
+        vqp.native_done(qpn)
 
     # -- the fetches C starts itself (their routes: ``Routes``) -------------------------
 

@@ -10,7 +10,8 @@ and answers (native/fuse_fetch.h), for a mount on the native FUSE engine.
     peer_table.py       PeerTable        the peers told to C by number, and their UP
                                          paths (the library's native fetch's too)
     events.py           FetchedEvents    a FETCHED (or LATE) event: the bytes into the
-                                         memory tier, or the slot back and the fault noted
+                                         memory tier, or the slot back and the fault noted;
+                                         a TALLY: the parts C started and ended itself
     late.py             LateFetches      hedging: a fetch past its deadline READ again
                                          through ``Peers.read_chunk`` from another replica
     inflight.py         Fetch, InFlight  the records of the fetches out
