@@ -210,7 +210,8 @@ static void rec_free(struct pw *w, int i)
     w->active--;
 }
 
-/* Under w->lock: what READ ``r`` of ``len`` bytes ended in, told to its path's tally. */
+/* Under w->lock: what READ ``r`` of ``len`` bytes ended in, told to its path's tally;
+ * an ok one's time (``ns``) kept as a sample for the hedger (pw_samples). */
 static void tally(struct pw *w, const struct wrec *r, int status, uint32_t len, uint64_t ns)
 {
     struct pw_tally *t = &w->tally[r->peer][r->path];
@@ -220,7 +221,6 @@ static void tally(struct pw *w, const struct wrec *r, int status, uint32_t len, 
     if (status == FE_FETCH_OK) {
         t->ok++;
         t->bytes += len;
-        t->ns += ns;
         if (w->nsamples < PW_SAMPLES)
             w->samples[w->nsamples++] = (struct fe_sample){.peer = r->peer,
                                                            .path = r->path,

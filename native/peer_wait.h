@@ -51,7 +51,7 @@ enum {
 struct pw_tally {
     int peer, path;
     uint32_t qpn;
-    uint64_t ok, bytes, failed, late, ns; /* ns: wall time of the ok ones, summed */
+    uint64_t ok, bytes, failed, late; /* each ok READ's time: pw_samples */
 };
 
 struct pw;

@@ -183,7 +183,7 @@ static PyObject *PeerWait_read(PeerWaitObject *self, PyObject *args)
     return PyLong_FromLong(st);
 }
 
-/* tallies() -> [(peer, path, qpn, ok, bytes, failed, late, ns)]: since the last call. */
+/* tallies() -> [(peer, path, qpn, ok, bytes, failed, late)]: since the last call. */
 static PyObject *PeerWait_tallies(PeerWaitObject *self, PyObject *unused)
 {
     struct pw *w = live(self);
@@ -193,12 +193,11 @@ static PyObject *PeerWait_tallies(PeerWaitObject *self, PyObject *unused)
     int n = pw_tallies(w, t, FE_PEERS * FE_PATHS);
     PyObject *list = PyList_New(n);
     for (int i = 0; list && i < n; i++) {
-        PyObject *x = Py_BuildValue("(iiIKKKKK)", t[i].peer, t[i].path, t[i].qpn,
+        PyObject *x = Py_BuildValue("(iiIKKKK)", t[i].peer, t[i].path, t[i].qpn,
                                     (unsigned long long)t[i].ok,
                                     (unsigned long long)t[i].bytes,
                                     (unsigned long long)t[i].failed,
-                                    (unsigned long long)t[i].late,
-                                    (unsigned long long)t[i].ns);
+                                    (unsigned long long)t[i].late);
         if (!x) {
             Py_CLEAR(list);
             break;

@@ -113,7 +113,7 @@ class PeerWait:
             return
         now = time.monotonic()
         hedger, numbered = self.peers.hedger, self.table.numbered()
-        for peer, _path, qpn, ok, nbytes, failed, late, _ns in self.c.tallies():
+        for peer, _path, qpn, ok, nbytes, failed, late in self.c.tallies():
             if peer not in numbered:
                 continue
             rec, vqp = numbered[peer]
