@@ -26,9 +26,11 @@ def _put(c: Any, b: str, objects: dict[str, bytes]) -> None:
 
 def test_mount_reads_every_byte(aws_env: S3Server, bucket: tuple[Any, str], tmp_path: Path) -> None:
     c, b = bucket
-    objects = awkward_objects("train", 64 << 20, 1000)    # large.bin: 256 chunks of 256 KiB
+    # 4 MiB chunks, the default: large.bin is 16 of them. moto copies the whole object for
+    # each ranged GET, so the tests' 256 KiB chunks cost 256 copies of 64 MiB (~45 s).
+    objects = awkward_objects("train", 64 << 20, 1000)
     _put(c, b, objects)
-    with cluster1(tmp_path) as node:
+    with cluster1(tmp_path, chunk=4 << 20) as node:
         node.import_(f"s3://{b}/train", "ds")           # type: ignore[arg-type]
         mnt = node.mount("ds")
         assert_files(mnt, {k[len("train/"):]: v for k, v in objects.items() if not k.endswith("/")})
