@@ -223,6 +223,7 @@ void fe_counters(struct fe_engine *e, struct fe_counters *sum)
         sum->fetch_started = fc.started;
         sum->fetch_started_parts = fc.started_parts;
         sum->fetch_unkept = fc.unkept;
+        sum->fetch_tallied = fc.tallied;
     }
 }
 

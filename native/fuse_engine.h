@@ -175,7 +175,8 @@ struct fe_counters {
     uint64_t fetch_posted, fetch_landed, fetch_failed, fetch_parked, fetch_answered;
     uint64_t fetch_started; /* of fetch_posted: started in C (fuse_fetch.h fetch_start) */
     uint64_t fetch_started_parts; /* of those, small files' extents (fetch_start_part) */
-    uint64_t fetch_unkept; /* of fetch_landed: extents answered, not kept (fetch_keep) */
+    uint64_t fetch_unkept;  /* of fetch_landed: extents answered, not kept (fetch_keep) */
+    uint64_t fetch_tallied; /* of fetch_landed: parts told in a tally (FE_FETCH_TALLY) */
     uint64_t fetch_redundant;
     uint64_t spliced, spliced_bytes; /* READ replies sent by splice (fuse.splice) */
 };

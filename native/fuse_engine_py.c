@@ -757,7 +757,7 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
         return NULL;
     return Py_BuildValue(
         "{s:N,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,"
-        "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "ops", ops, "read_hits", (unsigned long long)c.read_hits, "read_hit_bytes",
         (unsigned long long)c.read_hit_bytes, "memory_hits", (unsigned long long)c.memory_hits,
         "read_misses", (unsigned long long)c.read_misses, "late_hits",
@@ -779,7 +779,8 @@ static PyObject *Engine_counters(EngineObject *self, PyObject *unused)
         (unsigned long long)c.fetch_answered, "fetch_started",
         (unsigned long long)c.fetch_started, "fetch_started_parts",
         (unsigned long long)c.fetch_started_parts, "fetch_unkept",
-        (unsigned long long)c.fetch_unkept);
+        (unsigned long long)c.fetch_unkept, "fetch_tallied",
+        (unsigned long long)c.fetch_tallied);
 }
 
 /* ------------------------------------------------------------------ the Engine type */

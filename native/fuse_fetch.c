@@ -817,15 +817,14 @@ static void tally_event(struct fe_fetch *f)
 
 /* Whether record ``i``, a verified part, may end in a sample for Python's tally instead
  * of an FE_FETCHED: a part C started that Python holds no record of (not LATE) while the
- * tally has room; not kept (``kept`` 0), only an extent (random reads' blocks are always
- * kept). Its LATE and orphan marks change on this thread only, the room only grows. */
-static int sampled(struct fe_fetch *f, int i, int kept)
+ * tally has room. Its LATE and orphan marks change on this thread only, the room only
+ * grows. */
+static int sampled(struct fe_fetch *f, int i)
 {
-    uint64_t mask = kept ? FE_OWN | FE_PART : FE_OWN | FE_PART | FE_BLOCK;
     pthread_mutex_lock(&f->lock);
     const struct rec *r = &f->recs[i];
-    int ok = (r->cookie & mask) == (FE_OWN | FE_PART) && !r->own.late && !r->orphan &&
-             f->ntally < FE_TALLY_MAX;
+    int ok = (r->cookie & (FE_OWN | FE_PART)) == (FE_OWN | FE_PART) && !r->own.late &&
+             !r->orphan && f->ntally < FE_TALLY_MAX;
     pthread_mutex_unlock(&f->lock);
     return ok;
 }
@@ -877,6 +876,7 @@ static void sample_end(struct fe_fetch *f, int i, const uint8_t *key, size_t key
         f->c.unkept++;
     }
     f->c.landed++;
+    f->c.tallied++;
     int due = tally_due(f, now);
     pthread_mutex_unlock(&f->lock);
     if (due)
@@ -884,13 +884,14 @@ static void sample_end(struct fe_fetch *f, int i, const uint8_t *key, size_t key
 }
 
 /* A verified part C started, told in the tally rather than by an FE_FETCHED when it may
- * be (``sampled``): kept or not, as fetch_keep says. 0: not done, it ends as before
- * (``*status`` FE_FETCH_EXISTS or FE_FETCH_NOMEM when its copy failed). */
-static int end_sampled(struct fe_fetch *f, int i, const uint8_t *key, size_t keylen,
-                       const uint8_t *laddr, uint32_t len, int *status)
+ * be (``sampled``): an extent kept or not, as fetch_keep says; a random read's block
+ * (``cookie`` FE_BLOCK) always kept, as Python keeps the blocks it loads. 0: not done, it
+ * ends as before (``*status`` FE_FETCH_EXISTS or FE_FETCH_NOMEM when its copy failed). */
+static int end_sampled(struct fe_fetch *f, int i, uint64_t cookie, const uint8_t *key,
+                       size_t keylen, const uint8_t *laddr, uint32_t len, int *status)
 {
-    int kept = atomic_load(&f->keep);
-    if (!sampled(f, i, kept))
+    int kept = (cookie & FE_BLOCK) || atomic_load(&f->keep);
+    if (!sampled(f, i))
         return 0;
     void *buf = kept ? copy_part(f, key, keylen, laddr, len, status) : NULL;
     if (kept && !buf)
@@ -936,7 +937,7 @@ static void complete(struct fe_fetch *f, const ks_wc *wc)
 
     int status = fr_verify(wc, laddr, len, want, wantlen);
     if (status == FE_FETCH_OK && k == FE_NO_CHUNK &&
-        end_sampled(f, i, key, keylen, laddr, len, &status))
+        end_sampled(f, i, cookie, key, keylen, laddr, len, &status))
         return;
     if (status == FE_FETCH_OK) {
         if (k != FE_NO_CHUNK) {

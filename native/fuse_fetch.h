@@ -129,6 +129,7 @@ struct fe_fetch_counters {
     uint64_t started;       /* of ``posted``: started in C (fetch_start, _start_part) */
     uint64_t started_parts; /* of ``started``: small files' extents (fetch_start_part) */
     uint64_t unkept;        /* of ``landed``: extents answered from the slot, not kept */
+    uint64_t tallied;       /* of ``landed``: parts told in a tally, not an FE_FETCHED */
 };
 
 struct fe_fetch *fetch_new(struct fe_engine *e, struct fe_tier *t,

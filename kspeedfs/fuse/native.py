@@ -180,7 +180,9 @@ class NativeSession:
         the native chunk fetch's counters (native/fuse_fetch.h; ``fetch_started``: of
         ``fetch_posted``, the chunks and extents C started from Python's routes,
         ``fetch_started_parts``: of those, small files' extents; ``fetch_unkept``: of
-        ``fetch_landed``, extents answered from their staging slot and not kept)."""
+        ``fetch_landed``, extents answered from their staging slot and not kept;
+        ``fetch_tallied``: of ``fetch_landed``, extents and blocks C started and told
+        Python in a tally, not by a FETCHED each)."""
         c = self.counters()
         return {"transport": f"native {self.transport}",
                 **{k: c.get(k, 0) for k in ("spliced", "spliced_bytes",
@@ -192,7 +194,8 @@ class NativeSession:
                                             "fetch_posted", "fetch_landed", "fetch_failed",
                                             "fetch_redundant", "fetch_parked",
                                             "fetch_answered", "fetch_started",
-                                            "fetch_started_parts", "fetch_unkept")}}
+                                            "fetch_started_parts", "fetch_unkept",
+                                            "fetch_tallied")}}
 
     def served(self) -> tuple[int, int, int]:
         """Reads, bytes and memory-tier units answered in C (``Reader.served_elsewhere``)."""
