@@ -82,10 +82,11 @@ def _check_ancestor(path: str, st: os.stat_result, key: str) -> None:
         raise _refuse(path, "may be written by others and is not sticky", key)
 
 
-def private_directory(path: str, key: str = "cluster.arena_dir") -> int:
-    """An fd (``O_DIRECTORY``, close-on-exec) of ``path``, made 0700 if missing, after the
-    checks in the module docstring; :class:`UnsafePath` naming the config ``key`` if any
-    fails (the node's page copy, ``page_copy.py``, is checked the same way)."""
+def private_directory(path: str, key: str = "cluster.arena_dir", create: bool = True) -> int:
+    """An fd (``O_DIRECTORY``, close-on-exec) of ``path``, made 0700 if missing (with
+    ``create``; else ``FileNotFoundError``), after the checks in the module docstring;
+    :class:`UnsafePath` naming the config ``key`` if any fails (the node's page copy,
+    ``page_copy.py``, is checked the same way)."""
     real = os.path.normpath(os.path.abspath(path))
     fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     walked = ""
@@ -95,7 +96,7 @@ def private_directory(path: str, key: str = "cluster.arena_dir") -> int:
             _check_ancestor(walked or "/", os.fstat(fd), key)
             walked += "/" + part
             last = i == len(parts) - 1
-            if last:
+            if last and create:
                 try:
                     os.mkdir(part, 0o700, dir_fd=fd)
                 except FileExistsError:
@@ -104,6 +105,8 @@ def private_directory(path: str, key: str = "cluster.arena_dir") -> int:
                 child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                                 dir_fd=fd)
             except OSError as e:
+                if last and not create and e.errno == errno.ENOENT:
+                    raise
                 link = stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode)
                 why = ("is a symbolic link (name the real path)" if link
                        else f"cannot be opened as a directory ({e.strerror})")
@@ -346,8 +349,12 @@ class ArenaFiles:
 
 def listing(directory: str) -> list[ArenaFile]:
     """Every arena or index file in ``directory`` (checked as :func:`private_directory`
-    checks it; nothing in it is opened for writing or followed)."""
-    dir_fd = private_directory(directory)
+    checks it; nothing in it is opened for writing or followed): none if it is missing,
+    which is not made here."""
+    try:
+        dir_fd = private_directory(directory, create=False)
+    except FileNotFoundError:
+        return []
     out = []
     try:
         for name in sorted(os.listdir(dir_fd)):
@@ -392,7 +399,10 @@ def drop(directory: str, cluster: str, node: str) -> list[ArenaFile]:
     is refused, or starts on fresh files."""
     mine = [f for f in listing(directory) if f.cluster == cluster and f.node == node]
     stem = f"{cluster}-{node}"
-    dir_fd = private_directory(directory)
+    try:
+        dir_fd = private_directory(directory, create=False)
+    except FileNotFoundError:
+        return mine                          # (no directory: nothing to drop, none made)
     try:
         try:
             fd = _open_private(dir_fd, directory, stem + INDEX, create=False)

@@ -179,6 +179,18 @@ def test_listing_and_drop(shm: Path) -> None:
     assert arena_files.drop(str(d), tag, "n1") == []
 
 
+def test_listing_and_drop_of_a_missing_directory_find_nothing_and_make_nothing(
+        shm: Path) -> None:
+    d = shm / "kspeedfs"
+    tag = cluster_tag(b"s" * 32, "/kspeedfs/")
+    assert arena_files.listing(str(d)) == []
+    assert arena_files.drop(str(d), tag, "n1") == []
+    assert not d.exists()
+    (shm / "file").write_bytes(b"")          # not a directory: refused, as before
+    with pytest.raises(UnsafePath, match="cannot be opened as a directory"):
+        arena_files.listing(str(shm / "file"))
+
+
 def test_cli_lists_and_drops(shm: Path, tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(32).hex())

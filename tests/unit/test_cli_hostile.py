@@ -7,8 +7,9 @@ editing this file: every positional gets hostile values, every option a table of
 values chosen by its name (or, for an unknown one, by its ``type``). Each case runs
 ``kspeedfs`` as a subprocess with base arguments that keep it off the network and off
 this host's configuration: etcd at a closed loopback port with a 1 s timeout, a
-secret file that does not exist, and paths under ``/nonexistent``. Nothing is sent to
-the non-local addresses (198.18.99.99): NICs are checked by a bind test.
+secret file and an arena directory that do not exist, and paths under ``/nonexistent``.
+Nothing is sent to the non-local addresses (198.18.99.99): NICs are checked by a bind
+test.
 
 A bug a hostile argument reaches is one line too (``cli/app.py`` turns it into "internal
 error", exit 70), so that is a failure here as a traceback is.
@@ -36,7 +37,8 @@ from kspeedfs.cli.options import add_common
 LONG = "x" * 300
 HUGE = "9" * 5000
 BASE = ["--etcd", "http://127.0.0.1:1", "--set", "store.etcd_timeout=1",
-        "--set", "cluster.secret_file=/nonexistent/secret"]
+        "--set", "cluster.secret_file=/nonexistent/secret",
+        "--set", "cluster.arena_dir=/nonexistent/arena"]
 NUMBERS = ["-1", "0", "nan", "inf", "-inf", "1e400", "99999999999999999999999", "abc", ""]
 SIZES = ["1PiB", "1TiB", "-5", "0", "nan", "1e400", "abc", "", HUGE]
 NAMES = [LONG, "../x", "", "a/b", "日本語", "-x", "\t", ".hidden/../../etc"]
