@@ -50,9 +50,10 @@
  *                                                    in it) for FE_FETCH_TALLY (so are the
  *                                                    blocks fetch_start_block starts);
  *                                                    with fetch_keep 0 (no resident room
- *                                                    in Python's tier): the READs answered
- *                                                    from the staging slot, nothing kept,
- *                                                    a sample without a buffer
+ *                                                    in Python's tier), an extent's READs
+ *                                                    answered from the staging slot,
+ *                                                    nothing kept, a sample without a
+ *                                                    buffer (a block is kept still)
  *
  * The READ and its check (WC, length, xxh3) are fetch_read.c's, shared with the
  * library's native fetch (peer_wait.h), whose completions wake a waiting caller instead.

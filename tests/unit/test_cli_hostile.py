@@ -12,7 +12,7 @@ Nothing is sent to the non-local addresses (198.18.99.99): NICs are checked by a
 test.
 
 A bug a hostile argument reaches is one line too (``cli/app.py`` turns it into "internal
-error", exit 70), so that is a failure here as a traceback is.
+error", exit ``EX_SOFTWARE``), so that is a failure here as a traceback is.
 
 The options every command shares (``cli/options.py`` add_common: one code path, through
 ``load_config``) get their whole table on ``kspeedfs config`` and a rotating quarter of
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from kspeedfs.cli.app import build_parser
+from kspeedfs.cli.app import EX_SOFTWARE, build_parser
 from kspeedfs.cli.options import add_common
 
 LONG = "x" * 300
@@ -226,7 +226,7 @@ def test_hostile_arguments(tmp_path: Path) -> None:
         lines = r.stderr.strip().splitlines()
         if "Traceback" in out:
             problems.append(f"{case_id}: traceback\n{out[-2000:]}")
-        elif r.returncode == 70 or "internal error" in out:
+        elif r.returncode == EX_SOFTWARE or "internal error" in out:
             problems.append(f"{case_id}: internal error\n{out[-2000:]}")
         elif r.returncode and len(lines) > 3:
             problems.append(f"{case_id}: {len(lines)} lines of error output\n{r.stderr[-1000:]}")
