@@ -748,8 +748,6 @@ async def test_extents_c_did_not_keep_count_and_sample_every_read(dataset, nurse
     assert health.reads == 4                                 # the adoption's READ + 3
     assert sum(health.counts) == health.reads
     assert health.longest >= 0.007
-    ev = rig.nf._events
-    assert (ev.unkept, ev.unkept_bytes) == (3, 3 * n)
     rig.memory.resident_capacity = rig.memory.resident_used + rig.nf.routes.part_size - 1
     rig.deliver(_fe.Fetched((0, 0, _fe.FETCH_TALLY, 0, -1, 0, 0.0)))
     assert not rig.engine.keep                                 # room, but not for the largest
@@ -783,8 +781,6 @@ async def test_a_kept_extent_told_in_a_tally_is_in_the_memory_tier_and_counted_o
     assert rig.peers.landed == [(A, n)]
     assert hedge.health(A).reads == 1
     assert rig.vqps[A].done == [QPN]
-    ev = rig.nf._events
-    assert (ev.batched, ev.unkept) == (1, 0)
     rig.deliver(tally_event())                                 # an empty tally: nothing more
     assert rig.chain.counters.peer_hits == hits + 1 and len(rig.memory) == 1
 
@@ -818,4 +814,3 @@ async def test_a_tally_sample_of_an_unknown_peer_is_not_counted_but_its_buffer_i
     assert rig.tier(ext.digest) == dataset.small
     assert rig.chain.counters.peer_hits == hits
     assert rig.peers.landed == [] and hedge.health(A).reads == 0
-    assert rig.nf._events.unkept == 0

@@ -63,8 +63,6 @@ class FetchedEvents:
         self.engine, self.peers, self.tiers, self.index = engine, peers, tiers, index
         self.inflight, self.routes, self.late = inflight, routes, late
         self.kept = True                    # as C starts: fetch_keep(True)
-        self.unkept = self.unkept_bytes = 0  # extents C answered and did not keep
-        self.batched = 0                     # parts C kept and told in a tally
 
     def fetched(self, cookie: int, k: int, status: int, slot: int = 0, peer: int = -1,
                 path: int = 0, since: float = 0.0) -> None:
@@ -150,35 +148,31 @@ class FetchedEvents:
         READ's time given to the hedger as its FETCHED's would be (every READ's time:
         the thresholds stay those of every READ)."""
         memory = self.tiers.memory
-        by_path: dict[tuple[int, int], list[tuple[int, int, bool]]] = {}
+        by_path: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for peer, path, length, took_ns, key, block in self.engine.fetch_tally():
             if block is not None:
                 memory.put(key, memoryview(block))
-                self.batched += 1
-            by_path.setdefault((peer, path), []).append((length, took_ns, block is None))
+            by_path.setdefault((peer, path), []).append((length, took_ns))
         for (peer, path), parts in by_path.items():
             self._tallied(peer, path, parts)
         self.keep()
 
-    def _tallied(self, peer: int, path: int, parts: list[tuple[int, int, bool]]) -> None:
-        """``parts`` (length, READ ns, not kept) came by peer number ``peer``'s ``path``-th
+    def _tallied(self, peer: int, path: int, parts: list[tuple[int, int]]) -> None:
+        """``parts`` (length, READ ns) came by peer number ``peer``'s ``path``-th
         path: counted and sampled, unless that number is not known (then nothing)."""
         origin = self.routes.origin(peer, path)
         if origin is None:
             return
         rec, vqp, qpn = origin
-        nbytes = sum(length for length, _, _ in parts)
+        nbytes = sum(length for length, _ in parts)
         self.peers.landed_native(rec.node, nbytes, len(parts))
         counters = self.tiers.counters
         counters.add("peer_hits", len(parts))
         counters.add("peer_bytes", nbytes)
         if self.peers.hedge is not None:
             done = self.peers.hedger.done
-            for length, took_ns, _ in parts:
+            for length, took_ns in parts:
                 done(rec.node, length, took_ns / 1e9)
-        unkept = [length for length, _, left in parts if left]
-        self.unkept += len(unkept)
-        self.unkept_bytes += sum(unkept)
         vqp.native_done(qpn)
 
     # -- the fetches C starts itself (their routes: ``Routes``) -------------------------
