@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..config import format_size
 from ..errors import ConfigError
 from .options import cli_logging, dataset_name, load_config
 from .terminal import ProgressBar, progress_bar
@@ -107,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"gc: removed {', '.join(f'{info.name}@{v}' for v in gone)} "
               f"(store.keep_versions={cfg.store.keep_versions})", file=sys.stderr)
     print(f"imported {info.name} v{info.version}: {info.files:,} files, {info.bytes / 1e6:,.1f} MB, "
-          f"{info.chunks:,} chunks of {info.chunk_size >> 20} MiB in {dt:.1f}s "
+          f"{info.chunks:,} chunks of {format_size(info.chunk_size)} in {_took(dt)} "
           f"({info.bytes / 1e6 / max(dt, 1e-9):,.0f} MB/s); manifest {info.manifest_size:,} bytes")
     return 0
+
+
+def _took(seconds: float) -> str:
+    """A duration as the summary line says it: tenths of a second, milliseconds below one
+    tenth (a small tree imports in ~50 ms, which "0.0s" would hide)."""
+    return f"{seconds:.1f}s" if seconds >= 0.1 else f"{seconds * 1e3:.0f} ms"
