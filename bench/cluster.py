@@ -8,7 +8,8 @@ rails, addresses in 198.18.0.0/15, no route out), so nothing leaves the machine:
   soft/tcp is the transport's own cost on this machine, not the box's load.
 * ``cluster``: a client host reading, through its kspeedfs mount, a dataset preloaded
   into the memory of 3 peer nodes (``tests/fixtures/cluster.py``), next to the same
-  files read from the source directory cold and warm and from the pyfuse3 RAM ceiling:
+  files read from the source directory cold and warm, from a one-machine kspeedfs mount
+  whose memory tier holds them (``kspeedfs-warm``) and from the RAM ceilings:
   sequential readers (one pass on a fresh mount, and time-based: its steady state),
   random 4 KiB reads (block READs), small files. The mount's CPU per GB is printed with
   the soft provider's engine threads' share beside it ("soft NIC": the work an RDMA NIC
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from . import datasets, readers
 from .datasets import Dataset
 from .system import REPO, Mounts, daemon_pid, drop_caches
-from .targets import RamFS, SourceCold, SourceWarm, Target
+from .targets import Kspeedfs, KspeedfsStore, RamFS, SourceCold, SourceWarm, Target
 
 if TYPE_CHECKING:
     from tests.fixtures.cluster import Cluster
@@ -419,8 +420,11 @@ def cluster_targets(ds: Dataset, ctx: Context) -> list[Target]:
     ramfs_c = [RamFS(ds, "c", ctx.ramfs_c)] if ctx.ramfs_c else []
     # --ab-tree: the same peers read by a mount of another checkout (ratios B / A)
     ab = [PeersTarget(ds, bed, tree=ctx.ab_tree)] if ctx.ab_tree else []
+    # kspeedfs-warm: one machine, its memory tier holding the dataset (the files/s the
+    # peer-read target is stated against), imported into an embedded store of its own
+    warm = Kspeedfs(ds, KspeedfsStore(ctx.work, ds, chunk=ctx.cluster_chunk), warm=True)
     return [SourceCold(ds), SourceWarm(ds), PeersTarget(ds, bed), *ab,
-            PeersTarget(ds, bed, fits=True), RamFS(ds, "py"), *ramfs_c]
+            PeersTarget(ds, bed, fits=True), warm, RamFS(ds, "py"), *ramfs_c]
 
 
 def cluster_cases(ds: Dataset, ctx: Context) -> list[Case]:
@@ -462,6 +466,7 @@ def flap_cases(ds: Dataset, ctx: Context) -> list[Case]:
 
 CLUSTER_RATIOS = [("kspeedfs-peers", "source-cold"), ("kspeedfs-peers", "source-warm"),
                   ("kspeedfs-peers", "ramfs-py"), ("kspeedfs-peers", "ramfs-c"),
+                  ("kspeedfs-peers", "kspeedfs-warm"), ("kspeedfs-warm", "ramfs-c"),
                   ("kspeedfs-peers-fits", "kspeedfs-peers"), ("kspeedfs-peers-fits", "ramfs-c"),
                   ("B:kspeedfs-peers", "kspeedfs-peers"), ("B:kspeedfs-peers", "ramfs-c")]
 FLAP_RATIOS = [("kspeedfs-peers-flap-eth1", "kspeedfs-peers")]
