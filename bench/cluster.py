@@ -315,6 +315,11 @@ class PeersTarget(Target):
     def daemon(self) -> int | None:
         return daemon_pid(self.mp) if self.mp is not None else None
 
+    def peers(self) -> list[int]:
+        c = self.bed.cluster
+        return [] if c is None else [p.pid for name, p in c.procs.items()
+                                     if name != "etcd" and p.poll() is None]
+
     def finish(self) -> None:
         if self.flapper:
             self.flapper.stop()

@@ -79,7 +79,7 @@ class Results:
                     for k in ("daemon_cpu_%", "daemon_cpu_s_per_GB", "daemon_nic_cpu_s_per_GB",
                               "daemon_main_cpu_s_per_GB", *map(role_key, ROLE_THREADS),
                               "daemon_cpu_us_per_op", "daemon_main_cpu_us_per_op",
-                              "host_cpu_s_per_GB"):
+                              "host_cpu_s_per_GB", "peers_nic_cpu_s_per_GB"):
                         cpu = [r.figures[k] for r in self.runs if r.workload == wl
                                and r.case == case and r.target == t and k in r.figures]
                         if cpu:
@@ -121,6 +121,8 @@ class Results:
                         cpu += f" (main thread {s['daemon_main_cpu_us_per_op']:.1f})"
                 if "host_cpu_s_per_GB" in s:
                     cpu += f"   machine {s['host_cpu_s_per_GB']:.2f} CPU-s/GB"
+                if "peers_nic_cpu_s_per_GB" in s:
+                    cpu += f" (the peers' soft NIC {s['peers_nic_cpu_s_per_GB']:.2f})"
                 lines.append(f"    {t:<34} {_fmt(s['median']):>10}   "
                              f"[{_fmt(s['min'])} .. {_fmt(s['max'])}]{cpu}")
             for name, s in row["ratios"].items():

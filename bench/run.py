@@ -134,6 +134,16 @@ def _check_memory(name: str, ds: Dataset, targets: list[Target], results: Result
         results.meta.setdefault("warnings", []).append(msg)
 
 
+def _nic_cpu(pids: list[int]) -> dict[int, float]:
+    """CPU seconds of the soft NIC threads (``NIC_THREADS``) of each live process."""
+    out = {}
+    for pid in pids:
+        threads = thread_cpu(pid)
+        if threads:
+            out[pid] = sum(threads.get(n, 0.0) for n in NIC_THREADS)
+    return out
+
+
 def _warm_up(name: str, case: W.Case, targets: list[Target]) -> None:
     """``case`` run once on every target, not recorded: the first runs after the
     targets' setup fill page cache and buffers from memory the VM has not backed since it
@@ -216,14 +226,20 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                         before = t.stats()
                         pid = t.daemon()
                         threads0 = thread_cpu(pid)
+                        peers0 = _nic_cpu(t.peers())
                         cpu0, host0, wall0 = process_cpu(pid), machine_cpu(), time.monotonic()
                         figures = case.run(t.path)
                         cpu1, host1, wall = process_cpu(pid), machine_cpu(), time.monotonic() - wall0
                         threads1 = thread_cpu(pid)
+                        peers1 = _nic_cpu(t.peers())
                         # the whole machine: what a target costs beyond its own daemon
                         # (peers, the network stack, the readers) shows up here
                         if figures.get("bytes"):
-                            figures["host_cpu_s_per_GB"] = (host1 - host0) / (figures["bytes"] / 1e9)
+                            gb = figures["bytes"] / 1e9
+                            figures["host_cpu_s_per_GB"] = (host1 - host0) / gb
+                            if peers1:
+                                figures["peers_nic_cpu_s_per_GB"] = sum(
+                                    v - peers0.get(p, 0.0) for p, v in peers1.items()) / gb
                         if cpu0 is not None and cpu1 is not None:
                             # the daemon's share of the machine while the case ran (on 2
                             # vCPUs its cost is what the readers compete with); 10 ms ticks,
@@ -233,7 +249,6 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                             # the main thread alone: what one core caps (the trio loop)
                             main = threads1.get(MAIN_THREAD, 0.0) - threads0.get(MAIN_THREAD, 0.0)
                             if figures.get("bytes"):
-                                gb = figures["bytes"] / 1e9
                                 figures["daemon_cpu_s_per_GB"] = cpu / gb
                                 figures["daemon_main_cpu_s_per_GB"] = main / gb
                                 # the soft provider's share: a NIC's work on RDMA hardware

@@ -110,6 +110,12 @@ class Target:
         to each run; None for targets the kernel serves alone."""
         return None
 
+    def peers(self) -> list[int]:
+        """Other processes serving this target's reads (a cluster's nodes): the suite
+        charges their soft NIC threads to each run beside the daemon's (the work RDMA
+        NICs do in hardware on the far side)."""
+        return []
+
     def finish(self) -> None:
         """After a measured run (the cold kspeedfs mount gives its memory back here)."""
 
