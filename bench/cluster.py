@@ -355,7 +355,11 @@ def cluster_dataset(ctx: Context) -> Dataset:
     if n:
         parts.append(datasets.imagenet(root, n))
     ds = Dataset("cluster", root, sum(p.files for p in parts), sum(p.bytes for p in parts))
-    ds.listing().write_text("".join(f"{p.root.name}/{rel}\n" for p in parts for rel in p.paths()))
+    # written only when it changes: its mtime is the tree's marker for kspeedfs-warm's
+    # store (KspeedfsStore.ensure), which a rewrite would re-import on every run
+    listing = "".join(f"{p.root.name}/{rel}\n" for p in parts for rel in p.paths())
+    if not ds.listing().exists() or ds.listing().read_text() != listing:
+        ds.listing().write_text(listing)
     return ds
 
 
