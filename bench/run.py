@@ -29,13 +29,13 @@ from .datasets import Dataset
 from .results import Results, Run
 from .system import (
     MAIN_THREAD,
-    NIC_THREADS,
     REPO,
     ROLE_THREADS,
     Mounts,
     fresh_memory_rate,
     machine_cpu,
     mem_available,
+    nic_seconds,
     process_cpu,
     role_key,
     thread_cpu,
@@ -140,7 +140,7 @@ def _nic_cpu(pids: list[int]) -> dict[int, float]:
     for pid in pids:
         threads = thread_cpu(pid)
         if threads:
-            out[pid] = sum(threads.get(n, 0.0) for n in NIC_THREADS)
+            out[pid] = nic_seconds(threads)
     return out
 
 
@@ -253,8 +253,7 @@ def run_workload(wl: W.Workload, ctx: W.Context, results: Results) -> None:
                                 figures["daemon_main_cpu_s_per_GB"] = main / gb
                                 # the soft provider's share: a NIC's work on RDMA hardware
                                 # (threads that ended during the case are not counted)
-                                nic = sum(threads1.get(n, 0.0) - threads0.get(n, 0.0)
-                                          for n in NIC_THREADS)
+                                nic = nic_seconds(threads1) - nic_seconds(threads0)
                                 if nic > 0:
                                     figures["daemon_nic_cpu_s_per_GB"] = nic / gb
                                 for role, names in ROLE_THREADS.items():

@@ -153,6 +153,11 @@ def process_cpu(pid: int | None) -> float | None:
 #: does what an RDMA NIC does in hardware (TCP receive into registered memory)
 NIC_THREADS = ("ks-soft-nic",)
 
+
+def nic_seconds(threads: dict[str, float]) -> float:
+    """The soft NIC threads' share of ``thread_cpu``'s seconds."""
+    return sum(threads.get(n, 0.0) for n in NIC_THREADS)
+
 #: the native engine's other threads, by role: its request threads (/dev/fuse or io_uring
 #: queues: hits answered in C) and the chunk fetch's (verification, the READs parked on a
 #: landing chunk); the suite prints each role's CPU per GB beside the main thread's
